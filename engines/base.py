@@ -1,0 +1,90 @@
+"""The engine seam: the one small interface the gateway routes every request through.
+
+An engine takes an OpenAI-shaped request body (already validated by the gateway, ``model``
+rewritten to the engine's own model name, the ``parrot`` extension removed) and returns the
+response body as JSON bytes, or streams chunk payloads as JSON bytes (no SSE framing). Bytes
+rather than Structs keep upstream pass-through free of re-encoding and keep fields this
+project does not know about.
+
+Failures are raised as ``EngineError`` subclasses; the gateway turns them into OpenAI error
+objects at one boundary.
+"""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Literal, Protocol, runtime_checkable
+
+import msgspec
+
+Route = Literal["chat/completions", "completions"]
+
+
+class EngineError(Exception):
+    """Base class of every engine failure; carries the HTTP status the gateway answers with."""
+
+    status_code = 502
+    error_type = "upstream_error"
+    code: str | None = "upstream_error"
+
+    def __init__(self, message: str, *, status_code: int | None = None, body: bytes | None = None):
+        super().__init__(message)
+        if status_code is not None:
+            self.status_code = status_code
+        self.body = body  # an upstream's own OpenAI error body, passed through when present
+
+
+class EngineUnavailable(EngineError):
+    """The engine could not be reached (connection refused, reset, DNS)."""
+
+    status_code = 502
+    code = "upstream_unavailable"
+
+
+class EngineOverloaded(EngineError):
+    """No healthy engine can take the request right now."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+    code = "no_healthy_engine"
+
+
+class EngineTimeout(EngineError):
+    status_code = 504
+    error_type = "timeout"
+    code = "upstream_timeout"
+
+
+class EngineRejected(EngineError):
+    """The engine answered with an error status of its own (its body is passed through)."""
+
+
+class EngineStats(msgspec.Struct, kw_only=True):
+    """What an engine reports on heartbeat; fields an engine cannot know stay at their defaults."""
+
+    running: int = 0
+    waiting: int = 0
+    blocks_total: int = 0
+    blocks_free: int = 0
+    cached_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+
+
+@runtime_checkable
+class Engine(Protocol):
+    name: str  # unique within a gateway, e.g. "builtin-0" or "openai"
+
+    async def create(self, route: Route, body: dict[str, Any]) -> bytes:
+        """Run one non-streaming request; returns the OpenAI response body."""
+        ...
+
+    def stream(self, route: Route, body: dict[str, Any]) -> AsyncIterator[bytes]:
+        """Run one streaming request; yields each chunk's JSON payload. Closing it cancels the request."""
+        ...
+
+    async def health(self) -> bool: ...
+
+    async def stats(self) -> EngineStats: ...
+
+    async def aclose(self) -> None: ...

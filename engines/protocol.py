@@ -1,0 +1,338 @@
+"""OpenAI wire schema as msgspec Structs: the one definition of every request and response body.
+
+Requests are validated here (types and ranges through ``Meta``; cross-field rules in
+``validate()``). Unknown fields are ignored rather than rejected, as OpenAI-compatible
+servers do, so new SDK fields never break a request.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal, Union
+
+import msgspec
+from msgspec import Meta, Struct, field
+
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
+Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+PositiveInt = Annotated[int, Meta(ge=1)]
+
+
+class InvalidRequest(ValueError):
+    """A request that is well-typed but inconsistent; becomes a 400 naming ``param``."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+# ---------------------------------------------------------------- request parts
+
+
+class ContentPart(Struct, omit_defaults=True):
+    type: str
+    text: str | None = None
+    image_url: dict[str, Any] | None = None
+
+
+class FunctionCall(Struct, omit_defaults=True):
+    name: str
+    arguments: str = ""
+
+
+class ToolCall(Struct, omit_defaults=True):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
+class ChatMessage(Struct, omit_defaults=True):
+    role: Role
+    content: Union[str, list[ContentPart], None] = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str:
+        """The message's text, parts joined; non-text parts are skipped."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text or "" for part in self.content if part.type == "text")
+
+
+class FunctionDefinition(Struct, omit_defaults=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Struct, omit_defaults=True):
+    function: FunctionDefinition
+    type: Literal["function"] = "function"
+
+
+class JsonSchemaFormat(Struct, omit_defaults=True):
+    name: str = "response"
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(Struct, omit_defaults=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StreamOptions(Struct, omit_defaults=True):
+    include_usage: bool = False
+
+
+class SamplingFields(Struct, kw_only=True, omit_defaults=True):
+    """Fields shared by chat and text completions, with OpenAI's ranges."""
+
+    model: str
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Probability | None = None
+    n: Annotated[int, Meta(ge=1, le=128)] = 1
+    stop: Union[str, list[str], None] = None
+    seed: int | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Common extras (vLLM / SGLang).
+    top_k: int | None = None
+    min_p: Probability | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    # Parrot's extension object; interpreted by the gateway, never forwarded upstream.
+    parrot: dict[str, Any] | None = None
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def _validate_common(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("stream_options is only allowed when stream is true", "stream_options")
+        if self.top_k is not None and self.top_k < -1:
+            raise InvalidRequest("top_k must be -1 (disabled) or a positive integer", "top_k")
+        if self.logit_bias:
+            for key in self.logit_bias:
+                if not key.lstrip("-").isdigit():
+                    raise InvalidRequest(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True, omit_defaults=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+
+    def validate(self) -> None:
+        self._validate_common()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")
+        if isinstance(self.tool_choice, str) and self.tool_choice not in ("none", "auto", "required"):
+            raise InvalidRequest("tool_choice must be 'none', 'auto', 'required' or a named function", "tool_choice")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise InvalidRequest("tool_choice requires tools", "tool_choice")
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_schema" and (fmt.json_schema is None or fmt.json_schema.schema is None):
+            raise InvalidRequest("response_format json_schema requires json_schema.schema", "response_format")
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(SamplingFields, kw_only=True, omit_defaults=True):
+    # A string, a list of strings, one prompt as token ids, or a list of token-id prompts.
+    prompt: Union[str, list[Union[str, int, list[int]]]]
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def validate(self) -> None:
+        self._validate_common()
+        if isinstance(self.prompt, list):
+            if len(self.prompt) == 0:
+                raise InvalidRequest("prompt must not be empty", "prompt")
+            kinds = {type(x) for x in self.prompt}
+            if len(kinds) > 1:
+                raise InvalidRequest("prompt must be a string, a list of strings, a list of token ids "
+                                     "or a list of token-id lists, not a mixture", "prompt")
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The prompt normalised to a list (several prompts, each text or token ids)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if isinstance(p[0], int):
+            return [p]  # one tokenised prompt
+        return list(p)
+
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+
+# ---------------------------------------------------------------- responses
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class Usage(Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = field(default_factory=list)
+
+
+class ChoiceLogprobs(Struct):
+    content: list[TokenLogprob] | None = None
+
+
+class ResponseMessage(Struct):
+    role: str = "assistant"
+    content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class ChatChoice(Struct):
+    index: int
+    message: ResponseMessage
+    finish_reason: str | None = None
+    logprobs: ChoiceLogprobs | None = None
+
+
+class ChatCompletion(Struct):
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+    id: str = field(default_factory=lambda: new_id("chatcmpl"))
+    object: str = "chat.completion"
+    created: int = field(default_factory=now)
+    parrot: dict[str, Any] | None = None
+
+
+class ToolCallDelta(Struct, omit_defaults=True):
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: dict[str, str] | None = None
+
+
+class ChatDelta(Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+
+
+class ChatChunkChoice(Struct):
+    index: int
+    delta: ChatDelta
+    finish_reason: str | None = None
+    logprobs: ChoiceLogprobs | None = None
+
+
+class ChatCompletionChunk(Struct, omit_defaults=True):
+    model: str
+    choices: list[ChatChunkChoice]
+    id: str = ""
+    object: str = "chat.completion.chunk"
+    created: int = 0
+    usage: Usage | None = None
+
+
+class CompletionLogprobs(Struct):
+    tokens: list[str] = field(default_factory=list)
+    token_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = field(default_factory=list)
+    text_offset: list[int] = field(default_factory=list)
+
+
+class CompletionChoice(Struct):
+    index: int
+    text: str
+    finish_reason: str | None = None
+    logprobs: CompletionLogprobs | None = None
+
+
+class Completion(Struct, omit_defaults=True):
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    id: str = field(default_factory=lambda: new_id("cmpl"))
+    object: str = "text_completion"
+    created: int = field(default_factory=now)
+
+
+class ModelCard(Struct):
+    id: str
+    object: str = "model"
+    created: int = field(default_factory=now)
+    owned_by: str = "parrot"
+
+
+class ModelList(Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class ErrorBody(Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(Struct):
+    error: ErrorBody
+
+
+# ---------------------------------------------------------------- codecs
+
+encoder = msgspec.json.Encoder()
+chat_request_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+completion_request_decoder = msgspec.json.Decoder(CompletionRequest)
+
+
+class UsageOnly(Struct):
+    """Reads just the usage of a response body, skipping everything else."""
+
+    usage: Usage | None = None
+
+
+usage_decoder = msgspec.json.Decoder(UsageOnly)

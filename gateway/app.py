@@ -1,0 +1,80 @@
+"""The gateway application: its lifespan owns the one httpx client, the engine registry and the metrics."""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+from typing import AsyncIterator
+
+import httpx
+from litestar import Litestar, Request
+from litestar.datastructures import MutableScopeHeaders
+from litestar.openapi import OpenAPIConfig
+from litestar.types import Message, Scope
+
+from gateway.config import GatewayConfig
+from gateway.errors import EXCEPTION_HANDLERS, APIError
+from gateway.metrics import GatewayMetrics
+from gateway.registry import EngineRegistry
+from gateway.routes import ROUTES
+from gateway.service import Gateway
+
+
+def _http_client(config: GatewayConfig) -> httpx.AsyncClient:
+    limits = config.limits
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(limits.request_timeout_s, connect=limits.connect_timeout_s),
+        limits=httpx.Limits(max_connections=limits.max_connections,
+                            max_keepalive_connections=limits.max_connections),
+    )
+
+
+def _authenticate(api_keys: frozenset[str]):
+    async def before_request(request: Request) -> None:
+        if request.route_handler.opt.get("exclude_from_auth"):
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not key:
+            raise APIError(401, "You didn't provide an API key. Pass it as 'Authorization: Bearer KEY'.",
+                           code="invalid_api_key")
+        if key.strip() not in api_keys:
+            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+
+    return before_request
+
+
+async def _add_request_id(message: Message, scope: Scope) -> None:
+    """Every response carries x-request-id: the client's own if it sent one."""
+    if message["type"] != "http.response.start":
+        return
+    request_id = next((v.decode() for k, v in scope.get("headers", ()) if k == b"x-request-id"), None)
+    MutableScopeHeaders.from_message(message)["x-request-id"] = request_id or secrets.token_hex(16)
+
+
+def create_app(config: GatewayConfig | None = None) -> Litestar:
+    config = config or GatewayConfig()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        async with _http_client(config) as client:
+            registry = EngineRegistry(heartbeat_timeout_s=config.builtin.heartbeat_timeout_s)
+            gateway = Gateway(config, registry, GatewayMetrics(), client)
+            gateway.add_upstreams()
+            app.state.gateway = gateway
+            try:
+                yield
+            finally:
+                await registry.aclose()
+
+    api_keys = frozenset(config.auth.api_keys)
+    return Litestar(
+        route_handlers=ROUTES,
+        lifespan=[lifespan],
+        exception_handlers=EXCEPTION_HANDLERS,
+        before_request=_authenticate(api_keys) if api_keys else None,
+        before_send=[_add_request_id],
+        request_max_body_size=config.limits.max_body_bytes,
+        openapi_config=OpenAPIConfig(title="Parrot gateway", version="0.1.0", path="/docs"),
+        debug=False,
+    )

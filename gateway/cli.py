@@ -1,0 +1,109 @@
+"""The ``parrot`` command: ``parrot serve`` (gateway + builtin engine), ``parrot engine`` (one engine)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import subprocess
+import sys
+import time
+
+from gateway.config import GatewayConfig, load_config
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="parrot serve", description="Run the Parrot gateway.")
+    parser.add_argument("--config", help="TOML config file (also PARROT_CONFIG)")
+    parser.add_argument("--host")
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--log-level")
+    parser.add_argument("--api-key", action="append", dest="api_keys",
+                        help="accepted client key; repeat for several (also PARROT_API_KEYS)")
+    parser.add_argument("--upstream", action="append", default=[], metavar="MODEL=BASE_URL",
+                        help="serve MODEL from an OpenAI-compatible server at BASE_URL (ending in /v1)")
+    parser.add_argument("--model", dest="builtin_model", help="builtin engine model: HF dir or .gguf file")
+    builtin = parser.add_mutually_exclusive_group()
+    builtin.add_argument("--builtin", dest="builtin_enabled", action="store_true", default=None,
+                         help="start the builtin engine (default: only when no upstream is configured)")
+    builtin.add_argument("--no-builtin", dest="builtin_enabled", action="store_false")
+    parser.add_argument("--engine-port", type=int, help="port of the builtin engine process")
+    return parser
+
+
+def _upstream(spec: str) -> dict[str, str]:
+    model, sep, url = spec.partition("=")
+    if not sep or not model or not url:
+        raise SystemExit(f"--upstream takes MODEL=BASE_URL, got {spec!r}")
+    return {"model": model, "base_url": url}
+
+
+def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    return load_config(args.config, overrides={
+        "server": {"host": args.host, "port": args.port, "log_level": args.log_level},
+        "auth": {"api_keys": args.api_keys},
+        "builtin": {"enabled": args.builtin_enabled, "model": args.builtin_model, "port": args.engine_port},
+        "upstreams": [_upstream(s) for s in args.upstream],
+    })
+
+
+def start_builtin_engine(config: GatewayConfig) -> subprocess.Popen[bytes]:
+    """The builtin engine runs in its own process: model compute never touches the gateway's loop."""
+    builtin, server = config.builtin, config.server
+    gateway_host = "127.0.0.1" if server.host in ("0.0.0.0", "::") else server.host
+    engine_url = f"http://{builtin.host}:{builtin.port}"
+    command = [sys.executable, "-m", "gateway.cli", "engine", "--host", builtin.host, "--port", str(builtin.port),
+               "--gateway-url", f"http://{gateway_host}:{server.port}", "--advertise-url", engine_url]
+    if builtin.model:
+        command += ["--model", builtin.model]
+    if builtin.served_model_name:
+        command += ["--served-model-name", builtin.served_model_name]
+    command += builtin.extra_args
+    env = dict(os.environ)
+    if config.auth.api_keys:
+        env["PARROT_GATEWAY_API_KEY"] = config.auth.api_keys[0]  # lets the engine register itself
+    return subprocess.Popen(command, env=env)
+
+
+def serve(argv: list[str]) -> None:
+    import uvicorn
+
+    from gateway.app import create_app
+
+    config = config_from_args(_serve_parser().parse_args(argv))
+    logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied request is too much
+    engine = start_builtin_engine(config) if config.builtin_enabled() else None
+    started = time.monotonic()
+    try:
+        print(f"Parrot gateway on http://{config.server.host}:{config.server.port}/v1"
+              f"{' (builtin engine loading…)' if engine else ''}", flush=True)
+        uvicorn.run(create_app(config), host=config.server.host, port=config.server.port,
+                    log_level=config.server.log_level, access_log=False, loop="uvloop", http="httptools")
+    finally:
+        if engine is not None:
+            engine.terminate()
+            try:
+                engine.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                engine.kill()
+        logging.getLogger("parrot").info("gateway ran %.0fs", time.monotonic() - started)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    commands = {"serve": serve, "engine": _engine}
+    if not argv or argv[0] not in commands:
+        print("usage: parrot {serve,engine} [options]   (parrot COMMAND --help for details)", file=sys.stderr)
+        raise SystemExit(2)
+    commands[argv[0]](argv[1:])
+
+
+def _engine(argv: list[str]) -> None:
+    from engines.builtin.cli import main as engine_main
+
+    engine_main(argv)
+
+
+if __name__ == "__main__":
+    main()

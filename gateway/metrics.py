@@ -1,0 +1,36 @@
+"""Prometheus metrics, named as vLLM names them where an equivalent exists (``vllm:`` → ``parrot:``)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class GatewayMetrics:
+    """One registry per app, so several apps (tests) in one process never collide."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests_running = Gauge("parrot:num_requests_running", "Requests in flight.", ["model_name"],
+                                      registry=r)
+        self.request_success = Counter("parrot:request_success", "Finished requests by finish reason.",
+                                       ["model_name", "finished_reason"], registry=r)
+        self.request_errors = Counter("parrot:request_errors", "Failed requests by HTTP status.",
+                                      ["model_name", "status"], registry=r)
+        self.prompt_tokens = Counter("parrot:prompt_tokens", "Prompt tokens processed.", ["model_name"],
+                                     registry=r)
+        self.generation_tokens = Counter("parrot:generation_tokens", "Tokens generated.", ["model_name"],
+                                         registry=r)
+        self.e2e_latency = Histogram("parrot:e2e_request_latency_seconds", "End-to-end request latency.",
+                                     ["model_name"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("parrot:time_to_first_token_seconds", "Time to the first streamed chunk.",
+                              ["model_name"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.prefix_hit_tokens = Gauge("parrot:prefix_cache_hit_tokens", "Prompt tokens served from a cached "
+                                       "prefix, summed over engines (as reported on heartbeat).", registry=r)
+        self.engines_healthy = Gauge("parrot:engines_healthy", "Healthy engines per model.", ["model_name"],
+                                     registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

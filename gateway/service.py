@@ -1,0 +1,159 @@
+"""The gateway's request path: pick an engine for the model, run the request, account for it."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator
+
+import httpx
+import msgspec
+
+from engines.base import EngineError, EngineOverloaded, EngineUnavailable, Route
+from engines.protocol import ChatCompletionRequest, CompletionRequest, usage_decoder
+from engines.upstream import UpstreamEngine
+from gateway.config import GatewayConfig
+from gateway.errors import APIError, engine_error_body, error_payload, model_not_found
+from gateway.metrics import GatewayMetrics
+from gateway.registry import EngineRecord, EngineRegistry
+
+OpenAIRequest = ChatCompletionRequest | CompletionRequest
+DONE = b"[DONE]"
+
+
+class OpenedStream(msgspec.Struct):
+    record: EngineRecord
+    first: bytes | None
+    rest: AsyncIterator[bytes]
+    started: float
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, registry: EngineRegistry, metrics: GatewayMetrics,
+                 client: httpx.AsyncClient):
+        self.config = config
+        self.registry = registry
+        self.metrics = metrics
+        self.client = client
+
+    def add_upstreams(self) -> None:
+        for i, upstream in enumerate(self.config.upstreams):
+            engine = UpstreamEngine(upstream.name or f"upstream-{i}", upstream.base_url, self.client,
+                                    upstream_model=upstream.served_model(), api_key_env=upstream.api_key_env)
+            self.registry.add(engine, [upstream.model], url=upstream.base_url)
+
+    def register_remote(self, name: str, url: str, models: list[str], kind: str) -> str:
+        """An engine process announcing itself; a restarted engine at the same URL replaces its old record."""
+        url = url.rstrip("/")
+        for record in self.registry.records():
+            if record.url == url:
+                self.registry.remove(record.id)
+        engine = UpstreamEngine(name, f"{url}/v1", self.client)
+        return self.registry.add(engine, models, kind=kind, url=url, heartbeating=True).id
+
+    # ------------------------------------------------------------ validation
+
+    def check(self, request: OpenAIRequest) -> None:
+        """Cross-field rules and configured limits; raises a 4xx error."""
+        request.validate()
+        limit = self.config.limits.max_tokens
+        wanted = request.token_limit()
+        if limit is not None and wanted is not None and wanted > limit:
+            raise APIError(400, f"max_tokens is {wanted}, above this server's limit of {limit}",
+                           param="max_tokens")
+        if not self.registry.serves(request.model):
+            raise model_not_found(request.model)
+
+    @staticmethod
+    def forwarded_body(raw: bytes) -> dict[str, Any]:
+        """The client's body as sent (unknown fields kept for the engine), less Parrot's extension."""
+        body = msgspec.json.decode(raw)
+        body.pop("parrot", None)
+        return body
+
+    # ------------------------------------------------------------ non-streaming
+
+    async def create(self, route: Route, model: str, body: dict[str, Any]) -> bytes:
+        started = time.perf_counter()
+        last_error: EngineError | None = None
+        for record in self.registry.candidates(model):
+            record.in_flight += 1
+            self.metrics.requests_running.labels(model).inc()
+            try:
+                response = await record.engine.create(route, body)
+            except EngineUnavailable as exc:
+                self.registry.mark_down(record)
+                last_error = exc
+                continue  # nothing reached the client: another engine may take it
+            except EngineError as exc:
+                self.metrics.request_errors.labels(model, str(exc.status_code)).inc()
+                raise
+            finally:
+                record.in_flight -= 1
+                self.metrics.requests_running.labels(model).dec()
+            self._account(model, response, started)
+            return response
+        raise self._no_engine(model, last_error)
+
+    def _account(self, model: str, response: bytes, started: float) -> None:
+        self.metrics.e2e_latency.labels(model).observe(time.perf_counter() - started)
+        self._count_usage(model, response)
+        self.metrics.request_success.labels(model, "stop").inc()
+
+    def _count_usage(self, model: str, payload: bytes) -> None:
+        try:
+            usage = usage_decoder.decode(payload).usage
+        except msgspec.DecodeError:
+            return
+        if usage is not None:
+            self.metrics.prompt_tokens.labels(model).inc(usage.prompt_tokens)
+            self.metrics.generation_tokens.labels(model).inc(usage.completion_tokens)
+
+    def _no_engine(self, model: str, last_error: EngineError | None) -> EngineError:
+        if last_error is not None:
+            self.metrics.request_errors.labels(model, str(last_error.status_code)).inc()
+            return last_error
+        self.metrics.request_errors.labels(model, "503").inc()
+        return EngineOverloaded(f"no healthy engine serves model {model!r} right now")
+
+    # ------------------------------------------------------------ streaming
+
+    async def open_stream(self, route: Route, model: str, body: dict[str, Any]) -> OpenedStream:
+        """Start a stream and wait for its first chunk, so failures before it still get an HTTP status."""
+        started = time.perf_counter()
+        last_error: EngineError | None = None
+        for record in self.registry.candidates(model):
+            rest = record.engine.stream(route, body).__aiter__()
+            try:
+                first = await anext(rest, None)
+            except EngineUnavailable as exc:
+                self.registry.mark_down(record)
+                last_error = exc
+                continue
+            except EngineError as exc:
+                self.metrics.request_errors.labels(model, str(exc.status_code)).inc()
+                raise
+            self.metrics.ttft.labels(model).observe(time.perf_counter() - started)
+            record.in_flight += 1
+            self.metrics.requests_running.labels(model).inc()
+            return OpenedStream(record=record, first=first, rest=rest, started=started)
+        raise self._no_engine(model, last_error)
+
+    async def sse_payloads(self, model: str, opened: OpenedStream) -> AsyncIterator[bytes]:
+        """Chunk payloads then ``[DONE]``; an engine failure mid-stream becomes an SSE error object."""
+        try:
+            if opened.first is not None:
+                yield opened.first
+            async for payload in opened.rest:
+                if b'"usage"' in payload:
+                    self._count_usage(model, payload)
+                yield payload
+            self.metrics.request_success.labels(model, "stop").inc()
+        except EngineError as exc:
+            self.metrics.request_errors.labels(model, str(exc.status_code)).inc()
+            yield error_payload(engine_error_body(exc))
+        finally:
+            await opened.rest.aclose()  # closes the engine's stream, also when the client went away
+            opened.record.in_flight -= 1
+            self.metrics.requests_running.labels(model).dec()
+            self.metrics.e2e_latency.labels(model).observe(time.perf_counter() - opened.started)
+        yield DONE
