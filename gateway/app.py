@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import secrets
 from typing import AsyncIterator
 
@@ -17,6 +18,7 @@ from gateway.errors import EXCEPTION_HANDLERS, APIError
 from gateway.metrics import GatewayMetrics
 from gateway.registry import EngineRegistry
 from gateway.routes import ROUTES
+from gateway.semantic.service import SemanticService
 from gateway.service import Gateway
 
 
@@ -54,6 +56,7 @@ async def _add_request_id(message: Message, scope: Scope) -> None:
 
 def create_app(config: GatewayConfig | None = None) -> Litestar:
     config = config or GatewayConfig()
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a log line per proxied request costs real time
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -62,6 +65,7 @@ def create_app(config: GatewayConfig | None = None) -> Litestar:
             gateway = Gateway(config, registry, GatewayMetrics(), client)
             gateway.add_upstreams()
             app.state.gateway = gateway
+            app.state.semantic = SemanticService(gateway, config.semantic)
             try:
                 yield
             finally:

@@ -72,7 +72,6 @@ def serve(argv: list[str]) -> None:
 
     config = config_from_args(_serve_parser().parse_args(argv))
     logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied request is too much
     engine = start_builtin_engine(config) if config.builtin_enabled() else None
     started = time.monotonic()
     try:

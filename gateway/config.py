@@ -57,11 +57,21 @@ class BuiltinConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     heartbeat_timeout_s: float = 10.0  # an engine silent this long is dropped from routing
 
 
+class SemanticConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Semantic variables and server-side DAG execution."""
+
+    input_timeout_s: float = 300.0  # a call waiting this long for an input fails with a timeout error
+    var_timeout_s: float = 60.0  # default wait of GET /v1/vars/{id}?wait=true
+    min_prefix_chars: int = 64  # shorter constant prefixes are left to the engine's block-level prefix cache
+    max_prefixes_per_engine: int = 32  # unpinned shared-prefix contexts kept per engine (LRU beyond)
+
+
 class GatewayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
     builtin: BuiltinConfig = msgspec.field(default_factory=BuiltinConfig)
+    semantic: SemanticConfig = msgspec.field(default_factory=SemanticConfig)
     upstreams: list[UpstreamConfig] = []
 
     def builtin_enabled(self) -> bool:

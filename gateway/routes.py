@@ -5,33 +5,38 @@ from __future__ import annotations
 import msgspec
 from litestar import Request, Response, get, post
 from litestar.datastructures import State
-from litestar.response import ServerSentEvent
+from litestar.response import Stream
 
 from engines.base import EngineStats, Route
 from engines.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from gateway.errors import APIError, model_not_found
+from gateway.semantic.routes import SEMANTIC_ROUTES, owner
 from gateway.service import Gateway, OpenAIRequest
 
 JSON = "application/json"
 
 
-async def _serve(route: Route, data: OpenAIRequest, request: Request, gateway: Gateway) -> Response:
+async def _serve(route: Route, data: OpenAIRequest, request: Request, state: State) -> Response:
+    gateway: Gateway = state.gateway
     gateway.check(data)
     body = gateway.forwarded_body(await request.body())
+    if data.parrot is not None:
+        return await state.semantic.serve(route, data.parrot, body, owner(request), data.stream)
     if not data.stream:
         return Response(await gateway.create(route, data.model, body), media_type=JSON)
     opened = await gateway.open_stream(route, data.model, body)
-    return ServerSentEvent(gateway.sse_payloads(data.model, opened))
+    return Stream(gateway.sse_events(data.model, opened), media_type="text/event-stream",
+                  headers={"cache-control": "no-cache"})
 
 
 @post("/v1/chat/completions", status_code=200)
 async def chat_completions(data: ChatCompletionRequest, request: Request, state: State) -> Response:
-    return await _serve("chat/completions", data, request, state.gateway)
+    return await _serve("chat/completions", data, request, state)
 
 
 @post("/v1/completions", status_code=200)
 async def completions(data: CompletionRequest, request: Request, state: State) -> Response:
-    return await _serve("completions", data, request, state.gateway)
+    return await _serve("completions", data, request, state)
 
 
 @get("/v1/models")
@@ -122,4 +127,4 @@ async def list_engines(state: State) -> list[EngineInfo]:
 
 
 ROUTES = [chat_completions, completions, list_models, get_model, health, metrics, register_engine,
-          engine_heartbeat, list_engines]
+          engine_heartbeat, list_engines, *SEMANTIC_ROUTES]

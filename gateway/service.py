@@ -17,7 +17,6 @@ from gateway.metrics import GatewayMetrics
 from gateway.registry import EngineRecord, EngineRegistry
 
 OpenAIRequest = ChatCompletionRequest | CompletionRequest
-DONE = b"[DONE]"
 
 
 class OpenedStream(msgspec.Struct):
@@ -138,22 +137,25 @@ class Gateway:
             return OpenedStream(record=record, first=first, rest=rest, started=started)
         raise self._no_engine(model, last_error)
 
-    async def sse_payloads(self, model: str, opened: OpenedStream) -> AsyncIterator[bytes]:
-        """Chunk payloads then ``[DONE]``; an engine failure mid-stream becomes an SSE error object."""
+    async def sse_events(self, model: str, opened: OpenedStream) -> AsyncIterator[bytes]:
+        """SSE events, ``[DONE]`` last; an engine failure mid-stream becomes an SSE error object.
+
+        Payloads are compact single-line JSON, so each event is just ``data: PAYLOAD\\n\\n``; framing them
+        here once avoids a general SSE encoder's per-event line splitting on the hot path."""
         try:
             if opened.first is not None:
-                yield opened.first
+                yield b"data: " + opened.first + b"\n\n"
             async for payload in opened.rest:
                 if b'"usage"' in payload:
                     self._count_usage(model, payload)
-                yield payload
+                yield b"data: " + payload + b"\n\n"
             self.metrics.request_success.labels(model, "stop").inc()
         except EngineError as exc:
             self.metrics.request_errors.labels(model, str(exc.status_code)).inc()
-            yield error_payload(engine_error_body(exc))
+            yield b"data: " + error_payload(engine_error_body(exc)) + b"\n\n"
         finally:
             await opened.rest.aclose()  # closes the engine's stream, also when the client went away
             opened.record.in_flight -= 1
             self.metrics.requests_running.labels(model).dec()
             self.metrics.e2e_latency.labels(model).observe(time.perf_counter() - opened.started)
-        yield DONE
+        yield b"data: [DONE]\n\n"

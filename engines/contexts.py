@@ -1,0 +1,62 @@
+"""HTTP client for a builtin engine's context primitives: fill (with fork), generate, free, render.
+
+It is what the gateway uses to share prefixes: fill a constant prefix once, then fork every
+request from it instead of recomputing it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import msgspec
+
+from engines.base import EngineRejected
+from engines.builtin.types import FillResult
+from engines.upstream import translate_errors
+
+
+class Generation(msgspec.Struct):
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    usage: dict[str, int]
+
+
+class Rendered(msgspec.Struct):
+    prompt: str
+
+
+class ContextClient:
+    def __init__(self, name: str, base_url: str, client: httpx.AsyncClient):
+        self.name = name
+        self.base_url = base_url.rstrip("/")  # ends in /v1
+        self._client = client
+
+    async def _call(self, method: str, path: str, body: Any = None) -> bytes:
+        with translate_errors(self.name):
+            response = await self._client.request(
+                method, f"{self.base_url}/{path}", content=None if body is None else msgspec.json.encode(body),
+                headers={"content-type": "application/json"})
+        if response.status_code >= 400:
+            raise EngineRejected(f"engine {self.name!r} answered HTTP {response.status_code} to {path}",
+                                 status_code=response.status_code, body=response.content)
+        return response.content
+
+    async def fill(self, *, text: str | None = None, tokens: list[int] | None = None,
+                   parent_context_id: str | None = None, context_id: str | None = None) -> FillResult:
+        body = {k: v for k, v in (("text", text), ("tokens", tokens), ("parent_context_id", parent_context_id),
+                                  ("context_id", context_id)) if v is not None}
+        return msgspec.json.decode(await self._call("POST", "contexts", body), type=FillResult)
+
+    async def generate(self, context_id: str, sampling: dict[str, Any]) -> Generation:
+        body = {**sampling, "stream": False}
+        return msgspec.json.decode(await self._call("POST", f"contexts/{context_id}/generate", body),
+                                   type=Generation)
+
+    async def free(self, context_id: str) -> int:
+        return msgspec.json.decode(await self._call("DELETE", f"contexts/{context_id}"))["freed_blocks"]
+
+    async def render(self, body: dict[str, Any]) -> str:
+        """The engine's chat template applied to a chat request's messages (and tools)."""
+        return msgspec.json.decode(await self._call("POST", "render", body), type=Rendered).prompt

@@ -1,0 +1,264 @@
+"""Variables, the calls that produce and consume them, and the sessions that own both.
+
+The graph is implicit: a ``Call`` points at its input and output ``Variable``s and a variable at
+its producer, so an edge exists exactly when a call consumes what another produces. A call
+leaves the graph when it finishes; variables stay (their values are still read) until their
+session is deleted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import secrets
+import time
+from typing import Awaitable, Callable
+
+from engines.base import EngineError
+from gateway.errors import APIError, engine_error_body
+
+LATENCY_PRIORITY = 1 << 20  # above any app-FIFO rank
+_arrivals = itertools.count()
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_urlsafe(16)}"  # unguessable: ids are capabilities within a key
+
+
+class VariableFailed(Exception):
+    pass
+
+
+class Variable:
+    def __init__(self, session: "Session", name: str | None, value: str | None = None):
+        self.id = new_id("var")
+        self.session = session
+        self.name = name
+        self.value = value
+        self.error: str | None = None
+        self.producer: Call | None = None
+        self._ready = asyncio.Event()
+        if value is not None:
+            self._ready.set()
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    def set(self, value: str) -> None:
+        self.value = value
+        self._ready.set()
+
+    def fail(self, error: str) -> None:
+        self.error = error
+        self._ready.set()
+
+    async def get(self, timeout_s: float) -> str:
+        try:
+            await asyncio.wait_for(self._ready.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            who = f"its producer {self.producer.id} has not finished" if self.producer else "nothing produces it"
+            raise APIError(504, f"variable {self.label} was not ready within {timeout_s:g}s: {who}",
+                           code="variable_timeout", error_type="timeout") from None
+        if self.error is not None:
+            raise VariableFailed(self.error)
+        assert self.value is not None
+        return self.value
+
+    @property
+    def label(self) -> str:
+        return f"{self.name!r} ({self.id})" if self.name else self.id
+
+
+Work = Callable[["Call", dict[str, str]], Awaitable[dict[str, str]]]
+
+
+class Call:
+    """One request in the graph: waits for its inputs, runs ``work``, binds its outputs."""
+
+    def __init__(self, session: "Session", inputs: dict[str, Variable], outputs: dict[str, Variable],
+                 work: Work, *, latency: bool, call_id: str | None = None):
+        self.id = call_id or new_id("call")
+        self.session = session
+        self.inputs = inputs
+        self.outputs = outputs
+        self.work = work
+        self.latency = latency
+        self.task: asyncio.Task[dict[str, str]] | None = None
+
+    @property
+    def priority(self) -> int:
+        """Latency-critical first; otherwise app-FIFO: calls of earlier sessions (apps) go first."""
+        return (LATENCY_PRIORITY if self.latency else 0) - self.session.arrival
+
+    def mark_latency(self) -> None:
+        """Someone waits on this call's result: it and everything it transitively needs become urgent."""
+        if self.latency:
+            return
+        self.latency = True
+        for variable in self.inputs.values():
+            if variable.producer is not None:
+                variable.producer.mark_latency()
+
+    def group_peers(self) -> set["Call"]:
+        """Producers feeding the same consumers as this call: they are scheduled together."""
+        peers: set[Call] = set()
+        for output in self.outputs.values():
+            for consumer in output.session.consumers_of(output):
+                peers |= {v.producer for v in consumer.inputs.values() if v.producer and v.producer.task}
+        return peers
+
+    async def run(self, input_timeout_s: float) -> dict[str, str]:
+        try:
+            values = {}
+            for name, variable in self.inputs.items():
+                try:
+                    values[name] = await variable.get(input_timeout_s)
+                except VariableFailed as exc:
+                    raise VariableFailed(f"input {variable.label} failed: {exc}") from None
+            if any(peer.latency for peer in self.group_peers()):
+                self.latency = True  # a task group runs at the pace of its most urgent member
+            results = await self.work(self, values)
+        except BaseException as exc:
+            message = _describe(exc)
+            for output in self.outputs.values():
+                output.fail(f"producer {self.id} failed: {message}")
+            raise
+        finally:
+            self.session.calls.pop(self.id, None)  # finished parts of the graph are freed
+        for name, output in self.outputs.items():
+            output.set(results[name])
+        return results
+
+
+class Session:
+    def __init__(self, owner: str, index: dict[str, Variable], *, default: bool = False):
+        self.id = new_id("sess")
+        self._index = index  # the store's id -> variable map, for lookups without a session id
+        self.owner = owner
+        self.default = default
+        self.created = int(time.time())
+        self.arrival = next(_arrivals)
+        self.variables: dict[str, Variable] = {}
+        self.calls: dict[str, Call] = {}
+        self.prefix_keys: set[str] = set()  # shared prefixes this session pinned on engines
+
+    def new_variable(self, name: str | None = None, value: str | None = None) -> Variable:
+        variable = Variable(self, name, value)
+        self.variables[variable.id] = variable
+        self._index[variable.id] = variable
+        return variable
+
+    def variable(self, var_id: str) -> Variable:
+        variable = self.variables.get(var_id)
+        if variable is None:
+            raise APIError(404, f"variable {var_id!r} not found in session {self.id}", code="variable_not_found")
+        return variable
+
+    def consumers_of(self, variable: Variable) -> list[Call]:
+        return [c for c in self.calls.values() if variable in c.inputs.values()]
+
+    def add_call(self, call: Call, input_timeout_s: float) -> None:
+        """Link the call into the graph (rejecting cycles and double producers) and start it."""
+        for output in call.outputs.values():
+            if output.producer is not None or output.ready:
+                raise APIError(409, f"variable {output.label} already has a value or a producer",
+                               param="parrot.output", code="variable_already_bound")
+        if _reaches(call.inputs.values(), set(call.outputs.values())):
+            raise APIError(400, f"call {call.id} would close a cycle: one of its outputs is among its own "
+                           "transitive inputs", param="parrot.vars", code="cycle")
+        for output in call.outputs.values():
+            output.producer = call
+        self.calls[call.id] = call
+        if call.latency:
+            call.latency = False
+            call.mark_latency()
+        call.task = asyncio.get_running_loop().create_task(call.run(input_timeout_s), name=call.id)
+        call.task.add_done_callback(_consume_exception)
+
+    def close(self) -> None:
+        """Cancel running calls and forget every variable."""
+        for call in list(self.calls.values()):
+            if call.task is not None:
+                call.task.cancel()
+        self.calls.clear()
+        for var_id in self.variables:
+            self._index.pop(var_id, None)
+
+
+def _reaches(inputs, targets: set[Variable]) -> bool:
+    seen: set[int] = set()
+    stack = list(inputs)
+    while stack:
+        variable = stack.pop()
+        if variable in targets:
+            return True
+        if id(variable) in seen or variable.producer is None:
+            continue
+        seen.add(id(variable))
+        stack.extend(variable.producer.inputs.values())
+    return False
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, APIError):
+        return exc.body.message
+    if isinstance(exc, EngineError):
+        return f"{exc} ({engine_error_body(exc).message})" if exc.body else str(exc)
+    if isinstance(exc, asyncio.CancelledError):
+        return "cancelled"
+    return str(exc) or type(exc).__name__
+
+
+def _consume_exception(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()  # failures live on in the output variables; don't log them as unretrieved
+
+
+class SessionStore:
+    """Sessions by id; each belongs to the API key that created it, and other keys see a 404."""
+
+    def __init__(self) -> None:
+        self._sessions: dict[str, Session] = {}
+        self._defaults: dict[str, str] = {}
+        self._variables: dict[str, Variable] = {}
+
+    @staticmethod
+    def owner_of(api_key: str | None) -> str:
+        return hashlib.sha256((api_key or "").encode()).hexdigest()
+
+    def create(self, owner: str, *, default: bool = False) -> Session:
+        session = Session(owner, self._variables, default=default)
+        self._sessions[session.id] = session
+        return session
+
+    def get(self, session_id: str, owner: str) -> Session:
+        session = self._sessions.get(session_id)
+        if session is None or session.owner != owner:
+            raise APIError(404, f"session {session_id!r} not found", param="session_id", code="session_not_found")
+        return session
+
+    def resolve(self, session_id: str | None, owner: str) -> Session:
+        """The named session, or the key's default session (created on first use)."""
+        if session_id is not None:
+            return self.get(session_id, owner)
+        default_id = self._defaults.get(owner)
+        if default_id is None or default_id not in self._sessions:
+            default_id = self._defaults[owner] = self.create(owner, default=True).id
+        return self._sessions[default_id]
+
+    def remove(self, session_id: str, owner: str) -> Session:
+        session = self.get(session_id, owner)
+        del self._sessions[session_id]
+        session.close()
+        return session
+
+    def find_variable(self, var_id: str, owner: str) -> Variable:
+        variable = self._variables.get(var_id)
+        if variable is None or variable.session.owner != owner:
+            raise APIError(404, f"variable {var_id!r} not found", code="variable_not_found")
+        return variable
+
+    def all(self) -> list[Session]:
+        return list(self._sessions.values())

@@ -1,0 +1,128 @@
+"""Bodies of the semantic-variable extension and the native API."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+import msgspec
+
+Criteria = Literal["latency", "throughput"]
+
+
+class VarRef(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """A placeholder's binding: an existing variable (possibly not produced yet) or a literal value."""
+
+    id: str | None = None
+    value: str | None = None
+
+
+class OutputRef(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """Where a completion's text goes: a new variable called ``name``, or an existing variable ``id``."""
+
+    name: str | None = None
+    id: str | None = None
+
+
+class ParrotExtension(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """The top-level ``parrot`` object of /v1/chat/completions and /v1/completions."""
+
+    session_id: str | None = None
+    vars: dict[str, VarRef] = {}
+    output: Union[str, OutputRef, None] = None
+    criteria: Criteria | None = None
+    wait: bool = True
+
+
+class VarView(msgspec.Struct):
+    id: str
+    name: str | None
+    session_id: str
+    ready: bool
+    value: str | None = None
+    error: str | None = None
+    producer: str | None = None
+
+
+class OutputView(msgspec.Struct):
+    id: str
+    name: str | None
+
+
+class ParrotResult(msgspec.Struct, omit_defaults=True):
+    session_id: str
+    output: OutputView | None = None
+    call_id: str | None = None
+    status: str | None = None
+
+
+class Accepted(msgspec.Struct):
+    """The 202 answer of ``wait: false``."""
+
+    parrot: ParrotResult
+    object: str = "parrot.accepted"
+
+
+# ---------------------------------------------------------------- native API
+
+
+class SessionView(msgspec.Struct):
+    id: str
+    created: int
+    object: str = "parrot.session"
+
+
+class SessionDeleted(msgspec.Struct):
+    id: str
+    deleted: bool = True
+    freed_variables: int = 0
+    freed_contexts: int = 0
+    object: str = "parrot.session.deleted"
+
+
+class VarCreate(msgspec.Struct, forbid_unknown_fields=True):
+    session_id: str | None = None
+    name: str | None = None
+    value: str | None = None
+
+
+class VarSet(msgspec.Struct, forbid_unknown_fields=True):
+    value: str
+
+
+class VarList(msgspec.Struct):
+    data: list[VarView]
+    object: str = "list"
+
+
+class OutputSpec(msgspec.Struct, omit_defaults=True):
+    """Sampling for one ``{{output:NAME}}`` of a semantic call (OpenAI names)."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: Union[str, list[str], None] = None
+
+
+class SemanticCall(msgspec.Struct, forbid_unknown_fields=True):
+    """A prompt template whose ``{{input:NAME}}`` (or ``{{NAME}}``) placeholders read variables and whose
+    ``{{output:NAME}}`` placeholders are generated in order, each seeing everything before it."""
+
+    model: str
+    template: str
+    session_id: str | None = None
+    inputs: dict[str, VarRef] = {}
+    outputs: dict[str, OutputSpec] = {}
+    criteria: Criteria | None = None
+
+
+class SemanticCallView(msgspec.Struct):
+    id: str
+    session_id: str
+    outputs: dict[str, OutputView]
+    object: str = "parrot.semantic_call"
+
+
+def parse_extension(raw: dict[str, Any]) -> ParrotExtension:
+    return msgspec.convert(raw, ParrotExtension)

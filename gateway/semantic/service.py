@@ -1,0 +1,204 @@
+"""Semantic variables end to end: bind a request's placeholders, link it into its session's graph,
+run it when its inputs are ready, and answer now (202) or when its output is bound."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+from litestar import Response
+
+from engines.base import Route
+from engines.protocol import InvalidRequest
+from gateway.config import SemanticConfig
+from gateway.errors import APIError, model_not_found
+from gateway.semantic import template
+from gateway.semantic.graph import Call, Session, SessionStore, Variable, VariableFailed
+from gateway.semantic.prefix import PrefixCache
+from gateway.semantic.runner import SAMPLING_FIELDS, Runner, output_text, texts
+from gateway.semantic.schema import (
+    Accepted,
+    OutputRef,
+    OutputView,
+    ParrotExtension,
+    ParrotResult,
+    SemanticCall,
+    VarRef,
+    VarView,
+)
+from gateway.service import Gateway
+
+JSON = "application/json"
+
+
+def view(variable: Variable) -> VarView:
+    return VarView(id=variable.id, name=variable.name, session_id=variable.session.id, ready=variable.ready,
+                   value=variable.value, error=variable.error,
+                   producer=variable.producer.id if variable.producer else None)
+
+
+class SemanticService:
+    def __init__(self, gateway: Gateway, config: SemanticConfig):
+        self.gateway = gateway
+        self.config = config
+        self.sessions = SessionStore()
+        self.prefixes = PrefixCache(config.max_prefixes_per_engine)
+        self.runner = Runner(gateway, self.prefixes, config.min_prefix_chars)
+
+    # ------------------------------------------------------------ binding
+
+    def _bind(self, session: Session, placeholders: set[str], refs: dict[str, VarRef], param: str
+              ) -> dict[str, Variable]:
+        unbound = sorted(placeholders - refs.keys())
+        if unbound:
+            raise InvalidRequest(f"placeholders without a binding in {param}: "
+                                 + ", ".join("{{" + n + "}}" for n in unbound), param)
+        inputs = {}
+        for name in placeholders:
+            ref = refs[name]
+            if (ref.id is None) == (ref.value is None):
+                raise InvalidRequest(f"{param}.{name} needs exactly one of 'id' and 'value'", f"{param}.{name}")
+            inputs[name] = session.variable(ref.id) if ref.id else session.new_variable(name, ref.value)
+        return inputs
+
+    @staticmethod
+    def _output(session: Session, output: str | OutputRef | None) -> Variable:
+        if isinstance(output, OutputRef) and output.id is not None:
+            return session.variable(output.id)
+        name = output if isinstance(output, str) else (output.name if output else None)
+        return session.new_variable(name or "output")
+
+    def _start(self, session: Session, call: Call) -> None:
+        session.add_call(call, self.config.input_timeout_s)
+
+    # ------------------------------------------------------------ OpenAI extension
+
+    async def serve(self, route: Route, raw_extension: dict[str, Any], body: dict[str, Any], owner: str,
+                    stream: bool) -> Response:
+        try:
+            ext = msgspec.convert(raw_extension, ParrotExtension)
+        except msgspec.ValidationError as exc:
+            raise InvalidRequest(f"invalid parrot extension: {exc}", "parrot") from None
+        session = self.sessions.resolve(ext.session_id, owner)
+        placeholders = {name for text in texts(route, body) for name in template.names(text)}
+        inputs = self._bind(session, placeholders, ext.vars, "parrot.vars")
+        output = self._output(session, ext.output)
+        responses: dict[str, bytes] = {}
+
+        async def work(call: Call, values: dict[str, str]) -> dict[str, str]:
+            responses["body"] = await self.runner.run(route, body, values, priority=call.priority, session=session)
+            return {"output": output_text(route, responses["body"])}
+
+        latency = ext.criteria == "latency" or (ext.criteria is None and ext.wait)
+        call = Call(session, inputs, {"output": output}, work, latency=latency)
+        self._start(session, call)
+        result = ParrotResult(session_id=session.id, output=OutputView(id=output.id, name=output.name),
+                              call_id=call.id)
+        if not ext.wait:
+            result.status = "queued"
+            return Response(msgspec.json.encode(Accepted(parrot=result)), status_code=202, media_type=JSON)
+        await self._finish(call)
+        answer = msgspec.json.decode(responses["body"])
+        answer["parrot"] = msgspec.to_builtins(result)
+        if stream:
+            return _as_stream(route, answer, body)
+        return Response(msgspec.json.encode(answer), media_type=JSON)
+
+    @staticmethod
+    async def _finish(call: Call) -> None:
+        """Wait for the call (it runs on even if this client goes away); failures become HTTP errors."""
+        assert call.task is not None
+        try:
+            await asyncio.shield(call.task)
+        except VariableFailed as exc:
+            raise APIError(424, f"call {call.id} could not run: {exc}", code="dependency_failed",
+                           error_type="dependency_failed") from None
+
+    # ------------------------------------------------------------ native API
+
+    async def close_session(self, session_id: str, owner: str) -> tuple[int, int]:
+        session = self.sessions.remove(session_id, owner)
+        contexts = await self.prefixes.drop_session(session.id, session.prefix_keys)
+        return len(session.variables), contexts
+
+    async def read(self, variable: Variable, *, wait: bool, timeout_s: float | None, criteria: str | None
+                   ) -> VarView:
+        if criteria == "latency" and variable.producer is not None:
+            variable.producer.mark_latency()
+        if wait:
+            try:
+                await variable.get(timeout_s if timeout_s is not None else self.config.var_timeout_s)
+            except VariableFailed:
+                pass  # the view carries the error
+        return view(variable)
+
+    def submit_call(self, spec: SemanticCall, owner: str) -> tuple[Session, Call]:
+        if not self.gateway.registry.serves(spec.model):
+            raise model_not_found(spec.model)
+        pieces = template.split(spec.template)
+        outputs_in_template = [p.name for p in pieces if p.kind == "output"]
+        if not outputs_in_template:
+            raise InvalidRequest("template has no {{output:NAME}} placeholder", "template")
+        if len(set(outputs_in_template)) != len(outputs_in_template):
+            raise InvalidRequest("each {{output:NAME}} may appear once", "template")
+        if set(outputs_in_template) & {p.name for p in pieces if p.kind == "input"}:
+            raise InvalidRequest("a name cannot be both an input and an output", "template")
+        session = self.sessions.resolve(spec.session_id, owner)
+        placeholders = {p.name for p in pieces if p.kind == "input"}
+        inputs = self._bind(session, placeholders, spec.inputs, "inputs")
+        outputs = {name: session.new_variable(name) for name in outputs_in_template}
+
+        async def work(call: Call, values: dict[str, str]) -> dict[str, str]:
+            return await self._run_template(spec, pieces, values, call.priority, session)
+
+        call = Call(session, inputs, outputs, work, latency=spec.criteria == "latency")
+        self._start(session, call)
+        return session, call
+
+    async def _run_template(self, spec: SemanticCall, pieces: list[template.Piece], values: dict[str, str],
+                            priority: int, session: Session) -> dict[str, str]:
+        """Generate each output in order, each seeing the text and outputs before it."""
+        results: dict[str, str] = {}
+        known = dict(values)
+        prompt = ""  # placeholders kept: the runner forks the constant text before the first one
+        for piece in pieces:
+            if piece.kind == "text":
+                prompt += piece.text
+                continue
+            if piece.kind == "output":
+                sampling = msgspec.to_builtins(spec.outputs[piece.name]) if piece.name in spec.outputs else {}
+                body = {"model": spec.model, "prompt": prompt,
+                        **{k: v for k, v in sampling.items() if k in SAMPLING_FIELDS}}
+                response = await self.runner.run("completions", body, known, priority=priority, session=session)
+                known[piece.name] = results[piece.name] = output_text("completions", response)
+            prompt += "{{" + piece.name + "}}"
+        return results
+
+
+def _as_stream(route: Route, answer: dict[str, Any], body: dict[str, Any]) -> Response:
+    """A finished semantic request as an OpenAI stream (one content chunk), for clients that asked to stream."""
+    from litestar.response import Stream
+
+    usage = answer.get("usage")
+    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+
+    def events():
+        base = {"id": answer["id"], "created": answer["created"], "model": answer["model"]}
+        for choice in answer["choices"]:
+            if route == "completions":
+                chunk = {**base, "object": "text_completion", "choices": [
+                    {"index": choice["index"], "text": choice["text"], "finish_reason": choice["finish_reason"]}]}
+            else:
+                message = choice["message"]
+                chunk = {**base, "object": "chat.completion.chunk", "choices": [
+                    {"index": choice["index"], "delta": {"role": "assistant", "content": message.get("content")},
+                     "finish_reason": choice["finish_reason"]}]}
+            chunk["parrot"] = answer["parrot"]
+            yield b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+        if include_usage and usage:
+            yield b"data: " + msgspec.json.encode({**base, "object": "chat.completion.chunk", "choices": [],
+                                                   "usage": usage}) + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    return Stream(events(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
