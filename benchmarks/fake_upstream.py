@@ -109,12 +109,23 @@ async def _send_json(send, status: int, payload: Any) -> None:
     await send({"type": "http.response.body", "body": data})
 
 
-async def _stream(send, body: dict[str, Any], fake: dict[str, Any]) -> None:
+async def _watch_disconnect(receive, gone: asyncio.Event) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    gone.set()
+
+
+async def _stream(send, receive, body: dict[str, Any], fake: dict[str, Any]) -> None:
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
     _stats["streams_open"] += 1
+    # uvicorn's send() silently drops writes to a closed connection: only receive() tells that the client left.
+    gone = asyncio.Event()
+    watcher = asyncio.create_task(_watch_disconnect(receive, gone))
     try:
         for k, chunk in enumerate(chunks(body)):
+            if gone.is_set():
+                raise ConnectionResetError("the client closed the stream")
             if "die_after" in fake and k >= int(fake["die_after"]):
                 raise ConnectionAbortedError("fake upstream drops the stream")
             await send({"type": "http.response.body", "body": b"data: " + msgspec.json.encode(chunk) + b"\n\n",
@@ -123,9 +134,13 @@ async def _stream(send, body: dict[str, Any], fake: dict[str, Any]) -> None:
                 await asyncio.sleep(float(fake["chunk_delay_s"]))
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
         _stats["streams_done"] += 1
+    except ConnectionResetError:
+        _stats["streams_cancelled"] += 1  # the client left: nobody to answer
     except (asyncio.CancelledError, OSError):
         _stats["streams_cancelled"] += 1
         raise
+    finally:
+        watcher.cancel()
 
 
 async def app(scope, receive, send) -> None:
@@ -153,7 +168,7 @@ async def app(scope, receive, send) -> None:
         return await _send_json(send, int(fake["status"]), {"error": {
             "message": "fake upstream error", "type": "invalid_request_error", "param": None, "code": "fake"}})
     if body.get("stream"):
-        return await _stream(send, body, fake)
+        return await _stream(send, receive, body, fake)
     await _send_json(send, 200, completion(body))
 
 

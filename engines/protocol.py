@@ -329,10 +329,15 @@ chat_request_decoder = msgspec.json.Decoder(ChatCompletionRequest)
 completion_request_decoder = msgspec.json.Decoder(CompletionRequest)
 
 
+class FinishOnly(Struct):
+    finish_reason: str | None = None
+
+
 class UsageOnly(Struct):
-    """Reads just the usage of a response body, skipping everything else."""
+    """Reads just the usage and finish reasons of a response body, skipping everything else."""
 
     usage: Usage | None = None
+    choices: list[FinishOnly] = []
 
 
 usage_decoder = msgspec.json.Decoder(UsageOnly)

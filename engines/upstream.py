@@ -40,6 +40,29 @@ def translate_errors(name: str) -> Iterator[None]:
         raise EngineError(f"engine {name!r} failed mid-response: {exc!r}") from exc
 
 
+async def sse_data(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The ``data:`` payloads of an SSE byte stream, up to ``[DONE]``; the rest is drained, not parsed,
+    so that the connection goes back to the pool."""
+    buffer = b""
+    done = False
+    async for chunk in chunks:
+        if done:
+            continue
+        buffer += chunk
+        *events, buffer = buffer.replace(b"\r\n", b"\n").split(b"\n\n")
+        for event in events:
+            for line in event.split(b"\n"):
+                if not line.startswith(b"data:"):
+                    continue  # comments, event names, ids
+                payload = line[5:].strip()
+                if payload == _DONE:
+                    done = True
+                    break
+                yield payload
+            if done:
+                break
+
+
 def _rejected(name: str, response: httpx.Response, body: bytes) -> EngineRejected:
     return EngineRejected(
         f"engine {name!r} answered HTTP {response.status_code}",
@@ -97,12 +120,7 @@ class UpstreamEngine:
                 with translate_errors(self.name):
                     raise _rejected(self.name, response, await response.aread())
             with translate_errors(self.name):
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue  # comments, event names, blank separators
-                    payload = line[5:].strip().encode()
-                    if payload == _DONE:
-                        return
+                async for payload in sse_data(response.aiter_bytes()):  # decoded: proxies may gzip SSE
                     yield payload
         finally:
             await response.aclose()

@@ -79,13 +79,21 @@ def handle_validation(_: Request, exc: msgspec.ValidationError) -> Response:
     return _respond(400, ErrorBody(message=message, type="invalid_request_error", param=param))
 
 
+def _validation_problem(error: dict) -> tuple[str | None, str]:
+    """(param, message) of one litestar validation error; ``data`` is the handler's name for the whole body."""
+    key = error.get("key")
+    if key in (None, "data"):
+        message = error.get("message")
+        return None, f"body: {'expected a JSON object, got nothing' if message == repr(key) else message}"
+    return key, f"{key}: {error.get('message')}"
+
+
 def handle_http_exception(_: Request, exc: HTTPException) -> Response:
     message, param = exc.detail, None
     if isinstance(exc, ValidationException) and isinstance(exc.extra, list) and exc.extra:
-        first = exc.extra[0]
-        param = first.get("key") if isinstance(first, dict) else None
-        message = "; ".join(f"{e.get('key') or 'body'}: {e.get('message')}" if isinstance(e, dict) else str(e)
-                            for e in exc.extra)
+        problems = [_validation_problem(e) if isinstance(e, dict) else (None, str(e)) for e in exc.extra]
+        param = problems[0][0]
+        message = "; ".join(m for _, m in problems)
     return _respond(exc.status_code, ErrorBody(message=message, type=_TYPES.get(exc.status_code, "api_error"),
                                                param=param))
 

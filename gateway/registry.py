@@ -64,7 +64,7 @@ class EngineRegistry:
 
     def heartbeat(self, engine_id: str, stats: EngineStats) -> bool:
         record = self._records.get(engine_id)
-        if record is None:
+        if record is None or record.last_heartbeat is None:  # static upstreams don't heartbeat
             return False
         record.last_heartbeat = time.monotonic()
         record.stats = stats

@@ -95,17 +95,19 @@ class Gateway:
 
     def _account(self, model: str, response: bytes, started: float) -> None:
         self.metrics.e2e_latency.labels(model).observe(time.perf_counter() - started)
-        self._count_usage(model, response)
-        self.metrics.request_success.labels(model, "stop").inc()
+        for reason in self._count_usage(model, response) or ["stop"]:
+            self.metrics.request_success.labels(model, reason).inc()
 
-    def _count_usage(self, model: str, payload: bytes) -> None:
+    def _count_usage(self, model: str, payload: bytes) -> list[str]:
+        """Counts the tokens a body reports; returns its choices' finish reasons."""
         try:
-            usage = usage_decoder.decode(payload).usage
+            decoded = usage_decoder.decode(payload)
         except msgspec.DecodeError:
-            return
-        if usage is not None:
-            self.metrics.prompt_tokens.labels(model).inc(usage.prompt_tokens)
-            self.metrics.generation_tokens.labels(model).inc(usage.completion_tokens)
+            return []
+        if decoded.usage is not None:
+            self.metrics.prompt_tokens.labels(model).inc(decoded.usage.prompt_tokens)
+            self.metrics.generation_tokens.labels(model).inc(decoded.usage.completion_tokens)
+        return [c.finish_reason for c in decoded.choices if c.finish_reason]
 
     def _no_engine(self, model: str, last_error: EngineError | None) -> EngineError:
         if last_error is not None:
@@ -142,14 +144,16 @@ class Gateway:
 
         Payloads are compact single-line JSON, so each event is just ``data: PAYLOAD\\n\\n``; framing them
         here once avoids a general SSE encoder's per-event line splitting on the hot path."""
+        reasons: list[str] = []
         try:
             if opened.first is not None:
                 yield b"data: " + opened.first + b"\n\n"
             async for payload in opened.rest:
-                if b'"usage"' in payload:
-                    self._count_usage(model, payload)
+                if b'"usage"' in payload or b'"finish_reason":"' in payload:
+                    reasons += self._count_usage(model, payload)
                 yield b"data: " + payload + b"\n\n"
-            self.metrics.request_success.labels(model, "stop").inc()
+            for reason in reasons or ["stop"]:
+                self.metrics.request_success.labels(model, reason).inc()
         except EngineError as exc:
             self.metrics.request_errors.labels(model, str(exc.status_code)).inc()
             yield b"data: " + error_payload(engine_error_body(exc)) + b"\n\n"

@@ -1,0 +1,77 @@
+"""Shared fixtures: free loopback ports and ASGI apps served by a real uvicorn in a background thread."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from typing import Any, Callable, Iterator
+
+import pytest
+import uvicorn
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on right now (also what a dead server looks like)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: Any, *, startup_timeout_s: float = 20.0) -> Iterator[str]:
+    """Runs ``app`` under uvicorn on 127.0.0.1 until the block ends; yields its base URL (no trailing /)."""
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
+                            lifespan="on", timeout_graceful_shutdown=2)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout_s
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError(f"uvicorn for {app!r} exited during startup")
+        if time.monotonic() > deadline:
+            server.should_exit = True
+            raise TimeoutError(f"uvicorn for {app!r} did not start in {startup_timeout_s}s")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def _serve_fixture(scope: str):
+    @pytest.fixture(scope=scope)
+    def fixture() -> Iterator[Callable[[Any], str]]:
+        with contextlib.ExitStack() as stack:
+            yield lambda app: stack.enter_context(serve_in_thread(app))
+
+    fixture.__doc__ = f"``serve(app)`` starts ``app`` until the end of the {scope}; returns its base URL."
+    return fixture
+
+
+serve = _serve_fixture("function")
+serve_module = _serve_fixture("module")
+serve_session = _serve_fixture("session")
+
+
+def wait_until(condition: Callable[[], Any], *, timeout_s: float = 10.0, interval_s: float = 0.05) -> Any:
+    """Polls ``condition`` until it returns something truthy; fails the test after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"condition not met within {timeout_s}s")
+
+        time.sleep(interval_s)
+
+
+@pytest.fixture(name="wait_until")
+def wait_until_fixture() -> Callable[..., Any]:
+    """``wait_until(condition, timeout_s=...)``: bounded polling for things that happen asynchronously."""
+    return wait_until

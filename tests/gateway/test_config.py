@@ -1,0 +1,137 @@
+"""Configuration: defaults < TOML file < environment < command line, and typos caught early."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from gateway.cli import _serve_parser, config_from_args
+from gateway.config import GatewayConfig, load_config
+
+TOML = """
+[server]
+port = 7000
+host = "0.0.0.0"
+log_level = "debug"
+
+[auth]
+api_keys = ["from-file"]
+
+[limits]
+max_tokens = 256
+
+[[upstreams]]
+model = "gpt-4o-mini"
+base_url = "https://api.openai.com/v1"
+api_key_env = "OPENAI_API_KEY"
+"""
+
+
+@pytest.fixture
+def toml_file(tmp_path):
+    path = tmp_path / "parrot.toml"
+    path.write_text(TOML)
+    return path
+
+
+def test_defaults_without_file_or_environment():
+    config = load_config(env={})
+
+    assert config == GatewayConfig()
+    assert (config.server.host, config.server.port) == ("127.0.0.1", 8000)
+    assert config.auth.api_keys == []
+    assert config.builtin_enabled()
+
+
+def test_file_overrides_defaults(toml_file):
+    config = load_config(toml_file, env={})
+
+    assert (config.server.host, config.server.port, config.server.log_level) == ("0.0.0.0", 7000, "debug")
+    assert config.auth.api_keys == ["from-file"]
+    assert config.limits.max_tokens == 256
+    assert config.limits.max_body_bytes == GatewayConfig().limits.max_body_bytes  # untouched keys keep defaults
+    (upstream,) = config.upstreams
+    assert (upstream.model, upstream.served_model(), upstream.api_key_env) == (
+        "gpt-4o-mini", "gpt-4o-mini", "OPENAI_API_KEY")
+    assert not config.builtin_enabled()  # an upstream is configured
+
+
+def test_environment_overrides_file(toml_file):
+    config = load_config(toml_file, env={"PARROT_PORT": "7100", "PARROT_API_KEYS": " k1, k2 ,,",
+                                         "PARROT_MAX_TOKENS": "512", "PARROT_BUILTIN": "yes"})
+
+    assert config.server.port == 7100
+    assert config.server.host == "0.0.0.0"  # from the file still
+    assert config.auth.api_keys == ["k1", "k2"]
+    assert config.limits.max_tokens == 512
+    assert config.builtin_enabled()
+
+
+def test_config_file_from_environment(toml_file):
+    assert load_config(env={"PARROT_CONFIG": str(toml_file)}).server.port == 7000
+
+
+def test_overrides_beat_environment(toml_file):
+    config = load_config(toml_file, env={"PARROT_PORT": "7100", "PARROT_API_KEYS": "k1"},
+                         overrides={"server": {"port": 7200, "host": None}, "auth": {"api_keys": ["cli"]},
+                                    "upstreams": [{"model": "local", "base_url": "http://127.0.0.1:9/v1"}]})
+
+    assert config.server.port == 7200
+    assert config.server.host == "0.0.0.0"  # None means "not given on the command line"
+    assert config.auth.api_keys == ["cli"]
+    assert [u.model for u in config.upstreams] == ["gpt-4o-mini", "local"]
+
+
+def test_command_line_flags(toml_file):
+    args = _serve_parser().parse_args(["--config", str(toml_file), "--port", "7300", "--api-key", "a",
+                                       "--api-key", "b", "--upstream", "m=http://127.0.0.1:9/v1", "--no-builtin"])
+
+    config = config_from_args(args)
+
+    assert config.server.port == 7300
+    assert config.auth.api_keys == ["a", "b"]
+    assert config.upstreams[-1].model == "m"
+    assert config.builtin.enabled is False
+
+
+@pytest.mark.parametrize("text, key", [
+    ("[server]\nprot = 7000\n", "prot"),
+    ("[limitz]\nmax_tokens = 5\n", "limitz"),
+    ("[[upstreams]]\nmodel = 'm'\nbase_url = 'http://x/v1'\napi_key = 'sk-secret'\n", "api_key"),
+])
+def test_unknown_keys_in_the_file_are_rejected(tmp_path, text, key):
+    path = tmp_path / "typo.toml"
+    path.write_text(text)
+
+    with pytest.raises(msgspec.ValidationError, match=f"unknown field `{key}`"):
+        load_config(path, env={})
+
+
+def test_wrong_types_in_the_file_are_rejected(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[server]\nport = 'eighty'\n")
+
+    with pytest.raises(msgspec.ValidationError, match=r"server\.port"):
+        load_config(path, env={})
+
+
+def test_serve_help_runs():
+    parrot = Path(sys.executable).with_name("parrot")  # the console script pyproject.toml installs
+
+    result = subprocess.run([str(parrot), "serve", "--help"], capture_output=True, text=True, timeout=60)
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: parrot serve")
+    for flag in ("--config", "--port", "--api-key", "--upstream", "--no-builtin"):
+        assert flag in result.stdout
+
+
+def test_parrot_without_a_command_prints_usage():
+    result = subprocess.run([sys.executable, "-m", "gateway.cli"], capture_output=True, text=True, timeout=60)
+
+    assert result.returncode == 2
+    assert "usage: parrot" in result.stderr

@@ -1,0 +1,54 @@
+"""A client that hangs up mid-stream must not leave the upstream generating for nobody."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+MODEL = "fake-model"  # what the gateway fixtures serve
+LONG_STREAM = {"model": MODEL, "messages": [{"role": "user", "content": "talk"}], "stream": True,
+               "fake": {"words": 400, "chunk_delay_s": 0.02}}  # about 8 s if nobody hangs up
+
+
+def in_flight(http: httpx.Client, gateway_url: str) -> int:
+    return sum(e["in_flight"] for e in http.get(f"{gateway_url}/v1/engines").json())
+
+
+def test_closing_the_response_closes_the_upstream_stream(http, gateway_url, fake_stats, wait_until):
+    before = fake_stats()["streams_cancelled"]
+
+    with http.stream("POST", f"{gateway_url}/v1/chat/completions", json=LONG_STREAM, timeout=10) as response:
+        lines = response.iter_lines()
+        received = [line for line, _ in zip(lines, range(6)) if line.startswith("data:")]
+        assert in_flight(http, gateway_url) == 1
+    assert len(received) == 3  # three events, each followed by its blank separator line
+
+    wait_until(lambda: fake_stats()["streams_cancelled"] > before, timeout_s=5)
+    wait_until(lambda: in_flight(http, gateway_url) == 0, timeout_s=5)
+
+
+async def test_async_sdk_closing_a_stream_closes_the_upstream_stream(http, gateway_url, fake_stats, wait_until):
+    before = fake_stats()["streams_cancelled"]
+
+    async with openai.AsyncOpenAI(base_url=f"{gateway_url}/v1", api_key="unused", max_retries=0) as client:
+        stream = await client.chat.completions.create(model=MODEL, messages=LONG_STREAM["messages"], stream=True,
+                                                      extra_body={"fake": LONG_STREAM["fake"]})
+        async for chunk in stream:
+            if chunk.choices[0].delta.content == " w2":
+                break
+        await stream.close()
+
+    wait_until(lambda: fake_stats()["streams_cancelled"] > before, timeout_s=5)
+    wait_until(lambda: in_flight(http, gateway_url) == 0, timeout_s=5)
+
+
+def test_client_leaving_before_the_first_chunk_releases_the_engine(http, gateway_url, fake_stats, wait_until):
+    before = fake_stats()["streams_cancelled"]
+    slow_start = {**LONG_STREAM, "fake": {**LONG_STREAM["fake"], "delay_s": 0.5}}
+
+    with pytest.raises(httpx.ReadTimeout):
+        http.post(f"{gateway_url}/v1/chat/completions", json=slow_start, timeout=0.2)
+
+    wait_until(lambda: fake_stats()["streams_cancelled"] > before, timeout_s=5)
+    wait_until(lambda: in_flight(http, gateway_url) == 0, timeout_s=5)

@@ -1,0 +1,158 @@
+"""Routing across engines: load spread, engines registering and heartbeating, and the metrics they feed."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from benchmarks import fake_upstream
+from gateway.config import BuiltinConfig, UpstreamConfig
+
+MODEL = "fake-model"  # what the gateway fixtures serve
+MESSAGES = [{"role": "user", "content": "hello"}]
+
+
+def chat(http: httpx.Client, url: str, model: str = MODEL, **fields) -> httpx.Response:
+    return http.post(f"{url}/v1/chat/completions", json={"model": model, "messages": MESSAGES, **fields})
+
+
+def test_load_spreads_over_upstreams_of_one_model(http, start_gateway, serve, fake_url):
+    other_fake_url = serve(fake_upstream.app)
+    # The fake echoes the model it was sent, so the upstream_model names tell which upstream answered.
+    url = start_gateway([UpstreamConfig(model=MODEL, base_url=f"{fake_url}/v1", upstream_model="first"),
+                         UpstreamConfig(model=MODEL, base_url=f"{other_fake_url}/v1", upstream_model="second")])
+
+    answered_by = [chat(http, url).json()["model"] for _ in range(20)]
+
+    assert set(answered_by) == {"first", "second"}
+    assert min(answered_by.count("first"), answered_by.count("second")) >= 5
+
+
+# ---------------------------------------------------------------- registration and heartbeats
+
+
+@pytest.fixture
+def engine_gateway(start_gateway) -> str:
+    """A gateway with no static upstream, where engines register themselves and go stale quickly."""
+    return start_gateway([], builtin=BuiltinConfig(enabled=False, heartbeat_timeout_s=1.0))
+
+
+def register(http: httpx.Client, gateway: str, engine_url: str, models: list[str], name: str = "engine-a"
+             ) -> str:
+    response = http.post(f"{gateway}/v1/engines", json={"name": name, "url": engine_url, "models": models})
+    assert response.status_code == 201, response.text
+    return response.json()["id"]
+
+
+def heartbeat(http: httpx.Client, gateway: str, engine_id: str, **stats) -> httpx.Response:
+    return http.post(f"{gateway}/v1/engines/{engine_id}/heartbeat", json=stats)
+
+
+def engines(http: httpx.Client, gateway: str) -> dict[str, dict]:
+    return {e["id"]: e for e in http.get(f"{gateway}/v1/engines").json()}
+
+
+def test_registered_engine_serves_its_models(http, engine_gateway, fake_url):
+    assert chat(http, engine_gateway, "remote-model").status_code == 404
+
+    engine_id = register(http, engine_gateway, fake_url, ["remote-model"])
+
+    listed = engines(http, engine_gateway)
+    assert list(listed) == [engine_id]
+    assert listed[engine_id] | {"stats": None} == {
+        "id": engine_id, "name": "engine-a", "kind": "builtin", "url": fake_url, "models": ["remote-model"],
+        "healthy": True, "in_flight": 0, "stats": None}
+    assert http.get(f"{engine_gateway}/v1/models").json()["data"][0]["id"] == "remote-model"
+    reply = chat(http, engine_gateway, "remote-model")
+    assert reply.status_code == 200
+    assert reply.json()["choices"][0]["message"]["content"] == "echo: hello"
+
+
+def test_heartbeat_updates_stats_and_unknown_engine_is_404(http, engine_gateway, fake_url):
+    engine_id = register(http, engine_gateway, fake_url, ["remote-model"])
+
+    response = heartbeat(http, engine_gateway, engine_id, running=2, waiting=1, prefix_hit_tokens=7)
+    unknown = heartbeat(http, engine_gateway, "eng-0000000000000000")
+
+    assert response.status_code == 200
+    assert response.json() == {"id": engine_id}
+    stats = engines(http, engine_gateway)[engine_id]["stats"]
+    assert (stats["running"], stats["waiting"], stats["prefix_hit_tokens"]) == (2, 1, 7)
+    assert unknown.status_code == 404
+    assert unknown.json()["error"]["code"] == "engine_not_found"
+    assert "parrot:prefix_cache_hit_tokens 7.0" in http.get(f"{engine_gateway}/metrics").text
+
+
+def test_silent_engine_is_dropped_from_routing_until_it_heartbeats(http, engine_gateway, fake_url, wait_until):
+    engine_id = register(http, engine_gateway, fake_url, ["remote-model"])
+
+    # Heartbeats keep it routable well past the timeout...
+    for _ in range(12):
+        assert heartbeat(http, engine_gateway, engine_id).status_code == 200
+        assert chat(http, engine_gateway, "remote-model").status_code == 200
+        time.sleep(0.1)
+    # ...and silence takes it out of routing, though it stays listed.
+    wait_until(lambda: not engines(http, engine_gateway)[engine_id]["healthy"], timeout_s=5)
+    dropped = chat(http, engine_gateway, "remote-model")
+    assert dropped.status_code == 503
+    assert dropped.json()["error"]["code"] == "no_healthy_engine"
+    assert http.get(f"{engine_gateway}/health").status_code == 503
+
+    assert heartbeat(http, engine_gateway, engine_id).status_code == 200
+    assert chat(http, engine_gateway, "remote-model").status_code == 200
+
+
+def test_reregistering_the_same_url_replaces_the_old_record(http, engine_gateway, fake_url):
+    old_id = register(http, engine_gateway, fake_url, ["remote-model"])
+
+    new_id = register(http, engine_gateway, f"{fake_url}/", ["remote-model", "another"], name="engine-a-again")
+
+    assert new_id != old_id
+    assert list(engines(http, engine_gateway)) == [new_id]
+    assert heartbeat(http, engine_gateway, old_id).status_code == 404
+    assert [m["id"] for m in http.get(f"{engine_gateway}/v1/models").json()["data"]] == ["another", "remote-model"]
+
+
+def test_malformed_registration_is_a_400(http, engine_gateway):
+    response = http.post(f"{engine_gateway}/v1/engines", json={"name": "x", "models": ["m"]})
+
+    assert response.status_code == 400
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def scrape(http: httpx.Client, gateway: str) -> dict[tuple[str, tuple], float]:
+    """Every sample on /metrics as {(name, sorted labels): value}."""
+    text = http.get(f"{gateway}/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_count_requests_and_tokens(http, start_gateway):
+    url = start_gateway()
+    label = (("model_name", MODEL),)
+
+    longer = [{"role": "user", "content": "a longer prompt here"}]
+    replies = [chat(http, url).json(), chat(http, url, messages=longer).json()]
+    with http.stream("POST", f"{url}/v1/chat/completions",
+                      json={"model": MODEL, "messages": MESSAGES, "stream": True,
+                            "stream_options": {"include_usage": True}}) as streamed:
+        streamed.read()
+    assert chat(http, url, fake={"status": 429}).status_code == 429
+    metrics = scrape(http, url)
+
+    streamed_usage = fake_upstream.chunks({"messages": MESSAGES, "stream_options": {"include_usage": True}})[-1]
+    usages = [r["usage"] for r in replies] + [streamed_usage["usage"]]
+    assert metrics[("parrot:prompt_tokens_total", label)] == sum(u["prompt_tokens"] for u in usages) > 0
+    assert metrics[("parrot:generation_tokens_total", label)] == sum(u["completion_tokens"] for u in usages) > 0
+    assert metrics[("parrot:request_success_total", (("finished_reason", "stop"), *label))] == 3
+    assert metrics[("parrot:request_errors_total", (("model_name", MODEL), ("status", "429")))] == 1
+    assert metrics[("parrot:e2e_request_latency_seconds_count", label)] == 3
+    assert metrics[("parrot:time_to_first_token_seconds_count", label)] == 1
+    assert metrics[("parrot:num_requests_running", label)] == 0
+    assert metrics[("parrot:engines_healthy", label)] == 1
