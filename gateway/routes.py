@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 from litestar import Request, Response, get, post
 from litestar.datastructures import State
+from litestar.params import FromPath, JSONBody
 from litestar.response import Stream
 
 from engines.base import EngineStats, Route
@@ -30,12 +31,12 @@ async def _serve(route: Route, data: OpenAIRequest, request: Request, state: Sta
 
 
 @post("/v1/chat/completions", status_code=200)
-async def chat_completions(data: ChatCompletionRequest, request: Request, state: State) -> Response:
+async def chat_completions(data: JSONBody[ChatCompletionRequest], request: Request, state: State) -> Response:
     return await _serve("chat/completions", data, request, state)
 
 
 @post("/v1/completions", status_code=200)
-async def completions(data: CompletionRequest, request: Request, state: State) -> Response:
+async def completions(data: JSONBody[CompletionRequest], request: Request, state: State) -> Response:
     return await _serve("completions", data, request, state)
 
 
@@ -45,7 +46,7 @@ async def list_models(state: State) -> ModelList:
 
 
 @get("/v1/models/{model_id:path}")
-async def get_model(model_id: str, state: State) -> ModelCard:
+async def get_model(model_id: FromPath[str], state: State) -> ModelCard:
     model_id = model_id.lstrip("/")
     if not state.gateway.registry.serves(model_id):
         raise model_not_found(model_id)
@@ -106,12 +107,12 @@ class Registered(msgspec.Struct):
 
 
 @post("/v1/engines", status_code=201)
-async def register_engine(data: EngineRegistration, state: State) -> Registered:
+async def register_engine(data: JSONBody[EngineRegistration], state: State) -> Registered:
     return Registered(id=state.gateway.register_remote(data.name, data.url, data.models, data.kind))
 
 
 @post("/v1/engines/{engine_id:str}/heartbeat", status_code=200)
-async def engine_heartbeat(engine_id: str, data: EngineStats, state: State) -> Registered:
+async def engine_heartbeat(engine_id: FromPath[str], data: JSONBody[EngineStats], state: State) -> Registered:
     if not state.gateway.registry.heartbeat(engine_id, data):
         raise APIError(404, f"engine {engine_id!r} is not registered", code="engine_not_found")
     return Registered(id=engine_id)

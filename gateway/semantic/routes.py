@@ -6,7 +6,7 @@ from typing import Annotated
 
 from litestar import Request, Response, delete, get, post, put
 from litestar.datastructures import State
-from litestar.params import Parameter
+from litestar.params import FromPath, FromQuery, JSONBody, QueryParameter
 
 from gateway.semantic.graph import SessionStore
 from gateway.semantic.schema import (
@@ -42,29 +42,28 @@ async def create_session(request: Request, state: State) -> SessionView:
 
 
 @delete("/v1/sessions/{session_id:str}", status_code=200)
-async def delete_session(session_id: str, request: Request, state: State) -> SessionDeleted:
+async def delete_session(session_id: FromPath[str], request: Request, state: State) -> SessionDeleted:
     variables, contexts = await semantic(state).close_session(session_id, owner(request))
     return SessionDeleted(id=session_id, freed_variables=variables, freed_contexts=contexts)
 
 
 @get("/v1/sessions/{session_id:str}/vars")
-async def list_session_vars(session_id: str, request: Request, state: State) -> VarList:
+async def list_session_vars(session_id: FromPath[str], request: Request, state: State) -> VarList:
     session = semantic(state).sessions.get(session_id, owner(request))
     return VarList(data=[view(v) for v in session.variables.values()])
 
 
 @post("/v1/vars", status_code=201)
-async def create_var(data: VarCreate, request: Request, state: State) -> VarView:
+async def create_var(data: JSONBody[VarCreate], request: Request, state: State) -> VarView:
     session = semantic(state).sessions.resolve(data.session_id, owner(request))
     return view(session.new_variable(data.name, data.value))
 
 
 @get("/v1/vars/{var_id:str}")
-async def read_var(
-    var_id: str, request: Request, state: State,
-    wait: bool = False,
-    timeout: Annotated[float | None, Parameter(ge=0, description="seconds to wait when wait=true")] = None,
-    criteria: Criteria | None = None,
+async def read_var(var_id: FromPath[str], request: Request, state: State,
+    wait: FromQuery[bool] = False,
+    timeout: Annotated[float | None, QueryParameter(ge=0, description="seconds to wait when wait=true")] = None,
+    criteria: FromQuery[Criteria | None] = None,
 ) -> VarView:
     service = semantic(state)
     variable = service.sessions.find_variable(var_id, owner(request))
@@ -72,7 +71,7 @@ async def read_var(
 
 
 @put("/v1/vars/{var_id:str}", status_code=200)
-async def set_var(var_id: str, data: VarSet, request: Request, state: State) -> VarView:
+async def set_var(var_id: FromPath[str], data: JSONBody[VarSet], request: Request, state: State) -> VarView:
     variable = semantic(state).sessions.find_variable(var_id, owner(request))
     if variable.producer is not None or variable.ready:
         raise APIError(409, f"variable {variable.label} already has a value or a producer",
@@ -82,7 +81,7 @@ async def set_var(var_id: str, data: VarSet, request: Request, state: State) -> 
 
 
 @post("/v1/semantic_calls", status_code=202)
-async def submit_semantic_call(data: SemanticCall, request: Request, state: State) -> SemanticCallView:
+async def submit_semantic_call(data: JSONBody[SemanticCall], request: Request, state: State) -> SemanticCallView:
     session, call = semantic(state).submit_call(data, owner(request))
     return SemanticCallView(id=call.id, session_id=session.id,
                             outputs={n: OutputView(id=v.id, name=v.name) for n, v in call.outputs.items()})
