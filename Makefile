@@ -11,7 +11,6 @@ export TRANSFORMERS_OFFLINE := 1
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 
 # torch is installed first and pinned, so no later dependency can pull CUDA wheels.
 $(STAMP): pyproject.toml | $(PY)
