@@ -1,0 +1,142 @@
+"""The torch paths dispatch uses where Triton cannot run (CPU tensors).
+
+On CPU a host sync is free, so these read lengths back freely and gather each batch's KV into
+padded dense tensors; `benchmarks/kernels.py --cpu` compares them with the alternatives (a
+per-sequence SDPA loop, a hand-written einsum softmax) and they are the fastest measured there.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.reference import gather_kv
+
+
+def gather_padded(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
+    """First max_len tokens of every sequence, [B, KVH, max_len, D] (tokens past a length are junk)."""
+    block_size = cache.shape[1]
+    blocks = block_tables[:, : -(-max_len // block_size)].long()  # [B, n]
+    return cache[blocks].flatten(1, 2)[:, :max_len].transpose(1, 2)
+
+
+def length_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
+    """[B, max_len] True where a position is inside its sequence."""
+    return torch.arange(max_len, device=lengths.device)[None, :] < lengths[:, None]
+
+
+def decode(q, k_cache, v_cache, block_tables, context_lens, scale, *, out=None):
+    """q [B, H, D] -> [B, H, D], zero rows where context_lens is 0.
+
+    fp32: one padded-batch SDPA call. Half types: one unmasked SDPA per sequence, because CPU
+    SDPA with a mask is 1.5-2x slower in bf16 than the loop (benchmarks/kernels.py --cpu).
+    """
+    out = torch.zeros_like(q) if out is None else out.zero_()
+    if q.dtype == torch.float32:
+        return decode_padded(q, k_cache, v_cache, block_tables, context_lens, scale, out)
+    return decode_per_sequence(q, k_cache, v_cache, block_tables, context_lens, scale, out)
+
+
+def decode_padded(q, k_cache, v_cache, block_tables, context_lens, scale, out):
+    max_len = int(context_lens.max()) if len(context_lens) else 0
+    if max_len == 0:
+        return out
+    k = gather_padded(k_cache, block_tables, max_len)  # [B, KVH, L, D]
+    v = gather_padded(v_cache, block_tables, max_len)
+    mask = length_mask(context_lens, max_len)[:, None, None, :]  # [B, 1, 1, L]
+    attended = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    live = context_lens > 0  # an all-masked row is NaN in SDPA
+    out[live] = attended.squeeze(2)[live]
+    return out
+
+
+def decode_per_sequence(q, k_cache, v_cache, block_tables, context_lens, scale, out):
+    for b, length in enumerate(context_lens.tolist()):
+        if length == 0:
+            continue
+        k = gather_kv(k_cache, block_tables[b], length).transpose(0, 1)  # [KVH, L, D]
+        v = gather_kv(v_cache, block_tables[b], length).transpose(0, 1)
+        attended = F.scaled_dot_product_attention(q[b].unsqueeze(1), k, v, scale=scale, enable_gqa=True)
+        out[b] = attended.squeeze(1)
+    return out
+
+
+def prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, *, out=None):
+    """Per-sequence SDPA over the gathered context, causal mask aligned to the context's end."""
+    out = torch.empty_like(q) if out is None else out
+    bounds = cu_seqlens_q.tolist()
+    for b, length in enumerate(context_lens.tolist()):
+        start, end = bounds[b], bounds[b + 1]
+        if end == start:
+            continue
+        k = gather_kv(k_cache, block_tables[b], length).transpose(0, 1)  # [KVH, L, D]
+        v = gather_kv(v_cache, block_tables[b], length).transpose(0, 1)
+        queries = q[start:end].transpose(0, 1)  # [H, n, D]
+        if end - start == length:  # no cached prefix: the plain causal kernel
+            attended = F.scaled_dot_product_attention(queries, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            positions = torch.arange(length - (end - start), length, device=q.device)
+            mask = torch.arange(length, device=q.device)[None, :] <= positions[:, None]  # [n, L]
+            attended = F.scaled_dot_product_attention(queries, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start:end] = attended.transpose(0, 1)
+    return out
+
+
+def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None):
+    """q [B, KVH, R, D] (R query rows per kv head), k/v [B, KVH, L, D], mask [B, 1, 1, L]
+    -> (out [B, KVH, R, D] fp32, lse [B, KVH, R] natural log; -inf for rows with no keys)."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [B, KVH, R, L]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.clamp_min(torch.finfo(torch.float32).min).unsqueeze(-1))
+    return torch.matmul(probs, v.float()), lse
+
+
+def shared_prefix_decode(
+    q, k_cache, v_cache, prefix_ids, prefix_block_tables, prefix_lens, suffix_block_tables, suffix_lens, scale,
+    *, out=None,
+):
+    """Each prefix's KV gathered once and attended by all its sequences in one matmul, merged by
+    log-sum-exp with a padded-batch pass over the suffixes."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    grouped_q = q.view(batch, num_kv_heads, group, head_dim)
+
+    max_suffix = int(suffix_lens.max()) if batch else 0
+    k = gather_padded(k_cache, suffix_block_tables, max_suffix)
+    v = gather_padded(v_cache, suffix_block_tables, max_suffix)
+    mask = length_mask(suffix_lens, max_suffix)[:, None, None, :]
+    suffix_out, suffix_lse = attend_with_lse(grouped_q, k, v, scale, mask)  # [B, KVH, G, D], [B, KVH, G]
+
+    prefix_out = torch.zeros_like(suffix_out)
+    prefix_lse = torch.full_like(suffix_lse, float("-inf"))
+    for prefix, length in enumerate(prefix_lens.tolist()):
+        seqs = (prefix_ids == prefix).nonzero().squeeze(1)
+        if length == 0 or len(seqs) == 0:
+            continue
+        pk = gather_kv(k_cache, prefix_block_tables[prefix], length).transpose(0, 1)[None]  # [1, KVH, L, D]
+        pv = gather_kv(v_cache, prefix_block_tables[prefix], length).transpose(0, 1)[None]
+        rows = grouped_q[seqs].transpose(0, 1).reshape(1, num_kv_heads, len(seqs) * group, head_dim)
+        shared_out, shared_lse = attend_with_lse(rows, pk, pv, scale, None)
+        prefix_out[seqs] = shared_out.view(num_kv_heads, len(seqs), group, head_dim).transpose(0, 1)
+        prefix_lse[seqs] = shared_lse.view(num_kv_heads, len(seqs), group).transpose(0, 1)
+
+    top = torch.maximum(prefix_lse, suffix_lse).nan_to_num(neginf=0.0)  # [B, KVH, G]
+    prefix_weight = torch.exp(prefix_lse - top)
+    suffix_weight = torch.exp(suffix_lse - top)
+    total = (prefix_weight + suffix_weight).clamp_min(torch.finfo(torch.float32).tiny)
+    merged = (prefix_out * prefix_weight[..., None] + suffix_out * suffix_weight[..., None]) / total[..., None]
+    merged = merged.reshape(batch, num_heads, head_dim).to(q.dtype)
+    if out is None:
+        return merged
+    return out.copy_(merged)
+
+
+def kv_write(key, value, k_cache, v_cache, slot_mapping):
+    """In place; slot -1 skipped."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep].to(v_cache.dtype)

@@ -1,0 +1,131 @@
+"""Paged prefill / extend attention: causal attention of a batch of new tokens over their
+sequences' cached prefix plus themselves.
+
+Varlen: the new tokens of all sequences are packed along one axis (cu_seqlens_q), and their
+keys/values are already in the paged cache (kv_write runs first), so a chunked prefill, a
+prefix-cache hit and a fresh prompt are the same case: sequence b's last
+q_len = cu_seqlens_q[b+1] - cu_seqlens_q[b] cached tokens are its queries, and query i sits at
+position context_lens[b] - q_len + i. Program (query tile, sequence, head) streams the keys up to
+its tile's last position, so tiles above the causal diagonal are never read.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_helpers import LOG2E, mma, use_fp32_dot
+from kernels.validation import check_prefill_args, expect, expect_triton_device
+
+BLOCK_M = 64  # query tokens per program
+BLOCK_N = 64  # key tokens per tile
+NUM_WARPS = 8  # 4 spill registers at head_dim 128 (python -m kernels.compile_check)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, out_ptr,
+    stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_bt,
+    stride_ot, stride_oh,
+    scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    b = tl.program_id(1)
+    head = tl.program_id(2)
+    kv_head = head // GROUP
+
+    q_start = tl.load(cu_seqlens_q_ptr + b)
+    q_len = tl.load(cu_seqlens_q_ptr + b + 1) - q_start
+    if tile * BLOCK_M >= q_len:
+        return  # the grid is sized for the longest sequence
+    context_len = tl.load(context_lens_ptr + b)
+    prefix_len = context_len - q_len
+
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < q_len
+    positions = prefix_len + rows  # [BLOCK_M] absolute position of each query
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    q = tl.load(
+        q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :],
+        mask=row_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )  # [BLOCK_M, BLOCK_D]
+    qk_scale = scale * LOG2E
+
+    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table = block_tables_ptr + b * stride_bt
+    end = tl.minimum(context_len, prefix_len + (tile + 1) * BLOCK_M)  # causal: nothing past the tile's last query
+    for tile_start in range(0, end, BLOCK_N):
+        tokens = tile_start + tl.arange(0, BLOCK_N)
+        token_mask = tokens < end
+        blocks = tl.load(table + tokens // PAGE, mask=token_mask, other=0).to(tl.int64)
+        offsets = blocks * stride_kb + (tokens % PAGE) * stride_kt + kv_head * stride_kh  # [BLOCK_N]
+        kv_mask = token_mask[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+
+        scores = mma(q, tl.trans(k), FP32_DOT) * qk_scale  # [BLOCK_M, BLOCK_N]
+        visible = token_mask[None, :] & (tokens[None, :] <= positions[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        # key 0 is visible to every query, so after the first tile no row max is -inf
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+        probs = tl.exp2(scores - new_max[:, None])
+        rescale = tl.exp2(row_max - new_max)
+        row_sum = row_sum * rescale + tl.sum(probs, axis=1)
+        acc = acc * rescale[:, None] + mma(probs.to(v.dtype), v, FP32_DOT)
+        row_max = new_max
+
+    out = acc / row_sum[:, None]
+    tl.store(
+        out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & dim_mask[None, :],
+    )
+
+
+def paged_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_seqlen_q: int,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed new tokens q [T, H, D] over cache + themselves -> [T, H, D].
+
+    cu_seqlens_q [B+1] int32 (cumulative new-token counts, cu_seqlens_q[-1] == T);
+    context_lens [B] int32, each sequence's cached length including its new tokens (>= its q_len);
+    block_tables [B, max_blocks] int32; max_seqlen_q a host int >= every q_len (sizes the grid).
+    """
+    group = check_prefill_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens)
+    expect_triton_device(q)
+    num_tokens, num_heads, head_dim = q.shape
+    out = torch.empty_like(q) if out is None else out
+    expect(out, "out", ndim=3, dtypes=(q.dtype,), shape=dict(enumerate(q.shape)))
+    batch = context_lens.shape[0]
+    if num_tokens == 0 or batch == 0 or max_seqlen_q <= 0:
+        return out
+    grid = (triton.cdiv(max_seqlen_q, BLOCK_M), batch, num_heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        scale,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PAGE=k_cache.shape[1],
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, FP32_DOT=use_fp32_dot(q.dtype), num_warps=NUM_WARPS,
+    )
+    return out

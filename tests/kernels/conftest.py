@@ -1,0 +1,73 @@
+"""Kernel tests run the Triton kernels on CPU through Triton's interpreter.
+
+triton.jit picks interpreted or compiled when a kernel is decorated, i.e. when its module is
+imported, so TRITON_INTERPRET must be set before any kernels.* Triton module is imported.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+_TRITON_MODULES = ("kernels.paged_decode", "kernels.paged_prefill", "kernels.shared_prefix_decode",
+                   "kernels.kv_write", "kernels.split_merge", "kernels.triton_helpers")
+_early = [name for name in _TRITON_MODULES if name in sys.modules]
+assert not _early, f"{_early} imported before tests/kernels/conftest.py set TRITON_INTERPRET=1; kernels would compile for CUDA"
+
+pytest.importorskip("triton")
+
+NUM_KV_HEADS = 3
+NUM_HEADS = 9  # SmolLM2's GQA 9:3
+HEAD_DIM = 64
+SCALE = HEAD_DIM**-0.5
+TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+
+
+class PagedKV:
+    """A random paged cache plus block tables that scatter each sequence over shuffled blocks."""
+
+    num_heads, num_kv_heads, head_dim, scale = NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, SCALE
+
+    def __init__(self, block_size: int, dtype: torch.dtype, num_blocks: int = 96, seed: int = 0):
+        self.block_size = block_size
+        self.generator = torch.Generator().manual_seed(seed)
+        shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+        self.k_cache = torch.randn(shape, generator=self.generator).to(dtype)
+        self.v_cache = torch.randn(shape, generator=self.generator).to(dtype)
+        self.free_blocks = torch.randperm(num_blocks, generator=self.generator).tolist()
+
+    def block_tables(self, lengths: list[int], width: int | None = None) -> torch.Tensor:
+        """[len(lengths), width] int32; padding entries are -1 so a stray read would fault."""
+        needed = [-(-n // self.block_size) for n in lengths]
+        width = max(needed + [1]) if width is None else width
+        table = torch.full((len(lengths), width), -1, dtype=torch.int32)
+        for row, count in enumerate(needed):
+            table[row, :count] = torch.tensor([self.free_blocks.pop() for _ in range(count)], dtype=torch.int32)
+        return table
+
+    def queries(self, rows: int) -> torch.Tensor:
+        return torch.randn(rows, NUM_HEADS, HEAD_DIM, generator=self.generator).to(self.k_cache.dtype)
+
+
+@pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def dtype(request):
+    return request.param
+
+
+@pytest.fixture(params=[16, 32], ids=["page16", "page32"])
+def block_size(request):
+    return request.param
+
+
+@pytest.fixture
+def kv(block_size, dtype) -> PagedKV:
+    return PagedKV(block_size, dtype)
+
+
+@pytest.fixture
+def tol(dtype) -> dict:
+    return TOLERANCE[dtype]

@@ -1,0 +1,101 @@
+"""The CPU path of kernels.dispatch: what the engine runs on a machine without a GPU."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import dispatch, reference
+
+SUFFIX_LENS = [3, 0, 40, 1, 17, 0]
+PREFIX_IDS = [0, 1, -1, 0, 1, -1]
+PREFIX_LENS = [70, 33]
+
+
+def test_decode_matches_reference(kv, tol):
+    lens = [1, 37, 100, 0, 64]
+    tables = kv.block_tables(lens)
+    q = kv.queries(len(lens))
+    args = (q, kv.k_cache, kv.v_cache, tables, torch.tensor(lens, dtype=torch.int32), kv.scale)
+    out = dispatch.decode_attention(*args)
+    torch.testing.assert_close(out, reference.paged_decode(*args), **tol)
+    assert not out.isnan().any()
+
+
+def test_prefill_matches_reference(kv, tol):
+    q_lens, context = [5, 70, 1, 0], [5, 100, 50, 12]
+    tables = kv.block_tables(context)
+    cu = torch.tensor([0, 5, 75, 76, 76], dtype=torch.int32)
+    q = kv.queries(sum(q_lens))
+    context_lens = torch.tensor(context, dtype=torch.int32)
+    out = dispatch.prefill_attention(q, kv.k_cache, kv.v_cache, tables, cu, context_lens, 70, kv.scale)
+    expected = reference.paged_prefill(q, kv.k_cache, kv.v_cache, tables, cu, context_lens, kv.scale)
+    torch.testing.assert_close(out, expected, **tol)
+
+
+def test_shared_prefix_decode_matches_reference(kv, tol):
+    q = kv.queries(len(PREFIX_IDS))
+    args = (
+        q, kv.k_cache, kv.v_cache, torch.tensor(PREFIX_IDS, dtype=torch.int32), kv.block_tables(PREFIX_LENS),
+        torch.tensor(PREFIX_LENS, dtype=torch.int32), kv.block_tables(SUFFIX_LENS),
+        torch.tensor(SUFFIX_LENS, dtype=torch.int32), kv.scale,
+    )
+    out = dispatch.shared_prefix_decode_attention(*args)
+    torch.testing.assert_close(out, reference.shared_prefix_decode(*args), **tol)
+    assert torch.all(out[-1] == 0)
+
+
+def test_write_kv_matches_reference(kv):
+    slots = torch.tensor([5, -1, 17, 0, -1, 3 * kv.block_size])
+    key = torch.randn(len(slots), kv.num_kv_heads, kv.head_dim).to(kv.k_cache.dtype)
+    expected_k, expected_v = kv.k_cache.clone(), kv.v_cache.clone()
+    reference.kv_write(key, -key, expected_k, expected_v, slots)
+    dispatch.write_kv(key, -key, kv.k_cache, kv.v_cache, slots)
+    assert torch.equal(kv.k_cache, expected_k) and torch.equal(kv.v_cache, expected_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32], ids=["fp32"])
+def test_prompt_then_decode_equals_dense_causal_attention(kv, tol):
+    """The engine's flow: write a chunked prompt's KV, prefill it, decode one more token; every
+    output must equal causal attention over contiguous K/V."""
+    total, chunk = 45, 30
+    keys = torch.randn(total, kv.num_kv_heads, kv.head_dim)
+    values = torch.randn(total, kv.num_kv_heads, kv.head_dim)
+    queries = torch.randn(total, kv.num_heads, kv.head_dim)
+    table = kv.block_tables([total])
+    slots = table[0, torch.arange(total) // kv.block_size] * kv.block_size + torch.arange(total) % kv.block_size
+
+    dispatch.write_kv(keys[:chunk], values[:chunk], kv.k_cache, kv.v_cache, slots[:chunk])
+    first = dispatch.prefill_attention(
+        queries[:chunk], kv.k_cache, kv.v_cache, table, torch.tensor([0, chunk], dtype=torch.int32),
+        torch.tensor([chunk], dtype=torch.int32), chunk, kv.scale,
+    )
+    dispatch.write_kv(keys[chunk:-1], values[chunk:-1], kv.k_cache, kv.v_cache, slots[chunk:-1])
+    second = dispatch.prefill_attention(
+        queries[chunk:-1], kv.k_cache, kv.v_cache, table, torch.tensor([0, total - 1 - chunk], dtype=torch.int32),
+        torch.tensor([total - 1], dtype=torch.int32), total - 1 - chunk, kv.scale,
+    )
+    dispatch.write_kv(keys[-1:], values[-1:], kv.k_cache, kv.v_cache, slots[-1:])
+    last = dispatch.decode_attention(queries[-1:], kv.k_cache, kv.v_cache, table, torch.tensor([total], dtype=torch.int32), kv.scale)
+
+    dense = F.scaled_dot_product_attention(
+        queries.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), is_causal=True, scale=kv.scale, enable_gqa=True
+    ).transpose(0, 1)
+    torch.testing.assert_close(torch.cat([first, second, last]), dense, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32], ids=["fp32"])
+@pytest.mark.parametrize("block_size", [16], ids=["page16"])
+def test_cpu_path_validates_arguments(kv):
+    tables = kv.block_tables([4])
+    with pytest.raises(ValueError, match="head_dim"):
+        dispatch.decode_attention(kv.queries(1)[..., :32], kv.k_cache, kv.v_cache, tables, torch.tensor([4], dtype=torch.int32), kv.scale)
+    with pytest.raises(ValueError, match="slot_mapping must have dtype"):
+        dispatch.write_kv(torch.zeros(1, 3, 64), torch.zeros(1, 3, 64), kv.k_cache, kv.v_cache, torch.tensor([1.0]))
+
+
+def test_importing_dispatch_does_not_need_triton():
+    code = "import sys, kernels; kernels.decode_attention; assert 'triton' not in sys.modules, 'triton imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
