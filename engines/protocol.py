@@ -267,7 +267,7 @@ class ChatChunkChoice(Struct):
     logprobs: ChoiceLogprobs | None = None
 
 
-class ChatCompletionChunk(Struct, omit_defaults=True):
+class ChatCompletionChunk(Struct):
     model: str
     choices: list[ChatChunkChoice]
     id: str = ""
@@ -290,7 +290,7 @@ class CompletionChoice(Struct):
     logprobs: CompletionLogprobs | None = None
 
 
-class Completion(Struct, omit_defaults=True):
+class Completion(Struct):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
