@@ -244,7 +244,6 @@ class ChatCompletion(Struct):
     id: str = field(default_factory=lambda: new_id("chatcmpl"))
     object: str = "chat.completion"
     created: int = field(default_factory=now)
-    parrot: dict[str, Any] | None = None
 
 
 class ToolCallDelta(Struct, omit_defaults=True):
