@@ -114,6 +114,7 @@ class SamplingFields(Struct, kw_only=True, omit_defaults=True):
     repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    priority: int = 0  # as vLLM: larger runs first (Parrot sends it for latency-critical and app-FIFO work)
     # Parrot's extension object; interpreted by the gateway, never forwarded upstream.
     parrot: dict[str, Any] | None = None
 

@@ -29,6 +29,9 @@ class GatewayMetrics:
                               ["model_name"], buckets=_LATENCY_BUCKETS, registry=r)
         self.prefix_hit_tokens = Gauge("parrot:prefix_cache_hit_tokens", "Prompt tokens served from a cached "
                                        "prefix, summed over engines (as reported on heartbeat).", registry=r)
+        self.shared_prefix_fork_tokens = Gauge("parrot:shared_prefix_fork_tokens", "Prompt tokens forked from "
+                                               "a shared prefix the gateway pinned, instead of recomputed.",
+                                               registry=r)
         self.engines_healthy = Gauge("parrot:engines_healthy", "Healthy engines per model.", ["model_name"],
                                      registry=r)
 

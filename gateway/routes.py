@@ -76,6 +76,7 @@ async def health(state: State) -> Response:
 async def metrics(state: State) -> Response:
     gateway: Gateway = state.gateway
     gateway.metrics.prefix_hit_tokens.set(sum(r.stats.prefix_hit_tokens for r in gateway.registry.records()))
+    gateway.metrics.shared_prefix_fork_tokens.set(state.semantic.prefixes.hit_tokens)
     for model in gateway.registry.models():
         gateway.metrics.engines_healthy.labels(model).set(sum(1 for _ in gateway.registry.candidates(model)))
     return Response(gateway.metrics.render(), media_type="text/plain; version=0.0.4")

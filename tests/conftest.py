@@ -75,3 +75,40 @@ def wait_until(condition: Callable[[], Any], *, timeout_s: float = 10.0, interva
 def wait_until_fixture() -> Callable[..., Any]:
     """``wait_until(condition, timeout_s=...)``: bounded polling for things that happen asynchronously."""
     return wait_until
+
+
+# ---------------------------------------------------------------- the real default model behind a real gateway
+
+SMOLLM = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="session")
+def smollm_gateway(serve_session) -> Iterator[dict[str, str]]:
+    """A gateway (in this process) and a builtin SmolLM2 engine process that registers with it and
+    heartbeats, as `parrot serve` runs them. Yields {"gateway": url, "engine": url}; one per test session."""
+    import os
+    import subprocess
+    import sys
+
+    import httpx
+
+    from gateway.app import create_app
+    from gateway.config import BuiltinConfig, GatewayConfig
+
+    config = GatewayConfig(builtin=BuiltinConfig(enabled=False, heartbeat_timeout_s=60.0))
+    gateway = serve_session(create_app(config))
+    engine_port = free_port()
+    engine = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "engine", "--port", str(engine_port), "--gateway-url", gateway,
+         "--heartbeat-interval", "0.5"],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        deadline = time.monotonic() + 300
+        while SMOLLM not in httpx.get(f"{gateway}/v1/models").text:
+            if engine.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the builtin engine did not register with the gateway")
+            time.sleep(0.5)
+        yield {"gateway": gateway, "engine": f"http://127.0.0.1:{engine_port}"}
+    finally:
+        engine.terminate()
+        engine.wait(timeout=30)

@@ -120,6 +120,8 @@ class Runner:
                           session: Session, records: list[EngineRecord]) -> bytes:
         prompt = await self._prompt_with_markers(route, body, records[0])
         cut = prompt.find(_OPEN)
+        while cut > 0 and prompt[cut - 1] in " \t":
+            cut -= 1  # BPE joins a space to the next word: "of " + "France" must tokenize as "of" + " France"
         prefix = prompt if cut < 0 else prompt[:cut]
         if len(prefix) < self.min_prefix_chars or cut < 0:
             plain = substitute(route, body, values) | {"priority": priority}

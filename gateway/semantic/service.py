@@ -85,6 +85,8 @@ class SemanticService:
         inputs = self._bind(session, placeholders, ext.vars, "parrot.vars")
         output = self._output(session, ext.output)
         responses: dict[str, bytes] = {}
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}  # runs whole, server-side
 
         async def work(call: Call, values: dict[str, str]) -> dict[str, str]:
             responses["body"] = await self.runner.run(route, body, values, priority=call.priority, session=session)
@@ -102,7 +104,7 @@ class SemanticService:
         answer = msgspec.json.decode(responses["body"])
         answer["parrot"] = msgspec.to_builtins(result)
         if stream:
-            return _as_stream(route, answer, body)
+            return _as_stream(route, answer, include_usage)
         return Response(msgspec.json.encode(answer), media_type=JSON)
 
     @staticmethod
@@ -176,12 +178,11 @@ class SemanticService:
         return results
 
 
-def _as_stream(route: Route, answer: dict[str, Any], body: dict[str, Any]) -> Response:
+def _as_stream(route: Route, answer: dict[str, Any], include_usage: bool) -> Response:
     """A finished semantic request as an OpenAI stream (one content chunk), for clients that asked to stream."""
     from litestar.response import Stream
 
     usage = answer.get("usage")
-    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
 
     def events():
         base = {"id": answer["id"], "created": answer["created"], "model": answer["model"]}

@@ -1,0 +1,251 @@
+"""Semantic variables over an upstream engine (text substitution): the graph's behaviour, fast.
+
+The fake upstream echoes the last user message ("echo: ..."), so a consumer's output shows exactly
+which values reached it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from gateway.semantic.graph import Call, Session
+from tests.gateway.conftest import MODEL
+
+
+def chat(text: str, parrot: dict, **extra) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": text}], "parrot": parrot, **extra}
+
+
+@pytest.fixture
+def gw(gateway_url) -> httpx.Client:
+    with httpx.Client(base_url=gateway_url, timeout=20) as client:
+        yield client
+
+
+@pytest.fixture
+def session(gw) -> str:
+    session_id = gw.post("/v1/sessions").json()["id"]
+    yield session_id
+    gw.delete(f"/v1/sessions/{session_id}")
+
+
+def new_var(gw, session, name=None, value=None) -> str:
+    response = gw.post("/v1/vars", json={"session_id": session, "name": name, "value": value})
+    assert response.status_code == 201, response.text
+    return response.json()["id"]
+
+
+def test_reduce_submitted_before_its_maps_sees_every_map_output(gw, session):
+    maps = [new_var(gw, session, f"m{i}") for i in range(3)]
+    reduce = gw.post("/v1/chat/completions", json=chat(
+        "combine {{a}} | {{b}} | {{c}}",
+        {"session_id": session, "wait": False, "output": "final",
+         "vars": {k: {"id": v} for k, v in zip("abc", maps)}}))
+    assert reduce.status_code == 202
+    final = reduce.json()["parrot"]["output"]["id"]
+    assert gw.get(f"/v1/vars/{final}").json()["ready"] is False
+    for i, var in enumerate(maps):
+        response = gw.post("/v1/chat/completions", json=chat(
+            "map {{doc}}", {"session_id": session, "wait": False, "vars": {"doc": {"value": f"chunk{i}"}},
+                            "output": {"id": var}}))
+        assert response.status_code == 202
+    result = gw.get(f"/v1/vars/{final}", params={"wait": "true", "timeout": 10, "criteria": "latency"}).json()
+    assert result["ready"] and result["value"] == (
+        "echo: combine echo: map chunk0 | echo: map chunk1 | echo: map chunk2")
+
+
+def test_chain_runs_server_side_in_order(gw, session):
+    previous = {"value": "start"}
+    for step in range(3):
+        response = gw.post("/v1/chat/completions", json=chat(
+            f"step{step} {{{{prev}}}}", {"session_id": session, "wait": False, "vars": {"prev": previous},
+                                        "output": f"s{step}"}))
+        previous = {"id": response.json()["parrot"]["output"]["id"]}
+    value = gw.get(f"/v1/vars/{previous['id']}", params={"wait": "true", "timeout": 10}).json()["value"]
+    assert value == "echo: step2 echo: step1 echo: step0 start"
+
+
+def test_waiting_request_returns_openai_response_with_parrot_fields(gw, session):
+    response = gw.post("/v1/chat/completions", json=chat(
+        "hello {{name}}", {"session_id": session, "vars": {"name": {"value": "parrot"}}, "output": "greeting"}))
+    body = response.json()
+    assert response.status_code == 200
+    assert body["choices"][0]["message"]["content"] == "echo: hello parrot"
+    assert body["parrot"]["session_id"] == session and body["parrot"]["output"]["name"] == "greeting"
+    stored = gw.get(f"/v1/vars/{body['parrot']['output']['id']}").json()
+    assert stored["value"] == "echo: hello parrot" and stored["name"] == "greeting"
+
+
+def test_streaming_request_with_variables_streams_the_bound_output(gw, session):
+    body = chat("stream {{x}}", {"session_id": session, "vars": {"x": {"value": "it"}}},
+                stream=True, stream_options={"include_usage": True})
+    with gw.stream("POST", "/v1/chat/completions", json=body) as response:
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    first = httpx.Response(200, content=lines[0][6:]).json()
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": "echo: stream it"}
+    assert '"usage"' in lines[-2]
+
+
+def test_completions_route_binds_prompt_placeholders(gw, session):
+    response = gw.post("/v1/completions", json={"model": MODEL, "prompt": "say {{w}}",
+                                                "parrot": {"session_id": session, "vars": {"w": {"value": "hi"}}}})
+    assert response.json()["choices"][0]["text"] == "echo: say hi"
+
+
+def test_cycle_is_rejected_with_400(gw, session):
+    a, b = new_var(gw, session, "a"), new_var(gw, session, "b")
+    first = gw.post("/v1/chat/completions", json=chat(
+        "{{x}}", {"session_id": session, "wait": False, "vars": {"x": {"id": a}}, "output": {"id": b}}))
+    assert first.status_code == 202
+    second = gw.post("/v1/chat/completions", json=chat(
+        "{{x}}", {"session_id": session, "wait": False, "vars": {"x": {"id": b}}, "output": {"id": a}}))
+    assert second.status_code == 400
+    assert second.json()["error"]["code"] == "cycle"
+
+
+def test_self_loop_is_a_cycle(gw, session):
+    a = new_var(gw, session, "a")
+    response = gw.post("/v1/chat/completions", json=chat(
+        "{{x}}", {"session_id": session, "wait": False, "vars": {"x": {"id": a}}, "output": {"id": a}}))
+    assert response.status_code == 400 and response.json()["error"]["code"] == "cycle"
+
+
+def test_never_produced_variable_times_out_clearly(gw, session):
+    orphan = new_var(gw, session, "orphan")
+    response = gw.get(f"/v1/vars/{orphan}", params={"wait": "true", "timeout": 0.3})
+    assert response.status_code == 504
+    error = response.json()["error"]
+    assert error["code"] == "variable_timeout" and "nothing produces it" in error["message"]
+
+
+def test_consumer_of_never_produced_variable_fails_after_input_timeout(start_gateway):
+    from gateway.config import SemanticConfig
+
+    url = start_gateway(semantic=SemanticConfig(input_timeout_s=0.3))
+    with httpx.Client(base_url=url, timeout=10) as gw:
+        orphan = gw.post("/v1/vars", json={"name": "orphan"}).json()["id"]
+        response = gw.post("/v1/chat/completions", json=chat("use {{x}}", {"vars": {"x": {"id": orphan}}}))
+    assert response.status_code == 504
+    assert "'orphan'" in response.json()["error"]["message"]
+
+
+def test_failing_producer_fails_its_consumer_naming_it(gw, session):
+    producer = gw.post("/v1/chat/completions", json=chat(
+        "boom", {"session_id": session, "wait": False, "output": "bad"}, fake={"status": 500}))
+    bad = producer.json()["parrot"]
+    consumer = gw.post("/v1/chat/completions", json=chat(
+        "use {{x}}", {"session_id": session, "vars": {"x": {"id": bad["output"]["id"]}}}))
+    assert consumer.status_code == 424
+    message = consumer.json()["error"]["message"]
+    assert bad["call_id"] in message and "'bad'" in message and "fake upstream error" in message
+    failed = gw.get(f"/v1/vars/{bad['output']['id']}").json()
+    assert failed["ready"] and failed["value"] is None and "fake upstream error" in failed["error"]
+
+
+def test_sessions_and_variables_are_private_to_their_api_key(start_gateway):
+    from gateway.config import AuthConfig
+
+    url = start_gateway(auth=AuthConfig(api_keys=["key-a", "key-b"]))
+    alice = httpx.Client(base_url=url, headers={"authorization": "Bearer key-a"})
+    bob = httpx.Client(base_url=url, headers={"authorization": "Bearer key-b"})
+    session = alice.post("/v1/sessions").json()["id"]
+    var = alice.post("/v1/vars", json={"session_id": session, "value": "secret"}).json()["id"]
+    assert alice.get(f"/v1/vars/{var}").json()["value"] == "secret"
+    assert bob.get(f"/v1/vars/{var}").status_code == 404
+    assert bob.get(f"/v1/sessions/{session}/vars").status_code == 404
+    assert bob.delete(f"/v1/sessions/{session}").status_code == 404
+    assert bob.post("/v1/chat/completions", json=chat("x", {"session_id": session})).status_code == 404
+    assert bob.post("/v1/vars", json={"session_id": session}).status_code == 404
+    assert alice.delete(f"/v1/sessions/{session}").status_code == 200
+    assert alice.get(f"/v1/vars/{var}").status_code == 404
+
+
+def test_deleting_a_session_forgets_its_variables(gw):
+    session = gw.post("/v1/sessions").json()["id"]
+    var = new_var(gw, session, "v", "1")
+    listed = gw.get(f"/v1/sessions/{session}/vars").json()["data"]
+    assert [v["id"] for v in listed] == [var]
+    deleted = gw.delete(f"/v1/sessions/{session}").json()
+    assert deleted["deleted"] and deleted["freed_variables"] == 1
+    assert gw.get(f"/v1/vars/{var}").status_code == 404
+    assert gw.get(f"/v1/sessions/{session}/vars").status_code == 404
+
+
+def test_put_sets_a_variable_once_and_wakes_its_consumers(gw, session):
+    var = new_var(gw, session, "later")
+    consumer = gw.post("/v1/chat/completions", json=chat(
+        "got {{x}}", {"session_id": session, "wait": False, "vars": {"x": {"id": var}}}))
+    out = consumer.json()["parrot"]["output"]["id"]
+    assert gw.put(f"/v1/vars/{var}", json={"value": "now"}).status_code == 200
+    assert gw.put(f"/v1/vars/{var}", json={"value": "again"}).status_code == 409
+    assert gw.get(f"/v1/vars/{out}", params={"wait": "true", "timeout": 10}).json()["value"] == "echo: got now"
+
+
+@pytest.mark.parametrize("parrot, param", [
+    ({"vars": {}}, "parrot.vars"),  # {{x}} unbound
+    ({"vars": {"x": {"id": "var_nope"}}}, None),  # unknown variable: 404
+    ({"vars": {"x": {"value": "a", "id": "b"}}}, "parrot.vars.x"),
+    ({"vars": {"x": {"value": "a"}}, "criteria": "fast"}, "parrot"),
+    ({"vars": {"x": {"value": "a"}}, "session_id": "sess_unknown"}, "session_id"),
+])
+def test_bad_extension_is_a_4xx_naming_the_field(gw, parrot, param):
+    response = gw.post("/v1/chat/completions", json=chat("{{x}}", parrot))
+    assert 400 <= response.status_code < 500, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_semantic_call_generates_outputs_in_order(gw, session):
+    response = gw.post("/v1/semantic_calls", json={
+        "model": MODEL, "session_id": session,
+        "template": "Topic: {{input:topic}}. First: {{output:first}} Then: {{output:second}}",
+        "inputs": {"topic": {"value": "birds"}}, "outputs": {"first": {"max_tokens": 8}}})
+    assert response.status_code == 202
+    outputs = response.json()["outputs"]
+    first = gw.get(f"/v1/vars/{outputs['first']['id']}", params={"wait": "true", "timeout": 10}).json()["value"]
+    second = gw.get(f"/v1/vars/{outputs['second']['id']}", params={"wait": "true", "timeout": 10}).json()["value"]
+    # the fake echoes the prompt: the second output's prompt held the first output
+    assert first == "echo: Topic: birds. First: "
+    assert second == f"echo: Topic: birds. First: {first} Then: "
+
+
+def test_semantic_call_without_output_is_400(gw):
+    response = gw.post("/v1/semantic_calls", json={"model": MODEL, "template": "no outputs {{input:x}}",
+                                                   "inputs": {"x": {"value": "1"}}})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "template"
+
+
+# ---------------------------------------------------------------- performance deduction (graph level)
+
+
+async def _idle(call, values):
+    await asyncio.sleep(0)
+    return {name: "" for name in call.outputs}
+
+
+async def test_latency_read_makes_transitive_producers_latency_critical():
+    session = Session("owner", {})
+    doc = session.new_variable("doc", "text")
+    maps = [session.new_variable(f"m{i}") for i in range(2)]
+    final = session.new_variable("final")
+    blocker = session.new_variable("blocker")  # never set: keeps every call waiting
+    producers = [Call(session, {"d": doc, "b": blocker}, {"o": m}, _idle, latency=False) for m in maps]
+    reducer = Call(session, {"a": maps[0], "b": maps[1]}, {"o": final}, _idle, latency=False)
+    for call in [*producers, reducer]:
+        session.add_call(call, input_timeout_s=5)
+    assert not any(c.latency for c in [*producers, reducer])
+    final.producer.mark_latency()
+    assert all(c.latency for c in [*producers, reducer])
+    assert reducer.priority > Call(Session("x", {}), {}, {}, _idle, latency=False).priority
+    assert producers[0].group_peers() == set(producers)  # they feed the same consumer
+    session.close()
+
+
+async def test_app_fifo_earlier_sessions_go_first():
+    older, newer = Session("o", {}), Session("o", {})
+    first_stage_new = Call(newer, {}, {}, _idle, latency=False)
+    later_stage_old = Call(older, {}, {}, _idle, latency=False)
+    assert later_stage_old.priority > first_stage_new.priority

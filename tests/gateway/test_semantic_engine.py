@@ -1,0 +1,122 @@
+"""Semantic variables on the real builtin engine (SmolLM2), behind a real gateway: forked prefixes,
+block accounting and prefix-hit metrics."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import SMOLLM
+
+SYSTEM = ("You are a careful assistant for a museum of natural history. Answer in one short sentence, "
+          "plainly, without lists. Visitors ask about animals, fossils and the building itself.")
+
+
+def ask(question: str, parrot: dict | None = None, **extra) -> dict:
+    body = {"model": SMOLLM, "temperature": 0, "max_tokens": 12,
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}], **extra}
+    if parrot is not None:
+        body["parrot"] = parrot
+    return body
+
+
+@pytest.fixture(scope="module")
+def urls(smollm_gateway) -> dict[str, str]:
+    return smollm_gateway
+
+
+@pytest.fixture
+def gw(urls) -> httpx.Client:
+    with httpx.Client(base_url=urls["gateway"], timeout=120) as client:
+        yield client
+
+
+def engine_stats(urls) -> dict:
+    return httpx.get(f"{urls['engine']}/v1/stats").json()
+
+
+def metric(gw, name: str) -> float:
+    match = re.search(rf"^{re.escape(name)} (\S+)$", gw.get("/metrics").text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_forked_prefix_answers_exactly_like_a_plain_request(gw):
+    plain = gw.post("/v1/chat/completions", json=ask("What do fossils tell us?")).json()
+    session = gw.post("/v1/sessions").json()["id"]
+    before = metric(gw, "parrot:shared_prefix_fork_tokens")
+    answers = []
+    for question in ["Where are the dinosaurs?", "What do fossils tell us?"]:
+        response = gw.post("/v1/chat/completions", json=ask(
+            "{{q}}", {"session_id": session, "vars": {"q": {"value": question}}}))
+        assert response.status_code == 200, response.text
+        answers.append(response.json())
+    # greedy, same tokens: forking the system prompt must not change the answer
+    assert answers[1]["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+    assert answers[1]["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
+    assert metric(gw, "parrot:shared_prefix_fork_tokens") > before  # the second request forked the first's prefix
+    gw.delete(f"/v1/sessions/{session}")
+
+
+def test_deleting_a_session_returns_engine_blocks_to_baseline(gw, urls):
+    baseline = engine_stats(urls)["blocks_free"]
+    session = gw.post("/v1/sessions").json()["id"]
+    response = gw.post("/v1/chat/completions", json=ask(
+        "{{q}}", {"session_id": session, "vars": {"q": {"value": "Is the building old?"}}}))
+    assert response.status_code == 200
+    assert engine_stats(urls)["blocks_free"] < baseline  # the session pins its shared prefix on the engine
+    deleted = gw.delete(f"/v1/sessions/{session}").json()
+    assert deleted["freed_contexts"] == 1
+    assert engine_stats(urls)["blocks_free"] == baseline
+
+
+def test_prefix_cache_hits_are_counted_for_plain_requests_sharing_a_system_prompt(gw, urls):
+    before = engine_stats(urls)["prefix_hit_tokens"]
+    for question in ["Do you have whales?", "Do you have birds?"]:
+        assert gw.post("/v1/chat/completions", json=ask(question)).status_code == 200
+    assert engine_stats(urls)["prefix_hit_tokens"] > before
+    deadline = time.monotonic() + 10  # the gauge follows the engine's heartbeats
+    while metric(gw, "parrot:prefix_cache_hit_tokens") <= before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert metric(gw, "parrot:prefix_cache_hit_tokens") > before
+
+
+def test_map_reduce_with_reduce_submitted_first(gw):
+    session = gw.post("/v1/sessions").json()["id"]
+    parts = ["Lions live in Africa.", "Penguins live in Antarctica."]
+    maps = [gw.post("/v1/vars", json={"session_id": session, "name": f"m{i}"}).json()["id"] for i in range(2)]
+    reduce = gw.post("/v1/chat/completions", json={
+        "model": SMOLLM, "temperature": 0, "max_tokens": 16,
+        "messages": [{"role": "user", "content": "Combine: {{a}} {{b}}"}],
+        "parrot": {"session_id": session, "wait": False, "output": "final",
+                   "vars": {"a": {"id": maps[0]}, "b": {"id": maps[1]}}}})
+    assert reduce.status_code == 202
+    final = reduce.json()["parrot"]["output"]["id"]
+    for part, var in zip(parts, maps):
+        gw.post("/v1/chat/completions", json=ask(
+            "Repeat: {{doc}}", {"session_id": session, "wait": False, "vars": {"doc": {"value": part}},
+                                "output": {"id": var}}))
+    result = gw.get(f"/v1/vars/{final}", params={"wait": "true", "timeout": 120, "criteria": "latency"}).json()
+    assert result["ready"] and result["error"] is None and result["value"].strip()
+    values = [gw.get(f"/v1/vars/{v}").json()["value"] for v in maps]
+    assert all(v.strip() for v in values)
+    gw.delete(f"/v1/sessions/{session}")
+
+
+def test_semantic_call_with_two_outputs_on_the_engine(gw):
+    response = gw.post("/v1/semantic_calls", json={
+        "model": SMOLLM,
+        "template": ("The following is a quiz about world capitals, with short answers.\n"
+                     "Q: What is the capital of {{input:country}}?\nA: {{output:capital}}\n"
+                     "Q: What is the capital of Italy?\nA: {{output:second}}"),
+        "inputs": {"country": {"value": "France"}},
+        "outputs": {"capital": {"max_tokens": 4, "temperature": 0, "stop": ["\n"]},
+                    "second": {"max_tokens": 4, "temperature": 0, "stop": ["\n"]}}})
+    assert response.status_code == 202, response.text
+    outputs = response.json()["outputs"]
+    capital = gw.get(f"/v1/vars/{outputs['capital']['id']}", params={"wait": "true", "timeout": 120}).json()
+    second = gw.get(f"/v1/vars/{outputs['second']['id']}", params={"wait": "true", "timeout": 120}).json()
+    assert "Paris" in capital["value"]
+    assert "Rome" in second["value"]
