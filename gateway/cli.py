@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -62,7 +63,22 @@ def start_builtin_engine(config: GatewayConfig) -> subprocess.Popen[bytes]:
     env = dict(os.environ)
     if config.auth.api_keys:
         env["PARROT_GATEWAY_API_KEY"] = config.auth.api_keys[0]  # lets the engine register itself
-    return subprocess.Popen(command, env=env)
+    return subprocess.Popen(command, env=env, preexec_fn=_die_with_parent)
+
+
+def _die_with_parent() -> None:
+    """Linux: the engine gets SIGTERM when the gateway process dies, however it dies."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    # uvicorn re-raises the signal it caught once it has shut down; as SystemExit, `finally` blocks still run.
+    raise SystemExit(128 + signum)
 
 
 def serve(argv: list[str]) -> None:
@@ -72,6 +88,7 @@ def serve(argv: list[str]) -> None:
 
     config = config_from_args(_serve_parser().parse_args(argv))
     logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     engine = start_builtin_engine(config) if config.builtin_enabled() else None
     started = time.monotonic()
     try:
