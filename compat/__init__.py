@@ -1,0 +1,2 @@
+"""Client side of Parrot: openai SDK helpers (compat.openai), semantic functions (compat.frontend) and
+LangChain integration (compat.langchain)."""

@@ -76,7 +76,12 @@ async def set_var(var_id: FromPath[str], data: JSONBody[VarSet], request: Reques
     if variable.producer is not None or variable.ready:
         raise APIError(409, f"variable {variable.label} already has a value or a producer",
                        code="variable_already_bound")
-    variable.set(data.value)
+    if (data.value is None) == (data.error is None):
+        raise APIError(400, "give exactly one of 'value' and 'error'", param="value")
+    if data.value is not None:
+        variable.set(data.value)
+    else:
+        variable.fail(data.error)
     return view(variable)
 
 

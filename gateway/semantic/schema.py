@@ -86,7 +86,10 @@ class VarCreate(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class VarSet(msgspec.Struct, forbid_unknown_fields=True):
-    value: str
+    """Exactly one of: the value, or an error that fails the variable (and so its consumers)."""
+
+    value: str | None = None
+    error: str | None = None
 
 
 class VarList(msgspec.Struct):

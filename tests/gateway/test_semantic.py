@@ -249,3 +249,15 @@ async def test_app_fifo_earlier_sessions_go_first():
     first_stage_new = Call(newer, {}, {}, _idle, latency=False)
     later_stage_old = Call(older, {}, {}, _idle, latency=False)
     assert later_stage_old.priority > first_stage_new.priority
+
+
+def test_put_error_fails_the_variable_and_its_consumers(gw, session):
+    var = new_var(gw, session, "client_side")
+    consumer = gw.post("/v1/chat/completions", json=chat(
+        "got {{x}}", {"session_id": session, "wait": False, "vars": {"x": {"id": var}}})).json()["parrot"]
+    assert gw.put(f"/v1/vars/{var}", json={"error": "parser crashed"}).status_code == 200
+    out = gw.get(f"/v1/vars/{consumer['output']['id']}", params={"wait": "true", "timeout": 10}).json()
+    assert "parser crashed" in out["error"] and out["value"] is None
+    assert gw.put(f"/v1/vars/{var}", json={}).status_code == 409  # already failed
+    fresh = new_var(gw, session)
+    assert gw.put(f"/v1/vars/{fresh}", json={}).status_code == 400
