@@ -8,6 +8,7 @@ import secrets
 from typing import AsyncIterator
 
 import httpx
+from httpx_aiohttp import AiohttpTransport
 from litestar import Litestar, Request
 from litestar.datastructures import MutableScopeHeaders
 from litestar.openapi import OpenAPIConfig
@@ -23,11 +24,13 @@ from gateway.service import Gateway
 
 
 def _http_client(config: GatewayConfig) -> httpx.AsyncClient:
+    """The one client every engine shares: httpx's API over aiohttp's faster connection handling."""
     limits = config.limits
+    pool = httpx.Limits(max_connections=limits.max_connections, max_keepalive_connections=limits.max_connections)
     return httpx.AsyncClient(
         timeout=httpx.Timeout(limits.request_timeout_s, connect=limits.connect_timeout_s),
-        limits=httpx.Limits(max_connections=limits.max_connections,
-                            max_keepalive_connections=limits.max_connections),
+        limits=pool,
+        transport=AiohttpTransport(limits=pool),
     )
 
 

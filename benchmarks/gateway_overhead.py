@@ -1,0 +1,157 @@
+"""Gateway overhead: direct-to-upstream vs through Parrot (and optionally another gateway), in one run.
+
+Starts the fast fake upstream and a Parrot gateway as their own processes on loopback, then runs
+alternating rounds (direct, parrot, [compare], direct, parrot, ...) at a fixed concurrency, for
+non-streaming and streaming requests, and prints p50/p99 latency, requests/s, the added p50 and the
+rps ratio. Medians over rounds are reported because this machine is shared and noisy.
+
+    python -m benchmarks.gateway_overhead                       # defaults: concurrency 8, 5 rounds
+    python -m benchmarks.gateway_overhead --compare-url http://127.0.0.1:4000/v1 --compare-model fake
+      (e.g. a LiteLLM proxy started against the fake upstream this script prints)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from httpx_aiohttp import AiohttpTransport
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=1.0).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} did not come up")
+
+
+def start(args: list[str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def request_body(model: str, stream: bool) -> dict:
+    body = {"model": model, "max_tokens": 16, "fake": {"words": 16},
+            "messages": [{"role": "user", "content": "Say sixteen words about parrots."}]}
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+    return body
+
+
+async def one(client: httpx.AsyncClient, url: str, body: dict) -> float:
+    started = time.perf_counter()
+    if body.get("stream"):
+        async with client.stream("POST", url, json=body) as response:
+            response.raise_for_status()
+            async for _ in response.aiter_raw():
+                pass
+    else:
+        response = await client.post(url, json=body)
+        response.raise_for_status()
+    return time.perf_counter() - started
+
+
+async def round_(client: httpx.AsyncClient, base_url: str, model: str, stream: bool, requests: int,
+                 concurrency: int) -> dict:
+    url, body = f"{base_url}/chat/completions", request_body(model, stream)
+    latencies: list[float] = []
+    remaining = iter(range(requests))
+
+    async def worker() -> None:
+        for _ in remaining:
+            latencies.append(await one(client, url, body))
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - started
+    latencies.sort()
+    return {"p50": statistics.median(latencies), "p99": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+            "rps": requests / elapsed}
+
+
+async def run(targets: dict[str, tuple[str, str]], args: argparse.Namespace) -> dict:
+    limits = httpx.Limits(max_connections=args.concurrency * 2, max_keepalive_connections=args.concurrency * 2)
+    results: dict = {}
+    # the load generator shares the 2 cores with what it measures: give it the lighter transport too
+    async with httpx.AsyncClient(limits=limits, timeout=30.0, transport=AiohttpTransport(limits=limits)) as client:
+        for stream in (False, True):
+            mode = "streaming" if stream else "non-streaming"
+            for name, (url, model) in targets.items():  # warm-up: connections, caches, JIT-free paths
+                await round_(client, url, model, stream, args.concurrency * 10, args.concurrency)
+            rounds: dict[str, list[dict]] = {name: [] for name in targets}
+            for _ in range(args.rounds):
+                for name, (url, model) in targets.items():  # alternate so drift hits everyone alike
+                    rounds[name].append(await round_(client, url, model, stream, args.requests, args.concurrency))
+            results[mode] = {name: {k: statistics.median(r[k] for r in rs) for k in ("p50", "p99", "rps")}
+                             for name, rs in rounds.items()}
+    return results
+
+
+def report(results: dict) -> None:
+    for mode, by_target in results.items():
+        direct = by_target["direct"]
+        print(f"\n{mode} (medians over rounds)")
+        print(f"{'target':<10} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8} {'added p50 ms':>13} {'rps vs direct':>14}")
+        for name, r in by_target.items():
+            added = (r["p50"] - direct["p50"]) * 1000
+            print(f"{name:<10} {r['p50'] * 1000:8.2f} {r['p99'] * 1000:8.2f} {r['rps']:8.0f} {added:13.2f} "
+                  f"{r['rps'] / direct['rps']:13.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=400, help="requests per round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--upstream-port", type=int, default=0, help="fixed port for the fake upstream")
+    parser.add_argument("--compare-url", help="another gateway's base URL (ending in /v1) to measure the same way")
+    parser.add_argument("--compare-model", default="fake", help="model name to ask the compared gateway for")
+    parser.add_argument("--out", default="benchmarks/results/gateway_overhead.json")
+    args = parser.parse_args()
+
+    upstream_port, gateway_port = args.upstream_port or free_port(), free_port()
+    upstream_url = f"http://127.0.0.1:{upstream_port}/v1"
+    procs = [start(["benchmarks.fake_upstream", "--port", str(upstream_port)]),
+             start(["gateway.cli", "serve", "--no-builtin", "--port", str(gateway_port), "--log-level", "warning",
+                    "--upstream", f"fake={upstream_url}"])]
+    try:
+        wait_ready(f"{upstream_url}/models")
+        wait_ready(f"http://127.0.0.1:{gateway_port}/health")
+        print(f"fake upstream: {upstream_url}   parrot: http://127.0.0.1:{gateway_port}/v1")
+        targets = {"direct": (upstream_url, "fake"), "parrot": (f"http://127.0.0.1:{gateway_port}/v1", "fake")}
+        if args.compare_url:
+            targets["compare"] = (args.compare_url.rstrip("/"), args.compare_model)
+        results = asyncio.run(run(targets, args))
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(timeout=10)
+    report(results)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+    print(f"\nsaved {out}")
+
+
+if __name__ == "__main__":
+    main()
