@@ -49,8 +49,13 @@ class ContextClient:
                                   ("context_id", context_id)) if v is not None}
         return msgspec.json.decode(await self._call("POST", "contexts", body), type=FillResult)
 
-    async def generate(self, context_id: str, sampling: dict[str, Any]) -> Generation:
+    async def generate(self, context_id: str, sampling: dict[str, Any], *, fork_with: str | None = None
+                       ) -> Generation:
+        """Generate after the context (appending to it), or with ``fork_with``: after the context plus
+        that text, in a temporary child the engine frees itself."""
         body = {**sampling, "stream": False}
+        if fork_with is not None:
+            body |= {"text": fork_with, "fork": True}
         return msgspec.json.decode(await self._call("POST", f"contexts/{context_id}/generate", body),
                                    type=Generation)
 

@@ -1,0 +1,306 @@
+"""Multi-call apps, Parrot vs a client-driven baseline, side by side against the same server.
+
+Each app (benchmarks/workloads/) runs in both modes, alternating which goes first, ``--repeats``
+times; the median end-to-end time of each mode and the ratio baseline/parrot are printed and saved
+(JSON + PNG bar plot under benchmarks/results/). Every HTTP request pays ``--rtt-ms`` of simulated
+network latency in both modes. Each run gets its own deterministic text, so no run is sped up by
+KV blocks that an earlier run left in an engine's prefix cache.
+
+    python -m benchmarks.apps --start                        # launch `parrot serve` (SmolLM2) here
+    python -m benchmarks.apps --url http://127.0.0.1:8000/v1 --apps map_reduce shared_prompt
+    python -m benchmarks.apps --baseline-url http://127.0.0.1:8100/v1   # baseline mode on e.g. vLLM
+
+The shared-system-prompt app is also run as a baseline against a server WITHOUT prefix sharing
+(``--no-sharing-url``; with ``--start`` a second gateway is launched whose engine gets
+``--no-sharing-engine-args``), the comparison that shows what forking the prompt saves. Without
+such a server it is emulated (mode ``baseline_distinct_prompts``): each user's system prompt gets a
+different first word, so no prefix cache can share it, at the same length.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks.gateway_overhead import free_port
+from benchmarks.workloads import WORKLOADS, chain, map_reduce, multi_agent, shared_prompt
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str  # "parrot", "baseline", "baseline_no_sharing", "baseline_distinct_prompts"
+    url: str
+    model: str
+    config: tuple[tuple[str, Any], ...] = ()  # the app Config fields this mode overrides
+
+    @property
+    def parrot(self) -> bool:
+        return self.name == "parrot"
+
+
+# ---------------------------------------------------------------- servers
+
+
+class LaunchedGateway:
+    """A ``parrot serve`` process (gateway + builtin engine) on free ports, stopped by ``close``."""
+
+    def __init__(self, model: str, engine_args: list[str], log_path: Path, ready_timeout_s: float):
+        self.port, engine_port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        command = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(self.port),
+                   "--engine-port", str(engine_port), "--log-level", "warning"]
+        if engine_args:
+            # Engine flags reach `parrot engine` only through the config's builtin.extra_args.
+            config = tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False)
+            config.write(f"[builtin]\nextra_args = {json.dumps(engine_args)}\n")
+            config.close()
+            command += ["--config", config.name]
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log = log_path.open("wb")
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                        start_new_session=True)  # its engine child shares the group
+        try:
+            self._wait_serving(model, ready_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait_serving(self, model: str, timeout_s: float) -> None:
+        """Until /v1/models lists ``model``: the engine has loaded and registered with the gateway."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"parrot serve exited ({self.process.returncode}); see {self.log_path}")
+            if self._engine_exited():
+                raise RuntimeError(f"the builtin engine of parrot serve exited; see {self.log_path}")
+            try:
+                listed = httpx.get(f"{self.url}/models", timeout=2).json().get("data", [])
+                if any(entry.get("id") == model for entry in listed):
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(1)
+        raise RuntimeError(f"{self.url} did not serve {model} within {timeout_s:.0f}s; see {self.log_path}")
+
+    def _engine_exited(self) -> bool:
+        """Whether the gateway's engine child has died (it lingers as a zombie: nobody reaps it)."""
+        try:
+            children = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children").read_text().split()
+            states = [Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0] for child in children]
+        except OSError:
+            return False  # not Linux, or a race with an exiting process: rely on the timeout
+        return bool(states) and all(state == "Z" for state in states)
+
+    def _group_alive(self) -> bool:
+        try:
+            os.killpg(self.process.pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+
+    def close(self) -> None:
+        # SIGINT, not SIGTERM: uvicorn re-raises the signal it caught once it has shut down, and only
+        # SIGINT's default action (KeyboardInterrupt) lets `parrot serve` run the finally that stops
+        # its engine. Whatever is left of the process group afterwards is terminated, then killed.
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if not self._group_alive():
+                break
+            os.killpg(self.process.pid, sig)
+            deadline = time.monotonic() + 10
+            while self._group_alive() and time.monotonic() < deadline:
+                self.process.poll()  # reap the gateway so that it stops counting as alive
+                time.sleep(0.2)
+        self.process.poll()
+        self.log.close()
+
+
+# ---------------------------------------------------------------- runs
+
+
+def app_config(app: str, args: argparse.Namespace, seed: int, mode: Mode) -> Any:
+    tokens = args.output_tokens
+    configs = {
+        "map_reduce": map_reduce.Config(chunks=args.chunks, chunk_words=args.chunk_words),
+        "chain": chain.Config(chunks=args.chain_chunks, chunk_words=args.chunk_words),
+        "multi_agent": multi_agent.Config(coders=args.coders),
+        "shared_prompt": shared_prompt.Config(users=args.users, system_words=args.system_words),
+    }
+    config = configs[app]
+    if tokens:
+        config = replace(config, **{f: tokens for f in asdict(config) if f.endswith("_tokens")})
+    return replace(config, seed=seed, ignore_eos=not args.allow_eos, **dict(mode.config))
+
+
+async def warm_up(client: httpx.AsyncClient, mode: Mode) -> None:
+    """One short request per server first: the first one pays for allocations the others don't."""
+    response = await client.post(f"{mode.url}/chat/completions", json={
+        "model": mode.model, "max_tokens": 4, "temperature": 0,
+        "messages": [{"role": "user", "content": "Say hello."}]})
+    response.raise_for_status()
+
+
+async def run_all(apps: list[str], modes_of: dict[str, list[Mode]], args: argparse.Namespace
+                  ) -> dict[str, dict[str, list[float]]]:
+    seconds: dict[str, dict[str, list[float]]] = {app: {m.name: [] for m in modes_of[app]} for app in apps}
+    seed = args.seed
+    async with httpx.AsyncClient(timeout=args.timeout) as client:
+        for mode in {m.url: m for modes in modes_of.values() for m in modes}.values():
+            await warm_up(client, mode)
+        for app in apps:
+            module = WORKLOADS[app]
+            for repeat in range(args.repeats):
+                modes = modes_of[app] if repeat % 2 == 0 else modes_of[app][::-1]  # drift hits every mode alike
+                for mode in modes:
+                    seed += 1
+                    run = module.run_parrot if mode.parrot else module.run_baseline
+                    async with httpx.AsyncClient(base_url=mode.url, timeout=args.timeout) as app_client:
+                        result = await run(app_client, mode.model, app_config(app, args, seed, mode), args.rtt_ms)
+                    seconds[app][mode.name].append(result.seconds)
+                    print(f"  {app:<14} {mode.name:<26} repeat {repeat + 1}: {result.seconds:7.2f}s "
+                          f"({result.calls} calls)  {result.output[:60]!r}", flush=True)
+    return seconds
+
+
+# ---------------------------------------------------------------- report
+
+
+def summarize(seconds: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    for app, by_mode in seconds.items():
+        medians = {mode: statistics.median(values) for mode, values in by_mode.items()}
+        ratios = {f"{mode}/parrot": medians[mode] / medians["parrot"] for mode in medians if mode != "parrot"}
+        summary[app] = {"median_s": medians, "runs_s": by_mode, "ratios": ratios}
+    return summary
+
+
+def print_table(summary: dict[str, Any]) -> None:
+    print(f"\n{'app':<14} {'mode':<26} {'median s':>9} {'runs s':<28} {'vs parrot':>10}")
+    for app, entry in summary.items():
+        for mode, median in entry["median_s"].items():
+            runs = " ".join(f"{s:.2f}" for s in entry["runs_s"][mode])
+            ratio = "" if mode == "parrot" else f"{entry['ratios'][f'{mode}/parrot']:.2f}x"
+            print(f"{app:<14} {mode:<26} {median:9.2f} {runs:<28} {ratio:>10}")
+
+
+def plot(summary: dict[str, Any], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    apps = list(summary)
+    modes = sorted({m for e in summary.values() for m in e["median_s"]}, key=[
+        "parrot", "baseline", "baseline_no_sharing", "baseline_distinct_prompts"].index)
+    width = 0.8 / len(modes)
+    figure, axes = plt.subplots(figsize=(2.2 * len(apps) + 2, 4))
+    for k, mode in enumerate(modes):
+        xs = [i + (k - (len(modes) - 1) / 2) * width for i, app in enumerate(apps) if mode in summary[app]["median_s"]]
+        values = [summary[app]["median_s"][mode] for app in apps if mode in summary[app]["median_s"]]
+        bars = axes.bar(xs, values, width, label=mode)
+        for bar, app in zip(bars, [a for a in apps if mode in summary[a]["median_s"]]):
+            if mode != "parrot":
+                axes.annotate(f"{summary[app]['ratios'][f'{mode}/parrot']:.2f}x",
+                              (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                              fontsize=8)
+    axes.set_xticks(range(len(apps)), apps)
+    axes.set_ylabel("end-to-end seconds (median)")
+    axes.set_title(title, fontsize=9)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+# ---------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", default="http://127.0.0.1:8000/v1", help="Parrot gateway (both modes)")
+    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--baseline-url", help="run baseline mode against this OpenAI-compatible server instead")
+    parser.add_argument("--baseline-model", help="model name at --baseline-url (default: --model)")
+    parser.add_argument("--no-sharing-url", help="a server without prefix sharing, for the shared_prompt baseline")
+    parser.add_argument("--no-sharing-engine-args", default="--no-prefix-caching",
+                        help="with --start: engine flags of the launched no-sharing server ('' to skip it)")
+    parser.add_argument("--start", action="store_true", help="launch `parrot serve` here (and stop it at the end)")
+    parser.add_argument("--start-timeout", type=float, default=600, help="seconds for a launched server to load")
+    parser.add_argument("--apps", nargs="+", choices=sorted(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rtt-ms", type=float, default=20.0, help="simulated network round trip per request")
+    parser.add_argument("--chunks", type=int, default=map_reduce.Config.chunks, help="map-reduce chunks")
+    parser.add_argument("--chain-chunks", type=int, default=chain.Config.chunks)
+    parser.add_argument("--chunk-words", type=int, default=map_reduce.Config.chunk_words)
+    parser.add_argument("--coders", type=int, default=multi_agent.Config.coders)
+    parser.add_argument("--users", type=int, default=shared_prompt.Config.users)
+    parser.add_argument("--system-words", type=int, default=shared_prompt.Config.system_words,
+                        help="shared system prompt length (SmolLM2: ~1.45 tokens a word)")
+    parser.add_argument("--output-tokens", type=int, help="every output's max_tokens (default: each app's own)")
+    parser.add_argument("--allow-eos", action="store_true",
+                        help="don't send ignore_eos (for servers that reject it); output lengths then vary")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=900, help="HTTP timeout per request")
+    parser.add_argument("--out", default="benchmarks/results/apps", help="writes OUT.json and OUT.png")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that launched servers are stopped too
+    out = Path(args.out)
+    launched: list[LaunchedGateway] = []
+    try:
+        if args.start:
+            print("launching parrot serve (builtin engine) …", flush=True)
+            launched.append(LaunchedGateway(args.model, [], out.with_suffix(".serve.log"), args.start_timeout))
+            args.url = launched[0].url
+            if "shared_prompt" in args.apps and not args.no_sharing_url and args.no_sharing_engine_args.strip():
+                print(f"launching a second one with engine args {args.no_sharing_engine_args!r} …", flush=True)
+                launched.append(LaunchedGateway(args.model, args.no_sharing_engine_args.split(),
+                                                out.with_suffix(".no_sharing.log"), args.start_timeout))
+                args.no_sharing_url = launched[1].url
+        parrot = Mode("parrot", args.url, args.model)
+        baseline = Mode("baseline", args.baseline_url or args.url, args.baseline_model or args.model)
+        modes_of = {app: [parrot, baseline] for app in args.apps}
+        if "shared_prompt" in modes_of:
+            modes_of["shared_prompt"].append(
+                Mode("baseline_no_sharing", args.no_sharing_url, args.model) if args.no_sharing_url else
+                Mode("baseline_distinct_prompts", baseline.url, baseline.model, (("distinct_prompts", True),)))
+        print(f"parrot: {parrot.url}  baseline: {baseline.url}"
+              + (f"  no-sharing: {args.no_sharing_url}" if args.no_sharing_url else "")
+              + f"  rtt {args.rtt_ms:g} ms, {args.repeats} repeats", flush=True)
+        seconds = asyncio.run(run_all(args.apps, modes_of, args))
+    finally:
+        for gateway in launched:
+            gateway.close()
+    summary = summarize(seconds)
+    print_table(summary)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "results": summary}, indent=2))
+    plot(summary, out.with_suffix(".png"), f"{args.model}, rtt {args.rtt_ms:g} ms, median of {args.repeats}")
+    print(f"\nsaved {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""Builtin engine throughput vs HF transformers ``generate`` (and optionally any OpenAI server).
+
+Workloads (greedy, EOS ignored so every run makes the same number of tokens):
+  single   1 request x 128 new tokens
+  16x64    16 concurrent requests x 64 new tokens
+  shared   16 requests sharing a ~900-token system prompt x 32 new tokens; the engine fills the
+           system prompt once and forks it (Parrot's way), and we report how much of the prompt
+           work was reused (prefix-hit tokens / computed tokens)
+
+    python -m benchmarks.engine_throughput [--dtype bfloat16] [--repeats 3] [--skip-hf]
+    python -m benchmarks.engine_throughput --compare-url http://127.0.0.1:8000 [--skip-hf]
+
+Prints a table of median tokens/s (generated tokens / wall time) and ratios to HF.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from engines.builtin.config import EngineConfig  # noqa: E402
+from engines.builtin.engine import LLMEngine  # noqa: E402
+from engines.builtin.types import SamplingParams  # noqa: E402
+
+TOPICS = ["parrots", "the ocean", "volcanoes", "chess", "bread", "rain", "trains", "music", "bees", "clocks",
+          "mountains", "libraries", "coffee", "stars", "bridges", "gardens"]
+SYSTEM_PROMPT = " ".join(
+    f"Rule {i}: answer politely, cite facts about {topic}, keep sentences short and never invent numbers."
+    for i, topic in enumerate((TOPICS * 3)[:43])  # ~900 tokens
+)
+
+
+def chat_tokens(tokenizer, user: str, system: str | None = None) -> list[int]:
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if not isinstance(ids, list) else ids)
+
+
+def workloads(tokenizer) -> dict[str, tuple[list[list[int]], int]]:
+    questions = [f"Write a short story about {topic}." for topic in TOPICS]
+    return {
+        "single": ([chat_tokens(tokenizer, questions[0])], 128),
+        "16x64": ([chat_tokens(tokenizer, q) for q in questions], 64),
+        "shared": ([chat_tokens(tokenizer, f"Tell me about {t}.", SYSTEM_PROMPT) for t in TOPICS], 32),
+    }
+
+
+def median_rate(run, tokens: int, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return tokens / statistics.median(times)
+
+
+# ---- our engine --------------------------------------------------------------------------------
+
+
+def shared_prefix_length(prompts: list[list[int]]) -> int:
+    n = 0
+    while all(len(p) > n and p[n] == prompts[0][n] for p in prompts):
+        n += 1
+    return n
+
+
+def engine_run(engine: LLMEngine, name: str, prompts: list[list[int]], max_tokens: int):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    if name != "shared":
+        return lambda: engine.generate_batch(prompts, params)
+
+    prefix = shared_prefix_length(prompts)
+
+    async def forked() -> None:
+        parent = await engine.fill(prompts[0][:prefix])
+
+        async def one(prompt):
+            async for _ in engine.generate_from_prompt(prompt[prefix:], params, parent_context_id=parent.context_id):
+                pass
+
+        await asyncio.gather(*(one(p) for p in prompts))
+        await engine.free_context(parent.context_id)
+
+    def run() -> None:
+        engine.start()  # the async API needs the loop thread
+        try:
+            asyncio.run(forked())
+        finally:
+            engine.shutdown()
+
+    return run
+
+
+def bench_engine(engine: LLMEngine, args, loads) -> tuple[dict[str, float], dict[str, str]]:
+    engine.generate_batch([loads["single"][0][0]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm-up
+    rates, notes = {}, {}
+    for name, (prompts, max_tokens) in loads.items():
+        hit0, computed0 = engine.stats().prefix_hit_tokens, engine.computed_tokens
+        rates[name] = median_rate(engine_run(engine, name, prompts, max_tokens), len(prompts) * max_tokens, args.repeats)
+        if name == "shared":
+            prompt_total = sum(map(len, prompts))
+            decode_total = len(prompts) * max_tokens
+            computed_prompt = (engine.computed_tokens - computed0) / args.repeats - decode_total
+            hits = (engine.stats().prefix_hit_tokens - hit0) / args.repeats
+            notes[name] = (
+                f"{prompt_total} prompt tokens, {computed_prompt:.0f} computed per run, {hits:.0f} reused "
+                f"(fork + prefix cache; repeats find even the system prompt cached)"
+            )
+    return rates, notes
+
+
+# ---- HF transformers ---------------------------------------------------------------------------
+
+
+def bench_hf(args, loads, tokenizer) -> dict[str, float]:
+    from transformers import AutoModelForCausalLM
+
+    from engines.builtin.loader import DTYPES, ModelSource
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    source = ModelSource(args.model)
+    model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=torch.float32, **source.hf_kwargs()).eval()
+    model.to(DTYPES[args.dtype])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    rates = {}
+    for name, (prompts, max_tokens) in loads.items():
+        width = max(map(len, prompts))
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+
+        def run(input_ids=input_ids, mask=mask, max_tokens=max_tokens):
+            with torch.inference_mode():
+                model.generate(input_ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                               do_sample=False, pad_token_id=pad)
+
+        rates[name] = median_rate(run, len(prompts) * max_tokens, args.repeats)
+    return rates
+
+
+# ---- any OpenAI-compatible server --------------------------------------------------------------
+
+
+def bench_url(args, loads, tokenizer) -> dict[str, float]:
+    import httpx
+
+    base = args.compare_url.rstrip("/")
+    base = base if base.endswith("/v1") else base + "/v1"
+
+    async def run_load(prompts, max_tokens) -> None:
+        async with httpx.AsyncClient(timeout=600) as client:
+            model = args.compare_model or (await client.get(f"{base}/models")).json()["data"][0]["id"]
+
+            async def one(prompt):
+                text = tokenizer.decode(prompt)  # the templated prompt, through the completions route
+                body = {"model": model, "prompt": text, "max_tokens": max_tokens, "temperature": 0,
+                        "ignore_eos": True, "min_tokens": max_tokens}
+                response = await client.post(f"{base}/completions", json=body)
+                response.raise_for_status()
+
+            await asyncio.gather(*(one(p) for p in prompts))
+
+    return {
+        name: median_rate(lambda p=prompts, m=max_tokens: asyncio.run(run_load(p, m)), len(prompts) * max_tokens, args.repeats)
+        for name, (prompts, max_tokens) in loads.items()
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="HF dir or .gguf (default: SmolLM2-135M-Instruct GGUF)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--only", nargs="*", default=None, help="workloads to run: single 16x64 shared")
+    parser.add_argument("--compare-url", default=None, help="also run the load against this OpenAI-compatible server")
+    parser.add_argument("--compare-model", default=None, help="model name for --compare-url (default: its first)")
+    args = parser.parse_args()
+
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads))
+    loads = workloads(engine.tokenizer)
+    if args.only:
+        loads = {k: v for k, v in loads.items() if k in args.only}
+    print(f"torch threads {torch.get_num_threads()}, dtype {args.dtype}, median of {args.repeats}")
+    rates_ours, notes = bench_engine(engine, args, loads)
+    columns = {"ours": rates_ours}
+    if not args.skip_hf:
+        columns["hf"] = bench_hf(args, loads, engine.tokenizer)
+    if args.compare_url:
+        columns["url"] = bench_url(args, loads, engine.tokenizer)
+
+    header = f"{'workload':10}" + "".join(f"{name + ' tok/s':>14}" for name in columns)
+    header += "".join(f"{'ours/' + name:>12}" for name in columns if name != "ours")
+    print(header)
+    for workload in loads:
+        row = f"{workload:10}" + "".join(f"{columns[name][workload]:14.1f}" for name in columns)
+        row += "".join(f"{rates_ours[workload] / columns[name][workload]:12.2f}" for name in columns if name != "ours")
+        print(row)
+    for workload, note in notes.items():
+        print(f"{workload}: {note}")
+
+
+if __name__ == "__main__":
+    main()

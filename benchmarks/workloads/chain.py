@@ -1,0 +1,71 @@
+"""Chain summarization: refine a running summary chunk by chunk; each step consumes the previous output.
+
+Parrot: the whole chain is submitted at once (each step names the previous step's output variable),
+so the server starts step k+1 the moment step k ends; the app reads only the last summary.
+Baseline: one call after another, each summary travelling back to the client and out again.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from benchmarks.workloads.remote import Messages, Remote, fill, sampling
+from benchmarks.workloads.result import Result
+from benchmarks.workloads.text import document
+
+SYSTEM = ("You are a careful analyst. You keep a short running summary of a long report up to date as "
+          "new parts arrive. Keep names and numbers exactly as written.")
+
+
+@dataclass(frozen=True)
+class Config:
+    chunks: int = 4
+    chunk_words: int = 120
+    step_tokens: int = 32
+    seed: int = 0
+    ignore_eos: bool = True
+
+
+def first_messages() -> Messages:
+    return [{"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "Summarize this first part of the report in two sentences.\n\n{{chunk}}"}]
+
+
+def refine_messages() -> Messages:
+    return [{"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "Next part of the report:\n{{chunk}}\n\nSummary so far:\n{{summary}}\n\n"
+                                        "Rewrite the summary so that it also covers the new part."}]
+
+
+def _step_messages(index: int) -> Messages:
+    return first_messages() if index == 0 else refine_messages()
+
+
+async def run_parrot(client: httpx.AsyncClient, model: str, cfg: Config, rtt_ms: float = 0.0) -> Result:
+    chunks = document(cfg.seed, cfg.chunks, cfg.chunk_words)
+    options = sampling(cfg.step_tokens, cfg.ignore_eos)
+    started = time.perf_counter()
+    async with Remote(client, rtt_ms).session() as session:
+        step_ids: list[str] = []
+        for index, chunk in enumerate(chunks):
+            inputs = {"chunk": {"value": chunk}} | ({"summary": {"id": step_ids[-1]}} if step_ids else {})
+            step_ids.append(await session.submit(model, _step_messages(index), inputs, f"summary_{index}", options))
+        final = await session.read(step_ids[-1])
+        seconds = time.perf_counter() - started
+        steps = [await session.read(var) for var in step_ids]  # ready by now; for checks only
+    return Result(seconds, final, steps, calls=len(chunks))
+
+
+async def run_baseline(client: httpx.AsyncClient, model: str, cfg: Config, rtt_ms: float = 0.0) -> Result:
+    chunks = document(cfg.seed, cfg.chunks, cfg.chunk_words)
+    options = sampling(cfg.step_tokens, cfg.ignore_eos)
+    remote = Remote(client, rtt_ms)
+    started = time.perf_counter()
+    steps: list[str] = []
+    for index, chunk in enumerate(chunks):
+        values = {"chunk": chunk} | ({"summary": steps[-1]} if steps else {})
+        steps.append(await remote.text(model, fill(_step_messages(index), values), options))
+    return Result(time.perf_counter() - started, steps[-1], steps, calls=len(chunks))

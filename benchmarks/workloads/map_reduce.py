@@ -1,0 +1,74 @@
+"""Map-reduce summarization: summarize each chunk of a document (map), then combine the summaries (reduce).
+
+Parrot: every map and the reduce (which consumes the maps' outputs by id) are submitted before any
+map finishes; the app then reads the final variable once. Baseline (a LangChain-style client):
+maps concurrently, then the reduce, every value passing through the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from benchmarks.workloads.remote import Messages, Remote, fill, sampling
+from benchmarks.workloads.result import Result
+from benchmarks.workloads.text import document
+
+# Constant text before the chunk: on a builtin engine it is filled once and forked by every map.
+SYSTEM = ("You are a careful analyst. You write short, factual summaries of reports. Keep names, "
+          "numbers and dates exactly as written, and never add facts that are not in the text.")
+
+
+@dataclass(frozen=True)
+class Config:
+    chunks: int = 8
+    chunk_words: int = 150
+    map_tokens: int = 32
+    reduce_tokens: int = 48
+    seed: int = 0
+    ignore_eos: bool = True
+
+
+def map_messages() -> Messages:
+    return [{"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "Summarize this part of a report in two sentences.\n\n{{chunk}}"}]
+
+
+def reduce_messages(chunks: int) -> Messages:
+    summaries = "\n".join(f"- {{{{summary_{i}}}}}" for i in range(chunks))
+    return [{"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "Combine these partial summaries into one short summary of the whole "
+                                        f"report.\n\n{summaries}"}]
+
+
+async def run_parrot(client: httpx.AsyncClient, model: str, cfg: Config, rtt_ms: float = 0.0) -> Result:
+    chunks = document(cfg.seed, cfg.chunks, cfg.chunk_words)
+    started = time.perf_counter()
+    async with Remote(client, rtt_ms).session() as session:
+        summary_ids = await asyncio.gather(*(
+            session.submit(model, map_messages(), {"chunk": {"value": chunk}}, f"summary_{i}",
+                           sampling(cfg.map_tokens, cfg.ignore_eos))
+            for i, chunk in enumerate(chunks)))
+        final_id = await session.submit(model, reduce_messages(len(chunks)),
+                                        {f"summary_{i}": {"id": var} for i, var in enumerate(summary_ids)},
+                                        "final_summary", sampling(cfg.reduce_tokens, cfg.ignore_eos))
+        final = await session.read(final_id)
+        seconds = time.perf_counter() - started
+        summaries = [await session.read(var) for var in summary_ids]  # ready by now; for checks only
+    return Result(seconds, final, summaries, calls=len(chunks) + 1)
+
+
+async def run_baseline(client: httpx.AsyncClient, model: str, cfg: Config, rtt_ms: float = 0.0) -> Result:
+    chunks = document(cfg.seed, cfg.chunks, cfg.chunk_words)
+    remote = Remote(client, rtt_ms)
+    started = time.perf_counter()
+    summaries = await asyncio.gather(*(
+        remote.text(model, fill(map_messages(), {"chunk": chunk}), sampling(cfg.map_tokens, cfg.ignore_eos))
+        for chunk in chunks))
+    values = {f"summary_{i}": summary for i, summary in enumerate(summaries)}
+    final = await remote.text(model, fill(reduce_messages(len(chunks)), values),
+                              sampling(cfg.reduce_tokens, cfg.ignore_eos))
+    return Result(time.perf_counter() - started, final, list(summaries), calls=len(chunks) + 1)

@@ -1,0 +1,170 @@
+"""Fixed-size KV blocks with reference counts, a prefix cache and fork with copy-on-write.
+
+A full block whose KV is computed gets a chain hash, ``hash((previous block's hash, tokens))``,
+so one hash names a whole prefix; a lookup is confirmed by comparing the block's tokens. Blocks
+whose last reference goes away stay in the cache (their KV is intact) on an LRU free list and
+are reused for new data oldest first. Partial blocks are never shared: ``fork`` shares the
+parent's fully computed blocks and copies the rows of the rest into a fresh block.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable
+
+from engines.builtin.sequence import Sequence
+
+NO_HASH = None
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = NO_HASH
+        self.token_ids: tuple[int, ...] = ()
+
+
+def chain_hash(previous: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((previous, token_ids))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, copy_rows: Callable[[int, int, int], None] | None = None):
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.cached: dict[int, int] = {}  # chain hash -> block id
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # oldest first
+        # copy_rows(src_block, dst_block, num_rows): copies KV rows, set by the model runner.
+        self.copy_rows = copy_rows or (lambda src, dst, n: None)
+        self.prefix_hit_tokens = 0  # tokens served from cache or parent instead of computed
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return len(self.cached) * self.block_size
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Blocks to add so that the next ``num_new_tokens`` uncomputed tokens have slots."""
+        needed_slots = seq.num_computed_tokens + num_new_tokens
+        return max(0, -(-needed_slots // self.block_size) - len(seq.block_table))
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        for _ in range(self.blocks_needed(seq, num_new_tokens)):
+            seq.block_table.append(self._take_free_block().block_id)
+
+    def match_prefix(self, seq: Sequence, max_tokens: int) -> int:
+        """Extends ``seq`` with cached blocks holding its next full blocks; returns tokens reused.
+
+        Only from a block boundary with nothing allocated past the computed tokens, and at most
+        ``max_tokens`` (a generation must still compute its last prompt token to get logits).
+        """
+        size = self.block_size
+        start = seq.num_computed_tokens
+        if start % size or len(seq.block_table) * size != start:
+            return 0
+        reused = 0
+        previous = self.blocks[seq.block_table[-1]].hash if seq.block_table else None
+        while start + reused + size <= min(len(seq), start + max_tokens):
+            if seq.block_table and previous is NO_HASH:
+                break
+            tokens = tuple(seq.token_ids[start + reused : start + reused + size])
+            block_id = self.cached.get(chain_hash(previous, tokens))
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            self._reference(block_id)
+            seq.block_table.append(block_id)
+            previous = self.blocks[block_id].hash
+            reused += size
+        seq.num_computed_tokens += reused
+        self.prefix_hit_tokens += reused
+        return reused
+
+    def commit(self, seq: Sequence, previously_computed: int) -> None:
+        """Publishes the blocks that became full and computed since ``previously_computed``."""
+        size = self.block_size
+        for index in range(previously_computed // size, seq.num_computed_tokens // size):
+            block = self.blocks[seq.block_table[index]]
+            if block.hash is not NO_HASH:
+                continue
+            previous = self.blocks[seq.block_table[index - 1]].hash if index else None
+            block.token_ids = tuple(seq.token_ids[index * size : (index + 1) * size])
+            block.hash = chain_hash(previous, block.token_ids)
+            self.cached[block.hash] = block.block_id
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Gives ``child`` the parent's KV: full computed blocks shared, the remainder copied."""
+        size = self.block_size
+        num_full = parent.num_computed_tokens // size
+        remainder = parent.num_computed_tokens % size
+        if remainder and not self.free:
+            remainder = 0  # no block to copy into: the child recomputes those few tokens
+        for block_id in parent.block_table[:num_full]:
+            self._reference(block_id)
+            child.block_table.append(block_id)
+        if remainder:
+            block = self._take_free_block()
+            self.copy_rows(parent.block_table[num_full], block.block_id, remainder)
+            child.block_table.append(block.block_id)
+        child.num_computed_tokens = num_full * size + remainder
+        self.prefix_hit_tokens += child.num_computed_tokens
+
+    def uncompute_last_token(self, seq: Sequence) -> None:
+        """Marks the last token's KV as not computed, so a generation gets its logits again.
+
+        The token is rewritten in place, so a block other sequences share is copied first.
+        """
+        assert seq.num_computed_tokens == len(seq) > 0
+        seq.num_computed_tokens -= 1
+        index, rows = divmod(seq.num_computed_tokens, self.block_size)
+        block_id = seq.block_table[index]
+        if self.blocks[block_id].ref_count == 1:
+            return
+        if not self.free:
+            self.release(seq)  # nowhere to copy to: recompute it all, helped by the prefix cache
+            return
+        copy = self._take_free_block()
+        self.copy_rows(block_id, copy.block_id, rows)
+        self.blocks[block_id].ref_count -= 1  # still shared by others, so never reaches zero here
+        seq.block_table[index] = copy.block_id
+
+    def release(self, seq: Sequence) -> int:
+        """Drops ``seq``'s blocks (its KV is then recomputed if needed); returns blocks freed."""
+        freed = 0
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                # Tail blocks go in first so that a prefix's head outlives its tail under LRU.
+                self.free[block_id] = None
+                freed += 1
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        return freed
+
+    def _reference(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free[block_id]
+        block.ref_count += 1
+
+    def _take_free_block(self) -> Block:
+        block_id, _ = self.free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not NO_HASH and self.cached.get(block.hash) == block_id:
+            del self.cached[block.hash]  # evicted: its KV is about to be overwritten
+        block.hash, block.token_ids = NO_HASH, ()
+        block.ref_count = 1
+        return block

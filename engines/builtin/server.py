@@ -1,0 +1,332 @@
+"""HTTP server for one builtin engine process: the OpenAI routes plus Parrot's context primitives.
+
+Handlers are thin: decode a Struct, call ``BuiltinEngine``, encode. The app's lifespan owns the
+``LLMEngine`` (loaded off the event loop; it computes on its own thread) and, when a gateway
+is configured, the task that registers this engine and keeps it alive with heartbeats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable
+
+import httpx
+import msgspec
+from litestar import Litestar, Request, Response, delete, get, post
+from litestar.exceptions import HTTPException, ValidationException
+from litestar.params import FromPath, JSONBody
+from litestar.response import Stream
+
+from engines.base import EngineError, EngineStats
+from engines.builtin.config import EngineConfig
+from engines.builtin.serving import (
+    BuiltinEngine,
+    ContextFillRequest,
+    ContextGenerateRequest,
+    ContextGenerationChunk,
+    LLMCore,
+)
+from engines.builtin.types import FillResult
+from engines.builtin.tokenizer import chat_prompt_text
+from engines.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    Tool,
+    CompletionRequest,
+    ErrorBody,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    encoder,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
+_MISSING_FIELD = re.compile(r"missing required field `([^`]+)`")
+
+
+def served_model_name(config: EngineConfig) -> str:
+    """The name clients use for this engine's model: a friendly one for the default model, else the file/dir stem."""
+    if config.model is None:
+        return DEFAULT_SERVED_MODEL_NAME
+    path = Path(config.model.rstrip("/"))
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+@dataclass
+class GatewayRegistration:
+    """Where and as what this engine announces itself to a Parrot gateway."""
+
+    gateway_url: str
+    advertise_url: str
+    name: str
+    heartbeat_interval_s: float = 2.0
+    api_key: str | None = None  # sent as a bearer token when the gateway requires one
+
+    def headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+# ---------------------------------------------------------------- errors
+
+
+def error_response(status: int, message: str, error_type: str, param: str | None = None, code: str | None = None) -> Response:
+    body = ErrorResponse(ErrorBody(message=message, type=error_type, param=param, code=code))
+    return Response(encoder.encode(body), status_code=status, media_type="application/json")
+
+
+def _error_body(exc: Exception) -> ErrorResponse:
+    if isinstance(exc, EngineError):
+        return ErrorResponse(ErrorBody(str(exc), exc.error_type, getattr(exc, "param", None), exc.code))
+    return ErrorResponse(ErrorBody(f"internal error: {exc}", "server_error"))
+
+
+def _engine_error(_: Request, exc: EngineError) -> Response:
+    return Response(encoder.encode(_error_body(exc)), status_code=exc.status_code, media_type="application/json")
+
+
+def _validation_error(_: Request, exc: ValidationException) -> Response:
+    # Litestar lists what failed in ``extra``: name the first field, as OpenAI's ``param`` does.
+    problems = exc.extra if isinstance(exc.extra, list) else []
+    first = problems[0] if problems and isinstance(problems[0], dict) else {}
+    reason = first.get("message") or ""
+    missing = _MISSING_FIELD.search(reason)  # msgspec names a missing field only in its message
+    param = missing.group(1) if missing else first.get("key")
+    message = f"{exc.detail}: {reason}" if reason else exc.detail
+    return error_response(400, message, "invalid_request_error", param if param != "data" else None)
+
+
+def _internal_error(request: Request, exc: Exception) -> Response:
+    logger.error("unhandled error on %s", request.url.path, exc_info=exc)
+    return Response(encoder.encode(_error_body(exc)), status_code=500, media_type="application/json")
+
+
+def _http_error(_: Request, exc: HTTPException) -> Response:
+    error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return error_response(exc.status_code, exc.detail, error_type)
+
+
+class ModelNotFound(EngineError):
+    status_code = 404
+    error_type = "invalid_request_error"
+    code = "model_not_found"
+    param = "model"
+
+
+# ---------------------------------------------------------------- streaming
+
+
+def _sse_frame(payload: bytes) -> bytes:
+    return b"data: " + payload + b"\n\n"
+
+
+async def sse(chunks: AsyncIterator[bytes]) -> Stream:
+    """An SSE response of ``chunks``; failures before the first chunk are still plain HTTP errors."""
+    first = await chunks.__anext__()
+
+    async def frames() -> AsyncIterator[bytes]:
+        async with aclosing(chunks):
+            yield _sse_frame(first)
+            try:
+                async for chunk in chunks:
+                    yield _sse_frame(chunk)
+            except Exception as exc:  # headers are gone: report in-band, as OpenAI does
+                logger.warning("stream failed: %s", exc, exc_info=not isinstance(exc, EngineError))
+                yield _sse_frame(encoder.encode(_error_body(exc)))
+        yield b"data: [DONE]\n\n"
+
+    return Stream(frames(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+async def _generation_chunks(engine: BuiltinEngine, context_id: str, request: ContextGenerateRequest) -> AsyncIterator[bytes]:
+    pieces = engine.generate_in_context_stream(context_id, request)
+    async with aclosing(pieces):
+        async for piece in pieces:
+            yield encoder.encode(ContextGenerationChunk(piece.text, piece.token_ids, piece.finish_reason))
+
+
+# ---------------------------------------------------------------- routes
+
+
+# Handlers that may stream return a Response: litestar then keeps each response's own media type
+# (with a data return type it would stamp application/json over the SSE stream's).
+def _json(body: Any) -> Response:
+    return Response(encoder.encode(body), media_type="application/json")
+
+
+def _engine(request: Request) -> BuiltinEngine:
+    return request.app.state.engine
+
+
+def _engine_serving(request: Request, model: str) -> BuiltinEngine:
+    engine = _engine(request)
+    if model != engine.model_name:
+        raise ModelNotFound(f"model {model!r} not found; this engine serves {engine.model_name!r}")
+    return engine
+
+
+@post("/v1/chat/completions", status_code=200)
+async def chat_completions(request: Request, data: JSONBody[ChatCompletionRequest]) -> Response:
+    engine = _engine_serving(request, data.model)
+    if data.stream:
+        return await sse(engine.chat_stream(data))
+    return _json(await engine.chat(data))
+
+
+@post("/v1/completions", status_code=200)
+async def completions(request: Request, data: JSONBody[CompletionRequest]) -> Response:
+    engine = _engine_serving(request, data.model)
+    if data.stream:
+        return await sse(engine.complete_stream(data))
+    return _json(await engine.complete(data))
+
+
+class RenderRequest(msgspec.Struct):
+    messages: list[ChatMessage]
+    tools: list[Tool] | None = None
+
+
+class Rendered(msgspec.Struct):
+    prompt: str
+
+
+@post("/v1/render", status_code=200)
+async def render(request: Request, data: JSONBody[RenderRequest]) -> Rendered:
+    """The chat template applied to ``messages``, as text (gateways split it at variable boundaries)."""
+    return Rendered(prompt=chat_prompt_text(_engine(request).llm.tokenizer, data.messages, data.tools))
+
+
+@get("/v1/models")
+async def models(request: Request) -> ModelList:
+    return ModelList(data=[ModelCard(id=_engine(request).model_name)])
+
+
+@get("/health")
+async def health(request: Request) -> dict[str, str]:
+    return {"status": "ok" if await _engine(request).health() else "unhealthy"}
+
+
+@get("/v1/stats")
+async def stats(request: Request) -> EngineStats:
+    return await _engine(request).stats()
+
+
+@post("/v1/contexts", status_code=200)
+async def fill_context(request: Request, data: JSONBody[ContextFillRequest]) -> FillResult:
+    return await _engine(request).fill_context(data)
+
+
+@post("/v1/contexts/{context_id:str}/generate", status_code=200)
+async def generate_in_context(request: Request, context_id: FromPath[str], data: JSONBody[ContextGenerateRequest]) -> Response:
+    engine = _engine(request)
+    if data.stream:
+        return await sse(_generation_chunks(engine, context_id, data))
+    return _json(await engine.generate_in_context(context_id, data))
+
+
+@delete("/v1/contexts/{context_id:str}", status_code=200)
+async def free_context(request: Request, context_id: FromPath[str]) -> dict[str, int]:
+    return {"freed_blocks": await _engine(request).free_context(context_id)}
+
+
+# ---------------------------------------------------------------- gateway registration
+
+
+async def keep_registered(
+    client: httpx.AsyncClient, registration: GatewayRegistration, engine: BuiltinEngine, log: Callable[[str], None]
+) -> None:
+    """Registers with the gateway, then heartbeats; re-registers whenever the gateway forgets us.
+
+    An unreachable gateway is normal (it may start after us), so failures are retried quietly.
+    """
+    gateway = registration.gateway_url.rstrip("/")
+    announcement = {
+        "name": registration.name,
+        "url": registration.advertise_url,
+        "models": [engine.model_name],
+        "kind": "builtin",
+    }
+    engine_id: str | None = None
+    while True:
+        try:
+            if engine_id is None:
+                response = await client.post(f"{gateway}/v1/engines", json=announcement)
+                response.raise_for_status()
+                engine_id = response.json()["id"]
+                log(f"registered with {gateway} as {engine_id}")
+            else:
+                stats = msgspec.json.encode(await engine.stats())
+                response = await client.post(
+                    f"{gateway}/v1/engines/{engine_id}/heartbeat",
+                    content=stats,
+                    headers={"content-type": "application/json"},
+                )
+                if response.status_code == 404:
+                    engine_id = None  # the gateway restarted or expired us
+                    continue
+                response.raise_for_status()
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        await asyncio.sleep(registration.heartbeat_interval_s)
+
+
+# ---------------------------------------------------------------- app
+
+
+def create_app(
+    config: EngineConfig | None = None,
+    *,
+    llm: LLMCore | None = None,
+    model_name: str | None = None,
+    registration: GatewayRegistration | None = None,
+    log: Callable[[str], None] = lambda message: None,
+) -> Litestar:
+    """The engine's app. Given ``llm``, serves that (already started) core and leaves its lifetime to
+    the caller; otherwise loads one from ``config`` at startup and shuts it down at exit."""
+    config = config or getattr(llm, "config", None) or EngineConfig()
+
+    @asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        started = time.perf_counter()
+        core = llm
+        if core is None:
+            from engines.builtin.engine import LLMEngine
+
+            log(f"loading {config.model or 'the default model (' + DEFAULT_SERVED_MODEL_NAME + ')'} ...")
+            core = await asyncio.to_thread(LLMEngine, config)
+            core.start()
+        app.state.engine = BuiltinEngine(core, model_name=model_name or served_model_name(config))
+        log(f"ready in {time.perf_counter() - started:.1f}s")
+        try:
+            headers = registration.headers() if registration is not None else {}
+            async with httpx.AsyncClient(timeout=10.0, headers=headers) as client:
+                heartbeat = None
+                if registration is not None:
+                    heartbeat = asyncio.create_task(keep_registered(client, registration, app.state.engine, log))
+                try:
+                    yield
+                finally:
+                    if heartbeat is not None:
+                        heartbeat.cancel()
+                        await asyncio.gather(heartbeat, return_exceptions=True)
+        finally:
+            if llm is None:
+                await asyncio.to_thread(core.shutdown)
+
+    return Litestar(
+        route_handlers=[chat_completions, completions, render, models, health, stats, fill_context, generate_in_context, free_context],
+        lifespan=[lifespan],
+        exception_handlers={
+            EngineError: _engine_error,
+            ValidationException: _validation_error,
+            HTTPException: _http_error,
+            Exception: _internal_error,
+        },
+    )

@@ -1,0 +1,645 @@
+"""The builtin engine behind the ``Engine`` seam: OpenAI requests in, OpenAI responses out.
+
+``BuiltinEngine`` runs in the caller's process over an ``LLMEngine`` (which computes on its
+own thread), so the gateway can host it directly and ``server.py`` can expose it over HTTP.
+It owns everything between the wire format and token ids: chat templates, sampling
+parameters, ``n`` choices as forks of one filled prompt, incremental detokenisation with stop
+strings, logprobs, usage and the streaming chunk sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Annotated, Any, AsyncIterator, Iterable, Protocol, Sequence, TypeVar
+
+import msgspec
+from msgspec import Meta
+
+from engines.base import EngineError, EngineStats, Route
+from engines.builtin.tokenizer import IncrementalDetokenizer, TokenTexts, chat_prompt_tokens, text_tokens
+from engines.builtin.types import FillResult, SamplingParams, TokenEvent
+from engines.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatDelta,
+    ChoiceLogprobs,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    InvalidRequest,
+    Penalty,
+    Probability,
+    ResponseMessage,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    encoder,
+    new_id,
+    now,
+)
+
+T = TypeVar("T")
+
+
+# ---------------------------------------------------------------- errors
+
+
+class EngineBadRequest(EngineError):
+    """The request cannot be served as asked (bad field, prompt longer than the context window)."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+    code = None
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class EngineNotFound(EngineError):
+    """A context id the engine does not hold."""
+
+    status_code = 404
+    error_type = "invalid_request_error"
+    code = "context_not_found"
+    param = "context_id"
+
+
+class EngineConflict(EngineError):
+    """The context is busy with another fill or generation."""
+
+    status_code = 409
+    error_type = "invalid_request_error"
+    code = "context_busy"
+    param = "context_id"
+
+
+def _translate(exc: Exception) -> Exception:
+    """Core exceptions as the seam's ``EngineError``s; anything else unchanged.
+
+    Matched by class name so this module need not import the core (and its torch) to be used,
+    and so that a KeyError raised by a bug is not turned into a polite 404.
+    """
+    kind = type(exc).__name__
+    if kind == "ContextNotFound":
+        return EngineNotFound(f"context {exc.args[0] if exc.args else ''!s} not found")
+    if kind == "ContextBusy":
+        return EngineConflict(str(exc))
+    if isinstance(exc, InvalidRequest):
+        return EngineBadRequest(str(exc), exc.param)
+    if isinstance(exc, ValueError) and not isinstance(exc, EngineError):
+        return EngineBadRequest(str(exc))  # the core's "prompt longer than max_model_len"
+    return exc
+
+
+# ---------------------------------------------------------------- the core's interface
+
+
+class LLMCore(Protocol):
+    """What this layer needs of ``engines.builtin.engine.LLMEngine``."""
+
+    tokenizer: Any
+    model_name: str
+    max_model_len: int
+    eos_token_ids: list[int]
+
+    async def fill(self, tokens: list[int], *, context_id: str | None = None, parent_context_id: str | None = None) -> FillResult: ...
+    def generate(self, context_id: str, params: SamplingParams) -> AsyncIterator[TokenEvent]: ...
+    def generate_from_prompt(self, prompt_tokens: list[int], params: SamplingParams, *, parent_context_id: str | None = None) -> AsyncIterator[TokenEvent]: ...
+    async def free_context(self, context_id: str) -> int: ...
+    def stats(self) -> EngineStats: ...
+    def shutdown(self) -> None: ...
+
+
+# ---------------------------------------------------------------- primitives' bodies
+
+
+class SamplingBody(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The OpenAI sampling fields (with OpenAI's ranges), for requests that name a context instead of a prompt."""
+
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Probability | None = None
+    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    min_p: Probability | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
+    priority: int = 0
+
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class ContextFillRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+    context_id: str | None = None
+    parent_context_id: str | None = None
+    tokens: list[int] | None = None
+    text: str | None = None
+
+
+class ContextGenerateRequest(SamplingBody, kw_only=True, omit_defaults=True):
+    # With fork: generate after the context's tokens plus these, in a temporary child freed at the end
+    # (one call instead of fill + generate + free: how a gateway runs a request on a shared prefix).
+    text: str | None = None
+    tokens: list[int] | None = None
+    fork: bool = False
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] = 0
+    stream: bool = False
+
+
+class ContextGenerationChunk(msgspec.Struct):
+    """One streamed step of a generation appended to a context."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+class ContextGeneration(ContextGenerationChunk):
+    """A whole generation appended to a context, as ``/v1/contexts/{id}/generate`` answers."""
+
+    usage: Usage
+
+
+# ---------------------------------------------------------------- one choice's output
+
+
+@dataclass
+class Piece:
+    """What one choice adds in one step: released text, the tokens since the last piece."""
+
+    text: str
+    token_ids: list[int]
+    events: list[TokenEvent]  # the same tokens with their logprobs
+    finish_reason: str | None = None
+
+
+async def decode_events(
+    events: AsyncIterator[TokenEvent], detok: IncrementalDetokenizer, hidden_stop_ids: frozenset[int]
+) -> AsyncIterator[Piece]:
+    """Turns a token stream into text pieces; leaving early (a stop string) aborts the sequence."""
+    pending: list[TokenEvent] = []
+    async with aclosing(events):
+        async for event in events:
+            pending.append(event)
+            finish = event.finish_reason
+            # EOS / stop_token_ids end the text without being part of it, as OpenAI does.
+            hidden = finish == "stop" and event.token_id in hidden_stop_ids
+            text = "" if hidden else detok.push(event.token_id)
+            if detok.stopped:
+                finish = "stop"
+            elif finish is not None:
+                text += detok.finish()
+            if text or finish is not None:
+                yield Piece(text, [e.token_id for e in pending], pending, finish)
+                pending = []
+            if finish is not None:
+                return
+    yield Piece(detok.finish(), [e.token_id for e in pending], pending, "abort")  # core stopped without a reason
+
+
+@dataclass
+class ChoiceResult:
+    """One choice accumulated for a non-streaming response."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    events: list[TokenEvent] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, piece: Piece) -> None:
+        self.text += piece.text
+        self.token_ids += piece.token_ids
+        self.events += piece.events
+        self.finish_reason = piece.finish_reason or self.finish_reason
+
+
+@dataclass
+class PromptJob:
+    """One prompt of a request and the choices sampled from it."""
+
+    tokens: list[int]
+    params: list[SamplingParams]  # one per choice
+    first_index: int  # choice index of params[0] in the response
+    stop: list[str]
+
+    @property
+    def indices(self) -> range:
+        return range(self.first_index, self.first_index + len(self.params))
+
+
+# ---------------------------------------------------------------- the engine
+
+
+class BuiltinEngine:
+    """The builtin engine as an ``engines.base.Engine``, serving in-process over an ``LLMEngine``."""
+
+    def __init__(self, llm: LLMCore, *, name: str = "builtin-0", model_name: str | None = None):
+        self.llm = llm
+        self.name = name
+        self.model_name = model_name or llm.model_name
+        self.tokenizer = llm.tokenizer
+        self.vocab_size = len(self.tokenizer)
+        self.token_texts = TokenTexts(self.tokenizer)
+        self.eos_token_ids = frozenset(llm.eos_token_ids)
+
+    # ------------------------------------------------------------ the Engine seam
+
+    async def create(self, route: Route, body: dict[str, Any]) -> bytes:
+        if route == "chat/completions":
+            return encoder.encode(await self.chat(_parse(body, ChatCompletionRequest)))
+        if route == "completions":
+            return encoder.encode(await self.complete(_parse(body, CompletionRequest)))
+        raise EngineBadRequest(f"unknown route {route!r}")
+
+    async def stream(self, route: Route, body: dict[str, Any]) -> AsyncIterator[bytes]:
+        if route == "chat/completions":
+            chunks = self.chat_stream(_parse(body, ChatCompletionRequest))
+        elif route == "completions":
+            chunks = self.complete_stream(_parse(body, CompletionRequest))
+        else:
+            raise EngineBadRequest(f"unknown route {route!r}")
+        async with aclosing(chunks):
+            async for chunk in chunks:
+                yield chunk
+
+    async def health(self) -> bool:
+        return True
+
+    async def stats(self) -> EngineStats:
+        return self.llm.stats()
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.llm.shutdown)
+
+    # ------------------------------------------------------------ chat completions
+
+    async def chat(self, request: ChatCompletionRequest) -> ChatCompletion:
+        job = self._chat_job(request)
+        results = await self._collect([job])
+        choices = [
+            ChatChoice(
+                index=i,
+                message=ResponseMessage(content=r.text),
+                finish_reason=r.finish_reason,
+                logprobs=self._chat_logprobs(r.events) if request.logprobs else None,
+            )
+            for i, r in enumerate(results)
+        ]
+        return ChatCompletion(model=self.model_name, choices=choices, usage=_usage([job], results))
+
+    async def chat_stream(self, request: ChatCompletionRequest) -> AsyncIterator[bytes]:
+        job = self._chat_job(request)
+        chunk_id, created = new_id("chatcmpl"), now()
+
+        def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:
+            return encoder.encode(
+                ChatCompletionChunk(model=self.model_name, choices=choices, id=chunk_id, created=created, usage=usage)
+            )
+
+        for index in job.indices:
+            yield chunk([ChatChunkChoice(index, ChatDelta(role="assistant", content=""))])
+        completion_tokens = 0
+        async for index, piece in self._run_all([job]):
+            completion_tokens += len(piece.token_ids)
+            logprobs = self._chat_logprobs(piece.events) if request.logprobs else None
+            yield chunk([ChatChunkChoice(index, ChatDelta(content=piece.text), piece.finish_reason, logprobs)])
+        if request.stream_options is not None and request.stream_options.include_usage:
+            yield chunk([], _usage_of(len(job.tokens), completion_tokens))
+
+    def _chat_job(self, request: ChatCompletionRequest) -> PromptJob:
+        _validate(request)
+        # Tools and response_format are accepted but not enforced yet (grammar decoding comes later).
+        tokens = chat_prompt_tokens(self.tokenizer, request.messages, request.tools)
+        params = self.sampling_params(
+            request, len(tokens), logprobs=request.logprobs, top_logprobs=request.top_logprobs or 0, prompt_param="messages"
+        )
+        return PromptJob(tokens, _per_choice(params, request.n), 0, request.stop_list())
+
+    def _chat_logprobs(self, events: Iterable[TokenEvent]) -> ChoiceLogprobs:
+        texts = self.token_texts
+        content = [
+            TokenLogprob(
+                token=texts.text(e.token_id),
+                logprob=e.logprob if e.logprob is not None else 0.0,
+                bytes=texts.bytes(e.token_id),
+                top_logprobs=[
+                    TopLogprob(token=texts.text(t), logprob=lp, bytes=texts.bytes(t)) for t, lp in e.top_logprobs or ()
+                ],
+            )
+            for e in events
+        ]
+        return ChoiceLogprobs(content=content)
+
+    # ------------------------------------------------------------ text completions
+
+    async def complete(self, request: CompletionRequest) -> Completion:
+        jobs, echoes = self._completion_jobs(request)
+        results = await self._collect(jobs)
+        choices = []
+        for i, r in enumerate(results):
+            echo = echoes[i // request.n] if request.echo else ""
+            logprobs = self._completion_logprobs(r.events, len(echo)) if request.logprobs is not None else None
+            choices.append(CompletionChoice(index=i, text=echo + r.text, finish_reason=r.finish_reason, logprobs=logprobs))
+        return Completion(model=self.model_name, choices=choices, usage=_usage(jobs, results))
+
+    async def complete_stream(self, request: CompletionRequest) -> AsyncIterator[bytes]:
+        jobs, echoes = self._completion_jobs(request)
+        chunk_id, created = new_id("cmpl"), now()
+
+        def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> bytes:
+            return encoder.encode(Completion(model=self.model_name, choices=choices, id=chunk_id, created=created, usage=usage))
+
+        if request.echo:
+            yield chunk([CompletionChoice(index=i, text=echoes[i // request.n]) for job in jobs for i in job.indices])
+        text_offsets = [len(echoes[i // request.n]) if request.echo else 0 for job in jobs for i in job.indices]
+        completion_tokens = 0
+        async for index, piece in self._run_all(jobs):
+            completion_tokens += len(piece.token_ids)
+            logprobs = None
+            if request.logprobs is not None:
+                logprobs = self._completion_logprobs(piece.events, text_offsets[index])
+                text_offsets[index] += sum(len(t) for t in logprobs.tokens)
+            yield chunk([CompletionChoice(index, piece.text, piece.finish_reason, logprobs)])
+        if request.stream_options is not None and request.stream_options.include_usage:
+            yield chunk([], _usage_of(sum(len(job.tokens) for job in jobs), completion_tokens))
+
+    def _completion_jobs(self, request: CompletionRequest) -> tuple[list[PromptJob], list[str]]:
+        _validate(request)
+        jobs, echoes = [], []
+        for prompt in request.prompts():
+            tokens = text_tokens(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
+            if not tokens:
+                raise EngineBadRequest("prompt must not be empty", "prompt")
+            self._check_token_ids(tokens, "prompt")
+            params = self.sampling_params(
+                request, len(tokens), logprobs=request.logprobs is not None, top_logprobs=request.logprobs or 0
+            )
+            jobs.append(PromptJob(tokens, _per_choice(params, request.n), len(jobs) * request.n, request.stop_list()))
+            if request.echo:
+                echoes.append(prompt if isinstance(prompt, str) else self.tokenizer.decode(tokens))
+        return jobs, echoes
+
+    def _completion_logprobs(self, events: Sequence[TokenEvent], text_offset: int) -> CompletionLogprobs:
+        texts = self.token_texts
+        out = CompletionLogprobs()
+        for e in events:
+            token = texts.text(e.token_id)
+            out.tokens.append(token)
+            out.token_logprobs.append(e.logprob if e.logprob is not None else 0.0)
+            out.top_logprobs.append({texts.text(t): lp for t, lp in e.top_logprobs or ()})
+            out.text_offset.append(text_offset)
+            text_offset += len(token)
+        return out
+
+    # ------------------------------------------------------------ Parrot primitives
+
+    async def fill_context(self, request: ContextFillRequest) -> FillResult:
+        if (request.tokens is None) == (request.text is None):
+            raise EngineBadRequest("give exactly one of 'tokens' and 'text'", "tokens")
+        tokens = request.tokens if request.tokens is not None else text_tokens(self.tokenizer, request.text or "")
+        if not tokens:
+            raise EngineBadRequest("nothing to fill: 'tokens'/'text' is empty", "tokens")
+        self._check_token_ids(tokens, "tokens")
+        try:
+            return await self.llm.fill(tokens, context_id=request.context_id, parent_context_id=request.parent_context_id)
+        except Exception as exc:
+            raise _translate(exc) from exc
+
+    async def free_context(self, context_id: str) -> int:
+        try:
+            return await self.llm.free_context(context_id)
+        except Exception as exc:
+            raise _translate(exc) from exc
+
+    async def generate_in_context(self, context_id: str, request: ContextGenerateRequest) -> ContextGeneration:
+        result = ChoiceResult()
+        async for piece in self.generate_in_context_stream(context_id, request):
+            result.add(piece)
+        usage = _usage_of(len(self._suffix_tokens(request)), len(result.token_ids))
+        return ContextGeneration(result.text, result.token_ids, result.finish_reason, usage)
+
+    def _suffix_tokens(self, request: ContextGenerateRequest) -> list[int]:
+        if request.text is not None and request.tokens is not None:
+            raise EngineBadRequest("give at most one of 'tokens' and 'text'", "tokens")
+        if request.tokens is not None:
+            self._check_token_ids(request.tokens, "tokens")
+            return request.tokens
+        return text_tokens(self.tokenizer, request.text) if request.text else []
+
+    async def generate_in_context_stream(self, context_id: str, request: ContextGenerateRequest) -> AsyncIterator[Piece]:
+        """Generates after a context's tokens and appends the output to it; with ``fork``, after the
+        context's tokens plus ``text``/``tokens`` in a temporary child, leaving the context as it was."""
+        suffix = self._suffix_tokens(request)
+        if suffix and not request.fork:
+            raise EngineBadRequest("'text'/'tokens' need 'fork': true (fill a context to append to it)", "fork")
+        if request.fork and not suffix:
+            raise EngineBadRequest("'fork' needs 'text' or 'tokens' to generate from", "text")
+        params = self.sampling_params(request, len(suffix), logprobs=request.logprobs,
+                                      top_logprobs=request.top_logprobs)
+        detok = IncrementalDetokenizer(self.tokenizer, request.stop_list())
+        try:
+            events = (self.llm.generate_from_prompt(suffix, params, parent_context_id=context_id) if request.fork
+                      else self.llm.generate(context_id, params))
+            pieces = decode_events(events, detok, self._hidden_ids(params))
+            async with aclosing(pieces):
+                async for piece in pieces:
+                    yield piece
+        except Exception as exc:
+            raise _translate(exc) from exc
+
+    # ------------------------------------------------------------ shared machinery
+
+    def sampling_params(
+        self, request: Any, prompt_len: int, *, logprobs: bool, top_logprobs: int, prompt_param: str = "prompt"
+    ) -> SamplingParams:
+        """OpenAI fields (unset = None) as normalised ``SamplingParams`` for a prompt of ``prompt_len``."""
+        remaining = self.llm.max_model_len - prompt_len
+        if remaining < 1:
+            raise EngineBadRequest(
+                f"the prompt is {prompt_len} tokens; this model's context window is {self.llm.max_model_len}", prompt_param
+            )
+        limit = request.token_limit()
+        logit_bias = {int(k): v for k, v in request.logit_bias.items()} if request.logit_bias else None
+        if logit_bias:
+            self._check_token_ids(logit_bias, "logit_bias")
+        stop_token_ids = list(request.stop_token_ids or ())
+        self._check_token_ids(stop_token_ids, "stop_token_ids")
+        return SamplingParams(
+            max_tokens=remaining if limit is None else min(limit, remaining),
+            temperature=_or(request.temperature, 1.0),
+            top_p=_or(request.top_p, 1.0),
+            top_k=request.top_k if request.top_k else -1,  # 0 and None both mean "disabled"
+            min_p=_or(request.min_p, 0.0),
+            seed=request.seed,
+            presence_penalty=_or(request.presence_penalty, 0.0),
+            frequency_penalty=_or(request.frequency_penalty, 0.0),
+            repetition_penalty=_or(request.repetition_penalty, 1.0),
+            logit_bias=logit_bias,
+            stop_token_ids=stop_token_ids,
+            ignore_eos=request.ignore_eos,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            priority=request.priority,
+        )
+
+    def _check_token_ids(self, token_ids: Iterable[int], param: str) -> None:
+        # An out-of-range id would fail inside the model's embedding, on the engine's thread.
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise EngineBadRequest(f"token ids out of range [0, {self.vocab_size}): {bad[:5]}", param)
+
+    def _hidden_ids(self, params: SamplingParams) -> frozenset[int]:
+        return self.eos_token_ids | frozenset(params.stop_token_ids)
+
+    async def _collect(self, jobs: list[PromptJob]) -> list[ChoiceResult]:
+        results = [ChoiceResult() for job in jobs for _ in job.params]
+        async for index, piece in self._run_all(jobs):
+            results[index].add(piece)
+        return results
+
+    def _run_all(self, jobs: list[PromptJob]) -> AsyncIterator[tuple[int, Piece]]:
+        streams = [self._run_job(job) for job in jobs]
+        return streams[0] if len(streams) == 1 else _merge_tagged(streams)
+
+    async def _run_job(self, job: PromptJob) -> AsyncIterator[tuple[int, Piece]]:
+        """All choices of one prompt, interleaved as they are produced, tagged with choice index."""
+        try:
+            if len(job.params) == 1:
+                events = self.llm.generate_from_prompt(job.tokens, job.params[0])
+                async for piece in self._pieces(events, job, job.params[0]):
+                    yield job.first_index, piece
+                return
+            # n > 1: compute the prompt once and fork it, so every choice shares its KV blocks.
+            # The parent holds all but the last token: each choice computes that one itself
+            # (it needs its logits anyway) in a temporary child the core frees when it ends.
+            *shared, last = job.tokens
+            parent = new_id("prompt") if shared else None  # named up front so a cancelled fill is freed too
+            try:
+                if parent is not None:
+                    await self.llm.fill(shared, context_id=parent)
+                streams = [
+                    self._pieces(self.llm.generate_from_prompt([last], p, parent_context_id=parent), job, p)
+                    for p in job.params
+                ]
+                async for offset, piece in _merge(streams):
+                    yield job.first_index + offset, piece
+            finally:
+                if parent is not None:
+                    await self._free_quietly(parent)
+        except Exception as exc:
+            raise _translate(exc) from exc
+
+    def _pieces(self, events: AsyncIterator[TokenEvent], job: PromptJob, params: SamplingParams) -> AsyncIterator[Piece]:
+        detok = IncrementalDetokenizer(self.tokenizer, job.stop, job.tokens)
+        return decode_events(events, detok, self._hidden_ids(params))
+
+    async def _free_quietly(self, context_id: str) -> None:
+        try:
+            await asyncio.shield(self.llm.free_context(context_id))
+        except (KeyError, asyncio.CancelledError):
+            pass  # already evicted, or we are being torn down (the shielded free still completes)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _parse(body: dict[str, Any], request_type: type[T]) -> T:
+    try:
+        return msgspec.convert(body, request_type)
+    except msgspec.ValidationError as exc:
+        raise EngineBadRequest(str(exc)) from exc
+
+
+def _validate(request: ChatCompletionRequest | CompletionRequest) -> None:
+    try:
+        request.validate()
+    except InvalidRequest as exc:
+        raise EngineBadRequest(str(exc), exc.param) from exc
+
+
+def _or(value: T | None, default: T) -> T:
+    return default if value is None else value
+
+
+def _per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """``n`` copies of ``params``; seeded requests give choice i the seed ``seed + i``."""
+    if n == 1:
+        return [params]
+    seeds = [None] * n if params.seed is None else [params.seed + i for i in range(n)]
+    return [msgspec.structs.replace(params, seed=seed) for seed in seeds]
+
+
+def _usage_of(prompt_tokens: int, completion_tokens: int) -> Usage:
+    return Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+
+
+def _usage(jobs: list[PromptJob], results: list[ChoiceResult]) -> Usage:
+    return _usage_of(sum(len(job.tokens) for job in jobs), sum(len(r.token_ids) for r in results))
+
+
+class _Failed:
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+_DONE = object()
+
+
+async def _merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Items of several async iterators as they come, tagged with the iterator's position.
+
+    Leaving early (or one stream failing) cancels and closes every stream, which aborts their
+    sequences in the core.
+    """
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(position: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async with aclosing(stream):
+                async for item in stream:
+                    queue.put_nowait((position, item))
+        except Exception as exc:
+            queue.put_nowait((position, _Failed(exc)))
+        finally:
+            queue.put_nowait((position, _DONE))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            position, item = await queue.get()
+            if item is _DONE:
+                running -= 1
+            elif isinstance(item, _Failed):
+                raise item.exc
+            else:
+                yield position, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _merge_tagged(streams: list[AsyncIterator[tuple[int, T]]]) -> AsyncIterator[tuple[int, T]]:
+    """Merges streams whose items already carry their choice index."""
+    async for _, tagged in _merge(streams):
+        yield tagged

@@ -1,0 +1,118 @@
+"""Each app workload runs in both modes through a real gateway in front of the echoing fake upstream.
+
+The fake answers "echo: <last user message>", so every output carries the prompt that produced it:
+a consumer's output containing its producers' outputs proves the values really flowed along the
+graph (server-side for Parrot, through the client for the baseline).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import httpx
+import pytest
+
+from benchmarks import fake_upstream
+from benchmarks.workloads import WORKLOADS, chain, map_reduce, multi_agent, shared_prompt
+from benchmarks.workloads.text import document, questions, system_prompt
+from gateway.app import create_app
+from gateway.config import BuiltinConfig, GatewayConfig, UpstreamConfig
+
+MODEL = "fake-model"
+TINY = {
+    "map_reduce": map_reduce.Config(chunks=3, chunk_words=20, seed=7),
+    "chain": chain.Config(chunks=3, chunk_words=20, seed=7),
+    "multi_agent": multi_agent.Config(coders=3, seed=7),
+    "shared_prompt": shared_prompt.Config(users=3, system_words=60, seed=7),
+}
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def fake_url(serve_module) -> str:
+    return serve_module(fake_upstream.app)
+
+
+@pytest.fixture(scope="module")
+def gateway_v1(serve_module, fake_url) -> str:
+    config = GatewayConfig(upstreams=[UpstreamConfig(model=MODEL, base_url=f"{fake_url}/v1")],
+                           builtin=BuiltinConfig(enabled=False))
+    return serve_module(create_app(config)) + "/v1"
+
+
+def fake_requests(fake_url: str) -> int:
+    return httpx.get(f"{fake_url}/fake/stats").json()["requests"]
+
+
+@pytest.fixture
+async def client(gateway_v1):
+    async with httpx.AsyncClient(base_url=gateway_v1, timeout=30) as client:
+        yield client
+
+
+@pytest.mark.parametrize("app", sorted(WORKLOADS))
+async def test_both_modes_give_the_same_answer_with_every_call_run_once(app, client, fake_url):
+    module, cfg = WORKLOADS[app], TINY[app]
+    before = fake_requests(fake_url)
+    parrot = await module.run_parrot(client, MODEL, cfg, rtt_ms=2)
+    between = fake_requests(fake_url)
+    baseline = await module.run_baseline(client, MODEL, cfg, rtt_ms=2)
+    after = fake_requests(fake_url)
+
+    assert parrot.calls == baseline.calls == between - before == after - between
+    assert parrot.seconds > 0 and baseline.seconds > 0
+    assert parrot.parts == baseline.parts
+    assert parrot.output == baseline.output and parrot.output.startswith("echo: ")
+
+
+async def test_map_reduce_reduce_reads_every_map_output(client):
+    cfg = TINY["map_reduce"]
+    chunks = document(cfg.seed, cfg.chunks, cfg.chunk_words)
+    for run in (map_reduce.run_parrot, map_reduce.run_baseline):
+        result = await run(client, MODEL, cfg)
+        assert len(result.parts) == cfg.chunks
+        for chunk, summary in zip(chunks, result.parts):
+            assert chunk in summary
+            assert summary in result.output  # the reduce prompt held each map's output
+
+
+async def test_chain_each_step_reads_the_previous_summary(client):
+    cfg = TINY["chain"]
+    chunks = document(cfg.seed, cfg.chunks, cfg.chunk_words)
+    for run in (chain.run_parrot, chain.run_baseline):
+        result = await run(client, MODEL, cfg)
+        assert len(result.parts) == cfg.chunks and result.output == result.parts[-1]
+        for index, step in enumerate(result.parts):
+            assert chunks[index] in step
+            if index:
+                assert result.parts[index - 1] in step
+
+
+async def test_multi_agent_fans_the_plan_out_and_the_code_in(client):
+    cfg = TINY["multi_agent"]
+    for run in (multi_agent.run_parrot, multi_agent.run_baseline):
+        result = await run(client, MODEL, cfg)
+        plan, codes = result.parts[0], result.parts[1:]
+        assert f"project {cfg.seed}" in plan and len(codes) == cfg.coders
+        for index, code in enumerate(codes):
+            assert plan in code and f"component {index + 1} " in code
+            assert code in result.output
+
+
+async def test_shared_prompt_answers_each_user_under_the_same_system_prompt(client, fake_url):
+    cfg = TINY["shared_prompt"]
+    asked = questions(cfg.seed, cfg.users)
+    for run in (shared_prompt.run_parrot, shared_prompt.run_baseline):
+        result = await run(client, MODEL, cfg)
+        assert result.parts == [f"echo: {q}" for q in asked]
+        last = httpx.get(f"{fake_url}/fake/stats").json()["last_body"]
+        assert last["messages"][0]["content"].startswith("You are the customer support assistant")
+        assert "parrot" not in last  # the extension never reaches the upstream
+
+
+async def test_shared_prompt_distinct_prompts_differ_from_their_first_word(client, fake_url):
+    cfg = replace(TINY["shared_prompt"], distinct_prompts=True)
+    result = await shared_prompt.run_baseline(client, MODEL, cfg)
+    assert result.parts == [f"echo: {q}" for q in questions(cfg.seed, cfg.users)]
+    system = httpx.get(f"{fake_url}/fake/stats").json()["last_body"]["messages"][0]["content"]
+    assert system.startswith("(desk ") and system.endswith(system_prompt(cfg.seed, cfg.system_words))

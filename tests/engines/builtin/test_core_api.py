@@ -1,0 +1,110 @@
+"""The in-process API's contract: errors the serving layer maps, aborts, freeing, stats."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engines.builtin.engine import ContextBusy, ContextNotFound, PromptTooLong
+from engines.builtin.types import SamplingParams
+
+ENDLESS = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
+
+
+async def wait_until(condition, timeout=10.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.005)
+
+
+def all_free(engine) -> bool:
+    stats = engine.stats()
+    return stats.running == stats.waiting == 0 and stats.blocks_free == stats.blocks_total
+
+
+async def test_unknown_context_raises_a_key_error(make_engine):
+    engine = make_engine()
+    with pytest.raises(ContextNotFound) as raised:
+        async for _ in engine.generate("nope", ENDLESS):
+            pass
+    assert isinstance(raised.value, KeyError)
+    with pytest.raises(ContextNotFound):
+        engine.fork("nope")
+    with pytest.raises(ContextNotFound):
+        await engine.free_context("nope")
+    with pytest.raises(ContextNotFound):
+        await engine.fill([1, 2], parent_context_id="nope")
+
+
+async def test_too_long_prompts_raise_a_value_error(make_engine):
+    engine = make_engine(max_model_len=32)
+    assert engine.max_model_len == 32
+    with pytest.raises(PromptTooLong, match="maximum context length of 32"):
+        await engine.fill(list(range(33)))
+    with pytest.raises(ValueError):
+        async for _ in engine.generate_from_prompt(list(range(40)), ENDLESS):
+            pass
+    parent = await engine.fill(list(range(30)))
+    with pytest.raises(PromptTooLong):
+        await engine.fill(list(range(5)), parent_context_id=parent.context_id)
+    # A generation stops at the window.
+    events = [e async for e in engine.generate(parent.context_id, ENDLESS)]
+    assert len(events) == 2 and events[-1].finish_reason == "length"
+
+
+async def test_closing_the_stream_aborts_and_frees(make_engine):
+    engine = make_engine()
+    stream = engine.generate_from_prompt(list(range(100, 140)), ENDLESS)
+    assert (await anext(stream)).finish_reason is None
+    await anext(stream)
+    await stream.aclose()
+    await wait_until(lambda: all_free(engine))
+    assert engine.stats().generation_tokens < 50
+
+
+async def test_cancelling_the_consumer_aborts(make_engine):
+    engine = make_engine()
+    started = asyncio.Event()
+
+    async def consume():
+        async for _ in engine.generate_from_prompt(list(range(100, 140)), ENDLESS):
+            started.set()
+
+    task = asyncio.create_task(consume())
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await wait_until(lambda: all_free(engine))
+
+
+async def test_busy_context_and_freeing_a_running_one(make_engine):
+    engine = make_engine()
+    context = await engine.fill(list(range(100, 140)))
+    stream = engine.generate(context.context_id, ENDLESS)
+    await anext(stream)
+    with pytest.raises(ContextBusy):
+        await engine.fill([1], context_id=context.context_id)
+    assert await engine.free_context(context.context_id) > 0
+    events = [e async for e in stream]
+    assert events[-1].finish_reason == "abort"
+    await wait_until(lambda: all_free(engine))
+    with pytest.raises(ContextNotFound):
+        await engine.fill([1], context_id=None, parent_context_id=context.context_id)
+
+
+async def test_fill_appends_and_stats_count(make_engine):
+    engine = make_engine()
+    first = await engine.fill(list(range(100, 120)), context_id="ctx")
+    assert first.context_id == "ctx" and first.num_tokens == 20
+    more = await engine.fill(list(range(200, 210)), context_id="ctx")
+    assert (more.num_tokens, more.cached_tokens) == (30, 20)
+    events = [e async for e in engine.generate("ctx", SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))]
+    assert len(events) == 3
+    stats = engine.stats()
+    assert stats.prompt_tokens == 30 and stats.generation_tokens == 3
+    assert stats.cached_tokens == 32  # two full blocks published in the prefix cache
+    # 33 tokens, but the last generated one has no KV yet: 32 rows, two blocks.
+    assert await engine.free_context("ctx") == 2

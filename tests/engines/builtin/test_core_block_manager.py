@@ -1,0 +1,106 @@
+"""Block manager: reference counts, prefix-cache hits, copy-on-write fork, LRU eviction."""
+
+from __future__ import annotations
+
+from engines.builtin.block_manager import BlockManager
+from engines.builtin.sequence import Sequence
+
+SIZE = 4
+
+
+def computed(manager: BlockManager, tokens: list[int], name: str = "s") -> Sequence:
+    """A sequence whose tokens all got blocks and were computed, as after a prefill step."""
+    seq = Sequence(name, tokens)
+    manager.match_prefix(seq, len(tokens))
+    previous = seq.num_computed_tokens
+    manager.allocate(seq, seq.num_pending_tokens)
+    seq.num_computed_tokens = len(tokens)
+    manager.commit(seq, previous)
+    return seq
+
+
+def test_allocate_and_release_count_references():
+    manager = BlockManager(8, SIZE)
+    seq = computed(manager, list(range(10)))  # 2 full blocks + 2 tokens
+    assert len(seq.block_table) == 3 and manager.num_free_blocks == 5
+    assert all(manager.blocks[b].ref_count == 1 for b in seq.block_table)
+    assert manager.release(seq) == 3
+    assert manager.num_free_blocks == 8 and seq.block_table == [] and seq.num_computed_tokens == 0
+
+
+def test_prefix_hit_shares_full_blocks_only():
+    manager = BlockManager(8, SIZE)
+    first = computed(manager, list(range(10)))
+    second = Sequence("b", list(range(8)) + [99, 98, 97])
+    assert manager.match_prefix(second, len(second)) == 8
+    assert second.block_table == first.block_table[:2]
+    assert [manager.blocks[b].ref_count for b in first.block_table] == [2, 2, 1]
+    assert manager.num_cached_tokens == 8  # the partial third block is not published
+    assert manager.prefix_hit_tokens == 8
+
+
+def test_prefix_hit_requires_the_same_prefix_and_respects_the_limit():
+    manager = BlockManager(8, SIZE)
+    computed(manager, list(range(8)))
+    other_start = Sequence("c", [7, 7, 7, 7] + list(range(4, 8)))
+    assert manager.match_prefix(other_start, 8) == 0  # same second block, different chain
+    limited = Sequence("d", list(range(8)))
+    assert manager.match_prefix(limited, 7) == 4  # a generation keeps its last token to compute
+
+
+def test_released_blocks_stay_cached_until_reused_oldest_first():
+    manager = BlockManager(4, SIZE)
+    old = computed(manager, list(range(8)), "old")
+    manager.release(old)
+    recent = computed(manager, list(range(100, 108)), "recent")
+    manager.release(recent)
+    assert manager.num_free_blocks == 4 and manager.num_cached_tokens == 16
+    # Two fresh blocks evict the least recently freed: old's, tail first.
+    computed(manager, list(range(200, 208)), "new")
+    assert manager.match_prefix(Sequence("x", list(range(8))), 8) == 0
+    assert manager.match_prefix(Sequence("y", list(range(100, 108))), 8) == 8
+
+
+def test_cached_block_in_use_is_not_evicted():
+    manager = BlockManager(3, SIZE)
+    keeper = computed(manager, list(range(4)), "keeper")
+    manager.release(keeper)
+    user = Sequence("user", list(range(4)))
+    assert manager.match_prefix(user, 4) == 4  # takes the block back off the free list
+    assert manager.num_free_blocks == 2
+    computed(manager, list(range(50, 58)), "filler")
+    assert manager.num_free_blocks == 0 and user.block_table == keeper_block(manager)
+
+
+def keeper_block(manager: BlockManager) -> list[int]:
+    return [b.block_id for b in manager.blocks if b.token_ids == (0, 1, 2, 3)]
+
+
+def test_fork_shares_full_blocks_and_copies_the_partial_one():
+    copies = []
+    manager = BlockManager(8, SIZE, copy_rows=lambda src, dst, n: copies.append((src, dst, n)))
+    parent = computed(manager, list(range(10)))
+    child = Sequence("child", parent.token_ids)
+    manager.fork(parent, child)
+    assert child.block_table[:2] == parent.block_table[:2]
+    assert child.block_table[2] != parent.block_table[2]
+    assert copies == [(parent.block_table[2], child.block_table[2], 2)]
+    assert child.num_computed_tokens == 10
+    assert [manager.blocks[b].ref_count for b in parent.block_table] == [2, 2, 1]
+    # Freeing the parent leaves the child's KV alive.
+    manager.release(parent)
+    assert all(manager.blocks[b].ref_count == 1 for b in child.block_table)
+    assert manager.num_free_blocks == 8 - 3
+
+
+def test_uncompute_last_token_copies_a_shared_block():
+    copies = []
+    manager = BlockManager(8, SIZE, copy_rows=lambda src, dst, n: copies.append((src, dst, n)))
+    parent = computed(manager, list(range(8)))
+    child = Sequence("child", parent.token_ids)
+    manager.fork(parent, child)
+    manager.uncompute_last_token(child)
+    assert child.num_computed_tokens == 7
+    assert child.block_table[0] == parent.block_table[0] and child.block_table[1] != parent.block_table[1]
+    assert copies == [(parent.block_table[1], child.block_table[1], 3)]
+    assert manager.blocks[parent.block_table[1]].ref_count == 1

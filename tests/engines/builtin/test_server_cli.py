@@ -1,0 +1,92 @@
+"""``parrot engine``: flags and environment map onto EngineConfig, and a real process serves and registers."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from litestar import Litestar, Request, post
+
+from engines.builtin.cli import build_parser, engine_config
+from engines.builtin.config import EngineConfig
+from engines.builtin.server import DEFAULT_SERVED_MODEL_NAME, served_model_name
+
+
+def test_engine_defaults_come_from_engine_config():
+    assert engine_config(build_parser().parse_args([])) == EngineConfig()
+
+
+def test_flags_and_environment_override_defaults(monkeypatch):
+    monkeypatch.setenv("PARROT_ENGINE_BLOCK_SIZE", "32")
+    monkeypatch.setenv("PARROT_ENGINE_MAX_NUM_SEQS", "8")
+    args = build_parser().parse_args(["--max-num-seqs", "4", "--num-blocks", "100", "--dtype", "bfloat16", "--port", "9"])
+    config = engine_config(args)
+    assert (config.block_size, config.max_num_seqs, config.num_blocks, config.dtype) == (32, 4, 100, "bfloat16")
+    assert args.port == 9
+
+
+def test_invalid_engine_option_exits_with_a_message():
+    with pytest.raises(SystemExit, match="block_size"):
+        engine_config(build_parser().parse_args(["--block-size", "sixteen"]))
+
+
+def test_served_model_names():
+    assert served_model_name(EngineConfig()) == DEFAULT_SERVED_MODEL_NAME
+    assert served_model_name(EngineConfig(model="/models/llama-3-8b/")) == "llama-3-8b"
+    assert served_model_name(EngineConfig(model="/models/phi.Q4_0.gguf")) == "phi.Q4_0"
+
+
+@pytest.mark.timeout(120)
+def test_engine_process_serves_and_registers_with_the_gateway(tiny_model_dir, serve, wait_until):
+    registrations, heartbeats, keys = [], [], set()
+
+    @post("/v1/engines", status_code=201)
+    async def register(request: Request) -> dict:
+        keys.add(request.headers.get("authorization"))
+        registrations.append(await request.json())
+        return {"id": "e1"}
+
+    @post("/v1/engines/e1/heartbeat", status_code=200)
+    async def heartbeat(request: Request) -> dict:
+        keys.add(request.headers.get("authorization"))
+        heartbeats.append(await request.json())
+        return {}
+
+    gateway_url = serve(Litestar([register, heartbeat]))
+    with socket.socket() as sock:  # a free loopback port for the engine process
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [
+        sys.executable, "-m", "engines.builtin.cli", "--model", str(tiny_model_dir), "--port", str(port),
+        "--served-model-name", "tiny", "--max-model-len", "128", "--num-blocks", "16",
+        "--gateway-url", gateway_url, "--name", "cli-test", "--heartbeat-interval", "0.1", "--log-level", "warning",
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PARROT_GATEWAY_API_KEY": "gateway-secret"}
+    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    log: list[str] = []
+    threading.Thread(target=lambda: log.extend(process.stderr), daemon=True).start()
+    try:
+        wait_until(lambda: heartbeats or process.poll() is not None, timeout_s=90)
+        assert process.poll() is None, "".join(log)
+        assert registrations == [
+            {"name": "cli-test", "url": f"http://127.0.0.1:{port}", "models": ["tiny"], "kind": "builtin"}
+        ]
+        assert heartbeats[-1]["blocks_total"] == 16
+        assert keys == {"Bearer gateway-secret"}
+        reply = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"model": "tiny", "prompt": "Hello", "max_tokens": 3, "temperature": 0, "ignore_eos": True},
+            timeout=30,
+        ).json()
+        assert reply["usage"]["completion_tokens"] == 3
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    time.sleep(0.1)  # let the reader thread drain
+    assert any("ready in" in line for line in log), "".join(log)

@@ -1,0 +1,373 @@
+"""The engine server over real HTTP on loopback, driven by the openai SDK, on the real SmolLM2.
+
+One engine (model loaded once) serves every test; the registration tests put a second app in
+front of the same core.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import httpx
+import openai
+import pytest
+from litestar import Litestar, Request, Response, post
+from litestar.params import FromPath
+
+from engines.builtin.config import EngineConfig
+from engines.builtin.server import DEFAULT_SERVED_MODEL_NAME, GatewayRegistration, create_app
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+MODEL = DEFAULT_SERVED_MODEL_NAME
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+GREEDY = {"temperature": 0, "max_tokens": 12}
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from engines.builtin.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(num_blocks=128))  # 2048-token window
+    engine.start()
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def base_url(llm, serve_module) -> str:
+    return serve_module(create_app(llm=llm))
+
+
+@pytest.fixture(scope="module")
+def client(base_url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def http(base_url):
+    with httpx.Client(base_url=base_url, timeout=30) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def greedy_answer(client) -> str:
+    reply = client.chat.completions.create(model=MODEL, messages=FRANCE, **GREEDY)
+    return reply.choices[0].message.content
+
+
+# ---------------------------------------------------------------- OpenAI routes
+
+
+def test_greedy_smollm2_knows_the_capital_of_france(client):
+    reply = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=30)
+    assert "Paris" in reply.choices[0].message.content
+    assert reply.choices[0].finish_reason == "stop"  # ended on <|im_end|>, which is not in the text
+    assert "<|im_end|>" not in reply.choices[0].message.content
+    usage = reply.usage
+    assert usage.prompt_tokens == 37  # SmolLM2's template with its default system prompt
+    assert 0 < usage.completion_tokens < 30
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+def test_max_tokens_ends_with_length(client, greedy_answer):
+    reply = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=3)
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.completion_tokens == 3
+    assert greedy_answer.startswith(reply.choices[0].message.content)
+
+
+def test_streamed_chat_with_two_choices_and_usage(client, greedy_answer):
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=FRANCE, n=2, stream=True, stream_options={"include_usage": True}, **GREEDY
+        )
+    )
+    assert len({c.id for c in chunks}) == 1
+    *content_chunks, usage_chunk = chunks
+    assert usage_chunk.choices == [] and usage_chunk.usage.prompt_tokens == 37
+    for index in (0, 1):
+        mine = [c.choices[0] for c in content_chunks if c.choices[0].index == index]
+        assert mine[0].delta.role == "assistant"  # the first chunk of each choice carries the role
+        assert all(c.delta.role is None for c in mine[1:])
+        assert [c.finish_reason for c in mine[:-1]] == [None] * (len(mine) - 1)
+        assert mine[-1].finish_reason in ("stop", "length")
+        # Greedy choices are forks of one filled prompt and must match an n=1 request exactly.
+        assert "".join(c.delta.content or "" for c in mine) == greedy_answer
+    tokens_per_choice = usage_chunk.usage.completion_tokens / 2
+    assert tokens_per_choice == int(tokens_per_choice) > 0
+
+
+def test_completions_with_a_list_prompt(client):
+    prompts = ["The capital of France is", "1, 2, 3, 4,"]
+    both = client.completions.create(model=MODEL, prompt=prompts, temperature=0, max_tokens=6)
+    assert [c.index for c in both.choices] == [0, 1]
+    for prompt, choice in zip(prompts, both.choices):
+        alone = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=6)
+        assert choice.text == alone.choices[0].text
+    assert both.choices[1].text.startswith(" 5")
+    assert both.usage.completion_tokens == 12
+
+
+def test_completions_accept_token_ids_and_report_logprobs(client, llm):
+    prompt_ids = llm.tokenizer.encode("The capital of France is", add_special_tokens=False)
+    reply = client.completions.create(model=MODEL, prompt=prompt_ids, temperature=0, max_tokens=4, logprobs=2)
+    as_text = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=4)
+    assert reply.choices[0].text == as_text.choices[0].text
+    lp = reply.choices[0].logprobs
+    assert "".join(lp.tokens) == reply.choices[0].text
+    assert all(v <= 0 for v in lp.token_logprobs)
+    # Greedy picks the most likely token, so it heads its own top-2.
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) == 2 and max(top.values()) == pytest.approx(logprob, abs=1e-4) and token in top
+
+
+def test_chat_logprobs(client):
+    reply = client.chat.completions.create(
+        model=MODEL, messages=FRANCE, logprobs=True, top_logprobs=3, temperature=0, max_tokens=5
+    )
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens == 5
+    assert "".join(t.token for t in content) == reply.choices[0].message.content
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-4)
+        assert bytes(entry.bytes).decode() == entry.token
+
+
+def test_stop_string_spanning_tokens_cuts_the_reply(client, greedy_answer):
+    assert "is Paris" in greedy_answer  # " is" and " Paris" are separate tokens
+    expected = greedy_answer[: greedy_answer.index("is Par")]
+    reply = client.chat.completions.create(model=MODEL, messages=FRANCE, stop=["is Par", "zzz"], **GREEDY)
+    assert reply.choices[0].message.content == expected
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage.completion_tokens < 12
+
+    deltas = [
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(model=MODEL, messages=FRANCE, stop="is Par", stream=True, **GREEDY)
+    ]
+    assert "".join(deltas) == expected
+    assert not any("is P" in d for d in deltas)
+
+
+def test_seeded_sampling_is_reproducible(client):
+    def sample(seed: int, n: int = 1) -> list[str]:
+        reply = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}], temperature=1.2, seed=seed,
+            max_tokens=8, n=n,
+        )
+        return [c.message.content for c in reply.choices]
+
+    first = sample(1234)
+    assert sample(1234) == first
+    assert len({first[0], sample(1)[0], sample(2)[0]}) > 1  # the seed does steer sampling
+    # n seeded choices use seed, seed+1, ...: each equals the single request with that seed.
+    pair = sample(1234, n=2)
+    assert pair == [first[0], sample(1235)[0]]
+
+
+def test_models_health_and_stats(http):
+    assert http.get("/v1/models").json()["data"][0]["id"] == MODEL
+    assert http.get("/health").json() == {"status": "ok"}
+    stats = http.get("/v1/stats").json()
+    assert stats["blocks_total"] == 128 and 0 <= stats["blocks_free"] <= 128
+
+
+def test_client_disconnect_aborts_the_generation(http, wait_until):
+    baseline = http.get("/v1/stats").json()["blocks_free"]
+    body = {"model": MODEL, "messages": FRANCE, "max_tokens": 500, "ignore_eos": True, "stream": True, "n": 2}
+    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        for _ in range(8):
+            next(lines)
+    # 500 tokens would take far longer than this wait: only an abort frees the slots this soon.
+    wait_until(lambda: (s := http.get("/v1/stats").json())["running"] == 0 and s["blocks_free"] == baseline, timeout_s=15)
+
+
+# ---------------------------------------------------------------- errors
+
+
+def _error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": MODEL}, "messages"),
+        ({"model": MODEL, "messages": FRANCE, "temperature": "hot"}, "temperature"),
+        ({"model": MODEL, "messages": FRANCE, "temperature": 7}, "temperature"),
+        ({"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+        ({"model": MODEL, "messages": FRANCE, "top_logprobs": 2}, "top_logprobs"),
+        ({"model": MODEL, "messages": FRANCE, "logit_bias": {"999999": 1}}, "logit_bias"),
+    ],
+)
+def test_bad_bodies_are_openai_shaped_400s(http, body, param):
+    error = _error(http.post("/v1/chat/completions", json=body), 400)
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+
+
+def test_unparseable_json_is_a_400(http):
+    _error(http.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}), 400)
+
+
+def test_unknown_model_is_a_404(client):
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(model="gpt-17", messages=FRANCE)
+    assert caught.value.body["code"] == "model_not_found"
+
+
+def test_prompt_longer_than_the_window_is_a_400(client, http):
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello " * 2100}])
+    body = {"model": MODEL, "prompt": "hello " * 2100, "stream": True}
+    _error(http.post("/v1/completions", json=body), 400)  # a plain error, not a 200 stream
+
+
+# ---------------------------------------------------------------- Parrot primitives
+
+
+def test_fill_fork_generate_free_returns_blocks_to_baseline(http):
+    baseline = http.get("/v1/stats").json()["blocks_free"]
+    system = "You are a geography expert. Answer in one short sentence. " * 3
+    parent = http.post("/v1/contexts", json={"text": system}).json()
+    assert parent["num_tokens"] > 16 and parent["cached_tokens"] <= parent["num_tokens"]
+    question = "Q: What is the capital of France?\nA:"
+    child = http.post("/v1/contexts", json={"parent_context_id": parent["context_id"], "text": question}).json()
+    assert child["context_id"] != parent["context_id"]
+    assert child["cached_tokens"] >= parent["num_tokens"] // 16 * 16  # the parent's full blocks are shared
+    generated = http.post(
+        f"/v1/contexts/{child['context_id']}/generate", json={"temperature": 0, "max_tokens": 8}
+    ).json()
+    assert set(generated) == {"text", "token_ids", "finish_reason", "usage"}
+    assert len(generated["token_ids"]) == generated["usage"]["completion_tokens"] <= 8
+    assert "Paris" in generated["text"]
+
+    # The generation was appended: continuing streams on after it.
+    events = _sse_events(
+        http.post(f"/v1/contexts/{child['context_id']}/generate", json={"temperature": 0, "max_tokens": 3, "stream": True})
+    )
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["finish_reason"] == "length"
+    assert sum(len(c["token_ids"]) for c in chunks) == 3
+
+    freed = http.delete(f"/v1/contexts/{child['context_id']}").json()["freed_blocks"]
+    assert freed >= 1
+    http.delete(f"/v1/contexts/{parent['context_id']}")
+    assert http.get("/v1/stats").json()["blocks_free"] == baseline
+
+
+def test_forked_generation_leaves_the_parent_as_it_was(http):
+    baseline = http.get("/v1/stats").json()["blocks_free"]
+    system = "You are a geography expert. Answer in one short sentence. " * 3
+    parent = http.post("/v1/contexts", json={"text": system}).json()
+    question = "Q: What is the capital of France?\nA:"
+    answers = [http.post(f"/v1/contexts/{parent['context_id']}/generate",
+                         json={"temperature": 0, "max_tokens": 8, "fork": True, "text": question}).json()
+               for _ in range(2)]
+    assert "Paris" in answers[0]["text"] and answers[0]["text"] == answers[1]["text"]  # parent unchanged
+    assert answers[0]["usage"]["prompt_tokens"] > 0  # the forked suffix
+    assert _error(http.post(f"/v1/contexts/{parent['context_id']}/generate",
+                            json={"max_tokens": 2, "text": "no fork"}), 400)["param"] == "fork"
+    assert _error(http.post(f"/v1/contexts/{parent['context_id']}/generate",
+                            json={"max_tokens": 2, "fork": True}), 400)["param"] == "text"
+    http.delete(f"/v1/contexts/{parent['context_id']}")
+    assert http.get("/v1/stats").json()["blocks_free"] == baseline
+
+
+def test_unknown_context_is_a_404(http):
+    assert _error(http.post("/v1/contexts/nope/generate", json={"max_tokens": 2}), 404)["code"] == "context_not_found"
+    _error(http.post("/v1/contexts/nope/generate", json={"max_tokens": 2, "stream": True}), 404)
+    _error(http.delete("/v1/contexts/nope"), 404)
+    _error(http.post("/v1/contexts", json={"parent_context_id": "nope", "text": "hi"}), 404)
+
+
+def test_fill_needs_exactly_one_of_tokens_and_text(http):
+    _error(http.post("/v1/contexts", json={}), 400)
+    _error(http.post("/v1/contexts", json={"text": "a", "tokens": [1]}), 400)
+    _error(http.post("/v1/contexts", json={"tokens": "abc"}), 400)
+
+
+@pytest.mark.parametrize("field", [{"temperature": -1}, {"top_p": 1.5}, {"top_k": -2}, {"top_logprobs": 50}])
+def test_generate_rejects_out_of_range_sampling_fields(http, field):
+    context = http.post("/v1/contexts", json={"text": "Hello"}).json()["context_id"]
+    try:
+        assert _error(http.post(f"/v1/contexts/{context}/generate", json=field), 400)["param"] == next(iter(field))
+    finally:
+        http.delete(f"/v1/contexts/{context}")
+
+
+def _sse_events(response: httpx.Response) -> list[str]:
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    frames = response.text.split("\n\n")
+    assert frames[-1] == ""
+    assert all(f.startswith("data: ") for f in frames[:-1])
+    return [f.removeprefix("data: ") for f in frames[:-1]]
+
+
+# ---------------------------------------------------------------- gateway registration
+
+
+class FakeGateway:
+    """Just the two gateway routes an engine calls, recording what it receives."""
+
+    def __init__(self, refuse_first: int = 0):
+        self.registrations: list[dict] = []
+        self.heartbeats: list[tuple[str, dict]] = []
+        self.known: set[str] = set()
+        self.refuse_first = refuse_first  # answer 503 this many times, as a gateway still starting
+        self.lock = threading.Lock()
+
+    def app(self) -> Litestar:
+        @post("/v1/engines", status_code=200)
+        async def register(request: Request) -> Response:
+            with self.lock:
+                if self.refuse_first:
+                    self.refuse_first -= 1
+                    return Response({"error": "starting"}, status_code=503)
+                body = await request.json()
+                self.registrations.append(body)
+                engine_id = f"engine-{len(self.registrations)}"
+                self.known.add(engine_id)
+            return Response({"id": engine_id})
+
+        @post("/v1/engines/{engine_id:str}/heartbeat", status_code=200)
+        async def heartbeat(engine_id: FromPath[str], request: Request) -> Response:
+            with self.lock:
+                if engine_id not in self.known:
+                    return Response({"error": "unknown engine"}, status_code=404)
+                self.heartbeats.append((engine_id, await request.json()))
+            return Response({"ok": True})
+
+        return Litestar([register, heartbeat])
+
+
+def test_engine_registers_heartbeats_and_reregisters_when_forgotten(llm, serve, wait_until):
+    gateway = FakeGateway(refuse_first=2)
+    gateway_url = serve(gateway.app())
+    registration = GatewayRegistration(gateway_url, "http://127.0.0.1:9/engine", "builtin-test", heartbeat_interval_s=0.05)
+    serve(create_app(llm=llm, registration=registration))
+
+    wait_until(lambda: len(gateway.heartbeats) >= 2)
+    assert gateway.registrations == [
+        {"name": "builtin-test", "url": "http://127.0.0.1:9/engine", "models": [MODEL], "kind": "builtin"}
+    ]
+    engine_id, stats = gateway.heartbeats[-1]
+    assert engine_id == "engine-1"
+    assert stats["blocks_total"] == 128 and set(stats) >= {"running", "waiting", "blocks_free"}
+
+    with gateway.lock:
+        gateway.known.clear()  # the gateway restarted and forgot us
+    wait_until(lambda: any(e == "engine-2" for e, _ in gateway.heartbeats))
+    assert len(gateway.registrations) == 2

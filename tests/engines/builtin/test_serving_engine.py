@@ -1,0 +1,153 @@
+"""``BuiltinEngine`` through the ``Engine`` seam (dict bodies in, JSON bytes out), in-process,
+over a real ``LLMEngine`` running a tiny random Llama with a 96-token window."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from engines.base import Engine
+from engines.builtin.config import EngineConfig
+from engines.builtin.serving import BuiltinEngine, EngineBadRequest
+from engines.builtin.tokenizer import chat_prompt_tokens
+from engines.builtin.types import SamplingParams
+from engines.protocol import ChatMessage
+
+WINDOW = 96
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    from engines.builtin.engine import LLMEngine
+
+    core = LLMEngine(EngineConfig(model=str(tiny_model_dir), max_model_len=WINDOW, num_blocks=64))
+    core.start()
+    yield core
+    core.shutdown()
+
+
+@pytest.fixture
+def engine(llm) -> BuiltinEngine:
+    return BuiltinEngine(llm, name="builtin-test", model_name="tiny")
+
+
+def chat_body(**fields) -> dict:
+    return {"model": "tiny", "messages": [{"role": "user", "content": "Hello there"}], "temperature": 0, **fields}
+
+
+async def test_is_an_engine_and_reports_stats(engine, llm):
+    assert isinstance(engine, Engine)
+    assert await engine.health()
+    stats = await engine.stats()
+    assert stats.blocks_total == 64
+
+
+async def test_max_tokens_defaults_to_the_rest_of_the_window(engine):
+    reply = json.loads(await engine.create("chat/completions", chat_body(ignore_eos=True)))
+    usage = reply["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == WINDOW
+    assert reply["choices"][0]["finish_reason"] == "length"
+    assert reply["model"] == "tiny" and reply["object"] == "chat.completion"
+
+
+async def test_greedy_choices_match_and_stream_matches_create(engine):
+    body = chat_body(max_tokens=10, ignore_eos=True, n=3)
+    created = json.loads(await engine.create("chat/completions", body))
+    texts = [c["message"]["content"] for c in created["choices"]]
+    assert len(set(texts)) == 1 and texts[0]
+    assert created["usage"]["completion_tokens"] == 30
+
+    chunks = [json.loads(c) async for c in engine.stream("chat/completions", {**body, "stream": True})]
+    streamed = ["".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"][0]["index"] == i) for i in range(3)]
+    assert streamed == texts
+
+
+async def test_completion_stream_chunks_are_bare_json_with_a_usage_chunk(engine):
+    body = {"model": "tiny", "prompt": ["one two", "three"], "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    chunks = [c async for c in engine.stream("completions", body)]
+    assert all(not c.startswith(b"data:") for c in chunks)
+    decoded = [json.loads(c) for c in chunks]
+    assert decoded[-1]["choices"] == [] and decoded[-1]["usage"]["completion_tokens"] == 8
+    assert {c["choices"][0]["index"] for c in decoded[:-1]} == {0, 1}
+    finals = [c["choices"][0] for c in decoded[:-1] if c["choices"][0]["finish_reason"]]
+    assert sorted(f["index"] for f in finals) == [0, 1] and {f["finish_reason"] for f in finals} == {"length"}
+
+
+async def test_echo_prefixes_the_prompt(engine):
+    body = {"model": "tiny", "prompt": "one two", "max_tokens": 3, "temperature": 0, "echo": True}
+    reply = json.loads(await engine.create("completions", body))
+    assert reply["choices"][0]["text"].startswith("one two")
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        ("chat/completions", {"model": "tiny"}, None),
+        ("chat/completions", chat_body(messages=[{"role": "user", "content": "word " * WINDOW}]), "messages"),
+        ("chat/completions", chat_body(stop_token_ids=[10**9]), "stop_token_ids"),
+        ("completions", {"model": "tiny", "prompt": [[1, 2], [10**9]]}, "prompt"),
+        ("completions", {"model": "tiny", "prompt": []}, "prompt"),
+    ],
+)
+async def test_bad_requests_raise_400_engine_errors(engine, route, body, param):
+    with pytest.raises(EngineBadRequest) as caught:
+        await engine.create(route, body)
+    assert caught.value.status_code == 400
+    if param is not None:
+        assert caught.value.param == param
+    with pytest.raises(EngineBadRequest):
+        async for _ in engine.stream(route, {**body, "stream": True}):
+            pass
+
+
+async def test_stop_token_id_ends_the_choice_without_its_text(engine, llm):
+    prompt = chat_prompt_tokens(llm.tokenizer, [ChatMessage(role="user", content="Hello there")])
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    ids = [event.token_id async for event in llm.generate_from_prompt(prompt, greedy)]
+    stop_id = next(t for i, t in enumerate(ids) if i >= 2 and t not in ids[:i])
+    cut = json.loads(await engine.create("chat/completions", chat_body(max_tokens=8, ignore_eos=True, stop_token_ids=[stop_id])))
+    assert cut["choices"][0]["finish_reason"] == "stop"
+    assert cut["choices"][0]["message"]["content"] == llm.tokenizer.decode(ids[: ids.index(stop_id)])
+
+
+async def test_closing_a_stream_aborts_and_frees_everything(engine, llm):
+    baseline = (await engine.stats()).blocks_free
+    body = chat_body(max_tokens=60, ignore_eos=True, n=2, stream=True)
+    stream = engine.stream("chat/completions", body)
+    received = 0
+    async for _ in stream:
+        received += 1
+        if received == 6:
+            break
+    await stream.aclose()
+    for _ in range(200):  # aborts are applied by the engine thread between steps
+        stats = await engine.stats()
+        if stats.running == 0 and stats.waiting == 0 and stats.blocks_free == baseline:
+            break
+        await asyncio.sleep(0.01)
+    assert (stats.running, stats.waiting, stats.blocks_free) == (0, 0, baseline)
+
+
+async def test_context_primitives_fill_fork_generate_free(engine):
+    from engines.builtin.serving import ContextFillRequest, ContextGenerateRequest, EngineNotFound
+
+    baseline = (await engine.stats()).blocks_free
+    parent = await engine.fill_context(ContextFillRequest(text="one two three four five six seven eight " * 3))
+    child = await engine.fill_context(ContextFillRequest(parent_context_id=parent.context_id, text=" nine ten"))
+    assert child.num_tokens > parent.num_tokens
+    assert child.cached_tokens >= parent.num_tokens // 16 * 16  # the parent's full blocks are shared
+    request = ContextGenerateRequest(temperature=0, max_tokens=5, ignore_eos=True)
+    first = await asyncio.wait_for(engine.generate_in_context(child.context_id, request), 20)
+    assert len(first.token_ids) == first.usage.completion_tokens == 5 and first.finish_reason == "length"
+    # The output was appended to the child: a later fill lands after it.
+    extended = await engine.fill_context(ContextFillRequest(context_id=child.context_id, tokens=[42]))
+    assert extended.num_tokens == child.num_tokens + 5 + 1
+    assert await engine.free_context(child.context_id) >= 1
+    await engine.free_context(parent.context_id)
+    assert (await engine.stats()).blocks_free == baseline
+    with pytest.raises(EngineNotFound):
+        await engine.free_context(child.context_id)
