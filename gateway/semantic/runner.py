@@ -142,18 +142,15 @@ class Runner:
             session.prefix_keys.add(entry.key)
         record.in_flight += 1
         try:
-            child = await client.fill(text=rest, parent_context_id=entry.filled.result())
-            try:
-                sampling = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
-                if body.get("max_completion_tokens") is not None:
-                    sampling["max_tokens"] = body["max_completion_tokens"]
-                generation = await client.generate(child.context_id, sampling | {"priority": priority})
-            finally:
-                await client.free(child.context_id)
+            sampling = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
+            if body.get("max_completion_tokens") is not None:
+                sampling["max_tokens"] = body["max_completion_tokens"]
+            generation = await client.generate(entry.filled.result(), sampling | {"priority": priority},
+                                               fork_with=rest)
         finally:
             record.in_flight -= 1
             self.prefixes.release(entry)
-        return generation, child.num_tokens
+        return generation, entry.tokens + generation.usage["prompt_tokens"]
 
 
 def _response(route: Route, model: str, generation: Generation, prompt_tokens: int) -> bytes:
