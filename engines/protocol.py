@@ -324,6 +324,15 @@ class ErrorResponse(Struct):
 
 # ---------------------------------------------------------------- codecs
 
+
+def sse_event(payload: bytes) -> bytes:
+    """One server-sent event. Payloads are compact single-line JSON (or ``[DONE]``), so an event is just
+    ``data: PAYLOAD`` and a blank line; framing it here avoids a general encoder's per-event line splitting."""
+    return b"data: " + payload + b"\n\n"
+
+
+SSE_DONE = sse_event(b"[DONE]")
+
 encoder = msgspec.json.Encoder()
 chat_request_decoder = msgspec.json.Decoder(ChatCompletionRequest)
 completion_request_decoder = msgspec.json.Decoder(CompletionRequest)

@@ -9,7 +9,7 @@ import httpx
 import msgspec
 
 from engines.base import EngineError, EngineOverloaded, EngineUnavailable, Route
-from engines.protocol import ChatCompletionRequest, CompletionRequest, usage_decoder
+from engines.protocol import SSE_DONE, ChatCompletionRequest, CompletionRequest, sse_event, usage_decoder
 from engines.upstream import UpstreamEngine
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, engine_error_body, error_payload, model_not_found
@@ -140,26 +140,23 @@ class Gateway:
         raise self._no_engine(model, last_error)
 
     async def sse_events(self, model: str, opened: OpenedStream) -> AsyncIterator[bytes]:
-        """SSE events, ``[DONE]`` last; an engine failure mid-stream becomes an SSE error object.
-
-        Payloads are compact single-line JSON, so each event is just ``data: PAYLOAD\\n\\n``; framing them
-        here once avoids a general SSE encoder's per-event line splitting on the hot path."""
+        """SSE events, ``[DONE]`` last; an engine failure mid-stream becomes an SSE error object."""
         reasons: list[str] = []
         try:
             if opened.first is not None:
-                yield b"data: " + opened.first + b"\n\n"
+                yield sse_event(opened.first)
             async for payload in opened.rest:
                 if b'"usage"' in payload or b'"finish_reason":"' in payload:
                     reasons += self._count_usage(model, payload)
-                yield b"data: " + payload + b"\n\n"
+                yield sse_event(payload)
             for reason in reasons or ["stop"]:
                 self.metrics.request_success.labels(model, reason).inc()
         except EngineError as exc:
             self.metrics.request_errors.labels(model, str(exc.status_code)).inc()
-            yield b"data: " + error_payload(engine_error_body(exc)) + b"\n\n"
+            yield sse_event(error_payload(engine_error_body(exc)))
         finally:
             await opened.rest.aclose()  # closes the engine's stream, also when the client went away
             opened.record.in_flight -= 1
             self.metrics.requests_running.labels(model).dec()
             self.metrics.e2e_latency.labels(model).observe(time.perf_counter() - opened.started)
-        yield b"data: [DONE]\n\n"
+        yield SSE_DONE

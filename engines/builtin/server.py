@@ -35,6 +35,8 @@ from engines.builtin.serving import (
 from engines.builtin.types import FillResult
 from engines.builtin.tokenizer import chat_prompt_text
 from engines.protocol import (
+    SSE_DONE,
+    sse_event,
     ChatCompletionRequest,
     ChatMessage,
     Tool,
@@ -123,24 +125,20 @@ class ModelNotFound(EngineError):
 # ---------------------------------------------------------------- streaming
 
 
-def _sse_frame(payload: bytes) -> bytes:
-    return b"data: " + payload + b"\n\n"
-
-
 async def sse(chunks: AsyncIterator[bytes]) -> Stream:
     """An SSE response of ``chunks``; failures before the first chunk are still plain HTTP errors."""
     first = await chunks.__anext__()
 
     async def frames() -> AsyncIterator[bytes]:
         async with aclosing(chunks):
-            yield _sse_frame(first)
+            yield sse_event(first)
             try:
                 async for chunk in chunks:
-                    yield _sse_frame(chunk)
+                    yield sse_event(chunk)
             except Exception as exc:  # headers are gone: report in-band, as OpenAI does
                 logger.warning("stream failed: %s", exc, exc_info=not isinstance(exc, EngineError))
-                yield _sse_frame(encoder.encode(_error_body(exc)))
-        yield b"data: [DONE]\n\n"
+                yield sse_event(encoder.encode(_error_body(exc)))
+        yield SSE_DONE
 
     return Stream(frames(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 

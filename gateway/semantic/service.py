@@ -10,7 +10,7 @@ import msgspec
 from litestar import Response
 
 from engines.base import Route
-from engines.protocol import InvalidRequest
+from engines.protocol import SSE_DONE, InvalidRequest, sse_event
 from gateway.config import SemanticConfig
 from gateway.errors import APIError, model_not_found
 from gateway.semantic import template
@@ -196,10 +196,10 @@ def _as_stream(route: Route, answer: dict[str, Any], include_usage: bool) -> Res
                     {"index": choice["index"], "delta": {"role": "assistant", "content": message.get("content")},
                      "finish_reason": choice["finish_reason"]}]}
             chunk["parrot"] = answer["parrot"]
-            yield b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+            yield sse_event(msgspec.json.encode(chunk))
         if include_usage and usage:
-            yield b"data: " + msgspec.json.encode({**base, "object": "chat.completion.chunk", "choices": [],
-                                                   "usage": usage}) + b"\n\n"
-        yield b"data: [DONE]\n\n"
+            yield sse_event(msgspec.json.encode({**base, "object": "chat.completion.chunk", "choices": [],
+                                                 "usage": usage}))
+        yield SSE_DONE
 
     return Stream(events(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
