@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
@@ -19,11 +18,11 @@ from typing import Any, AsyncIterator, Callable
 import httpx
 import msgspec
 from litestar import Litestar, Request, Response, delete, get, post
-from litestar.exceptions import HTTPException, ValidationException
 from litestar.params import FromPath, JSONBody
 from litestar.response import Stream
 
 from engines.base import EngineError, EngineStats
+from engines.http_errors import OPENAI_EXCEPTION_HANDLERS, engine_error_body, error_payload
 from engines.builtin.config import EngineConfig
 from engines.builtin.serving import (
     BuiltinEngine,
@@ -41,8 +40,6 @@ from engines.protocol import (
     ChatMessage,
     Tool,
     CompletionRequest,
-    ErrorBody,
-    ErrorResponse,
     ModelCard,
     ModelList,
     encoder,
@@ -51,7 +48,6 @@ from engines.protocol import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
-_MISSING_FIELD = re.compile(r"missing required field `([^`]+)`")
 
 
 def served_model_name(config: EngineConfig) -> str:
@@ -79,42 +75,6 @@ class GatewayRegistration:
 # ---------------------------------------------------------------- errors
 
 
-def error_response(status: int, message: str, error_type: str, param: str | None = None, code: str | None = None) -> Response:
-    body = ErrorResponse(ErrorBody(message=message, type=error_type, param=param, code=code))
-    return Response(encoder.encode(body), status_code=status, media_type="application/json")
-
-
-def _error_body(exc: Exception) -> ErrorResponse:
-    if isinstance(exc, EngineError):
-        return ErrorResponse(ErrorBody(str(exc), exc.error_type, getattr(exc, "param", None), exc.code))
-    return ErrorResponse(ErrorBody(f"internal error: {exc}", "server_error"))
-
-
-def _engine_error(_: Request, exc: EngineError) -> Response:
-    return Response(encoder.encode(_error_body(exc)), status_code=exc.status_code, media_type="application/json")
-
-
-def _validation_error(_: Request, exc: ValidationException) -> Response:
-    # Litestar lists what failed in ``extra``: name the first field, as OpenAI's ``param`` does.
-    problems = exc.extra if isinstance(exc.extra, list) else []
-    first = problems[0] if problems and isinstance(problems[0], dict) else {}
-    reason = first.get("message") or ""
-    missing = _MISSING_FIELD.search(reason)  # msgspec names a missing field only in its message
-    param = missing.group(1) if missing else first.get("key")
-    message = f"{exc.detail}: {reason}" if reason else exc.detail
-    return error_response(400, message, "invalid_request_error", param if param != "data" else None)
-
-
-def _internal_error(request: Request, exc: Exception) -> Response:
-    logger.error("unhandled error on %s", request.url.path, exc_info=exc)
-    return Response(encoder.encode(_error_body(exc)), status_code=500, media_type="application/json")
-
-
-def _http_error(_: Request, exc: HTTPException) -> Response:
-    error_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
-    return error_response(exc.status_code, exc.detail, error_type)
-
-
 class ModelNotFound(EngineError):
     status_code = 404
     error_type = "invalid_request_error"
@@ -137,7 +97,7 @@ async def sse(chunks: AsyncIterator[bytes]) -> Stream:
                     yield sse_event(chunk)
             except Exception as exc:  # headers are gone: report in-band, as OpenAI does
                 logger.warning("stream failed: %s", exc, exc_info=not isinstance(exc, EngineError))
-                yield sse_event(encoder.encode(_error_body(exc)))
+                yield sse_event(error_payload(engine_error_body(exc)))
         yield SSE_DONE
 
     return Stream(frames(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -321,10 +281,5 @@ def create_app(
     return Litestar(
         route_handlers=[chat_completions, completions, render, models, health, stats, fill_context, generate_in_context, free_context],
         lifespan=[lifespan],
-        exception_handlers={
-            EngineError: _engine_error,
-            ValidationException: _validation_error,
-            HTTPException: _http_error,
-            Exception: _internal_error,
-        },
+        exception_handlers=OPENAI_EXCEPTION_HANDLERS,
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from litestar import Request, Response, delete, get, post, put
+from litestar import Request, delete, get, post, put
 from litestar.datastructures import State
 from litestar.params import FromPath, FromQuery, JSONBody, QueryParameter
 

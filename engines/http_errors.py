@@ -1,0 +1,89 @@
+"""OpenAI-style error responses for litestar apps: the one boundary where exceptions become
+``{"error": {"message", "type", "param", "code"}}``. The gateway and the engine server both use it."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import msgspec
+from litestar import Request, Response
+from litestar.exceptions import HTTPException, ValidationException
+
+from engines.base import EngineError
+from engines.protocol import ErrorBody, ErrorResponse
+
+log = logging.getLogger("parrot.http")
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+}
+_MISSING_FIELD = re.compile(r"missing required field `([^`]+)`")
+
+
+def error_payload(body: ErrorBody) -> bytes:
+    return msgspec.json.encode(ErrorResponse(error=body))
+
+
+def error_response(status_code: int, body: ErrorBody) -> Response:
+    return Response(content=error_payload(body), status_code=status_code, media_type="application/json")
+
+
+def engine_error_body(exc: Exception) -> ErrorBody:
+    """An upstream's own OpenAI error body when it sent one, else one made from the exception."""
+    if not isinstance(exc, EngineError):
+        return ErrorBody(message="The server had an internal error.", type="api_error", code="internal_error")
+    if exc.body:
+        try:
+            return msgspec.json.decode(exc.body, type=ErrorResponse).error
+        except msgspec.DecodeError:
+            pass
+    return ErrorBody(message=str(exc), type=exc.error_type, param=getattr(exc, "param", None), code=exc.code)
+
+
+def handle_engine_error(_: Request, exc: EngineError) -> Response:
+    if exc.status_code >= 500:
+        log.warning("engine error: %s", exc)
+    return error_response(exc.status_code, engine_error_body(exc))
+
+
+def _validation_problem(error: dict) -> tuple[str | None, str]:
+    """(param, message) of one litestar validation error; ``data`` is litestar's name for the whole body."""
+    key, message = error.get("key"), error.get("message")
+    if key in (None, "data"):
+        missing = _MISSING_FIELD.search(message or "")  # msgspec names a missing field only in its message
+        if missing:
+            return missing.group(1), f"body: {message}"
+        return None, f"body: {'expected a JSON object, got nothing' if message == repr(key) else message}"
+    return key, f"{key}: {message}"
+
+
+def handle_http_exception(_: Request, exc: HTTPException) -> Response:
+    message, param = exc.detail, None
+    if isinstance(exc, ValidationException) and isinstance(exc.extra, list) and exc.extra:
+        problems = [_validation_problem(e) if isinstance(e, dict) else (None, str(e)) for e in exc.extra]
+        param = problems[0][0]
+        message = "; ".join(m for _, m in problems)
+    error_type = ERROR_TYPES.get(exc.status_code, "api_error" if exc.status_code >= 500 else "invalid_request_error")
+    return error_response(exc.status_code, ErrorBody(message=message, type=error_type, param=param))
+
+
+def handle_unexpected(request: Request, exc: Exception) -> Response:
+    log.error("unhandled error on %s", request.url.path, exc_info=exc)
+    return error_response(500, ErrorBody(message="The server had an internal error.", type="api_error",
+                                         code="internal_error"))
+
+
+OPENAI_EXCEPTION_HANDLERS = {
+    EngineError: handle_engine_error,
+    HTTPException: handle_http_exception,
+    Exception: handle_unexpected,
+}
