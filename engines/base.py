@@ -2,9 +2,10 @@
 
 An engine takes an OpenAI-shaped request body (already validated by the gateway, ``model``
 rewritten to the engine's own model name, the ``parrot`` extension removed) and returns the
-response body as JSON bytes, or streams chunk payloads as JSON bytes (no SSE framing). Bytes
-rather than Structs keep upstream pass-through free of re-encoding and keep fields this
-project does not know about.
+response body as JSON bytes, or streams SSE events (``data: {json}\n\n``; one or more whole
+events per item, never ``[DONE]``). Bytes rather than Structs keep upstream pass-through free of
+re-encoding and keep fields this project does not know about; several events per item let
+whatever arrived together leave in one write.
 
 Failures are raised as ``EngineError`` subclasses; the gateway turns them into OpenAI error
 objects at one boundary.
@@ -80,7 +81,8 @@ class Engine(Protocol):
         ...
 
     def stream(self, route: Route, body: dict[str, Any]) -> AsyncIterator[bytes]:
-        """Run one streaming request; yields each chunk's JSON payload. Closing it cancels the request."""
+        """Run one streaming request; yields whole SSE events (several per item when they arrived
+        together), never ``[DONE]``. Closing it cancels the request."""
         ...
 
     async def health(self) -> bool: ...

@@ -21,6 +21,7 @@ from engines.base import (
     EngineUnavailable,
     Route,
 )
+from engines.protocol import sse_event
 
 _DONE = b"[DONE]"
 
@@ -40,9 +41,10 @@ def translate_errors(name: str) -> Iterator[None]:
         raise EngineError(f"engine {name!r} failed mid-response: {exc!r}") from exc
 
 
-async def sse_data(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """The ``data:`` payloads of an SSE byte stream, up to ``[DONE]``; the rest is drained, not parsed,
-    so that the connection goes back to the pool."""
+async def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """An SSE byte stream re-framed as ``data: PAYLOAD\\n\\n`` events, up to ``[DONE]``: all the events
+    of one read in one item. Comments, ids and event names are dropped; CRLF is accepted. What follows
+    ``[DONE]`` is drained unparsed, so that the connection goes back to the pool."""
     buffer = b""
     done = False
     async for chunk in chunks:
@@ -50,17 +52,20 @@ async def sse_data(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
             continue
         buffer += chunk
         *events, buffer = buffer.replace(b"\r\n", b"\n").split(b"\n\n")
+        out = []
         for event in events:
             for line in event.split(b"\n"):
                 if not line.startswith(b"data:"):
-                    continue  # comments, event names, ids
+                    continue
                 payload = line[5:].strip()
                 if payload == _DONE:
                     done = True
                     break
-                yield payload
+                out.append(sse_event(payload))
             if done:
                 break
+        if out:
+            yield b"".join(out)
 
 
 def _rejected(name: str, response: httpx.Response, body: bytes) -> EngineRejected:
@@ -120,8 +125,8 @@ class UpstreamEngine:
                 with translate_errors(self.name):
                     raise _rejected(self.name, response, await response.aread())
             with translate_errors(self.name):
-                async for payload in sse_data(response.aiter_bytes()):  # decoded: proxies may gzip SSE
-                    yield payload
+                async for events in sse_events(response.aiter_bytes()):  # decoded: proxies may gzip SSE
+                    yield events
         finally:
             await response.aclose()
 

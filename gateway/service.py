@@ -109,6 +109,16 @@ class Gateway:
             self.metrics.generation_tokens.labels(model).inc(decoded.usage.completion_tokens)
         return [c.finish_reason for c in decoded.choices if c.finish_reason]
 
+    def _count_events(self, model: str, events: bytes) -> list[str]:
+        """Token usage and finish reasons in a run of SSE events (most carry neither: skipped unparsed)."""
+        if b'"usage"' not in events and b'"finish_reason":"' not in events:
+            return []
+        reasons: list[str] = []
+        for event in events.split(b"\n\n"):
+            if event.startswith(b"data: "):
+                reasons += self._count_usage(model, event[6:])
+        return reasons
+
     def _no_engine(self, model: str, last_error: EngineError | None) -> EngineError:
         if last_error is not None:
             self.metrics.request_errors.labels(model, str(last_error.status_code)).inc()
@@ -144,11 +154,11 @@ class Gateway:
         reasons: list[str] = []
         try:
             if opened.first is not None:
-                yield sse_event(opened.first)
-            async for payload in opened.rest:
-                if b'"usage"' in payload or b'"finish_reason":"' in payload:
-                    reasons += self._count_usage(model, payload)
-                yield sse_event(payload)
+                reasons += self._count_events(model, opened.first)
+                yield opened.first
+            async for events in opened.rest:
+                reasons += self._count_events(model, events)
+                yield events
             for reason in reasons or ["stop"]:
                 self.metrics.request_success.labels(model, reason).inc()
         except EngineError as exc:
