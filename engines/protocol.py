@@ -37,12 +37,12 @@ class ContentPart(Struct, omit_defaults=True):
     image_url: dict[str, Any] | None = None
 
 
-class FunctionCall(Struct, omit_defaults=True):
+class FunctionCall(Struct):
     name: str
     arguments: str = ""
 
 
-class ToolCall(Struct, omit_defaults=True):
+class ToolCall(Struct):  # always written out: clients expect "type" and "arguments"
     id: str
     function: FunctionCall
     type: str = "function"

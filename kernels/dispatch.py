@@ -3,7 +3,9 @@
 CUDA tensors go to the Triton kernels in this package (decode goes to flash-attn's paged kernel
 instead when flash-attn is installed and the cache's block size is one it supports, a multiple
 of 256); CPU tensors go to the torch paths in cpu_attention. Every function takes the same
-arguments on both, so the engine has one call site per operation.
+arguments on both, so the engine has one call site per operation. PARROT_ATTENTION_BACKEND=triton
+sends every tensor to this package's Triton kernels (CPU ones then need TRITON_INTERPRET=1): the
+engine's tests run the kernels that way.
 
 Shared conventions:
   * q is [tokens or sequences, num_heads, head_dim]; the caches are per-layer k_cache/v_cache
@@ -20,6 +22,7 @@ Shared conventions:
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 
@@ -27,11 +30,22 @@ from kernels import cpu_attention
 from kernels.validation import check_decode_args, check_kv_write_args, check_prefill_args, check_shared_prefix_args
 
 _FLASH_ATTN_PAGE = 256  # flash-attn 2's paged kvcache kernel needs block_size % 256 == 0
+BACKEND_ENV = "PARROT_ATTENTION_BACKEND"
+
+
+def _forced_triton() -> bool:
+    return os.environ.get(BACKEND_ENV) == "triton"
+
+
+def uses_triton(device: torch.device) -> bool:
+    """Whether tensors on `device` go to the Triton kernels (read per call, so tests may set it)."""
+    return device.type == "cuda" or _forced_triton()
 
 
 def _flash_attn_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return (
         q.is_cuda
+        and not _forced_triton()
         and k_cache.shape[1] % _FLASH_ATTN_PAGE == 0
         and q.dtype in (torch.float16, torch.bfloat16)
         and importlib.util.find_spec("flash_attn") is not None
@@ -47,7 +61,7 @@ def write_kv(
     -1 skips the token (batch padding). Values are cast to the cache dtype.
     """
     check_kv_write_args(key, value, k_cache, v_cache, slot_mapping)
-    if not key.is_cuda:
+    if not uses_triton(key.device):
         cpu_attention.kv_write(key, value, k_cache, v_cache, slot_mapping)
         return
     from kernels.kv_write import kv_write
@@ -70,7 +84,7 @@ def decode_attention(
     A row with context_lens 0 (batch padding) comes out as zeros.
     """
     check_decode_args(q, k_cache, v_cache, block_tables, context_lens)
-    if not q.is_cuda:
+    if not uses_triton(q.device):
         return cpu_attention.decode(q, k_cache, v_cache, block_tables, context_lens, scale)
     if _flash_attn_fits(q, k_cache):
         from flash_attn import flash_attn_with_kvcache
@@ -102,7 +116,7 @@ def prefill_attention(
     before them; max_seqlen_q is a host int bounding every q_len.
     """
     check_prefill_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens)
-    if not q.is_cuda:
+    if not uses_triton(q.device):
         return cpu_attention.prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
     from kernels.paged_prefill import paged_prefill
 
@@ -130,7 +144,7 @@ def shared_prefix_decode_attention(
     """
     args = (q, k_cache, v_cache, prefix_ids, prefix_block_tables, prefix_lens, suffix_block_tables, suffix_lens, scale)
     check_shared_prefix_args(*args[:-1])
-    if not q.is_cuda:
+    if not uses_triton(q.device):
         return cpu_attention.shared_prefix_decode(*args)
     from kernels.shared_prefix_decode import shared_prefix_decode
 

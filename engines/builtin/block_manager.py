@@ -4,7 +4,8 @@ A full block whose KV is computed gets a chain hash, ``hash((previous block's ha
 so one hash names a whole prefix; a lookup is confirmed by comparing the block's tokens. Blocks
 whose last reference goes away stay in the cache (their KV is intact) on an LRU free list and
 are reused for new data oldest first. Partial blocks are never shared: ``fork`` shares the
-parent's fully computed blocks and copies the rows of the rest into a fresh block.
+parent's fully computed blocks and copies the rows of the rest into a fresh block. With
+``prefix_caching`` off, blocks are never published or looked up; forks still share explicitly.
 """
 
 from __future__ import annotations
@@ -32,8 +33,16 @@ def chain_hash(previous: int | None, token_ids: tuple[int, ...]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, copy_rows: Callable[[int, int, int], None] | None = None):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        copy_rows: Callable[[int, int, int], None] | None = None,
+        *,
+        prefix_caching: bool = True,
+    ):
         self.block_size = block_size
+        self.prefix_caching = prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.cached: dict[int, int] = {}  # chain hash -> block id
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # oldest first
@@ -73,7 +82,7 @@ class BlockManager:
         """
         size = self.block_size
         start = seq.num_computed_tokens
-        if start % size or len(seq.block_table) * size != start:
+        if not self.prefix_caching or start % size or len(seq.block_table) * size != start:
             return 0
         reused = 0
         previous = self.blocks[seq.block_table[-1]].hash if seq.block_table else None
@@ -94,6 +103,8 @@ class BlockManager:
 
     def commit(self, seq: Sequence, previously_computed: int) -> None:
         """Publishes the blocks that became full and computed since ``previously_computed``."""
+        if not self.prefix_caching:
+            return
         size = self.block_size
         for index in range(previously_computed // size, seq.num_computed_tokens // size):
             block = self.blocks[seq.block_table[index]]

@@ -1,7 +1,8 @@
 """``parrot engine``: serve one builtin engine over HTTP, optionally registered with a gateway.
 
 Every ``EngineConfig`` field is a flag (``--block-size``, ``--num-blocks`` ...) whose default is
-the config's own, so defaults live in one place. Each flag can also be set through the
+the config's own, so defaults live in one place; a boolean also gets a ``--no-`` form
+(``--no-prefix-caching``). Each flag can also be set through the
 environment as ``PARROT_ENGINE_<FLAG>`` (``PARROT_ENGINE_BLOCK_SIZE=32``); the command line wins.
 """
 
@@ -53,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
         # Parsed as text and converted by msgspec against the field's own type, below.
         engine.add_argument(f"--{field.name.replace('_', '-')}", dest=field.name,
                             default=_env_default(field.name, field.default), help=f"EngineConfig.{field.name}")
+        if field.type is bool:  # --no-prefix-caching for enable_prefix_caching, as vLLM spells it
+            negated = field.name.removeprefix("enable_").replace("_", "-")
+            engine.add_argument(f"--no-{negated}", dest=field.name, action="store_const", const="false",
+                                help=f"EngineConfig.{field.name} = false")
     return parser
 
 

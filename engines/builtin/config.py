@@ -15,6 +15,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # directory holding an HF checkpoint (config.json + *.safetensors) or a path to a .gguf file.
     model: str | None = None
     dtype: str = "float32"  # or "bfloat16"
+    device: str = "cpu"  # or "cuda": the model, KV cache and attention (Triton kernels) on the GPU
     block_size: int = 16
     # KV cache size: num_blocks wins when set, else as many blocks as kv_cache_memory bytes hold.
     num_blocks: int | None = None
@@ -22,6 +23,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_num_seqs: int = 64
     # Chunked-prefill budget: tokens one step may compute, prefill chunks and decodes together.
     max_num_batched_tokens: int = 1024
+    # Off: full blocks are never published to or looked up in the prefix cache (forked contexts
+    # still share their parent's blocks explicitly). `--no-prefix-caching` on the command line.
+    enable_prefix_caching: bool = True
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     num_threads: int | None = None  # None: leave torch's default
     seed: int = 0

@@ -22,6 +22,7 @@ import torch
 from engines.base import EngineStats
 from engines.builtin.block_manager import BlockManager
 from engines.builtin.config import EngineConfig
+from engines.builtin.grammar import GrammarCompiler
 from engines.builtin.loader import DTYPES, ModelSource, build_model, load_checkpoint, load_tokenizer
 from engines.builtin.model_runner import ModelRunner, ScheduledBatch, kv_block_bytes
 from engines.builtin.sampler import SampleResult
@@ -58,10 +59,13 @@ class LLMEngine:
         # One sequence must always fit in the cache on its own, or preemption could not help it.
         self.max_model_len = min(config.max_model_len or hf_config.max_position_embeddings, num_blocks * config.block_size)
         self.eos_token_ids = eos_token_ids(hf_config, self.tokenizer, source)
+        self.grammars = GrammarCompiler(self.tokenizer, self.eos_token_ids)
         model = build_model(hf_config, hf_state, config.dtype, self.max_model_len)
         del hf_state
-        self.runner = ModelRunner(model, num_blocks, config.block_size, config.seed)
-        self.block_manager = BlockManager(num_blocks, config.block_size, self.runner.copy_rows)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, config.seed, config.device)
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, self.runner.copy_rows, prefix_caching=config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(config, self.block_manager)
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
@@ -145,6 +149,8 @@ class LLMEngine:
         params = seq.params
         finish = None
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            finish = "stop"
+        elif seq.grammar is not None and seq.grammar.finished:
             finish = "stop"
         elif seq.num_generated_tokens >= params.max_tokens or len(seq) >= self.max_model_len:
             finish = "length"
@@ -299,6 +305,8 @@ class LLMEngine:
                 self._request_abort(seq, arrival)
 
     def _start_generation(self, params, deliver, context_id, prompt_tokens, parent_context_id) -> tuple[Sequence, int]:
+        # Built outside the lock: a large grammar takes a while and the step loop needs the lock.
+        grammar = self.grammars.matcher(params.grammar) if params.grammar is not None else None
         with self._lock:
             if context_id is not None:
                 seq = self._context(context_id)
@@ -322,6 +330,7 @@ class LLMEngine:
             seq.params = params
             seq.num_prompt_tokens = len(seq)
             seq.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+            seq.grammar = grammar
             seq.deliver = deliver
             self.scheduler.add(seq)
             arrival = seq.arrival

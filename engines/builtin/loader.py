@@ -3,15 +3,24 @@
 GGUF goes through transformers' own GGUF reader (it de-quantizes and undoes llama.cpp's q/k
 permutation), so both sources arrive as an HF-named state dict, which is then mapped onto our
 fused module tree.
+
+Parsing a GGUF takes transformers 30-50 s (mostly the tokenizer and metadata), so the first load
+saves the result as a plain HF checkpoint (safetensors, config, tokenizer files) in a cache
+directory, and later loads read that instead. The cache is keyed by the GGUF's name, size and
+mtime, and written to a temporary directory that is renamed into place: engine processes
+starting together never see a half-written cache.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from engines.builtin.config import default_model_path
@@ -37,14 +46,71 @@ class ModelSource:
         return {"gguf_file": self.gguf_file} if self.gguf_file else {}
 
 
+def cache_root() -> Path:
+    return Path(os.environ.get("PARROT_CACHE_DIR") or Path.home() / ".cache" / "parrot")
+
+
+def gguf_cache_dir(source: ModelSource) -> Path:
+    gguf = Path(source.directory, source.gguf_file)
+    stat = gguf.stat()
+    return cache_root() / f"{gguf.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+
+
+def converted_gguf(source: ModelSource) -> Path | None:
+    """The GGUF's cache directory, converting it on first use; None if it cannot be written."""
+    target = gguf_cache_dir(source)
+    if target.is_dir():  # only ever appears complete, by rename
+        return target
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    except OSError as exc:
+        log.warning("not caching the converted GGUF (%s); every start will parse it again", exc)
+        return None
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        log.info("de-quantizing %s once into %s", source.gguf_file, target)
+        AutoTokenizer.from_pretrained(source.directory, **source.hf_kwargs()).save_pretrained(staging)
+        hf_model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=torch.float32, **source.hf_kwargs())
+        config = hf_model.config
+        if hasattr(config, "quantization_config"):  # the cache holds plain floats
+            del config.quantization_config
+        config.save_pretrained(staging)
+        state = hf_model.state_dict()
+        if getattr(hf_model.config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)  # one storage under two names: safetensors wants one
+        save_file({name: tensor.contiguous() for name, tensor in state.items()}, staging / "model.safetensors")
+        staging.chmod(0o755)  # mkdtemp makes it private
+        try:
+            staging.rename(target)
+        except OSError:
+            if not target.is_dir():  # else another process got there first with the same files
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def cached_source(source: ModelSource) -> ModelSource:
+    """``source`` itself, or for a GGUF its converted cache when it can have one."""
+    if source.gguf_file:
+        converted = converted_gguf(source)
+        if converted is not None:
+            return ModelSource(str(converted))
+    return source
+
+
 def load_tokenizer(source: ModelSource):
     from transformers import AutoTokenizer
 
+    source = cached_source(source)
     return AutoTokenizer.from_pretrained(source.directory, **source.hf_kwargs())
 
 
 def load_checkpoint(source: ModelSource) -> tuple[object, dict[str, torch.Tensor]]:
-    """The HF config and HF-named float weights. A GGUF file is parsed once, for both."""
+    """The HF config and HF-named float weights. An uncached GGUF file is parsed once, for both."""
+    source = cached_source(source)
     if source.gguf_file:
         from transformers import AutoModelForCausalLM
 

@@ -1,7 +1,7 @@
 """Llama-family decoder (SmolLM2, Llama 2/3, Qwen2-style qkv bias) over a paged KV cache.
 
-Inputs are one flat batch of tokens from many sequences (no padding); positions, cache slots
-and attention masks come from the step's ``AttentionMetadata``. q/k/v and gate/up projections
+Inputs are one flat batch of tokens from many sequences (no padding); cache slots, block tables
+and context lengths come from the step's ``AttentionMetadata``. q/k/v and gate/up projections
 are fused into one matmul each: at 135M parameters the per-op Python overhead of 30 layers
 is a large part of a decode step.
 """

@@ -3,20 +3,35 @@ model over the paged KV cache and samples the sequences that are due a token."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from engines.builtin.attention import AttentionMetadata, PrefillSpan
+from engines.builtin.attention import AttentionMetadata, DecodeMetadata, PrefillMetadata, SharedPrefixMetadata
 from engines.builtin.model import LlamaForCausalLM, head_dim_of
 from engines.builtin.sampler import SampleResult, Sampler
 from engines.builtin.sequence import Sequence
+from kernels import dispatch
+
+# The Triton shared-prefix kernel always beats paged decode; on CPU the torch path only once the
+# prefix it spares re-reading is long: 16 forks decode in 0.86x the time at 400 shared tokens,
+# 1.04x at 200 (python -m benchmarks.engine_decode --forks).
+CPU_MIN_SHARED_TOKENS = 320
+
+
+@dataclass
+class PrefixGroup:
+    """Decodes whose block tables start with the same ``num_blocks`` (full, shared) blocks."""
+
+    num_blocks: int
+    members: list[int]  # indices into the batch's decode entries
 
 
 @dataclass
 class ScheduledBatch:
     # (sequence, tokens to compute this step); single-token entries (decodes) first.
     entries: list[tuple[Sequence, int]]
+    prefix_groups: list[PrefixGroup] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -33,16 +48,19 @@ def kv_block_bytes(hf_config, block_size: int, dtype: torch.dtype) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, seed: int):
-        self.model = model
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, seed: int, device: str = "cpu"):
+        self.device = torch.device(device)
+        self.model = model.to(self.device)
         self.block_size = block_size
         config = model.config
         dtype = model.lm_head.weight.dtype
         shape = (num_blocks, block_size, config.num_key_value_heads, head_dim_of(config))
         for layer in model.model.layers:
-            layer.self_attn.k_cache = torch.zeros(shape, dtype=dtype)
-            layer.self_attn.v_cache = torch.zeros(shape, dtype=dtype)
+            layer.self_attn.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+            layer.self_attn.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.sampler = Sampler(seed)
+        # Mean shared-prefix tokens per decode from which prefix groups go to the shared-prefix kernel.
+        self.min_shared_tokens = 0 if dispatch.uses_triton(self.device) else CPU_MIN_SHARED_TOKENS
 
     def copy_rows(self, src_block: int, dst_block: int, num_rows: int) -> None:
         for layer in self.model.model.layers:
@@ -53,7 +71,7 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> SampleResult | None:
         input_ids, positions, meta, logit_rows, sampled = self.prepare(batch)
         logits = self.model(input_ids, positions, meta, logit_rows)
-        return self.sampler(logits, sampled) if sampled else None
+        return self.sampler(logits.cpu(), sampled) if sampled else None  # the sampler works on the host
 
     def prepare(self, batch: ScheduledBatch):
         size = self.block_size
@@ -63,50 +81,75 @@ class ModelRunner:
         logit_rows: list[int] = []
         sampled: list[Sequence] = []
         decodes: list[Sequence] = []
-        meta = AttentionMetadata(slot_mapping=torch.empty(0))
+        prefills: list[tuple[Sequence, int]] = []
         for seq, n in batch.entries:
             start = seq.num_computed_tokens
             row = len(token_ids)
             token_ids += seq.token_ids[start : start + n]
             positions += range(start, start + n)
             slots += [seq.block_table[p // size] * size + p % size for p in range(start, start + n)]
-            if n == 1:
+            if n == 1:  # a one-token chunk attends like a decode
                 decodes.append(seq)
             else:
-                meta.prefills.append(self._prefill_span(seq, row, n))
+                prefills.append((seq, n))
             if not seq.is_fill and start + n == len(seq):
                 logit_rows.append(row + n - 1)
                 sampled.append(seq)
-        meta.slot_mapping = torch.tensor(slots, dtype=torch.long)
-        if decodes:
-            meta.num_decodes = len(decodes)
-            meta.decode_slots, meta.decode_mask = self._decode_context(decodes)
-        rows = torch.tensor(logit_rows, dtype=torch.long) if logit_rows else None
-        return torch.tensor(token_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), meta, rows, sampled
+        meta = AttentionMetadata(slot_mapping=self._tensor(slots, torch.long), num_decodes=len(decodes))
+        if decodes and self._worth_sharing(batch.prefix_groups, len(decodes)):
+            meta.shared_prefix = self._shared_prefix(decodes, batch.prefix_groups)
+        elif decodes:
+            meta.decode = self._decode(decodes)
+        if prefills:
+            meta.prefill = self._prefill(prefills)
+        rows = self._tensor(logit_rows, torch.long) if logit_rows else None
+        return self._tensor(token_ids, torch.long), self._tensor(positions, torch.long), meta, rows, sampled
 
-    def _context_slots(self, block_tables: torch.Tensor, length: int) -> torch.Tensor:
-        # block_tables: [batch, max_blocks] -> [batch, length] cache slot of each position
-        position = torch.arange(length)
-        return block_tables[:, position // self.block_size] * self.block_size + position % self.block_size
+    def _worth_sharing(self, groups: list[PrefixGroup], num_decodes: int) -> bool:
+        shared_tokens = sum(g.num_blocks * self.block_size * len(g.members) for g in groups)
+        return bool(groups) and shared_tokens >= self.min_shared_tokens * num_decodes
 
-    def _decode_context(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        context_lens = torch.tensor([seq.num_computed_tokens + 1 for seq in seqs])
-        max_len = int(context_lens.max())
-        max_blocks = -(-max_len // self.block_size)
-        tables = torch.tensor([seq.block_table[:max_blocks] + [0] * (max_blocks - len(seq.block_table[:max_blocks])) for seq in seqs])
-        slots = self._context_slots(tables, max_len)
-        if bool((context_lens == max_len).all()):
-            return slots, None
-        mask = torch.arange(max_len).unsqueeze(0) < context_lens.unsqueeze(1)  # [batch, max_len]
-        return slots, mask[:, None, None, :]
+    def _tensor(self, values: list, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
-    def _prefill_span(self, seq: Sequence, row: int, n: int) -> PrefillSpan:
-        start = seq.num_computed_tokens
-        if start == 0:
-            return PrefillSpan(row, row + n)
-        length = start + n
-        tables = torch.tensor([seq.block_table[: -(-length // self.block_size)]])
-        context_slots = self._context_slots(tables, length)[0]
-        # Query i (absolute position start + i) sees keys 0 .. start + i.
-        mask = torch.arange(length).unsqueeze(0) <= (start + torch.arange(n)).unsqueeze(1)
-        return PrefillSpan(row, row + n, context_slots, mask)
+    def _tables(self, tables: list[list[int]]) -> torch.Tensor:
+        """Block tables padded with block 0 (never read past a row's length) -> [rows, max_blocks]."""
+        width = max(1, max(map(len, tables)))
+        return self._tensor([table + [0] * (width - len(table)) for table in tables])
+
+    def _blocks(self, length: int) -> int:
+        return -(-length // self.block_size)
+
+    def _decode(self, seqs: list[Sequence]) -> DecodeMetadata:
+        lens = [seq.num_computed_tokens + 1 for seq in seqs]
+        tables = [seq.block_table[: self._blocks(n)] for seq, n in zip(seqs, lens)]
+        return DecodeMetadata(self._tables(tables), self._tensor(lens))
+
+    def _shared_prefix(self, seqs: list[Sequence], groups: list[PrefixGroup]) -> SharedPrefixMetadata:
+        prefix_ids = [-1] * len(seqs)
+        shared_blocks = [0] * len(seqs)
+        for group_id, group in enumerate(groups):
+            for i in group.members:
+                prefix_ids[i], shared_blocks[i] = group_id, group.num_blocks
+        lens = [seq.num_computed_tokens + 1 - shared * self.block_size for seq, shared in zip(seqs, shared_blocks)]
+        suffix_tables = [
+            seq.block_table[shared : shared + self._blocks(n)] for seq, shared, n in zip(seqs, shared_blocks, lens)
+        ]
+        prefix_tables = [seqs[g.members[0]].block_table[: g.num_blocks] for g in groups]
+        return SharedPrefixMetadata(
+            prefix_ids=self._tensor(prefix_ids),
+            prefix_block_tables=self._tables(prefix_tables),
+            prefix_lens=self._tensor([g.num_blocks * self.block_size for g in groups]),
+            suffix_block_tables=self._tables(suffix_tables),
+            suffix_lens=self._tensor(lens),
+        )
+
+    def _prefill(self, chunks: list[tuple[Sequence, int]]) -> PrefillMetadata:
+        lens = [seq.num_computed_tokens + n for seq, n in chunks]
+        cu_seqlens = [0]
+        for _, n in chunks:
+            cu_seqlens.append(cu_seqlens[-1] + n)
+        tables = [seq.block_table[: self._blocks(length)] for (seq, _), length in zip(chunks, lens)]
+        return PrefillMetadata(
+            self._tables(tables), self._tensor(cu_seqlens), self._tensor(lens), max(n for _, n in chunks)
+        )

@@ -1,9 +1,9 @@
 """Next-token selection for a batch of sequences, vectorised over the batch.
 
-A batch that is all greedy, without penalties, biases or logprobs takes one argmax. Otherwise:
-logit bias -> penalties -> (logprobs of that distribution) -> temperature -> top-k / top-p /
-min-p -> a draw per row, from the sequence's own seeded generator when it has a seed, so that a
-seeded request repeats itself whatever else shares its batch.
+A batch that is all greedy, without penalties, biases, grammars or logprobs takes one argmax.
+Otherwise: logit bias -> penalties -> grammar mask -> (logprobs of that distribution) ->
+temperature -> top-k / top-p / min-p -> a draw per row, from the sequence's own seeded generator
+when it has a seed, so that a seeded request repeats itself whatever else shares its batch.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engines.builtin.grammar import mask_logits
 from engines.builtin.sequence import Sequence
 from engines.builtin.types import SamplingParams
 
@@ -31,6 +32,7 @@ def needs_full_path(params: SamplingParams) -> bool:
         or params.repetition_penalty != 1.0
         or bool(params.logit_bias)
         or params.logprobs
+        or params.grammar is not None
     )
 
 
@@ -46,10 +48,16 @@ class Sampler:
         logits = logits.clone()
         apply_logit_bias(logits, params)
         apply_penalties(logits, seqs)
+        grammars = [(i, seq.grammar) for i, seq in enumerate(seqs) if seq.grammar is not None]
+        if grammars:
+            mask_logits(logits, grammars)
         logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs for p in params) else None
         greedy = torch.tensor([p.greedy for p in params])
         token_ids = torch.where(greedy, logits.argmax(dim=-1), self._draw(logits, seqs, params))
-        return self._result(token_ids, logprobs, params)
+        result = self._result(token_ids, logprobs, params)
+        for i, grammar in grammars:
+            grammar.advance(result.token_ids[i])
+        return result
 
     def _draw(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> torch.Tensor:
         temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params]).unsqueeze(1)

@@ -4,18 +4,45 @@ Order of service: running sequences by priority (higher first, then arrival), th
 ones. When blocks run out, idle contexts lose their KV first (least recently used; their full
 blocks stay in the prefix cache), then the lowest-priority running sequence is preempted by
 recompute: its blocks are dropped and it goes back to waiting.
+
+The batch also says which decodes share leading KV blocks (forks of one context, prefix-cache
+hits on one system prompt), so attention can read each shared prefix once for its group.
 """
 
 from __future__ import annotations
 
 from engines.builtin.block_manager import BlockManager
 from engines.builtin.config import EngineConfig
-from engines.builtin.model_runner import ScheduledBatch
+from engines.builtin.model_runner import PrefixGroup, ScheduledBatch
 from engines.builtin.sequence import Sequence, Status, next_arrival
 
 
 def service_order(seq: Sequence) -> tuple[int, int]:
     return (-seq.priority, seq.arrival)
+
+
+def prefix_groups(decodes: list[Sequence], block_size: int) -> list[PrefixGroup]:
+    """Groups of two or more decodes whose block tables start with the same blocks.
+
+    The block manager shares only full, computed blocks (by fork or prefix-cache hit), so equal
+    leading block ids mean equal leading KV. Grouped by first block; a group's prefix is its
+    members' longest common run of leading blocks.
+    """
+    by_first_block: dict[int, list[int]] = {}
+    for i, seq in enumerate(decodes):
+        if seq.num_computed_tokens >= block_size:
+            by_first_block.setdefault(seq.block_table[0], []).append(i)
+    groups = []
+    for members in by_first_block.values():
+        if len(members) < 2:
+            continue
+        tables = [decodes[i].block_table for i in members]
+        limit = min(decodes[i].num_computed_tokens for i in members) // block_size
+        shared = 1
+        while shared < limit and all(table[shared] == tables[0][shared] for table in tables):
+            shared += 1
+        groups.append(PrefixGroup(shared, members))
+    return groups
 
 
 class Scheduler:
@@ -61,7 +88,8 @@ class Scheduler:
             budget -= n
         done_fills = self._admit_waiting(entries, budget)
         entries.sort(key=lambda entry: entry[1] != 1)  # decodes first, as the runner expects
-        return ScheduledBatch(entries), done_fills
+        decodes = [seq for seq, n in entries if n == 1]
+        return ScheduledBatch(entries, prefix_groups(decodes, self.block_manager.block_size)), done_fills
 
     def _admit_waiting(self, entries: list[tuple[Sequence, int]], budget: int) -> list[Sequence]:
         done_fills = []

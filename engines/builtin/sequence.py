@@ -45,6 +45,7 @@ class Sequence:
         self.arrival = next_arrival()  # FIFO order among equal priorities; also names the request
         self.num_prompt_tokens = 0  # tokens before this request's generation began
         self.generator: torch.Generator | None = None
+        self.grammar = None  # a grammar.GrammarMatcher when the output is constrained
         # Called on the engine thread with each result; the engine wires it to an asyncio loop.
         self.deliver: Callable[[object], None] | None = None
         self.aborted = False

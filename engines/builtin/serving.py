@@ -18,8 +18,10 @@ import msgspec
 from msgspec import Meta
 
 from engines.base import EngineError, EngineStats, Route
+from engines.builtin.grammar import ToolCallReader, output_grammar, read_tool_calls, tool_messages
 from engines.builtin.tokenizer import IncrementalDetokenizer, TokenTexts, chat_prompt_tokens, text_tokens
 from engines.builtin.types import FillResult, SamplingParams, TokenEvent
+from engines.protocol import sse_event
 from engines.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -240,6 +242,7 @@ class PromptJob:
     params: list[SamplingParams]  # one per choice
     first_index: int  # choice index of params[0] in the response
     stop: list[str]
+    tool_calls: bool = False  # the output follows the tools grammar and is read as tool calls
 
     @property
     def indices(self) -> range:
@@ -279,7 +282,7 @@ class BuiltinEngine:
             raise EngineBadRequest(f"unknown route {route!r}")
         async with aclosing(chunks):
             async for chunk in chunks:
-                yield chunk
+                yield sse_event(chunk)
 
     async def health(self) -> bool:
         return True
@@ -295,15 +298,15 @@ class BuiltinEngine:
     async def chat(self, request: ChatCompletionRequest) -> ChatCompletion:
         job = self._chat_job(request)
         results = await self._collect([job])
-        choices = [
-            ChatChoice(
-                index=i,
-                message=ResponseMessage(content=r.text),
-                finish_reason=r.finish_reason,
-                logprobs=self._chat_logprobs(r.events) if request.logprobs else None,
-            )
-            for i, r in enumerate(results)
-        ]
+        choices = []
+        for i, r in enumerate(results):
+            message, finish_reason = ResponseMessage(content=r.text), r.finish_reason
+            if job.tool_calls:
+                content, calls = read_tool_calls(r.text)
+                message = ResponseMessage(content=content, tool_calls=calls or None)
+                finish_reason = _tool_finish_reason(finish_reason, calls)
+            logprobs = self._chat_logprobs(r.events) if request.logprobs else None
+            choices.append(ChatChoice(index=i, message=message, finish_reason=finish_reason, logprobs=logprobs))
         return ChatCompletion(model=self.model_name, choices=choices, usage=_usage([job], results))
 
     async def chat_stream(self, request: ChatCompletionRequest) -> AsyncIterator[bytes]:
@@ -318,21 +321,33 @@ class BuiltinEngine:
         for index in job.indices:
             yield chunk([ChatChunkChoice(index, ChatDelta(role="assistant", content=""))])
         completion_tokens = 0
+        readers = {index: ToolCallReader() for index in job.indices} if job.tool_calls else None
         async for index, piece in self._run_all([job]):
             completion_tokens += len(piece.token_ids)
             logprobs = self._chat_logprobs(piece.events) if request.logprobs else None
-            yield chunk([ChatChunkChoice(index, ChatDelta(content=piece.text), piece.finish_reason, logprobs)])
+            delta, finish_reason = ChatDelta(content=piece.text), piece.finish_reason
+            if readers is not None:
+                delta, finish_reason = _tool_delta(readers[index], piece)
+                if delta.content is None and delta.tool_calls is None and finish_reason is None and logprobs is None:
+                    continue  # text held back until it is known to be (part of) a call
+            yield chunk([ChatChunkChoice(index, delta, finish_reason, logprobs)])
         if request.stream_options is not None and request.stream_options.include_usage:
             yield chunk([], _usage_of(len(job.tokens), completion_tokens))
 
     def _chat_job(self, request: ChatCompletionRequest) -> PromptJob:
         _validate(request)
-        # Tools and response_format are accepted but not enforced yet (grammar decoding comes later).
-        tokens = chat_prompt_tokens(self.tokenizer, request.messages, request.tools)
+        try:
+            output = output_grammar(request.response_format, request.tools, request.tool_choice, request.parallel_tool_calls)
+        except InvalidRequest as exc:
+            raise EngineBadRequest(str(exc), exc.param) from exc
+        tools = request.tools if output.tool_calls else None  # tool_choice "none": the model is not offered them
+        messages = tool_messages(request.messages, tools, getattr(self.tokenizer, "chat_template", None))
+        tokens = chat_prompt_tokens(self.tokenizer, messages, tools)
         params = self.sampling_params(
             request, len(tokens), logprobs=request.logprobs, top_logprobs=request.top_logprobs or 0, prompt_param="messages"
         )
-        return PromptJob(tokens, _per_choice(params, request.n), 0, request.stop_list())
+        params = msgspec.structs.replace(params, grammar=output.grammar)
+        return PromptJob(tokens, _per_choice(params, request.n), 0, request.stop_list(), output.tool_calls)
 
     def _chat_logprobs(self, events: Iterable[TokenEvent]) -> ChoiceLogprobs:
         texts = self.token_texts
@@ -586,6 +601,18 @@ def _per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:
         return [params]
     seeds = [None] * n if params.seed is None else [params.seed + i for i in range(n)]
     return [msgspec.structs.replace(params, seed=seed) for seed in seeds]
+
+
+def _tool_finish_reason(finish_reason: str | None, calls: list) -> str | None:
+    return "tool_calls" if calls and finish_reason == "stop" else finish_reason
+
+
+def _tool_delta(reader: ToolCallReader, piece: Piece) -> tuple[ChatDelta, str | None]:
+    """One streamed piece of a tools-grammar output as content and/or tool-call deltas."""
+    content, calls = reader.feed(piece.text)
+    if piece.finish_reason is not None:
+        content += reader.finish()
+    return ChatDelta(content=content or None, tool_calls=calls or None), _tool_finish_reason(piece.finish_reason, reader.calls)
 
 
 def _usage_of(prompt_tokens: int, completion_tokens: int) -> Usage:

@@ -24,6 +24,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     top_logprobs: int = 0
     # Latency-critical work is scheduled first (the priority hook); larger runs first.
     priority: int = 0
+    # An llguidance grammar (grammar.py) the output must follow; None leaves it free.
+    grammar: str | None = None
 
     @property
     def greedy(self) -> bool:

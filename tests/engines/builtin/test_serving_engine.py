@@ -60,17 +60,23 @@ async def test_greedy_choices_match_and_stream_matches_create(engine):
     assert len(set(texts)) == 1 and texts[0]
     assert created["usage"]["completion_tokens"] == 30
 
-    chunks = [json.loads(c) async for c in engine.stream("chat/completions", {**body, "stream": True})]
+    chunks = [json.loads(c) for c in await _payloads(engine.stream("chat/completions", {**body, "stream": True}))]
     streamed = ["".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"][0]["index"] == i) for i in range(3)]
     assert streamed == texts
 
 
-async def test_completion_stream_chunks_are_bare_json_with_a_usage_chunk(engine):
+async def _payloads(stream) -> list[bytes]:
+    """The JSON payloads of a seam stream: whole SSE events, one or more per item."""
+    events = b"".join([item async for item in stream])
+    assert events.endswith(b"\n\n")
+    return [e[len(b"data: "):] for e in events.split(b"\n\n") if e]
+
+
+async def test_completion_stream_is_sse_events_with_a_usage_chunk(engine):
     body = {"model": "tiny", "prompt": ["one two", "three"], "max_tokens": 4, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
-    chunks = [c async for c in engine.stream("completions", body)]
-    assert all(not c.startswith(b"data:") for c in chunks)
-    decoded = [json.loads(c) for c in chunks]
+    decoded = [json.loads(c) for c in await _payloads(engine.stream("completions", body))]
+    assert b"[DONE]" not in b"".join([c async for c in engine.stream("completions", body)])
     assert decoded[-1]["choices"] == [] and decoded[-1]["usage"]["completion_tokens"] == 8
     assert {c["choices"][0]["index"] for c in decoded[:-1]} == {0, 1}
     finals = [c["choices"][0] for c in decoded[:-1] if c["choices"][0]["finish_reason"]]

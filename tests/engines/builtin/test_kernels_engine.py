@@ -1,0 +1,135 @@
+"""The engine over kernels.dispatch: the Triton kernels (interpreted on CPU) give the same greedy
+tokens as the torch path, forked contexts decode through the shared-prefix kernel, and prefix
+caching can be switched off."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+# Triton picks interpreted or compiled when a kernel module is imported; nothing imports them
+# before the engine's first Triton call, which comes after this line.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from engines.builtin.types import SamplingParams  # noqa: E402
+from kernels import dispatch  # noqa: E402
+
+MAX_TOKENS = 5
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+TRITON_LAUNCHERS = {
+    "kv_write": ("kernels.kv_write", "kv_write"),
+    "prefill": ("kernels.paged_prefill", "paged_prefill"),
+    "decode": ("kernels.paged_decode", "paged_decode"),
+    "shared_prefix": ("kernels.shared_prefix_decode", "shared_prefix_decode"),
+}
+
+
+def random_tokens(lengths, seed) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 49152, (n,), generator=generator).tolist() for n in lengths]
+
+
+async def collect(stream) -> list[int]:
+    return [event.token_id async for event in stream]
+
+
+async def concurrent_prompts(engine, prompts) -> list[list[int]]:
+    return await asyncio.gather(*(collect(engine.generate_from_prompt(p, GREEDY)) for p in prompts))
+
+
+async def forked_generations(engine, prefix, suffixes) -> list[list[int]]:
+    """Children of one filled context decode together, sharing its full blocks."""
+    parent = await engine.fill(prefix)
+    outputs = await asyncio.gather(
+        *(collect(engine.generate_from_prompt(s, GREEDY, parent_context_id=parent.context_id)) for s in suffixes)
+    )
+    await engine.free_context(parent.context_id)
+    return outputs
+
+
+@pytest.fixture
+def triton_calls(monkeypatch) -> dict[str, int]:
+    """Sends attention to the Triton kernels and counts each launcher's calls."""
+    pytest.importorskip("triton")
+    import importlib
+
+    monkeypatch.setenv(dispatch.BACKEND_ENV, "triton")
+    calls = dict.fromkeys(TRITON_LAUNCHERS, 0)
+    for name, (module_name, function) in TRITON_LAUNCHERS.items():
+        module = importlib.import_module(module_name)
+        launcher = getattr(module, function)
+
+        def counted(*args, _name=name, _launcher=launcher, **kwargs):
+            calls[_name] += 1
+            return _launcher(*args, **kwargs)
+
+        monkeypatch.setattr(module, function, counted)
+    return calls
+
+
+@pytest.fixture
+def shared_prefix_calls(monkeypatch) -> list[torch.Tensor]:
+    """Records the prefix_ids of every shared-prefix decode the engine's attention makes."""
+    seen = []
+    original = dispatch.shared_prefix_decode_attention
+
+    def recorded(q, k_cache, v_cache, prefix_ids, *args):
+        seen.append(prefix_ids.clone())
+        return original(q, k_cache, v_cache, prefix_ids, *args)
+
+    monkeypatch.setattr(dispatch, "shared_prefix_decode_attention", recorded)
+    return seen
+
+
+@pytest.mark.timeout(120)
+async def test_triton_engine_matches_torch_path(make_engine, triton_calls, monkeypatch):
+    prompts = random_tokens((1, 9, 20), seed=3)
+    prefix, *suffixes = random_tokens((37, 4, 1, 11), seed=4)  # 37: two full shared blocks + a copied rest
+
+    with monkeypatch.context() as torch_path:
+        torch_path.delenv(dispatch.BACKEND_ENV)
+        reference = make_engine(num_blocks=64)
+        expected = await concurrent_prompts(reference, prompts)
+        expected_forks = await forked_generations(reference, prefix, suffixes)
+    assert not any(triton_calls.values()), "the reference engine ran Triton kernels"
+
+    engine = make_engine(num_blocks=64)
+    assert engine.runner.min_shared_tokens == 0  # every prefix group goes to the shared-prefix kernel
+    assert await concurrent_prompts(engine, prompts) == expected
+    assert await forked_generations(engine, prefix, suffixes) == expected_forks
+    assert all(triton_calls.values()), triton_calls
+
+
+async def test_forks_decode_through_one_shared_prefix(make_engine, shared_prefix_calls, tiny_hf_model):
+    engine = make_engine()
+    engine.runner.min_shared_tokens = 0  # CPU waits for long prefixes, for speed; its torch path is exact too
+    prefix, *suffixes = random_tokens((40, 3, 7, 1), seed=5)
+    outputs = await forked_generations(engine, prefix, suffixes)
+    for suffix, output in zip(suffixes, outputs):
+        full = torch.tensor([prefix + suffix])
+        expected = tiny_hf_model.generate(full, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None)
+        assert output == expected[0, full.shape[1] :].tolist()
+    # All three children decoded in one batch against one prefix (two full blocks of 16).
+    assert any(ids.tolist() == [0, 0, 0] for ids in shared_prefix_calls), shared_prefix_calls
+
+
+async def test_unrelated_sequences_take_the_paged_decode_path(make_engine, shared_prefix_calls):
+    engine = make_engine(enable_prefix_caching=False)
+    engine.runner.min_shared_tokens = 0
+    await concurrent_prompts(engine, random_tokens((20, 33), seed=6))
+    assert shared_prefix_calls == []
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["prefix-caching", "no-prefix-caching"])
+async def test_prefix_caching_switch(make_engine, enabled):
+    engine = make_engine(enable_prefix_caching=enabled)
+    prompt = random_tokens((40,), seed=7)[0]
+    first = await concurrent_prompts(engine, [prompt])
+    assert engine.stats().prefix_hit_tokens == 0
+    assert await concurrent_prompts(engine, [prompt]) == first
+    hits = engine.stats().prefix_hit_tokens
+    assert (hits == 32 if enabled else hits == 0), hits  # two full blocks of 16 when on
+    assert (engine.stats().cached_tokens > 0) == enabled
