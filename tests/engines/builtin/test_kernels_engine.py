@@ -133,3 +133,13 @@ async def test_prefix_caching_switch(make_engine, enabled):
     hits = engine.stats().prefix_hit_tokens
     assert (hits == 32 if enabled else hits == 0), hits  # two full blocks of 16 when on
     assert (engine.stats().cached_tokens > 0) == enabled
+
+
+@pytest.mark.parametrize(
+    ("argv", "enabled"),
+    [([], True), (["--no-prefix-caching"], False), (["--enable-prefix-caching", "false"], False)],
+)
+def test_prefix_caching_flags(argv, enabled):
+    from engines.builtin.cli import build_parser, engine_config
+
+    assert engine_config(build_parser().parse_args(argv)).enable_prefix_caching is enabled
