@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels.split_merge import merge_splits
-from kernels.triton_helpers import LOG2E, device_sms, mma, use_fp32_dot
+from kernels.triton_helpers import LOG2E, attend_pages, device_sms, use_fp32_dot
 from kernels.validation import check_decode_args, expect, expect_triton_device
 
 BLOCK_N = 32  # tokens per tile, each token's page looked up on its own; 64 spills at head_dim 128
@@ -56,27 +56,10 @@ def _decode_split_kernel(
     )  # [BLOCK_H, BLOCK_D]
     qk_scale = scale * LOG2E  # fold log2(e) into the scale so the softmax can use exp2
 
-    row_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    row_sum = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    table = block_tables_ptr + b * stride_bt
-    for tile_start in range(start, end, BLOCK_N):
-        tokens = tile_start + tl.arange(0, BLOCK_N)
-        token_mask = tokens < end
-        blocks = tl.load(table + tokens // PAGE, mask=token_mask, other=0).to(tl.int64)
-        offsets = blocks * stride_kb + (tokens % PAGE) * stride_kt + kv_head * stride_kh  # [BLOCK_N]
-        kv_mask = token_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-
-        scores = mma(q, tl.trans(k), FP32_DOT) * qk_scale  # [BLOCK_H, BLOCK_N]
-        scores = tl.where(token_mask[None, :], scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-        probs = tl.exp2(scores - new_max[:, None])
-        rescale = tl.exp2(row_max - new_max)
-        row_sum = row_sum * rescale + tl.sum(probs, axis=1)
-        acc = acc * rescale[:, None] + mma(probs.to(v.dtype), v, FP32_DOT)
-        row_max = new_max
+    row_max, row_sum, acc = attend_pages(
+        q, block_tables_ptr + b * stride_bt, start, end, k_cache_ptr, v_cache_ptr, kv_head, dims, dim_mask,
+        stride_kb, stride_kt, stride_kh, qk_scale, BLOCK_H, BLOCK_D, PAGE, BLOCK_N, FP32_DOT,
+    )
 
     out = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
     out_offsets = b * stride_ob + heads[:, None] * stride_oh + (split_offset + split) * stride_os + dims[None, :]

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from kernels.paged_decode import choose_num_splits, launch_decode_splits, tokens_per_split
 from kernels.split_merge import merge_splits
-from kernels.triton_helpers import LOG2E, device_sms, mma, use_fp32_dot
+from kernels.triton_helpers import LOG2E, attend_pages, device_sms, use_fp32_dot
 from kernels.validation import check_shared_prefix_args, expect, expect_triton_device
 
 BLOCK_M = 64  # (sequence, head) query rows per program
@@ -77,27 +77,10 @@ def _prefix_split_kernel(
     )  # [BLOCK_M, BLOCK_D]
     qk_scale = scale * LOG2E
 
-    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    row_sum = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    table = prefix_block_tables_ptr + prefix * stride_bt
-    for tile_start in range(start, end, BLOCK_N):
-        tokens = tile_start + tl.arange(0, BLOCK_N)
-        token_mask = tokens < end
-        blocks = tl.load(table + tokens // PAGE, mask=token_mask, other=0).to(tl.int64)
-        offsets = blocks * stride_kb + (tokens % PAGE) * stride_kt + kv_head * stride_kh  # [BLOCK_N]
-        kv_mask = token_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-
-        scores = mma(q, tl.trans(k), FP32_DOT) * qk_scale  # [BLOCK_M, BLOCK_N]
-        scores = tl.where(token_mask[None, :], scores, float("-inf"))
-        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-        probs = tl.exp2(scores - new_max[:, None])
-        rescale = tl.exp2(row_max - new_max)
-        row_sum = row_sum * rescale + tl.sum(probs, axis=1)
-        acc = acc * rescale[:, None] + mma(probs.to(v.dtype), v, FP32_DOT)
-        row_max = new_max
+    row_max, row_sum, acc = attend_pages(
+        q, prefix_block_tables_ptr + prefix * stride_bt, start, end, k_cache_ptr, v_cache_ptr, kv_head, dims, dim_mask,
+        stride_kb, stride_kt, stride_kh, qk_scale, BLOCK_M, BLOCK_D, PAGE, BLOCK_N, FP32_DOT,
+    )
 
     has_keys = row_sum > 0
     out = acc / tl.where(has_keys, row_sum, 1.0)[:, None]

@@ -27,6 +27,37 @@ def mma(a, b, FP32_DOT: tl.constexpr):
     return out
 
 
+@triton.jit
+def attend_pages(q, table, start, end, k_cache_ptr, v_cache_ptr, kv_head, dims, dim_mask,
+                 stride_kb, stride_kt, stride_kh, qk_scale,
+                 ROWS: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 FP32_DOT: tl.constexpr):
+    """Online softmax of q [ROWS, BLOCK_D] over the paged keys [start, end) of one block table and kv head.
+
+    Returns (row_max, row_sum, acc): base-2 running max, sum of exp2, and the unnormalised output."""
+    row_max = tl.full([ROWS], float("-inf"), tl.float32)
+    row_sum = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+    for tile_start in range(start, end, BLOCK_N):
+        tokens = tile_start + tl.arange(0, BLOCK_N)
+        token_mask = tokens < end
+        blocks = tl.load(table + tokens // PAGE, mask=token_mask, other=0).to(tl.int64)
+        offsets = blocks * stride_kb + (tokens % PAGE) * stride_kt + kv_head * stride_kh  # [BLOCK_N]
+        kv_mask = token_mask[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+
+        scores = mma(q, tl.trans(k), FP32_DOT) * qk_scale  # [ROWS, BLOCK_N]
+        scores = tl.where(token_mask[None, :], scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+        probs = tl.exp2(scores - new_max[:, None])
+        rescale = tl.exp2(row_max - new_max)
+        row_sum = row_sum * rescale + tl.sum(probs, axis=1)
+        acc = acc * rescale[:, None] + mma(probs.to(v.dtype), v, FP32_DOT)
+        row_max = new_max
+    return row_max, row_sum, acc
+
+
 def use_fp32_dot(dtype: torch.dtype) -> bool:
     return interpreting() or dtype == torch.float32
 
