@@ -118,6 +118,7 @@ def abort_all(engine: LLMEngine) -> None:
 def bench_decode(config: EngineConfig, args) -> None:
     engine = LLMEngine(config)
     print(f"model {engine.model_name}, device {config.device}, dtype {config.dtype}, "
+          f"quantization {config.quantization}, "
           f"torch threads {torch.get_num_threads()}, median of {args.repeats}")
     print(f"{'batch':>6}{'decode tok/s':>15}{'ms/step':>10}")
     for batch in args.batch_sizes:
@@ -169,6 +170,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=32, help="decode steps per timing")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quantization", default=None, choices=["int8", "int4"], help="CPU weight format")
     parser.add_argument("--kv-cache-gib", type=float, default=None, help="default: 8 on cuda, 0.5 on cpu")
     parser.add_argument("--forks", action="store_true", help="shared-prefix vs paged decode instead")
     parser.add_argument("--prefix-lens", type=int, nargs="+", default=[200, 400, 600])
@@ -185,6 +187,7 @@ def main() -> None:
         model=random_checkpoint(args.random_config) if args.random_config else None,
         device=args.device,
         dtype=args.dtype or ("bfloat16" if cuda else "float32"),
+        quantization=args.quantization,
         kv_cache_memory=int((args.kv_cache_gib or (8 if cuda else 0.5)) * 2**30),
         max_num_seqs=max(args.batch_sizes + [16]),
         max_num_batched_tokens=4096 if cuda else 1024,

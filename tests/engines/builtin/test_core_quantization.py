@@ -1,0 +1,92 @@
+"""Quantized linears (int8 fbgemm GEMM, int4 weight-only groups) and engines running on them."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engines.builtin.config import EngineConfig
+from engines.builtin.engine import LLMEngine
+from engines.builtin.quantization import INT4_GROUP_SIZE, Int4Linear, Int8Linear, quantize_linears
+from engines.builtin.types import SamplingParams
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.float() - expected).norm() / expected.norm())
+
+
+def random_linear(in_features=576, out_features=960, bias=False) -> nn.Linear:
+    torch.manual_seed(0)
+    linear = nn.Linear(in_features, out_features, bias=bias)
+    nn.init.normal_(linear.weight, std=0.05)
+    if bias:
+        nn.init.normal_(linear.bias, std=0.5)
+    return linear
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_linear_is_close_to_float(rows, bias):
+    linear = random_linear(bias=bias)
+    x = torch.randn(rows, 576)
+    assert relative_error(Int8Linear(linear)(x), linear(x).detach()) < 0.02
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int4_linear_is_close_to_float(rows, bias):
+    linear = random_linear(bias=bias)
+    x = torch.randn(rows, 576)
+    out = Int4Linear(linear)(x)
+    assert out.dtype == torch.float32 and out.shape == (rows, 960)
+    assert relative_error(out, linear(x).detach()) < 0.12  # 16 levels per group of gaussian weights
+
+
+def test_int4_keeps_weights_that_already_are_4_bit_groups():
+    """GGUF Q4_1 weights (scale * code + min per group of 32) come back out of the int4 layout."""
+    torch.manual_seed(0)
+    out_features, in_features = 64, 128
+    groups = (out_features, in_features // INT4_GROUP_SIZE, 1)
+    scale = torch.rand(groups).add(0.5).bfloat16().float() / 64  # bf16-exact, like the kernel keeps them
+    low = -8 * scale
+    codes = torch.randint(0, 16, (out_features, in_features // INT4_GROUP_SIZE, INT4_GROUP_SIZE))
+    codes[..., 0], codes[..., 1] = 0, 15  # every group spans its whole range
+    linear = nn.Linear(in_features, out_features, bias=False)
+    linear.weight.data = (codes * scale + low).view(out_features, in_features)
+    x = torch.randn(4, in_features).bfloat16().float()
+    assert relative_error(Int4Linear(linear)(x), linear(x).detach()) < 0.01  # bf16 output rounding only
+
+
+def test_quantize_linears_replaces_every_linear_and_rejects_unknown_schemes():
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Sequential(nn.Linear(64, 32)))
+    quantize_linears(model, "int8")
+    assert [type(m).__name__ for m in model.modules() if isinstance(m, (nn.Linear, Int8Linear))] == ["Int8Linear"] * 2
+    head = nn.Sequential()
+    head.body, head.lm_head = nn.Linear(64, 64), nn.Linear(64, 32)
+    quantize_linears(head, "int4")
+    assert isinstance(head.body, Int4Linear) and isinstance(head.lm_head, Int8Linear)  # the head keeps 8 bits
+    with pytest.raises(ValueError, match="unknown quantization"):
+        quantize_linears(nn.Sequential(nn.Linear(64, 64)), "int3")
+
+
+def test_quantization_is_a_cpu_option():
+    with pytest.raises(msgspec.ValidationError, match="CPU only"):
+        msgspec.convert({"quantization": "int8", "device": "cuda"}, EngineConfig)
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"quantization": "fp8"}, EngineConfig)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_smollm2_still_answers(scheme):
+    engine = LLMEngine(EngineConfig(quantization=scheme))
+    prompt = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=True
+    )
+    prompt = prompt["input_ids"] if not isinstance(prompt, list) else prompt
+    [output] = engine.generate_batch([prompt], SamplingParams(max_tokens=16, temperature=0.0))
+    assert "Paris" in engine.tokenizer.decode(output)
+    stats = engine.stats()
+    assert stats.blocks_free == stats.blocks_total
