@@ -7,6 +7,7 @@ translated into ``EngineError``s here and nowhere else.
 from __future__ import annotations
 
 import contextlib
+import http.cookiejar
 import os
 from typing import Any, AsyncIterator, Iterator
 
@@ -68,6 +69,14 @@ async def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
             yield b"".join(out)
 
 
+class NoCookies(http.cookiejar.CookieJar):
+    """The shared client's cookie jar: engine APIs set no cookies, and parsing every response for
+    them took ~0.1 ms of a proxied request (pass it as ``httpx.AsyncClient(cookies=NoCookies())``)."""
+
+    def extract_cookies(self, response, request) -> None:
+        return None
+
+
 def _rejected(name: str, response: httpx.Response, body: bytes) -> EngineRejected:
     return EngineRejected(
         f"engine {name!r} answered HTTP {response.status_code}",
@@ -87,15 +96,21 @@ class UpstreamEngine:
         *,
         upstream_model: str | None = None,
         api_key_env: str | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
     ):
         self.name = name
         self.base_url = base_url.rstrip("/")
         self.upstream_model = upstream_model
         self._client = client
+        # The client's own transport, when given: completions go straight to it, skipping the
+        # client's auth, redirect and cookie layers (an engine API uses none of them), which cost
+        # ~0.1 ms of the ~0.6 ms of CPU the gateway spends on a proxied request.
+        self._transport = transport
         self._headers = {"content-type": "application/json"}
         key = os.environ.get(api_key_env) if api_key_env else None
         if key:
             self._headers["authorization"] = f"Bearer {key}"
+        self._urls: dict[str, httpx.URL] = {}
 
     def __repr__(self) -> str:  # never shows the key
         return f"UpstreamEngine(name={self.name!r}, base_url={self.base_url!r})"
@@ -105,21 +120,37 @@ class UpstreamEngine:
             body = {**body, "model": self.upstream_model}
         return msgspec.json.encode(body)
 
+    def _request(self, route: Route, body: dict[str, Any]) -> httpx.Request:
+        """A ready request: built directly rather than through client.build_request, which re-parses
+        the URL and merges client defaults on every call (~0.1 ms of the gateway's per-request cost)."""
+        url = self._urls.get(route)
+        if url is None:
+            url = self._urls[route] = httpx.URL(f"{self.base_url}/{route}")
+        return httpx.Request("POST", url, content=self._payload(body), headers=self._headers,
+                             extensions={"timeout": self._client.timeout.as_dict()})
+
+    async def _send(self, request: httpx.Request, *, stream: bool = False) -> httpx.Response:
+        if self._transport is None:
+            return await self._client.send(request, stream=stream)
+        response = await self._transport.handle_async_request(request)
+        if not stream:
+            try:
+                await response.aread()
+            finally:
+                await response.aclose()
+        return response
+
     async def create(self, route: Route, body: dict[str, Any]) -> bytes:
         with translate_errors(self.name):
-            response = await self._client.post(
-                f"{self.base_url}/{route}", content=self._payload(body), headers=self._headers
-            )
+            response = await self._send(self._request(route, body))
         if response.status_code >= 400:
             raise _rejected(self.name, response, response.content)
         return response.content
 
     async def stream(self, route: Route, body: dict[str, Any]) -> AsyncIterator[bytes]:
-        request = self._client.build_request(
-            "POST", f"{self.base_url}/{route}", content=self._payload(body), headers=self._headers
-        )
+        request = self._request(route, body)
         with translate_errors(self.name):
-            response = await self._client.send(request, stream=True)
+            response = await self._send(request, stream=True)
         try:
             if response.status_code >= 400:
                 with translate_errors(self.name):

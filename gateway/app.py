@@ -14,6 +14,7 @@ from litestar.datastructures import MutableScopeHeaders
 from litestar.openapi import OpenAPIConfig
 from litestar.types import Message, Scope
 
+from engines.upstream import NoCookies
 from gateway.config import GatewayConfig
 from gateway.errors import EXCEPTION_HANDLERS, APIError
 from gateway.metrics import GatewayMetrics
@@ -23,15 +24,19 @@ from gateway.semantic.service import SemanticService
 from gateway.service import Gateway
 
 
-def _http_client(config: GatewayConfig) -> httpx.AsyncClient:
-    """The one client every engine shares: httpx's API over aiohttp's faster connection handling."""
+def _http_client(config: GatewayConfig) -> tuple[httpx.AsyncClient, httpx.AsyncBaseTransport]:
+    """The one client every engine shares (httpx's API over aiohttp's faster connection handling),
+    and its transport, which also serves the engines' hot path directly. The client owns and closes it."""
     limits = config.limits
     pool = httpx.Limits(max_connections=limits.max_connections, max_keepalive_connections=limits.max_connections)
-    return httpx.AsyncClient(
+    transport = AiohttpTransport(limits=pool)
+    client = httpx.AsyncClient(
         timeout=httpx.Timeout(limits.request_timeout_s, connect=limits.connect_timeout_s),
         limits=pool,
-        transport=AiohttpTransport(limits=pool),
+        transport=transport,
+        cookies=NoCookies(),
     )
+    return client, transport
 
 
 def _authenticate(api_keys: frozenset[str]):
@@ -63,9 +68,10 @@ def create_app(config: GatewayConfig | None = None) -> Litestar:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
-        async with _http_client(config) as client:
+        client, transport = _http_client(config)
+        async with client:
             registry = EngineRegistry(heartbeat_timeout_s=config.builtin.heartbeat_timeout_s)
-            gateway = Gateway(config, registry, GatewayMetrics(), client)
+            gateway = Gateway(config, registry, GatewayMetrics(), client, transport)
             gateway.add_upstreams()
             app.state.gateway = gateway
             app.state.semantic = SemanticService(gateway, config.semantic)

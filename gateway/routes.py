@@ -6,13 +6,13 @@ import msgspec
 from litestar import Request, Response, get, post
 from litestar.datastructures import State
 from litestar.params import FromPath, JSONBody
-from litestar.response import Stream
 
 from engines.base import EngineStats, Route
 from engines.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from gateway.errors import APIError, model_not_found
 from gateway.semantic.routes import SEMANTIC_ROUTES, owner
 from gateway.service import Gateway, OpenAIRequest
+from gateway.streaming import EventStream
 
 JSON = "application/json"
 
@@ -26,7 +26,7 @@ async def _serve(route: Route, data: OpenAIRequest, request: Request, state: Sta
     if not data.stream:
         return Response(await gateway.create(route, data.model, body), media_type=JSON)
     opened = await gateway.open_stream(route, data.model, body)
-    return Stream(gateway.sse_events(data.model, opened), media_type="text/event-stream",
+    return EventStream(gateway.sse_events(data.model, opened), media_type="text/event-stream",
                   headers={"cache-control": "no-cache"})
 
 

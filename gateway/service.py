@@ -28,16 +28,18 @@ class OpenedStream(msgspec.Struct):
 
 class Gateway:
     def __init__(self, config: GatewayConfig, registry: EngineRegistry, metrics: GatewayMetrics,
-                 client: httpx.AsyncClient):
+                 client: httpx.AsyncClient, transport: httpx.AsyncBaseTransport | None = None):
         self.config = config
         self.registry = registry
         self.metrics = metrics
         self.client = client
+        self.transport = transport  # the client's, for the engines' hot path
 
     def add_upstreams(self) -> None:
         for i, upstream in enumerate(self.config.upstreams):
             engine = UpstreamEngine(upstream.name or f"upstream-{i}", upstream.base_url, self.client,
-                                    upstream_model=upstream.served_model(), api_key_env=upstream.api_key_env)
+                                    upstream_model=upstream.served_model(), api_key_env=upstream.api_key_env,
+                                    transport=self.transport)
             self.registry.add(engine, [upstream.model], url=upstream.base_url)
 
     def register_remote(self, name: str, url: str, models: list[str], kind: str) -> str:
@@ -46,7 +48,7 @@ class Gateway:
         for record in self.registry.records():
             if record.url == url:
                 self.registry.remove(record.id)
-        engine = UpstreamEngine(name, f"{url}/v1", self.client)
+        engine = UpstreamEngine(name, f"{url}/v1", self.client, transport=self.transport)
         return self.registry.add(engine, models, kind=kind, url=url, heartbeating=True).id
 
     # ------------------------------------------------------------ validation

@@ -180,7 +180,7 @@ class SemanticService:
 
 def _as_stream(route: Route, answer: dict[str, Any], include_usage: bool) -> Response:
     """A finished semantic request as an OpenAI stream (one content chunk), for clients that asked to stream."""
-    from litestar.response import Stream
+    from gateway.streaming import EventStream
 
     usage = answer.get("usage")
 
@@ -202,4 +202,4 @@ def _as_stream(route: Route, answer: dict[str, Any], include_usage: bool) -> Res
                                                  "usage": usage}))
         yield SSE_DONE
 
-    return Stream(events(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
+    return EventStream(events(), media_type="text/event-stream", headers={"cache-control": "no-cache"})

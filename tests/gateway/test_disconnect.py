@@ -52,3 +52,16 @@ def test_client_leaving_before_the_first_chunk_releases_the_engine(http, gateway
 
     wait_until(lambda: fake_stats()["streams_cancelled"] > before, timeout_s=5)
     wait_until(lambda: in_flight(http, gateway_url) == 0, timeout_s=5)
+
+
+def test_client_leaving_while_the_engine_is_silent_releases_it_at_once(http, gateway_url, wait_until):
+    """No event is due for 5 s: the gateway must notice the hang-up itself, not at the next event.
+    (The fake upstream itself only notices when it next writes, so the gateway's count is checked.)"""
+    stalled = {**LONG_STREAM, "fake": {"words": 4, "chunk_delay_s": 5.0}}
+
+    with http.stream("POST", f"{gateway_url}/v1/chat/completions", json=stalled, timeout=10) as response:
+        lines = response.iter_lines()  # kept: closing this iterator would close the connection
+        first = next(line for line in lines if line.startswith("data:"))
+        assert '"role":"assistant"' in first
+        assert in_flight(http, gateway_url) == 1
+    wait_until(lambda: in_flight(http, gateway_url) == 0, timeout_s=2)

@@ -1,0 +1,73 @@
+"""Server-sent events out of the gateway: litestar's ``Stream``, with a cheaper disconnect watch.
+
+litestar's streaming response runs every body in an anyio task group beside a task that waits for
+the client to disconnect. Setting those up took ~12% of the gateway's CPU for a proxied stream.
+Here the body is sent from the request's own task; one plain future waits for ``http.disconnect``
+and cancels that task if the client leaves first, which still closes the engine's stream at once
+(the iterator's ``finally`` runs) even while no event is due.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any
+
+from litestar.response import Stream
+from litestar.response.streaming import ASGIStreamingResponse
+from litestar.types import Receive, Send
+
+_END = {"type": "http.response.body", "body": b"", "more_body": False}
+
+
+async def _disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class _EventStreamBody(ASGIStreamingResponse):
+    __slots__ = ()
+
+    async def send_body(self, send: Send, receive: Receive) -> None:
+        task = asyncio.current_task()
+        left = asyncio.ensure_future(_disconnect(receive))
+
+        def cancel_stream(_: asyncio.Future) -> None:
+            if not left.cancelled():
+                task.cancel()
+
+        left.add_done_callback(cancel_stream)
+        try:
+            async for chunk in self.iterator:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send(_END)
+        except asyncio.CancelledError:
+            if not left.done() or task.cancelling() > 1:
+                raise  # cancelled by someone else, not by the client leaving
+            task.uncancel()
+        finally:
+            left.remove_done_callback(cancel_stream)
+            left.cancel()
+            aclose = getattr(self.iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+class EventStream(Stream):
+    """``Stream`` of bytes (an async iterator) whose body is sent by ``_EventStreamBody``."""
+
+    def to_asgi_response(self, app: Any, request: Any, *, background=None, cookies=None, encoded_headers=None,
+                         headers=None, is_head_response: bool = False, media_type=None, status_code=None,
+                         type_encoders=None) -> ASGIStreamingResponse:
+        return _EventStreamBody(
+            background=self.background or background,
+            content_length=0,
+            cookies=self.cookies if cookies is None else itertools.chain(self.cookies, cookies),
+            encoded_headers=encoded_headers,
+            encoding=self.encoding,
+            headers={**headers, **self.headers} if headers is not None else self.headers,
+            is_head_response=is_head_response,
+            iterator=self.iterator,
+            media_type=self.media_type or media_type,
+            status_code=self.status_code or status_code,
+        )
