@@ -10,6 +10,9 @@ KV blocks that an earlier run left in an engine's prefix cache.
     python -m benchmarks.apps --url http://127.0.0.1:8000/v1 --apps map_reduce shared_prompt
     python -m benchmarks.apps --baseline-url http://127.0.0.1:8100/v1   # baseline mode on e.g. vLLM
 
+The fan-out apps (map_reduce, multi_agent) also run mode ``baseline_sequential``: the same client
+calls one at a time, as LangChain's classic synchronous chains make them.
+
 The shared-system-prompt app is also run as a baseline against a server WITHOUT prefix sharing
 (``--no-sharing-url``; with ``--start`` a second gateway is launched whose engine gets
 ``--no-sharing-engine-args``), the comparison that shows what forking the prompt saves. Without
@@ -41,7 +44,7 @@ from benchmarks.workloads import WORKLOADS, chain, map_reduce, multi_agent, shar
 
 @dataclass(frozen=True)
 class Mode:
-    name: str  # "parrot", "baseline", "baseline_no_sharing", "baseline_distinct_prompts"
+    name: str  # "parrot", "baseline", "baseline_sequential", "baseline_no_sharing", "baseline_distinct_prompts"
     url: str
     model: str
     config: tuple[tuple[str, Any], ...] = ()  # the app Config fields this mode overrides
@@ -211,7 +214,7 @@ def plot(summary: dict[str, Any], path: Path, title: str) -> None:
 
     apps = list(summary)
     modes = sorted({m for e in summary.values() for m in e["median_s"]}, key=[
-        "parrot", "baseline", "baseline_no_sharing", "baseline_distinct_prompts"].index)
+        "parrot", "baseline", "baseline_sequential", "baseline_no_sharing", "baseline_distinct_prompts"].index)
     width = 0.8 / len(modes)
     figure, axes = plt.subplots(figsize=(2.2 * len(apps) + 2, 4))
     for k, mode in enumerate(modes):
@@ -245,6 +248,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-sharing-engine-args", default="--no-prefix-caching",
                         help="with --start: engine flags of the launched no-sharing server ('' to skip it)")
     parser.add_argument("--start", action="store_true", help="launch `parrot serve` here (and stop it at the end)")
+    parser.add_argument("--engine-args", default="",
+                        help="with --start: flags for the launched engines, e.g. '--quantization int8'")
     parser.add_argument("--start-timeout", type=float, default=600, help="seconds for a launched server to load")
     parser.add_argument("--apps", nargs="+", choices=sorted(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--repeats", type=int, default=3)
@@ -273,16 +278,20 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.start:
             print("launching parrot serve (builtin engine) …", flush=True)
-            launched.append(LaunchedGateway(args.model, [], out.with_suffix(".serve.log"), args.start_timeout))
+            engine_args = args.engine_args.split()
+            launched.append(LaunchedGateway(args.model, engine_args, out.with_suffix(".serve.log"), args.start_timeout))
             args.url = launched[0].url
             if "shared_prompt" in args.apps and not args.no_sharing_url and args.no_sharing_engine_args.strip():
                 print(f"launching a second one with engine args {args.no_sharing_engine_args!r} …", flush=True)
-                launched.append(LaunchedGateway(args.model, args.no_sharing_engine_args.split(),
+                launched.append(LaunchedGateway(args.model, engine_args + args.no_sharing_engine_args.split(),
                                                 out.with_suffix(".no_sharing.log"), args.start_timeout))
                 args.no_sharing_url = launched[1].url
         parrot = Mode("parrot", args.url, args.model)
         baseline = Mode("baseline", args.baseline_url or args.url, args.baseline_model or args.model)
         modes_of = {app: [parrot, baseline] for app in args.apps}
+        for app in ("map_reduce", "multi_agent"):  # fan-outs: also as a synchronous client runs them
+            if app in modes_of:
+                modes_of[app].append(Mode("baseline_sequential", baseline.url, baseline.model, (("sequential", True),)))
         if "shared_prompt" in modes_of:
             modes_of["shared_prompt"].append(
                 Mode("baseline_no_sharing", args.no_sharing_url, args.model) if args.no_sharing_url else

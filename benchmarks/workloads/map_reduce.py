@@ -2,7 +2,9 @@
 
 Parrot: every map and the reduce (which consumes the maps' outputs by id) are submitted before any
 map finishes; the app then reads the final variable once. Baseline (a LangChain-style client):
-maps concurrently, then the reduce, every value passing through the client.
+maps concurrently (an async client, or LCEL's ``batch``), then the reduce, every value passing
+through the client; with ``sequential`` the maps go one after another, as LangChain's classic
+synchronous ``MapReduceDocumentsChain`` runs them.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class Config:
     reduce_tokens: int = 48
     seed: int = 0
     ignore_eos: bool = True
+    sequential: bool = False  # baseline only: one map at a time
 
 
 def map_messages() -> Messages:
@@ -65,9 +68,9 @@ async def run_baseline(client: httpx.AsyncClient, model: str, cfg: Config, rtt_m
     chunks = document(cfg.seed, cfg.chunks, cfg.chunk_words)
     remote = Remote(client, rtt_ms)
     started = time.perf_counter()
-    summaries = await asyncio.gather(*(
-        remote.text(model, fill(map_messages(), {"chunk": chunk}), sampling(cfg.map_tokens, cfg.ignore_eos))
-        for chunk in chunks))
+    maps = [remote.text(model, fill(map_messages(), {"chunk": chunk}), sampling(cfg.map_tokens, cfg.ignore_eos))
+            for chunk in chunks]
+    summaries = [await one for one in maps] if cfg.sequential else await asyncio.gather(*maps)
     values = {f"summary_{i}": summary for i, summary in enumerate(summaries)}
     final = await remote.text(model, fill(reduce_messages(len(chunks)), values),
                               sampling(cfg.reduce_tokens, cfg.ignore_eos))

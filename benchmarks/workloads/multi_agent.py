@@ -3,7 +3,8 @@ a reviewer reads every implementation.
 
 Parrot: architect, coders (consuming the plan by id) and reviewer (consuming every coder's output)
 are all submitted up front; the app reads the review once. Baseline: architect, then the coders
-concurrently, then the reviewer, each value passing through the client.
+concurrently (or one after another with ``sequential``, as a synchronous LangChain chain runs them),
+then the reviewer, each value passing through the client.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class Config:
     review_tokens: int = 32
     seed: int = 0
     ignore_eos: bool = True
+    sequential: bool = False  # baseline only: one coder at a time
 
 
 def architect_messages() -> Messages:
@@ -79,10 +81,10 @@ async def run_baseline(client: httpx.AsyncClient, model: str, cfg: Config, rtt_m
     started = time.perf_counter()
     plan = await remote.text(model, fill(architect_messages(), {"task": _task(cfg)}),
                              sampling(cfg.plan_tokens, cfg.ignore_eos))
-    codes = await asyncio.gather(*(
-        remote.text(model, fill(coder_messages(), {"component": str(i + 1), "plan": plan}),
-                    sampling(cfg.code_tokens, cfg.ignore_eos))
-        for i in range(cfg.coders)))
+    coders = [remote.text(model, fill(coder_messages(), {"component": str(i + 1), "plan": plan}),
+                          sampling(cfg.code_tokens, cfg.ignore_eos))
+              for i in range(cfg.coders)]
+    codes = [await coder for coder in coders] if cfg.sequential else await asyncio.gather(*coders)
     review = await remote.text(model, fill(reviewer_messages(cfg.coders), {f"code_{i}": c for i, c in enumerate(codes)}),
                                sampling(cfg.review_tokens, cfg.ignore_eos))
     return Result(time.perf_counter() - started, review, [plan, *codes], calls=cfg.coders + 2)

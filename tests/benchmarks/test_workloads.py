@@ -116,3 +116,13 @@ async def test_shared_prompt_distinct_prompts_differ_from_their_first_word(clien
     assert result.parts == [f"echo: {q}" for q in questions(cfg.seed, cfg.users)]
     system = httpx.get(f"{fake_url}/fake/stats").json()["last_body"]["messages"][0]["content"]
     assert system.startswith("(desk ") and system.endswith(system_prompt(cfg.seed, cfg.system_words))
+
+
+@pytest.mark.parametrize("app", ["map_reduce", "multi_agent"])
+async def test_sequential_baseline_makes_one_call_at_a_time(app, client):
+    """Every call sleeps one simulated round trip: only calls that never overlap add up to all of them."""
+    module, cfg = WORKLOADS[app], TINY[app]
+    concurrent = await module.run_baseline(client, MODEL, cfg)
+    sequential = await module.run_baseline(client, MODEL, replace(cfg, sequential=True), rtt_ms=100)
+    assert sequential.output == concurrent.output and sequential.parts == concurrent.parts
+    assert sequential.seconds >= sequential.calls * 0.1
