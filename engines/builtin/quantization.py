@@ -7,11 +7,11 @@ through torch's fp32 GEMV, so fp32 decoding tops out near 15 tok/s single-stream
   quantized per call; the products are int8 x int8 on AVX512-VNNI. 4x fewer bytes than fp32 and
   the fastest here once a step has more than a few tokens.
 - ``int4``: torch's weight-only int4 kernel. Weights are 4-bit in groups of 32 along the input
-  with a scale and a minimum per group, the GGUF Q4_1 layout the default model ships in (so its
-  weights round-trip almost exactly); activations are bf16. 8x fewer bytes than fp32 and the
-  fastest for a step of a few tokens (single-stream decode). The output head stays int8: its
-  logits rank the whole vocabulary, and 4 bits there changed SmolLM2's answers (GGUF files keep
-  the head at 8 bits too, Q8_0 in SmolLM2's).
+  with a scale and a minimum per group: the GGUF Q4_1 layout the default model ships in, whose
+  codes come back exactly. The kernel takes bf16 activations and scales, so a model answers as it
+  does with ``dtype="bfloat16"`` (SmolLM2's answers do change). 8x fewer bytes than fp32 and the
+  fastest for a step of a few tokens (single-stream decode). The output head stays int8, as GGUF
+  files keep it (Q8_0 in SmolLM2's): 4 bits there would drop precision the source had.
 
 Both replace the ``nn.Linear`` modules of a built model in place (embeddings stay as they are).
 """
