@@ -292,8 +292,12 @@ class LLMEngine:
     async def _stream(self, params: SamplingParams, *, context_id=None, prompt_tokens=None, parent_context_id=None):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        # Compiling a grammar (the first one also builds llguidance's view of the vocabulary, ~0.5 s)
+        # must not stall the server's event loop.
+        grammar = await asyncio.to_thread(self.grammars.matcher, params.grammar) if params.grammar is not None else None
         seq, arrival = self._start_generation(
-            params, lambda event: loop.call_soon_threadsafe(queue.put_nowait, event), context_id, prompt_tokens, parent_context_id
+            params, lambda event: loop.call_soon_threadsafe(queue.put_nowait, event), context_id, prompt_tokens,
+            parent_context_id, grammar,
         )
         finished = False
         try:
@@ -307,9 +311,11 @@ class LLMEngine:
             if not finished:
                 self._request_abort(seq, arrival)
 
-    def _start_generation(self, params, deliver, context_id, prompt_tokens, parent_context_id) -> tuple[Sequence, int]:
+    def _start_generation(self, params, deliver, context_id, prompt_tokens, parent_context_id,
+                          grammar=None) -> tuple[Sequence, int]:
         # Built outside the lock: a large grammar takes a while and the step loop needs the lock.
-        grammar = self.grammars.matcher(params.grammar) if params.grammar is not None else None
+        if grammar is None and params.grammar is not None:
+            grammar = self.grammars.matcher(params.grammar)
         with self._lock:
             if context_id is not None:
                 seq = self._context(context_id)

@@ -32,7 +32,6 @@ from engines.builtin.serving import (
     LLMCore,
 )
 from engines.builtin.types import FillResult
-from engines.builtin.tokenizer import chat_prompt_text
 from engines.protocol import (
     SSE_DONE,
     sse_event,
@@ -158,7 +157,7 @@ class Rendered(msgspec.Struct):
 @post("/v1/render", status_code=200)
 async def render(request: Request, data: JSONBody[RenderRequest]) -> Rendered:
     """The chat template applied to ``messages``, as text (gateways split it at variable boundaries)."""
-    return Rendered(prompt=chat_prompt_text(_engine(request).llm.tokenizer, data.messages, data.tools))
+    return Rendered(prompt=_engine(request).render_chat(data.messages, data.tools))
 
 
 @get("/v1/models")

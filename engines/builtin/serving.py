@@ -19,7 +19,7 @@ from msgspec import Meta
 
 from engines.base import EngineError, EngineStats, Route
 from engines.builtin.grammar import ToolCallReader, output_grammar, read_tool_calls, tool_messages
-from engines.builtin.tokenizer import IncrementalDetokenizer, TokenTexts, chat_prompt_tokens, text_tokens
+from engines.builtin.tokenizer import IncrementalDetokenizer, TokenTexts, chat_prompt_text, chat_prompt_tokens, text_tokens
 from engines.builtin.types import FillResult, SamplingParams, TokenEvent
 from engines.protocol import sse_event
 from engines.protocol import (
@@ -29,6 +29,7 @@ from engines.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatDelta,
+    ChatMessage,
     ChoiceLogprobs,
     Completion,
     CompletionChoice,
@@ -39,6 +40,7 @@ from engines.protocol import (
     Probability,
     ResponseMessage,
     TokenLogprob,
+    Tool,
     TopLogprob,
     Usage,
     encoder,
@@ -334,6 +336,14 @@ class BuiltinEngine:
         if request.stream_options is not None and request.stream_options.include_usage:
             yield chunk([], _usage_of(len(job.tokens), completion_tokens))
 
+    def _with_tools(self, messages: list[ChatMessage], tools: list[Tool] | None) -> list[ChatMessage]:
+        return tool_messages(messages, tools, getattr(self.tokenizer, "chat_template", None))
+
+    def render_chat(self, messages: list[ChatMessage], tools: list[Tool] | None = None) -> str:
+        """The prompt text a chat request becomes here, tool descriptions included (gateways split it
+        at variable boundaries to share prefixes)."""
+        return chat_prompt_text(self.tokenizer, self._with_tools(messages, tools), tools)
+
     def _chat_job(self, request: ChatCompletionRequest) -> PromptJob:
         _validate(request)
         try:
@@ -341,8 +351,7 @@ class BuiltinEngine:
         except InvalidRequest as exc:
             raise EngineBadRequest(str(exc), exc.param) from exc
         tools = request.tools if output.tool_calls else None  # tool_choice "none": the model is not offered them
-        messages = tool_messages(request.messages, tools, getattr(self.tokenizer, "chat_template", None))
-        tokens = chat_prompt_tokens(self.tokenizer, messages, tools)
+        tokens = chat_prompt_tokens(self.tokenizer, self._with_tools(request.messages, tools), tools)
         params = self.sampling_params(
             request, len(tokens), logprobs=request.logprobs, top_logprobs=request.top_logprobs or 0, prompt_param="messages"
         )

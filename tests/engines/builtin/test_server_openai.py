@@ -371,3 +371,18 @@ def test_engine_registers_heartbeats_and_reregisters_when_forgotten(llm, serve, 
         gateway.known.clear()  # the gateway restarted and forgot us
     wait_until(lambda: any(e == "engine-2" for e, _ in gateway.heartbeats))
     assert len(gateway.registrations) == 2
+
+
+def test_render_is_the_prompt_a_chat_request_becomes(http, client, llm):
+    """/v1/render is what a gateway splits into a shared prefix: it must be the engine's own prompt
+    for the same messages, tool descriptions included."""
+    weather = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.",
+                                                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+    plain = http.post("/v1/render", json={"messages": FRANCE}).json()["prompt"]
+    with_tools = http.post("/v1/render", json={"messages": FRANCE, "tools": [weather]}).json()["prompt"]
+    assert "get_weather" in with_tools and "get_weather" not in plain
+
+    for prompt, tools in ((plain, None), (with_tools, [weather])):
+        reply = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=1,
+                                               **({"tools": tools} if tools else {}))
+        assert reply.usage.prompt_tokens == len(llm.tokenizer.encode(prompt, add_special_tokens=False))
