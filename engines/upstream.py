@@ -111,6 +111,7 @@ class UpstreamEngine:
         if key:
             self._headers["authorization"] = f"Bearer {key}"
         self._urls: dict[str, httpx.URL] = {}
+        self._timeout = {"timeout": client.timeout.as_dict()}  # what client.build_request would attach
 
     def __repr__(self) -> str:  # never shows the key
         return f"UpstreamEngine(name={self.name!r}, base_url={self.base_url!r})"
@@ -127,7 +128,7 @@ class UpstreamEngine:
         if url is None:
             url = self._urls[route] = httpx.URL(f"{self.base_url}/{route}")
         return httpx.Request("POST", url, content=self._payload(body), headers=self._headers,
-                             extensions={"timeout": self._client.timeout.as_dict()})
+                             extensions=self._timeout)
 
     async def _send(self, request: httpx.Request, *, stream: bool = False) -> httpx.Response:
         if self._transport is None:
