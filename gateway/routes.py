@@ -27,7 +27,7 @@ async def _serve(route: Route, data: OpenAIRequest, request: Request, state: Sta
         return Response(await gateway.create(route, data.model, body), media_type=JSON)
     opened = await gateway.open_stream(route, data.model, body)
     return EventStream(gateway.sse_events(data.model, opened), media_type="text/event-stream",
-                  headers={"cache-control": "no-cache"})
+                       headers={"cache-control": "no-cache"})
 
 
 @post("/v1/chat/completions", status_code=200)
