@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_helpers import LOG2E, mma, use_fp32_dot
+from kernels.triton_helpers import LOG2E, attend_pages, use_fp32_dot
 from kernels.validation import check_prefill_args, expect, expect_triton_device
 
 BLOCK_M = 64  # query tokens per program
@@ -58,30 +58,13 @@ def _prefill_kernel(
     )  # [BLOCK_M, BLOCK_D]
     qk_scale = scale * LOG2E
 
-    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    row_sum = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    table = block_tables_ptr + b * stride_bt
     end = tl.minimum(context_len, prefix_len + (tile + 1) * BLOCK_M)  # causal: nothing past the tile's last query
-    for tile_start in range(0, end, BLOCK_N):
-        tokens = tile_start + tl.arange(0, BLOCK_N)
-        token_mask = tokens < end
-        blocks = tl.load(table + tokens // PAGE, mask=token_mask, other=0).to(tl.int64)
-        offsets = blocks * stride_kb + (tokens % PAGE) * stride_kt + kv_head * stride_kh  # [BLOCK_N]
-        kv_mask = token_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_cache_ptr + offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-
-        scores = mma(q, tl.trans(k), FP32_DOT) * qk_scale  # [BLOCK_M, BLOCK_N]
-        visible = token_mask[None, :] & (tokens[None, :] <= positions[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-        # key 0 is visible to every query, so after the first tile no row max is -inf
-        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
-        probs = tl.exp2(scores - new_max[:, None])
-        rescale = tl.exp2(row_max - new_max)
-        row_sum = row_sum * rescale + tl.sum(probs, axis=1)
-        acc = acc * rescale[:, None] + mma(probs.to(v.dtype), v, FP32_DOT)
-        row_max = new_max
+    # key 0 is visible to every query, so every row sees a key and row_sum > 0
+    row_max, row_sum, acc = attend_pages(
+        q, block_tables_ptr + b * stride_bt, 0, end, k_cache_ptr, v_cache_ptr, kv_head, dims, dim_mask,
+        stride_kb, stride_kt, stride_kh, qk_scale, BLOCK_M, BLOCK_D, PAGE, BLOCK_N, FP32_DOT,
+        positions=positions, CAUSAL=True,
+    )
 
     out = acc / row_sum[:, None]
     tl.store(
