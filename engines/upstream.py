@@ -157,7 +157,9 @@ class UpstreamEngine:
                 with translate_errors(self.name):
                     raise _rejected(self.name, response, await response.aread())
             with translate_errors(self.name):
-                async for events in sse_events(response.aiter_bytes()):  # decoded: proxies may gzip SSE
+                # Decoded only when encoded (a proxy may gzip SSE): the decoder layer costs per chunk.
+                chunks = response.aiter_bytes() if "content-encoding" in response.headers else response.aiter_raw()
+                async for events in sse_events(chunks):
                     yield events
         finally:
             await response.aclose()

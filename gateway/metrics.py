@@ -35,5 +35,43 @@ class GatewayMetrics:
         self.engines_healthy = Gauge("parrot:engines_healthy", "Healthy engines per model.", ["model_name"],
                                      registry=r)
 
+        self._models: dict[str, ModelMetrics] = {}
+
+    def model(self, name: str) -> ModelMetrics:
+        """``name``'s labelled children, bound on first use (only served models reach the hot path)."""
+        bound = self._models.get(name)
+        if bound is None:
+            bound = self._models[name] = ModelMetrics(self, name)
+        return bound
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class ModelMetrics:
+    """One model's children, bound once: every ``labels()`` call takes a lock and builds a key, and a
+    proxied request made eight of them."""
+
+    def __init__(self, metrics: GatewayMetrics, model: str):
+        self.requests_running = metrics.requests_running.labels(model)
+        self.prompt_tokens = metrics.prompt_tokens.labels(model)
+        self.generation_tokens = metrics.generation_tokens.labels(model)
+        self.e2e_latency = metrics.e2e_latency.labels(model)
+        self.ttft = metrics.ttft.labels(model)
+        self._model = model
+        self._success_family = metrics.request_success
+        self._errors_family = metrics.request_errors
+        self._success: dict[str, Counter] = {}
+        self._errors: dict[int, Counter] = {}
+
+    def success(self, reason: str) -> Counter:
+        child = self._success.get(reason)
+        if child is None:
+            child = self._success[reason] = self._success_family.labels(self._model, reason)
+        return child
+
+    def error(self, status: int) -> Counter:
+        child = self._errors.get(status)
+        if child is None:
+            child = self._errors[status] = self._errors_family.labels(self._model, str(status))
+        return child

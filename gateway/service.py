@@ -78,7 +78,7 @@ class Gateway:
         last_error: EngineError | None = None
         for record in self.registry.candidates(model):
             record.in_flight += 1
-            self.metrics.requests_running.labels(model).inc()
+            self.metrics.model(model).requests_running.inc()
             try:
                 response = await record.engine.create(route, body)
             except EngineUnavailable as exc:
@@ -86,19 +86,19 @@ class Gateway:
                 last_error = exc
                 continue  # nothing reached the client: another engine may take it
             except EngineError as exc:
-                self.metrics.request_errors.labels(model, str(exc.status_code)).inc()
+                self.metrics.model(model).error(exc.status_code).inc()
                 raise
             finally:
                 record.in_flight -= 1
-                self.metrics.requests_running.labels(model).dec()
+                self.metrics.model(model).requests_running.dec()
             self._account(model, response, started)
             return response
         raise self._no_engine(model, last_error)
 
     def _account(self, model: str, response: bytes, started: float) -> None:
-        self.metrics.e2e_latency.labels(model).observe(time.perf_counter() - started)
+        self.metrics.model(model).e2e_latency.observe(time.perf_counter() - started)
         for reason in self._count_usage(model, response) or ["stop"]:
-            self.metrics.request_success.labels(model, reason).inc()
+            self.metrics.model(model).success(reason).inc()
 
     def _count_usage(self, model: str, payload: bytes) -> list[str]:
         """Counts the tokens a body reports; returns its choices' finish reasons."""
@@ -107,25 +107,28 @@ class Gateway:
         except msgspec.DecodeError:
             return []
         if decoded.usage is not None:
-            self.metrics.prompt_tokens.labels(model).inc(decoded.usage.prompt_tokens)
-            self.metrics.generation_tokens.labels(model).inc(decoded.usage.completion_tokens)
+            self.metrics.model(model).prompt_tokens.inc(decoded.usage.prompt_tokens)
+            self.metrics.model(model).generation_tokens.inc(decoded.usage.completion_tokens)
         return [c.finish_reason for c in decoded.choices if c.finish_reason]
 
     def _count_events(self, model: str, events: bytes) -> list[str]:
         """Token usage and finish reasons in a run of SSE events (most carry neither: skipped unparsed)."""
-        if b'"usage"' not in events and b'"finish_reason":"' not in events:
+        marks = [at for at in (events.find(b'"usage"'), events.find(b'"finish_reason":"')) if at >= 0]
+        if not marks:
             return []
         reasons: list[str] = []
-        for event in events.split(b"\n\n"):
-            if event.startswith(b"data: "):
+        start = events.rfind(b"\n\n", 0, min(marks))
+        tail = events[start + 2:] if start >= 0 else events  # from the first marked event on
+        for event in tail.split(b"\n\n"):
+            if event.startswith(b"data: ") and (b'"usage"' in event or b'"finish_reason":"' in event):
                 reasons += self._count_usage(model, event[6:])
         return reasons
 
     def _no_engine(self, model: str, last_error: EngineError | None) -> EngineError:
         if last_error is not None:
-            self.metrics.request_errors.labels(model, str(last_error.status_code)).inc()
+            self.metrics.model(model).error(last_error.status_code).inc()
             return last_error
-        self.metrics.request_errors.labels(model, "503").inc()
+        self.metrics.model(model).error(503).inc()
         return EngineOverloaded(f"no healthy engine serves model {model!r} right now")
 
     # ------------------------------------------------------------ streaming
@@ -143,11 +146,11 @@ class Gateway:
                 last_error = exc
                 continue
             except EngineError as exc:
-                self.metrics.request_errors.labels(model, str(exc.status_code)).inc()
+                self.metrics.model(model).error(exc.status_code).inc()
                 raise
-            self.metrics.ttft.labels(model).observe(time.perf_counter() - started)
+            self.metrics.model(model).ttft.observe(time.perf_counter() - started)
             record.in_flight += 1
-            self.metrics.requests_running.labels(model).inc()
+            self.metrics.model(model).requests_running.inc()
             return OpenedStream(record=record, first=first, rest=rest, started=started)
         raise self._no_engine(model, last_error)
 
@@ -162,13 +165,13 @@ class Gateway:
                 reasons += self._count_events(model, events)
                 yield events
             for reason in reasons or ["stop"]:
-                self.metrics.request_success.labels(model, reason).inc()
+                self.metrics.model(model).success(reason).inc()
         except EngineError as exc:
-            self.metrics.request_errors.labels(model, str(exc.status_code)).inc()
+            self.metrics.model(model).error(exc.status_code).inc()
             yield sse_event(error_payload(engine_error_body(exc)))
         finally:
             await opened.rest.aclose()  # closes the engine's stream, also when the client went away
             opened.record.in_flight -= 1
-            self.metrics.requests_running.labels(model).dec()
-            self.metrics.e2e_latency.labels(model).observe(time.perf_counter() - opened.started)
+            self.metrics.model(model).requests_running.dec()
+            self.metrics.model(model).e2e_latency.observe(time.perf_counter() - opened.started)
         yield SSE_DONE

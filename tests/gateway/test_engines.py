@@ -156,3 +156,23 @@ def test_metrics_count_requests_and_tokens(http, start_gateway):
     assert metrics[("parrot:time_to_first_token_seconds_count", label)] == 1
     assert metrics[("parrot:num_requests_running", label)] == 0
     assert metrics[("parrot:engines_healthy", label)] == 1
+
+
+def test_streamed_usage_and_finish_reasons_are_counted_wherever_they_sit_in_a_read():
+    from engines.protocol import sse_event
+    from gateway.config import GatewayConfig
+    from gateway.metrics import GatewayMetrics
+    from gateway.registry import EngineRegistry
+    from gateway.service import Gateway
+
+    gateway = Gateway(GatewayConfig(), EngineRegistry(), GatewayMetrics(), client=None)
+    delta = b'{"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}]}'
+    stop = b'{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}'
+    usage = b'{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2,"total_tokens":7}}'
+
+    assert gateway._count_events(MODEL, sse_event(delta) * 3) == []
+    assert gateway._count_events(MODEL, sse_event(stop)) == ["stop"]  # the marked event opens the read
+    assert gateway._count_events(MODEL, sse_event(delta) * 2 + sse_event(stop) + sse_event(usage)) == ["stop"]
+    families = {s.name: s.value for f in text_string_to_metric_families(gateway.metrics.render().decode())
+                for s in f.samples}
+    assert families["parrot:prompt_tokens_total"] == 5 and families["parrot:generation_tokens_total"] == 2
