@@ -78,8 +78,11 @@ class Call:
     """One request in the graph: waits for its inputs, runs ``work``, binds its outputs."""
 
     def __init__(self, session: "Session", inputs: dict[str, Variable], outputs: dict[str, Variable],
-                 work: Work, *, latency: bool, call_id: str | None = None):
+                 work: Work, *, latency: bool, call_id: str | None = None,
+                 prepare: Callable[[], Awaitable[None]] | None = None):
         self.id = call_id or new_id("call")
+        # What can be done before the inputs are ready (render, fill the shared prefix): done first.
+        self.prepare = prepare
         self.session = session
         self.inputs = inputs
         self.outputs = outputs
@@ -111,6 +114,8 @@ class Call:
 
     async def run(self, input_timeout_s: float) -> dict[str, str]:
         try:
+            if self.prepare is not None and not all(variable.ready for variable in self.inputs.values()):
+                await self.prepare()
             values = {}
             for name, variable in self.inputs.items():
                 try:

@@ -2,16 +2,19 @@
 
 On a builtin engine a prompt is rendered once with markers where its variables sit; the constant
 text before the first marker is the shared prefix, pinned once per engine and forked by every
-request that starts with it. Upstream engines get plain text substitution.
+request that starts with it. A call still waiting for its inputs is warmed: its prompt rendered and
+its prefix filled while its producers run, so only the fork is left on the critical path. Upstream
+engines get plain text substitution.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections import OrderedDict
+from typing import Any, NamedTuple
 
 import msgspec
 
-from engines.base import Route
+from engines.base import EngineError, Route
 from engines.contexts import ContextClient, Generation
 from engines.protocol import (
     ChatChoice,
@@ -24,7 +27,7 @@ from engines.protocol import (
 from gateway.registry import EngineRecord
 from gateway.semantic import template
 from gateway.semantic.graph import Session
-from gateway.semantic.prefix import PrefixCache
+from gateway.semantic.prefix import PrefixCache, PrefixEntry
 from gateway.service import Gateway
 
 # Private-use characters: no chat template or tokenizer gives them meaning, and users don't type them.
@@ -81,11 +84,25 @@ def output_text(route: Route, response: bytes) -> str:
     return message.get("content") or ""
 
 
+class Plan(NamedTuple):
+    """Where a forkable request runs: the engine, the constant prefix it forks, and the text after it
+    (variables still as markers)."""
+
+    record: EngineRecord
+    prefix: str
+    rest: str
+
+
 class Runner:
-    def __init__(self, gateway: Gateway, prefixes: PrefixCache, min_prefix_chars: int = 64):
+    def __init__(self, gateway: Gateway, prefixes: PrefixCache, min_prefix_chars: int = 64,
+                 max_rendered: int = 256):
         self.gateway = gateway
         self.prefixes = prefixes
         self.min_prefix_chars = min_prefix_chars
+        # Calls of one app share templates (every map of a map-reduce renders the same messages with
+        # markers): rendered prompts are kept per engine, skipping the engine round trip.
+        self._rendered: OrderedDict[tuple[str, bytes], str] = OrderedDict()
+        self._max_rendered = max_rendered
 
     def contexts(self, record: EngineRecord) -> ContextClient:
         return ContextClient(record.engine.name, f"{record.url}/v1", self.gateway.client)
@@ -95,58 +112,91 @@ class Runner:
             return False
         return route == "chat/completions" or isinstance(body.get("prompt"), str)
 
+    def _builtin(self, model: str) -> list[EngineRecord]:
+        return [r for r in self.gateway.registry.candidates(model) if r.kind == "builtin"]
+
     async def run(self, route: Route, body: dict[str, Any], values: dict[str, str], *, priority: int,
                   session: Session) -> bytes:
         model = body["model"]
-        builtin = [r for r in self.gateway.registry.candidates(model) if r.kind == "builtin"]
-        if builtin and self._forkable(route, body):
-            return await self._run_forked(route, body, values, priority, session, builtin)
+        builtin = self._builtin(model)
+        plan = await self._plan(route, body, builtin) if builtin and self._forkable(route, body) else None
+        if plan is not None:
+            rest = plan.rest
+            for name, value in values.items():
+                rest = rest.replace(_marker(name), value)
+            generation, prompt_tokens = await self._fork_and_generate(plan, rest, body, priority, session)
+            return _response(route, model, generation, prompt_tokens)
         plain = substitute(route, body, values)
         if builtin:
             plain["priority"] = priority
         return await self.gateway.create(route, model, plain)
 
+    async def warm(self, route: Route, body: dict[str, Any], session: Session) -> None:
+        """Before a call's inputs are ready: render its prompt and fill its constant prefix on the engine
+        that will run it, so that when they are ready only the fork is left. Errors are left for the
+        run itself to meet and report."""
+        builtin = self._builtin(body["model"])
+        if not builtin or not self._forkable(route, body):
+            return
+        try:
+            plan = await self._plan(route, body, builtin)
+            if plan is not None:
+                self.prefixes.release(await self._acquire(plan, session))
+        except EngineError:
+            pass
+
+    async def _plan(self, route: Route, body: dict[str, Any], records: list[EngineRecord]) -> Plan | None:
+        """None when the constant prefix is too short to be worth pinning."""
+        prompt = await self._prompt_with_markers(route, body, records[0])
+        cut = prompt.find(_OPEN)
+        while cut > 0 and prompt[cut - 1].isspace():
+            cut -= 1  # BPE joins whitespace to what follows: "of " + "France" must tokenize as "of" + " France"
+        prefix = prompt if cut < 0 else prompt[:cut]
+        if len(prefix) < self.min_prefix_chars or cut < 0:
+            return None
+        holder = self.prefixes.engine_holding([(r.id, prefix) for r in records])
+        record = next((r for r in records if r.id == holder), records[0])
+        return Plan(record, prefix, prompt[cut:].replace(_SPLIT, ""))
+
     async def _prompt_with_markers(self, route: Route, body: dict[str, Any], record: EngineRecord) -> str:
+        """The prompt with a marker for each variable; a prompt without variables gets one at the start
+        of its last message, where it splits instead."""
+        has_variables = any(template.PLACEHOLDER.search(text) for text in texts(route, body))
         marked = _map_texts(route, body, lambda text: template.PLACEHOLDER.sub(
             lambda m: _marker(m.group(2)), text))
         if route == "completions":
             return marked["prompt"]
         last = marked["messages"][-1]
-        if isinstance(last.get("content"), str):
+        if not has_variables and isinstance(last.get("content"), str):
             marked["messages"][-1] = {**last, "content": _SPLIT + last["content"]}
-        return await self.contexts(record).render(marked)
+        key = (record.id, msgspec.json.encode(marked))
+        prompt = self._rendered.get(key)
+        if prompt is None:
+            prompt = self._rendered[key] = await self.contexts(record).render(marked)
+            if len(self._rendered) > self._max_rendered:
+                self._rendered.popitem(last=False)
+        else:
+            self._rendered.move_to_end(key)
+        return prompt
 
-    async def _run_forked(self, route: Route, body: dict[str, Any], values: dict[str, str], priority: int,
-                          session: Session, records: list[EngineRecord]) -> bytes:
-        prompt = await self._prompt_with_markers(route, body, records[0])
-        cut = prompt.find(_OPEN)
-        while cut > 0 and prompt[cut - 1] in " \t":
-            cut -= 1  # BPE joins a space to the next word: "of " + "France" must tokenize as "of" + " France"
-        prefix = prompt if cut < 0 else prompt[:cut]
-        if len(prefix) < self.min_prefix_chars or cut < 0:
-            plain = substitute(route, body, values) | {"priority": priority}
-            return await self.gateway.create(route, body["model"], plain)
-        rest = prompt[cut:].replace(_SPLIT, "")
-        for name, value in values.items():
-            rest = rest.replace(_marker(name), value)
-        holder = self.prefixes.engine_holding([(r.id, prefix) for r in records])
-        record = next((r for r in records if r.id == holder), records[0])
-        generation, prompt_tokens = await self._fork_and_generate(record, prefix, rest, body, priority, session)
-        return _response(route, body["model"], generation, prompt_tokens)
-
-    async def _fork_and_generate(self, record: EngineRecord, prefix: str, rest: str, body: dict[str, Any],
-                                 priority: int, session: Session) -> tuple[Generation, int]:
-        client = self.contexts(record)
-        entry = await self.prefixes.acquire(record.id, client, prefix, None if session.default else session.id)
+    async def _acquire(self, plan: Plan, session: Session) -> PrefixEntry:
+        entry = await self.prefixes.acquire(plan.record.id, self.contexts(plan.record), plan.prefix,
+                                            None if session.default else session.id)
         if not session.default:
             session.prefix_keys.add(entry.key)
+        return entry
+
+    async def _fork_and_generate(self, plan: Plan, rest: str, body: dict[str, Any], priority: int,
+                                 session: Session) -> tuple[Generation, int]:
+        record = plan.record
+        entry = await self._acquire(plan, session)
         record.in_flight += 1
         try:
             sampling = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
             if body.get("max_completion_tokens") is not None:
                 sampling["max_tokens"] = body["max_completion_tokens"]
-            generation = await client.generate(entry.filled.result(), sampling | {"priority": priority},
-                                               fork_with=rest)
+            generation = await self.contexts(record).generate(entry.filled.result(), sampling | {"priority": priority},
+                                                              fork_with=rest)
         finally:
             record.in_flight -= 1
             self.prefixes.release(entry)

@@ -93,7 +93,8 @@ class SemanticService:
             return {"output": output_text(route, responses["body"])}
 
         latency = ext.criteria == "latency" or (ext.criteria is None and ext.wait)
-        call = Call(session, inputs, {"output": output}, work, latency=latency)
+        call = Call(session, inputs, {"output": output}, work, latency=latency,
+                    prepare=lambda: self.runner.warm(route, body, session))
         self._start(session, call)
         result = ParrotResult(session_id=session.id, output=OutputView(id=output.id, name=output.name),
                               call_id=call.id)

@@ -72,6 +72,30 @@ def test_deleting_a_session_returns_engine_blocks_to_baseline(gw, urls):
     assert engine_stats(urls)["blocks_free"] == baseline
 
 
+def test_a_waiting_call_fills_its_shared_prefix_before_its_input_is_ready(gw, urls):
+    system = "You answer questions about the solar system in one short sentence, for a school planetarium show."
+    session = gw.post("/v1/sessions").json()["id"]
+    question = gw.post("/v1/vars", json={"session_id": session, "name": "q"}).json()["id"]
+    baseline = engine_stats(urls)["blocks_free"]
+    forked_before = metric(gw, "parrot:shared_prefix_fork_tokens")
+    body = ask("{{q}}", {"session_id": session, "wait": False, "vars": {"q": {"id": question}}})
+    body["messages"][0]["content"] = system
+    answer = gw.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 202, answer.text
+
+    deadline = time.monotonic() + 30
+    while engine_stats(urls)["blocks_free"] >= baseline and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert engine_stats(urls)["blocks_free"] < baseline  # the prefix is filled while the input is still missing
+    assert gw.put(f"/v1/vars/{question}", json={"value": "Which planet is largest?"}).status_code == 200
+    output = answer.json()["parrot"]["output"]["id"]
+    result = gw.get(f"/v1/vars/{output}", params={"wait": "true", "timeout": 120}).json()
+    assert result["ready"] and result["error"] is None and result["value"].strip()
+    assert metric(gw, "parrot:shared_prefix_fork_tokens") > forked_before  # the run forked the warmed prefix
+    assert gw.delete(f"/v1/sessions/{session}").json()["freed_contexts"] == 1
+    assert engine_stats(urls)["blocks_free"] == baseline
+
+
 def test_prefix_cache_hits_are_counted_for_plain_requests_sharing_a_system_prompt(gw, urls):
     before = engine_stats(urls)["prefix_hit_tokens"]
     for question in ["Do you have whales?", "Do you have birds?"]:
