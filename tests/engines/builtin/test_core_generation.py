@@ -1,5 +1,8 @@
 """The engine core's greedy output equals HF transformers' generate, token for token, however
-the work is batched: concurrent requests, chunked prefill, forked contexts, preemption."""
+the work is batched: concurrent requests, chunked prefill, forked contexts, preemption.
+
+Batching changes the order of float reductions, so where HF's two best logits are within
+``NEAR_TIE`` either token is a correct greedy choice; the outputs are compared up to such a step."""
 
 from __future__ import annotations
 
@@ -22,16 +25,39 @@ def random_prompts(lengths, seed=1) -> list[list[int]]:
     return [torch.randint(3, 49152, (n,), generator=generator).tolist() for n in lengths]
 
 
-def hf_greedy(hf_model, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
-    output = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None)
-    return output[0, len(prompt) :].tolist()
+NEAR_TIE = 1e-3
+
+
+class Greedy:
+    """HF's greedy tokens and, per step, the gap between its two best logits."""
+
+    def __init__(self, tokens: list[int], margins: list[float]):
+        self.tokens = tokens
+        self.margins = margins
+
+    def accepts(self, output: list[int]) -> bool:
+        if len(output) != len(self.tokens):
+            return False
+        for token, expected, margin in zip(output, self.tokens, self.margins):
+            if margin < NEAR_TIE:
+                return True  # a near tie: from here on both continuations are right
+            if token != expected:
+                return False
+        return True
+
+
+def hf_greedy(hf_model, prompt: list[int], max_tokens: int = MAX_TOKENS) -> Greedy:
+    output = hf_model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                               eos_token_id=None, output_scores=True, return_dict_in_generate=True)
+    top2 = [scores[0].topk(2).values for scores in output.scores]
+    return Greedy(output.sequences[0, len(prompt):].tolist(), [float(v[0] - v[1]) for v in top2])
 
 
 @pytest.fixture(scope="module")
 def references(tiny_hf_model):
-    cache: dict[tuple[int, ...], list[int]] = {}
+    cache: dict[tuple[int, ...], Greedy] = {}
 
-    def reference(prompt: list[int]) -> list[int]:
+    def reference(prompt: list[int]) -> Greedy:
         key = tuple(prompt)
         if key not in cache:
             cache[key] = hf_greedy(tiny_hf_model, prompt)
@@ -56,7 +82,7 @@ async def test_concurrent_greedy_matches_hf(make_engine, references, budget):
     prompts = random_prompts(PROMPT_LENGTHS)
     outputs = await asyncio.gather(*(collect(engine.generate_from_prompt(p, GREEDY)) for p in prompts))
     for prompt, output in zip(prompts, outputs):
-        assert output == references(prompt), f"prompt of {len(prompt)} tokens"
+        assert references(prompt).accepts(output), f"prompt of {len(prompt)} tokens"
     assert engine.stats().generation_tokens == MAX_TOKENS * len(prompts)
     assert_all_blocks_free(engine)
 
@@ -80,10 +106,10 @@ async def test_forked_contexts_match_full_prompts(make_engine, references):
 
     outputs = await asyncio.gather(*(collect(engine.generate(c, GREEDY)) for c in children))
     for suffix, output in zip(suffixes, outputs):
-        assert output == references(prefix + suffix)
+        assert references(prefix + suffix).accepts(output)
     # Generated tokens extend the context: continuing it equals one longer prompt.
     more = await collect(engine.generate(children[0], GREEDY))
-    assert more == hf_greedy_continuation(references, prefix + suffixes[0], outputs[0])
+    assert hf_greedy_continuation(references, prefix + suffixes[0], outputs[0]).accepts(more)
 
     for context_id in [parent.context_id, *children]:
         await engine.free_context(context_id)
@@ -101,7 +127,7 @@ async def test_preemption_by_recompute_keeps_outputs(make_engine, references):
     outputs = await asyncio.gather(*(collect(engine.generate_from_prompt(p, GREEDY)) for p in prompts))
     assert engine.scheduler.num_preemptions > 0
     for prompt, output in zip(prompts, outputs):
-        assert output == references(prompt)
+        assert references(prompt).accepts(output)
     assert_all_blocks_free(engine)
 
 
@@ -110,9 +136,9 @@ async def test_idle_context_kv_is_evicted_and_recomputed(make_engine, references
     idle_prompt, busy_prompt = random_prompts((70, 60), seed=4)
     idle = await engine.fill(idle_prompt)
     # The second request needs more blocks than are free: the idle context gives its KV up.
-    assert await collect(engine.generate_from_prompt(busy_prompt, GREEDY)) == references(busy_prompt)
+    assert references(busy_prompt).accepts(await collect(engine.generate_from_prompt(busy_prompt, GREEDY)))
     assert engine.scheduler.contexts[idle.context_id].num_computed_tokens < len(idle_prompt)
-    assert await collect(engine.generate(idle.context_id, GREEDY)) == references(idle_prompt)
+    assert references(idle_prompt).accepts(await collect(engine.generate(idle.context_id, GREEDY)))
     await engine.free_context(idle.context_id)
     assert_all_blocks_free(engine)
 
@@ -120,5 +146,6 @@ async def test_idle_context_kv_is_evicted_and_recomputed(make_engine, references
 def test_generate_batch_without_loop_thread(tiny_model_dir, references):
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), max_num_batched_tokens=32))
     prompts = random_prompts(PROMPT_LENGTHS, seed=5)
-    assert engine.generate_batch(prompts, GREEDY) == [references(p) for p in prompts]
+    outputs = engine.generate_batch(prompts, GREEDY)
+    assert all(references(p).accepts(o) for p, o in zip(prompts, outputs))
     assert_all_blocks_free(engine)
