@@ -294,7 +294,7 @@ class LLMEngine:
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         # Compiling a grammar (the first one also builds llguidance's view of the vocabulary, ~0.5 s)
         # must not stall the server's event loop.
-        grammar = await asyncio.to_thread(self.grammars.matcher, params.grammar) if params.grammar is not None else None
+        grammar = await asyncio.to_thread(self._grammar_matcher, params)
         seq, arrival = self._start_generation(
             params, lambda event: loop.call_soon_threadsafe(queue.put_nowait, event), context_id, prompt_tokens,
             parent_context_id, grammar,
@@ -311,11 +311,12 @@ class LLMEngine:
             if not finished:
                 self._request_abort(seq, arrival)
 
+    def _grammar_matcher(self, params: SamplingParams):
+        """Built outside the lock: a large grammar takes a while and the step loop needs the lock."""
+        return self.grammars.matcher(params.grammar) if params.grammar is not None else None
+
     def _start_generation(self, params, deliver, context_id, prompt_tokens, parent_context_id,
-                          grammar=None) -> tuple[Sequence, int]:
-        # Built outside the lock: a large grammar takes a while and the step loop needs the lock.
-        if grammar is None and params.grammar is not None:
-            grammar = self.grammars.matcher(params.grammar)
+                          grammar) -> tuple[Sequence, int]:
         with self._lock:
             if context_id is not None:
                 seq = self._context(context_id)
@@ -364,7 +365,7 @@ class LLMEngine:
             return deliver
 
         for i, prompt in enumerate(prompts):
-            self._start_generation(params, collector(i), None, prompt, None)
+            self._start_generation(params, collector(i), None, prompt, None, self._grammar_matcher(params))
         if self._thread is None:
             while not all(event.is_set() for event in done):
                 self.step()

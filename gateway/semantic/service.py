@@ -28,6 +28,7 @@ from gateway.semantic.schema import (
     VarView,
 )
 from gateway.service import Gateway
+from gateway.streaming import EventStream
 
 JSON = "application/json"
 
@@ -181,8 +182,6 @@ class SemanticService:
 
 def _as_stream(route: Route, answer: dict[str, Any], include_usage: bool) -> Response:
     """A finished semantic request as an OpenAI stream (one content chunk), for clients that asked to stream."""
-    from gateway.streaming import EventStream
-
     usage = answer.get("usage")
 
     def events():
