@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 
 import httpx
-from httpx_aiohttp import AiohttpTransport
+
+from engines.aiohttp_transport import AiohttpTransport
 
 
 def free_port() -> int:

@@ -26,7 +26,7 @@ ERROR_TYPES = {
     415: "invalid_request_error",
     429: "rate_limit_error",
 }
-_MISSING_FIELD = re.compile(r"missing required field `([^`]+)`")
+MISSING_FIELD = re.compile(r"missing required field `([^`]+)`")
 
 
 def error_payload(body: ErrorBody) -> bytes:
@@ -59,7 +59,7 @@ def _validation_problem(error: dict) -> tuple[str | None, str]:
     """(param, message) of one litestar validation error; ``data`` is litestar's name for the whole body."""
     key, message = error.get("key"), error.get("message")
     if key in (None, "data"):
-        missing = _MISSING_FIELD.search(message or "")  # msgspec names a missing field only in its message
+        missing = MISSING_FIELD.search(message or "")  # msgspec names a missing field only in its message
         if missing:
             return missing.group(1), f"body: {message}"
         return None, f"body: {'expected a JSON object, got nothing' if message == repr(key) else message}"

@@ -42,31 +42,56 @@ def translate_errors(name: str) -> Iterator[None]:
         raise EngineError(f"engine {name!r} failed mid-response: {exc!r}") from exc
 
 
+def _canonical(block: bytes) -> bool:
+    """Whether complete events are already framed as we send them: each one ``data: PAYLOAD`` line."""
+    events = block.count(b"\n\n")
+    return (block.startswith(b"data: ") and block.count(b"\n") == 2 * events
+            and block.count(b"\n\ndata: ") == events - 1 and b"\r" not in block)
+
+
+def _reframed(block: bytes) -> bytes:
+    """Complete events re-framed as ``data: PAYLOAD\\n\\n``; comments, ids and event names dropped."""
+    out = []
+    for event in block.replace(b"\r\n", b"\n").split(b"\n\n"):
+        for line in event.split(b"\n"):
+            if line.startswith(b"data:"):
+                out.append(sse_event(line[5:].strip()))
+    return b"".join(out)
+
+
 async def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """An SSE byte stream re-framed as ``data: PAYLOAD\\n\\n`` events, up to ``[DONE]``: all the events
-    of one read in one item. Comments, ids and event names are dropped; CRLF is accepted. What follows
-    ``[DONE]`` is drained unparsed, so that the connection goes back to the pool."""
+    of one read in one item (passed through as read when already so framed, as engines send them).
+    Comments, ids and event names are dropped; CRLF is accepted. What follows ``[DONE]`` is drained
+    unparsed, so that the connection goes back to the pool."""
     buffer = b""
     done = False
     async for chunk in chunks:
         if done:
             continue
         buffer += chunk
-        *events, buffer = buffer.replace(b"\r\n", b"\n").split(b"\n\n")
-        out = []
-        for event in events:
-            for line in event.split(b"\n"):
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == _DONE:
-                    done = True
-                    break
-                out.append(sse_event(payload))
-            if done:
-                break
-        if out:
-            yield b"".join(out)
+        end = max(buffer.rfind(b"\n\n"), buffer.rfind(b"\r\n\r\n"))
+        if end < 0:
+            continue
+        end += 4 if buffer.startswith(b"\r\n\r\n", end) else 2
+        block, buffer = buffer[:end], buffer[end:]
+        head, done_line, _ = block.partition(b"data: " + _DONE)
+        if done_line and (not head or head.endswith(b"\n")):
+            done, block = True, head
+        elif _DONE in block:  # written some other way ("data:[DONE]", CRLF), or inside a payload
+            block, done = _until_done(block)
+        events = block if _canonical(block) else _reframed(block)
+        if events:
+            yield events
+
+
+def _until_done(block: bytes) -> tuple[bytes, bool]:
+    """The events before a ``[DONE]`` event, and whether there was one."""
+    lines = block.replace(b"\r\n", b"\n").split(b"\n")
+    for i, line in enumerate(lines):
+        if line.startswith(b"data:") and line[5:].strip() == _DONE:
+            return b"\n".join(lines[:i]), True
+    return block, False
 
 
 class NoCookies(http.cookiejar.CookieJar):
@@ -106,10 +131,10 @@ class UpstreamEngine:
         # client's auth, redirect and cookie layers (an engine API uses none of them), which cost
         # ~0.1 ms of the ~0.6 ms of CPU the gateway spends on a proxied request.
         self._transport = transport
-        self._headers = {"content-type": "application/json"}
+        self._headers = [(b"content-type", b"application/json")]
         key = os.environ.get(api_key_env) if api_key_env else None
         if key:
-            self._headers["authorization"] = f"Bearer {key}"
+            self._headers.append((b"authorization", f"Bearer {key}".encode()))
         self._urls: dict[str, httpx.URL] = {}
         self._timeout = {"timeout": client.timeout.as_dict()}  # what client.build_request would attach
 
@@ -127,8 +152,11 @@ class UpstreamEngine:
         url = self._urls.get(route)
         if url is None:
             url = self._urls[route] = httpx.URL(f"{self.base_url}/{route}")
-        return httpx.Request("POST", url, content=self._payload(body), headers=self._headers,
-                             extensions=self._timeout)
+        payload = self._payload(body)
+        # The body as a ready stream, with the headers httpx would add (host, content-length) already
+        # there: a tenth of the cost of ``content=``, whose encoding pass was ~5% of the gateway's CPU.
+        headers = [(b"host", url.netloc), *self._headers, (b"content-length", b"%d" % len(payload))]
+        return httpx.Request("POST", url, headers=headers, stream=httpx.ByteStream(payload), extensions=self._timeout)
 
     async def _send(self, request: httpx.Request, *, stream: bool = False) -> httpx.Response:
         if self._transport is None:

@@ -8,12 +8,13 @@ import secrets
 from typing import AsyncIterator
 
 import httpx
-from httpx_aiohttp import AiohttpTransport
-from litestar import Litestar, Request
-from litestar.datastructures import MutableScopeHeaders
+from litestar import Litestar
+from litestar.connection import ASGIConnection
+from litestar.handlers import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
 from litestar.types import Message, Scope
 
+from engines.aiohttp_transport import AiohttpTransport
 from engines.upstream import NoCookies
 from gateway.config import GatewayConfig
 from gateway.errors import EXCEPTION_HANDLERS, APIError
@@ -39,11 +40,13 @@ def _http_client(config: GatewayConfig) -> tuple[httpx.AsyncClient, httpx.AsyncB
     return client, transport
 
 
-def _authenticate(api_keys: frozenset[str]):
-    async def before_request(request: Request) -> None:
-        if request.route_handler.opt.get("exclude_from_auth"):
+def _require_api_key(api_keys: frozenset[str]):
+    """A guard (guards also run for plain ASGI handlers, unlike before_request hooks)."""
+
+    def guard(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
+        if handler.opt.get("exclude_from_auth"):
             return
-        header = request.headers.get("authorization", "")
+        header = connection.headers.get("authorization", "")
         scheme, _, key = header.partition(" ")
         if scheme.lower() != "bearer" or not key:
             raise APIError(401, "You didn't provide an API key. Pass it as 'Authorization: Bearer KEY'.",
@@ -51,15 +54,16 @@ def _authenticate(api_keys: frozenset[str]):
         if key.strip() not in api_keys:
             raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
 
-    return before_request
+    return guard
 
 
 async def _add_request_id(message: Message, scope: Scope) -> None:
     """Every response carries x-request-id: the client's own if it sent one."""
     if message["type"] != "http.response.start":
         return
-    request_id = next((v.decode() for k, v in scope.get("headers", ()) if k == b"x-request-id"), None)
-    MutableScopeHeaders.from_message(message)["x-request-id"] = request_id or secrets.token_hex(16)
+    request_id = next((v for k, v in scope.get("headers", ()) if k == b"x-request-id"), None)
+    # A new list: responses may share theirs.
+    message["headers"] = [*message.get("headers", ()), (b"x-request-id", request_id or secrets.token_hex(16).encode())]
 
 
 def create_app(config: GatewayConfig | None = None) -> Litestar:
@@ -85,7 +89,7 @@ def create_app(config: GatewayConfig | None = None) -> Litestar:
         route_handlers=ROUTES,
         lifespan=[lifespan],
         exception_handlers=EXCEPTION_HANDLERS,
-        before_request=_authenticate(api_keys) if api_keys else None,
+        guards=[_require_api_key(api_keys)] if api_keys else None,
         before_send=[_add_request_id],
         request_max_body_size=config.limits.max_body_bytes,
         openapi_config=OpenAPIConfig(title="Parrot gateway", version="0.1.0", path="/docs"),

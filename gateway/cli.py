@@ -95,7 +95,8 @@ def serve(argv: list[str]) -> None:
         print(f"Parrot gateway on http://{config.server.host}:{config.server.port}/v1"
               f"{' (builtin engine loading…)' if engine else ''}", flush=True)
         uvicorn.run(create_app(config), host=config.server.host, port=config.server.port,
-                    log_level=config.server.log_level, access_log=False, loop="uvloop", http="httptools")
+                    log_level=config.server.log_level, access_log=False, loop="uvloop", http="httptools",
+                    proxy_headers=False)  # no proxy in front by default; its per-request middleware costs
     finally:
         if engine is not None:
             engine.terminate()

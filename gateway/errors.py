@@ -7,6 +7,7 @@ from litestar import Request, Response
 
 from engines.http_errors import (
     ERROR_TYPES,
+    MISSING_FIELD,
     OPENAI_EXCEPTION_HANDLERS,
     engine_error_body,
     error_payload,
@@ -42,9 +43,18 @@ def handle_invalid_request(_: Request, exc: InvalidRequest) -> Response:
 
 
 def handle_validation(_: Request, exc: msgspec.ValidationError) -> Response:
+    """A body of the wrong shape; ``param`` is the offending field (msgspec names it in its message)."""
     message = str(exc)
-    param = message.rsplit("`$.", 1)[1].rstrip("`") if "`$." in message else None
-    return error_response(400, ErrorBody(message=message, type="invalid_request_error", param=param))
+    at = message.rsplit("`$.", 1)[1].rstrip("`") if "`$." in message else None
+    missing = MISSING_FIELD.search(message)
+    param = f"{at}.{missing.group(1)}" if at and missing else at or (missing and missing.group(1))
+    return error_response(400, ErrorBody(message=f"body: {message}", type="invalid_request_error", param=param))
+
+
+def handle_malformed_json(_: Request, exc: msgspec.DecodeError) -> Response:
+    return error_response(400, ErrorBody(
+        message=f"We could not parse the JSON body of your request ({exc}). The API expects a JSON object.",
+        type="invalid_request_error"))
 
 
 EXCEPTION_HANDLERS = {
@@ -52,4 +62,5 @@ EXCEPTION_HANDLERS = {
     APIError: handle_api_error,
     InvalidRequest: handle_invalid_request,
     msgspec.ValidationError: handle_validation,
+    msgspec.DecodeError: handle_malformed_json,
 }

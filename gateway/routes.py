@@ -1,43 +1,21 @@
-"""HTTP handlers: thin, typed, and all alike — validate, hand to the Gateway service, shape the reply."""
+"""HTTP handlers: thin, typed, and all alike — validate, hand to the Gateway service, shape the reply.
+(The two proxied OpenAI POSTs, the hot path, are plain ASGI handlers: gateway/openai_endpoints.py.)"""
 
 from __future__ import annotations
 
 import msgspec
-from litestar import Request, Response, get, post
+from litestar import Response, get, post
 from litestar.datastructures import State
 from litestar.params import FromPath, JSONBody
 
-from engines.base import EngineStats, Route
-from engines.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from engines.base import EngineStats
+from engines.protocol import ModelCard, ModelList
 from gateway.errors import APIError, model_not_found
-from gateway.semantic.routes import SEMANTIC_ROUTES, owner
-from gateway.service import Gateway, OpenAIRequest
-from gateway.streaming import EventStream
+from gateway.openai_endpoints import chat_completions, completions
+from gateway.semantic.routes import SEMANTIC_ROUTES
+from gateway.service import Gateway
 
 JSON = "application/json"
-
-
-async def _serve(route: Route, data: OpenAIRequest, request: Request, state: State) -> Response:
-    gateway: Gateway = state.gateway
-    gateway.check(data)
-    body = gateway.forwarded_body(await request.body())
-    if data.parrot is not None:
-        return await state.semantic.serve(route, data.parrot, body, owner(request), data.stream)
-    if not data.stream:
-        return Response(await gateway.create(route, data.model, body), media_type=JSON)
-    opened = await gateway.open_stream(route, data.model, body)
-    return EventStream(gateway.sse_events(data.model, opened), media_type="text/event-stream",
-                       headers={"cache-control": "no-cache"})
-
-
-@post("/v1/chat/completions", status_code=200)
-async def chat_completions(data: JSONBody[ChatCompletionRequest], request: Request, state: State) -> Response:
-    return await _serve("chat/completions", data, request, state)
-
-
-@post("/v1/completions", status_code=200)
-async def completions(data: JSONBody[CompletionRequest], request: Request, state: State) -> Response:
-    return await _serve("completions", data, request, state)
 
 
 @get("/v1/models")

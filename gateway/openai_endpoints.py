@@ -1,0 +1,85 @@
+"""POST /v1/chat/completions and /v1/completions: the proxied hot path, as plain ASGI route handlers.
+
+Every other route is a typed litestar handler. These two were as well, but litestar's per-request
+machinery (signature model, kwargs extraction, the response object and its ASGI twin) took ~25% of
+the gateway's CPU for a proxied stream, and on a small box a gateway's added latency is mostly its
+CPU per request. They still decode the body into the same msgspec Structs and raise the same
+exceptions, which the app's exception handlers answer as OpenAI errors; the app's guards (auth) and
+``before_send`` hooks (x-request-id) apply to them like to every route.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from litestar import Request, asgi
+from litestar.exceptions import MethodNotAllowedException
+from litestar.handlers import ASGIRouteHandler
+from litestar.types import Message, Receive, Scope, Send
+
+from engines.base import Route
+from engines.protocol import ChatCompletionRequest, CompletionRequest
+from gateway.errors import APIError
+from gateway.semantic.routes import owner
+from gateway.service import Gateway, OpenAIRequest
+from gateway.streaming import send_events
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"The request body is larger than this server's limit of {limit} bytes.")
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """The whole request body; a 413 as soon as it is known to be larger than ``limit`` bytes."""
+    declared = next((v for k, v in scope["headers"] if k == b"content-length"), b"")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    body = b""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise APIError(400, "The client disconnected before the request body was complete.")
+        body += message.get("body", b"")
+        if len(body) > limit:
+            raise _too_large(limit)
+        if not message.get("more_body"):
+            return body
+
+
+def _start(content_type: bytes, *extra: tuple[bytes, bytes]) -> Message:
+    return {"type": "http.response.start", "status": 200, "headers": [(b"content-type", content_type), *extra]}
+
+
+async def _serve(route: Route, data: OpenAIRequest, raw: bytes, scope: Scope, receive: Receive, send: Send) -> None:
+    state = scope["litestar_app"].state
+    gateway: Gateway = state.gateway
+    gateway.check(data)
+    body = gateway.forwarded_body(raw)
+    if data.parrot is not None:
+        request = Request(scope, receive)
+        response = await state.semantic.serve(route, data.parrot, body, owner(request), data.stream)
+        await response.to_asgi_response(None, request)(scope, receive, send)
+    elif not data.stream:
+        payload = await gateway.create(route, data.model, body)
+        await send(_start(b"application/json", (b"content-length", str(len(payload)).encode())))
+        await send({"type": "http.response.body", "body": payload})
+    else:
+        opened = await gateway.open_stream(route, data.model, body)
+        await send(_start(b"text/event-stream", (b"cache-control", b"no-cache")))
+        await send_events(gateway.sse_events(data.model, opened), send, receive)
+
+
+def openai_endpoint(path: str, route: Route, schema: type[OpenAIRequest]) -> ASGIRouteHandler:
+    decode = msgspec.json.Decoder(schema).decode
+
+    async def endpoint(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["method"] != "POST":
+            raise MethodNotAllowedException(f"{scope['method']} is not allowed on {path}; use POST")
+        raw = await read_body(scope, receive, scope["litestar_app"].state.gateway.config.limits.max_body_bytes)
+        await _serve(route, decode(raw), raw, scope, receive, send)
+
+    endpoint.__name__ = route.replace("/", "_")
+    return asgi(path, copy_scope=False)(endpoint)
+
+
+chat_completions = openai_endpoint("/v1/chat/completions", "chat/completions", ChatCompletionRequest)
+completions = openai_endpoint("/v1/completions", "completions", CompletionRequest)
