@@ -5,7 +5,7 @@ alternating rounds (direct, parrot, [compare], direct, parrot, ...) at a fixed c
 non-streaming and streaming requests, and prints p50/p99 latency, requests/s, the added p50 and the
 rps ratio. Medians over rounds are reported because this machine is shared and noisy.
 
-    python -m benchmarks.gateway_overhead                       # defaults: concurrency 8, 5 rounds
+    python -m benchmarks.gateway_overhead                       # defaults: concurrency 8, 9 rounds of 500
     python -m benchmarks.gateway_overhead --compare-url http://127.0.0.1:4000/v1 --compare-model fake
       (e.g. a LiteLLM proxy started against the fake upstream this script prints)
 """
@@ -122,8 +122,8 @@ def report(results: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--requests", type=int, default=400, help="requests per round")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--requests", type=int, default=500, help="requests per round")
+    parser.add_argument("--rounds", type=int, default=9, help="alternating rounds per target (medians reported)")
     parser.add_argument("--upstream-port", type=int, default=0, help="fixed port for the fake upstream")
     parser.add_argument("--compare-url", help="another gateway's base URL (ending in /v1) to measure the same way")
     parser.add_argument("--compare-model", default="fake", help="model name to ask the compared gateway for")

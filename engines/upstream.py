@@ -43,10 +43,10 @@ def translate_errors(name: str) -> Iterator[None]:
 
 
 def _canonical(block: bytes) -> bool:
-    """Whether complete events are already framed as we send them: each one ``data: PAYLOAD`` line."""
-    events = block.count(b"\n\n")
-    return (block.startswith(b"data: ") and block.count(b"\n") == 2 * events
-            and block.count(b"\n\ndata: ") == events - 1 and b"\r" not in block)
+    """Whether complete events are already framed as we send them: each one ``data: PAYLOAD`` line.
+    (Every newline is then in a ``\\n\\ndata: `` between events or in the final ``\\n\\n``: two scans.)"""
+    return (block.startswith(b"data: ") and b"\r" not in block
+            and 2 * block.count(b"\n\ndata: ") + 2 == block.count(b"\n"))
 
 
 def _reframed(block: bytes) -> bytes:
@@ -75,10 +75,10 @@ async def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
             continue
         end += 4 if buffer.startswith(b"\r\n\r\n", end) else 2
         block, buffer = buffer[:end], buffer[end:]
-        head, done_line, _ = block.partition(b"data: " + _DONE)
-        if done_line and (not head or head.endswith(b"\n")):
-            done, block = True, head
-        elif _DONE in block:  # written some other way ("data:[DONE]", CRLF), or inside a payload
+        at = block.find(_DONE)
+        if at >= 6 and block.startswith(b"data: ", at - 6) and (at == 6 or block[at - 7] == 10):  # b"\n"
+            done, block = True, block[:at - 6]
+        elif at >= 0:  # written some other way ("data:[DONE]", CRLF), or inside a payload
             block, done = _until_done(block)
         events = block if _canonical(block) else _reframed(block)
         if events:
