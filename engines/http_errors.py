@@ -33,8 +33,9 @@ def error_payload(body: ErrorBody) -> bytes:
     return msgspec.json.encode(ErrorResponse(error=body))
 
 
-def error_response(status_code: int, body: ErrorBody) -> Response:
-    return Response(content=error_payload(body), status_code=status_code, media_type="application/json")
+def error_response(status_code: int, body: ErrorBody, headers: dict[str, str] | None = None) -> Response:
+    return Response(content=error_payload(body), status_code=status_code, media_type="application/json",
+                    headers=headers)
 
 
 def engine_error_body(exc: Exception) -> ErrorBody:
@@ -73,7 +74,7 @@ def handle_http_exception(_: Request, exc: HTTPException) -> Response:
         param = problems[0][0]
         message = "; ".join(m for _, m in problems)
     error_type = ERROR_TYPES.get(exc.status_code, "api_error" if exc.status_code >= 500 else "invalid_request_error")
-    return error_response(exc.status_code, ErrorBody(message=message, type=error_type, param=param))
+    return error_response(exc.status_code, ErrorBody(message=message, type=error_type, param=param), exc.headers)
 
 
 def handle_unexpected(request: Request, exc: Exception) -> Response:

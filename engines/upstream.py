@@ -76,7 +76,8 @@ async def sse_events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         end += 4 if buffer.startswith(b"\r\n\r\n", end) else 2
         block, buffer = buffer[:end], buffer[end:]
         at = block.find(_DONE)
-        if at >= 6 and block.startswith(b"data: ", at - 6) and (at == 6 or block[at - 7] == 10):  # b"\n"
+        if at >= 6 and block.startswith(b"data: ", at - 6) and block.startswith(b"\n", at + 6) and (
+                at == 6 or block[at - 7] == 10):  # a whole "data: [DONE]" line
             done, block = True, block[:at - 6]
         elif at >= 0:  # written some other way ("data:[DONE]", CRLF), or inside a payload
             block, done = _until_done(block)

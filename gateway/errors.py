@@ -15,7 +15,7 @@ from engines.http_errors import (
 )
 from engines.protocol import ErrorBody, InvalidRequest
 
-__all__ = ["APIError", "EXCEPTION_HANDLERS", "engine_error_body", "error_payload", "model_not_found"]
+__all__ = ["APIError", "EXCEPTION_HANDLERS", "body_error", "engine_error_body", "error_payload", "model_not_found"]
 
 
 class APIError(Exception):
@@ -42,19 +42,20 @@ def handle_invalid_request(_: Request, exc: InvalidRequest) -> Response:
     return error_response(400, ErrorBody(message=str(exc), type="invalid_request_error", param=exc.param))
 
 
-def handle_validation(_: Request, exc: msgspec.ValidationError) -> Response:
-    """A body of the wrong shape; ``param`` is the offending field (msgspec names it in its message)."""
+def body_error(exc: msgspec.DecodeError | UnicodeDecodeError) -> APIError:
+    """A 400 for a request body that is not JSON, or not of the expected shape (``param`` names the field)."""
     message = str(exc)
+    if not isinstance(exc, msgspec.ValidationError):
+        return APIError(400, f"We could not parse the JSON body of your request ({message}). "
+                             "The API expects a JSON object.")
     at = message.rsplit("`$.", 1)[1].rstrip("`") if "`$." in message else None
     missing = MISSING_FIELD.search(message)
     param = f"{at}.{missing.group(1)}" if at and missing else at or (missing and missing.group(1))
-    return error_response(400, ErrorBody(message=f"body: {message}", type="invalid_request_error", param=param))
+    return APIError(400, f"body: {message}", param=param)
 
 
-def handle_malformed_json(_: Request, exc: msgspec.DecodeError) -> Response:
-    return error_response(400, ErrorBody(
-        message=f"We could not parse the JSON body of your request ({exc}). The API expects a JSON object.",
-        type="invalid_request_error"))
+def handle_validation(request: Request, exc: msgspec.ValidationError) -> Response:
+    return handle_api_error(request, body_error(exc))
 
 
 EXCEPTION_HANDLERS = {
@@ -62,5 +63,4 @@ EXCEPTION_HANDLERS = {
     APIError: handle_api_error,
     InvalidRequest: handle_invalid_request,
     msgspec.ValidationError: handle_validation,
-    msgspec.DecodeError: handle_malformed_json,
 }

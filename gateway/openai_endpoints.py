@@ -18,10 +18,13 @@ from litestar.types import Message, Receive, Scope, Send
 
 from engines.base import Route
 from engines.protocol import ChatCompletionRequest, CompletionRequest
-from gateway.errors import APIError
+from gateway.errors import APIError, body_error
 from gateway.semantic.routes import owner
 from gateway.service import Gateway, OpenAIRequest
 from gateway.streaming import send_events
+
+
+_ALLOW = b"OPTIONS, POST"
 
 
 def _too_large(limit: int) -> APIError:
@@ -33,16 +36,17 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     declared = next((v for k, v in scope["headers"] if k == b"content-length"), b"")
     if declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
-    body = b""
+    pieces, size = [], 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             raise APIError(400, "The client disconnected before the request body was complete.")
-        body += message.get("body", b"")
-        if len(body) > limit:
+        pieces.append(message.get("body", b""))
+        size += len(pieces[-1])
+        if size > limit:
             raise _too_large(limit)
         if not message.get("more_body"):
-            return body
+            return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
 def _start(content_type: bytes, *extra: tuple[bytes, bytes]) -> Message:
@@ -72,10 +76,19 @@ def openai_endpoint(path: str, route: Route, schema: type[OpenAIRequest]) -> ASG
     decode = msgspec.json.Decoder(schema).decode
 
     async def endpoint(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["method"] == "OPTIONS":
+            await send({"type": "http.response.start", "status": 204, "headers": [(b"allow", _ALLOW)]})
+            await send({"type": "http.response.body", "body": b""})
+            return
         if scope["method"] != "POST":
-            raise MethodNotAllowedException(f"{scope['method']} is not allowed on {path}; use POST")
+            raise MethodNotAllowedException(f"{scope['method']} is not allowed on {path}; use POST",
+                                            headers={"allow": _ALLOW.decode()})
         raw = await read_body(scope, receive, scope["litestar_app"].state.gateway.config.limits.max_body_bytes)
-        await _serve(route, decode(raw), raw, scope, receive, send)
+        try:
+            data = decode(raw)
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # not JSON, invalid UTF-8, or the wrong shape
+            raise body_error(exc) from None
+        await _serve(route, data, raw, scope, receive, send)
 
     endpoint.__name__ = route.replace("/", "_")
     return asgi(path, copy_scope=False)(endpoint)

@@ -75,7 +75,10 @@ def substitute(route: Route, body: dict[str, Any], values: dict[str, str]) -> di
 
 def output_text(route: Route, response: bytes) -> str:
     """The generated text of a response: message content, or a tool call's arguments."""
-    choice = msgspec.json.decode(response)["choices"][0]
+    try:
+        choice = msgspec.json.decode(response)["choices"][0]
+    except (msgspec.DecodeError, LookupError, TypeError) as exc:  # the engine answered 200 with something else
+        raise EngineError(f"the engine's answer is not an OpenAI {route} response ({exc})") from None
     if route == "completions":
         return choice.get("text") or ""
     message = choice.get("message") or {}

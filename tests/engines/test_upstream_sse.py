@@ -44,3 +44,8 @@ def test_other_framings_are_normalised(stream):
 def test_done_inside_a_payload_does_not_end_the_stream():
     assert b"".join(reframed(b"data: " + B + b"\n\n", b"data: " + A + b"\n\ndata: [DONE]\n\n")) == (
         b"data: " + B + b"\n\ndata: " + A + b"\n\n")
+
+
+def test_a_line_that_only_starts_with_done_is_an_event():
+    assert reframed(b"data: [DONE]x\n\ndata: " + A + b"\n\ndata: [DONE]\n\n") == [
+        b"data: [DONE]x\n\ndata: " + A + b"\n\n"]

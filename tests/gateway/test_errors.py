@@ -51,6 +51,21 @@ def test_invalid_json_or_not_an_object(api, body):
     assert "'data'" not in error["message"]  # no framework internals
 
 
+def test_body_that_is_not_utf8(api):
+    response = api.post("/v1/completions", content=b'{"model": "fake-model", "prompt": "\xff"}')
+
+    assert_openai_error(response, 400)
+
+
+def test_other_methods_on_the_openai_endpoints(api):
+    get = api.get("/v1/chat/completions")
+    options = api.options("/v1/completions")
+
+    assert_openai_error(get, 405)
+    assert get.headers["allow"] == options.headers["allow"] == "OPTIONS, POST"
+    assert options.status_code == 204
+
+
 @pytest.mark.parametrize("body, param", [
     ({**CHAT, "max_tokens": "many"}, "max_tokens"),
     ({**CHAT, "temperature": "hot"}, "temperature"),

@@ -11,6 +11,7 @@ import asyncio
 import httpx
 import pytest
 
+from gateway.config import UpstreamConfig
 from gateway.semantic.graph import Call, Session
 from tests.gateway.conftest import MODEL
 
@@ -144,6 +145,21 @@ def test_failing_producer_fails_its_consumer_naming_it(gw, session):
     assert bad["call_id"] in message and "'bad'" in message and "fake upstream error" in message
     failed = gw.get(f"/v1/vars/{bad['output']['id']}").json()
     assert failed["ready"] and failed["value"] is None and "fake upstream error" in failed["error"]
+
+
+def test_an_engine_answering_200_with_something_else_is_a_502(http, serve, start_gateway):
+    async def html_upstream(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/html")]})
+        await send({"type": "http.response.body", "body": b"<html>a proxy's error page</html>"})
+
+    url = start_gateway([UpstreamConfig(model=MODEL, base_url=f"{serve(html_upstream)}/v1")])
+
+    response = http.post(f"{url}/v1/chat/completions", json=chat("hi", {}))
+
+    assert response.status_code == 502, response.text
+    assert "not an OpenAI chat/completions response" in response.json()["error"]["message"]
 
 
 def test_sessions_and_variables_are_private_to_their_api_key(start_gateway):
