@@ -23,11 +23,14 @@ Semantic functions need a sync ``OpenAI`` client; their Variables can still be a
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import inspect
 import re
 import threading
 from typing import Any, Callable, Iterable
+
+import openai
 
 from compat.openai import Session, Variable, current_session
 
@@ -150,7 +153,8 @@ def native(fn: Callable[..., Any]) -> Callable[..., Variable]:
                 output.set(str(result))
             except BaseException as exc:  # handed to whoever reads the output, here and on the gateway
                 output.local_producer.set_exception(exc)
-                output.fail(f"{getattr(fn, '__name__', 'native function')} raised {type(exc).__name__}: {exc}")
+                with contextlib.suppress(openai.APIError):  # the session may be closed by now: nobody to tell
+                    output.fail(f"{getattr(fn, '__name__', 'native function')} raised {type(exc).__name__}: {exc}")
             else:
                 output.local_producer.set_result(None)
 

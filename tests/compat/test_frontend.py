@@ -6,6 +6,8 @@ the gateway generated it from.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from compat.frontend import Input, Output, native, semantic_function
@@ -133,3 +135,25 @@ def test_a_variable_argument_carries_its_session(client):
         assert summary.get(timeout=10) == "echo: Text: from a variable\nSummary: "
     finally:
         session.close()
+
+
+def test_a_native_function_failing_after_its_session_closed_ends_quietly(client, monkeypatch):
+    crashes = []
+    monkeypatch.setattr(threading, "excepthook", crashes.append)
+    release = threading.Event()
+
+    @native
+    def late(text: str) -> str:
+        release.wait(10)
+        raise ValueError("too late")
+
+    with Session(client, model=MODEL) as session:
+        result = late(session.variable(value="x"))
+    release.set()  # the session is gone: the failure can no longer be reported to the gateway
+
+    with pytest.raises(ValueError, match="too late"):
+        result.get(timeout=10)
+    for thread in threading.enumerate():
+        if thread.name == "native-late":
+            thread.join(timeout=10)
+    assert crashes == []
