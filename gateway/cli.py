@@ -96,6 +96,7 @@ def serve(argv: list[str]) -> None:
               f"{' (builtin engine loading…)' if engine else ''}", flush=True)
         uvicorn.run(create_app(config), host=config.server.host, port=config.server.port,
                     log_level=config.server.log_level, access_log=False, loop="uvloop", http="httptools",
+                    timeout_graceful_shutdown=config.server.shutdown_grace_s,
                     proxy_headers=False)  # no proxy in front by default; its per-request middleware costs
     finally:
         if engine is not None:

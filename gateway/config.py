@@ -17,6 +17,7 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     host: str = "127.0.0.1"
     port: int = 8000
     log_level: str = "info"
+    shutdown_grace_s: float = 30.0  # on SIGTERM, requests still open after this long are cancelled
 
 
 class AuthConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

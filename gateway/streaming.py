@@ -25,6 +25,18 @@ async def _disconnect(receive: Receive) -> None:
         pass
 
 
+async def until_done_or_disconnected(work: asyncio.Future, receive: Receive) -> None:
+    """Waits for ``work``; if the client disconnects first, cancels it (nobody is left to answer)."""
+    left = asyncio.ensure_future(_disconnect(receive))
+    try:
+        await asyncio.wait({work, left}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.wait({work})
+
+
 async def send_events(events: AsyncIterator[bytes], send: Send, receive: Receive) -> None:
     """Sends SSE ``events`` as the body of a started response, up to ``[DONE]`` (nothing after it is sent)
     or the iterator's end; stops early, closing the iterator, if the client disconnects."""

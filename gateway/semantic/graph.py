@@ -9,11 +9,12 @@ session is deleted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import secrets
 import time
-from typing import Awaitable, Callable
+from typing import Awaitable, Callable, Iterator
 
 from engines.base import EngineError
 from gateway.errors import APIError, engine_error_body
@@ -96,13 +97,15 @@ class Call:
         return (LATENCY_PRIORITY if self.latency else 0) - self.session.arrival
 
     def mark_latency(self) -> None:
-        """Someone waits on this call's result: it and everything it transitively needs become urgent."""
-        if self.latency:
-            return
-        self.latency = True
-        for variable in self.inputs.values():
-            if variable.producer is not None:
-                variable.producer.mark_latency()
+        """Someone waits on this call's result: it and everything it transitively needs become urgent.
+        (A walk, not a recursion: chains may be thousands of calls deep.)"""
+        pending = [self]
+        while pending:
+            call = pending.pop()
+            if call.latency:
+                continue
+            call.latency = True
+            pending.extend(v.producer for v in call.inputs.values() if v.producer is not None)
 
     def group_peers(self) -> set["Call"]:
         """Producers feeding the same consumers as this call: they are scheduled together."""
@@ -131,7 +134,8 @@ class Call:
                 output.fail(f"producer {self.id} failed: {message}")
             raise
         finally:
-            self.session.calls.pop(self.id, None)  # finished parts of the graph are freed
+            self.session.calls.pop(self.id, None)  # finished parts of the graph are freed,
+            self.work = self.prepare = None  # with the request and response their closures hold
         for name, output in self.outputs.items():
             output.set(results[name])
         return results
@@ -148,6 +152,7 @@ class Session:
         self.variables: dict[str, Variable] = {}
         self.calls: dict[str, Call] = {}
         self.prefix_keys: set[str] = set()  # shared prefixes this session pinned on engines
+        self.closed = False
 
     def new_variable(self, name: str | None = None, value: str | None = None) -> Variable:
         variable = Variable(self, name, value)
@@ -173,22 +178,37 @@ class Session:
         if _reaches(call.inputs.values(), set(call.outputs.values())):
             raise APIError(400, f"call {call.id} would close a cycle: one of its outputs is among its own "
                            "transitive inputs", param="parrot.vars", code="cycle")
-        for output in call.outputs.values():
-            output.producer = call
-        self.calls[call.id] = call
         if call.latency:
             call.latency = False
             call.mark_latency()
+        for output in call.outputs.values():
+            output.producer = call
+        self.calls[call.id] = call
         call.task = asyncio.get_running_loop().create_task(call.run(input_timeout_s), name=call.id)
         call.task.add_done_callback(_consume_exception)
 
+    @contextlib.contextmanager
+    def undo_on_error(self) -> Iterator[None]:
+        """Variables made by a request that is then rejected are forgotten again (the block must not await)."""
+        before = set(self.variables)
+        try:
+            yield
+        except BaseException:
+            for var_id in self.variables.keys() - before:
+                del self.variables[var_id]
+                self._index.pop(var_id, None)
+            raise
+
     def close(self) -> None:
-        """Cancel running calls and forget every variable."""
+        """Cancel running calls, wake whoever waits on a variable, and forget every variable."""
+        self.closed = True
         for call in list(self.calls.values()):
             if call.task is not None:
                 call.task.cancel()
         self.calls.clear()
-        for var_id in self.variables:
+        for var_id, variable in self.variables.items():
+            if not variable.ready:
+                variable.fail(f"session {self.id} was deleted")
             self._index.pop(var_id, None)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated
 
 from litestar import Request, delete, get, post, put
@@ -21,12 +22,16 @@ from gateway.semantic.schema import (
     VarSet,
     VarView,
 )
-from gateway.semantic.service import SemanticService, view
 from gateway.errors import APIError
+from gateway.semantic.service import SemanticService, view
+from gateway.streaming import until_done_or_disconnected
 
 
 def owner(request: Request) -> str:
-    """Sessions belong to the key that made them; without configured keys everyone shares one owner."""
+    """Sessions belong to the key that made them; without configured keys everyone shares one owner
+    (whatever token a client sends then, as the openai SDK always sends one)."""
+    if not request.app.state.gateway.config.auth.api_keys:
+        return SessionStore.owner_of(None)
     scheme, _, key = request.headers.get("authorization", "").partition(" ")
     return SessionStore.owner_of(key.strip() if scheme.lower() == "bearer" else None)
 
@@ -67,7 +72,9 @@ async def read_var(var_id: FromPath[str], request: Request, state: State,
 ) -> VarView:
     service = semantic(state)
     variable = service.sessions.find_variable(var_id, owner(request))
-    return await service.read(variable, wait=wait, timeout_s=timeout, criteria=criteria)
+    reading = asyncio.ensure_future(service.read(variable, wait=wait, timeout_s=timeout, criteria=criteria))
+    await until_done_or_disconnected(reading, request.receive)  # a long wait ends when its client leaves
+    return reading.result() if not reading.cancelled() else view(variable)
 
 
 @put("/v1/vars/{var_id:str}", status_code=200)

@@ -83,8 +83,6 @@ class SemanticService:
             raise InvalidRequest(f"invalid parrot extension: {exc}", "parrot") from None
         session = self.sessions.resolve(ext.session_id, owner)
         placeholders = {name for text in texts(route, body) for name in template.names(text)}
-        inputs = self._bind(session, placeholders, ext.vars, "parrot.vars")
-        output = self._output(session, ext.output)
         responses: dict[str, bytes] = {}
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}  # runs whole, server-side
@@ -94,9 +92,12 @@ class SemanticService:
             return {"output": output_text(route, responses["body"])}
 
         latency = ext.criteria == "latency" or (ext.criteria is None and ext.wait)
-        call = Call(session, inputs, {"output": output}, work, latency=latency,
-                    prepare=lambda: self.runner.warm(route, body, session))
-        self._start(session, call)
+        with session.undo_on_error():
+            inputs = self._bind(session, placeholders, ext.vars, "parrot.vars")
+            output = self._output(session, ext.output)
+            call = Call(session, inputs, {"output": output}, work, latency=latency,
+                        prepare=lambda: self.runner.warm(route, body, session))
+            self._start(session, call)
         result = ParrotResult(session_id=session.id, output=OutputView(id=output.id, name=output.name),
                               call_id=call.id)
         if not ext.wait:
@@ -118,6 +119,11 @@ class SemanticService:
         except VariableFailed as exc:
             raise APIError(424, f"call {call.id} could not run: {exc}", code="dependency_failed",
                            error_type="dependency_failed") from None
+        except asyncio.CancelledError:
+            if not call.task.cancelled() or asyncio.current_task().cancelling():
+                raise  # this request itself is being cancelled
+            raise APIError(409, f"call {call.id} was cancelled: its session {call.session.id} was deleted",
+                           code="session_deleted") from None
 
     # ------------------------------------------------------------ native API
 
@@ -135,6 +141,9 @@ class SemanticService:
                 await variable.get(timeout_s if timeout_s is not None else self.config.var_timeout_s)
             except VariableFailed:
                 pass  # the view carries the error
+        if variable.session.closed:  # deleted while we waited
+            raise APIError(404, f"variable {variable.id!r} not found: its session was deleted",
+                           code="variable_not_found")
         return view(variable)
 
     def submit_call(self, spec: SemanticCall, owner: str) -> tuple[Session, Call]:
@@ -150,14 +159,15 @@ class SemanticService:
             raise InvalidRequest("a name cannot be both an input and an output", "template")
         session = self.sessions.resolve(spec.session_id, owner)
         placeholders = {p.name for p in pieces if p.kind == "input"}
-        inputs = self._bind(session, placeholders, spec.inputs, "inputs")
-        outputs = {name: session.new_variable(name) for name in outputs_in_template}
 
         async def work(call: Call, values: dict[str, str]) -> dict[str, str]:
             return await self._run_template(spec, pieces, values, call.priority, session)
 
-        call = Call(session, inputs, outputs, work, latency=spec.criteria == "latency")
-        self._start(session, call)
+        with session.undo_on_error():
+            inputs = self._bind(session, placeholders, spec.inputs, "inputs")
+            outputs = {name: session.new_variable(name) for name in outputs_in_template}
+            call = Call(session, inputs, outputs, work, latency=spec.criteria == "latency")
+            self._start(session, call)
         return session, call
 
     async def _run_template(self, spec: SemanticCall, pieces: list[template.Piece], values: dict[str, str],
@@ -181,25 +191,29 @@ class SemanticService:
 
 
 def _as_stream(route: Route, answer: dict[str, Any], include_usage: bool) -> Response:
-    """A finished semantic request as an OpenAI stream (one content chunk), for clients that asked to stream."""
-    usage = answer.get("usage")
+    """A finished semantic request as an OpenAI stream (one chunk per choice), for clients that asked to stream."""
+    chunk_object = "text_completion" if route == "completions" else "chat.completion.chunk"
 
     def events():
-        base = {"id": answer["id"], "created": answer["created"], "model": answer["model"]}
+        base = {"id": answer["id"], "object": chunk_object, "created": answer["created"], "model": answer["model"]}
         for choice in answer["choices"]:
+            streamed = {"index": choice["index"], "finish_reason": choice["finish_reason"],
+                        "logprobs": choice.get("logprobs")}
             if route == "completions":
-                chunk = {**base, "object": "text_completion", "choices": [
-                    {"index": choice["index"], "text": choice["text"], "finish_reason": choice["finish_reason"]}]}
+                streamed["text"] = choice["text"]
             else:
-                message = choice["message"]
-                chunk = {**base, "object": "chat.completion.chunk", "choices": [
-                    {"index": choice["index"], "delta": {"role": "assistant", "content": message.get("content")},
-                     "finish_reason": choice["finish_reason"]}]}
-            chunk["parrot"] = answer["parrot"]
-            yield sse_event(msgspec.json.encode(chunk))
-        if include_usage and usage:
-            yield sse_event(msgspec.json.encode({**base, "object": "chat.completion.chunk", "choices": [],
-                                                 "usage": usage}))
+                streamed["delta"] = _delta(choice["message"])
+            yield sse_event(msgspec.json.encode({**base, "choices": [streamed], "parrot": answer["parrot"]}))
+        if include_usage and answer.get("usage"):
+            yield sse_event(msgspec.json.encode({**base, "choices": [], "usage": answer["usage"]}))
         yield SSE_DONE
 
     return EventStream(events(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
+
+
+def _delta(message: dict[str, Any]) -> dict[str, Any]:
+    """A whole chat message as one streamed delta: content, or tool calls with their stream indices."""
+    delta = {"role": "assistant", "content": message.get("content")}
+    if message.get("tool_calls"):
+        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+    return delta

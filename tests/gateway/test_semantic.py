@@ -7,6 +7,9 @@ which values reached it.
 from __future__ import annotations
 
 import asyncio
+import json
+import threading
+import time
 
 import httpx
 import pytest
@@ -277,3 +280,81 @@ def test_put_error_fails_the_variable_and_its_consumers(gw, session):
     assert gw.put(f"/v1/vars/{var}", json={}).status_code == 409  # already failed
     fresh = new_var(gw, session)
     assert gw.put(f"/v1/vars/{fresh}", json={}).status_code == 400
+
+
+# ---------------------------------------------------------------- sessions deleted under running work
+
+
+def test_deleting_a_session_under_a_waiting_request_answers_409(gw):
+    session = gw.post("/v1/sessions").json()["id"]
+
+    def delete_soon():
+        time.sleep(0.5)
+        gw.delete(f"/v1/sessions/{session}")
+
+    deleter = threading.Thread(target=delete_soon)
+    deleter.start()
+    response = gw.post("/v1/chat/completions", json=chat("slow", {"session_id": session}, fake={"delay_s": 3}))
+    deleter.join()
+
+    assert response.status_code == 409, response.text
+    assert response.json()["error"]["code"] == "session_deleted"
+
+
+def test_deleting_a_session_wakes_its_waiting_readers_with_404(gw):
+    session = gw.post("/v1/sessions").json()["id"]
+    var = new_var(gw, session, "never")
+    threading.Timer(0.5, lambda: gw.delete(f"/v1/sessions/{session}")).start()
+
+    started = time.monotonic()
+    response = gw.get(f"/v1/vars/{var}", params={"wait": "true", "timeout": 30})
+
+    assert response.status_code == 404 and time.monotonic() - started < 10
+
+
+def test_a_rejected_request_leaves_no_variables_behind(gw, session):
+    for _ in range(3):
+        response = gw.post("/v1/chat/completions", json=chat(
+            "{{a}}", {"session_id": session, "vars": {"a": {"value": "x"}}, "output": {"id": "var_bogus"}}))
+        assert response.status_code == 404
+
+    assert gw.get(f"/v1/sessions/{session}/vars").json()["data"] == []
+
+
+def test_without_configured_keys_every_token_shares_the_sessions(gw):
+    session = gw.post("/v1/sessions").json()["id"]  # no authorization header
+
+    other = gw.get(f"/v1/sessions/{session}/vars", headers={"authorization": "Bearer sdk-placeholder"})
+
+    assert other.status_code == 200
+    gw.delete(f"/v1/sessions/{session}")
+
+
+def test_streamed_parrot_answers_keep_tool_calls_and_completion_objects(gw, session):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    chat_events = gw.post("/v1/chat/completions", json=chat(
+        "hi {{x}}", {"session_id": session, "vars": {"x": {"value": "bob"}}}, stream=True, tools=tools)).text
+    completion_events = gw.post("/v1/completions", json={
+        "model": MODEL, "prompt": "hi {{x}}", "stream": True, "stream_options": {"include_usage": True},
+        "parrot": {"session_id": session, "vars": {"x": {"value": "bob"}}}}).text
+
+    first = json.loads(chat_events.split("\n\n")[0].removeprefix("data: "))
+    assert first["choices"][0]["delta"]["tool_calls"][0]["function"]["name"] == "f"
+    assert first["choices"][0]["delta"]["tool_calls"][0]["index"] == 0
+    chunks = [json.loads(e.removeprefix("data: ")) for e in completion_events.split("\n\n") if e.startswith("data: {")]
+    assert {c["object"] for c in chunks} == {"text_completion"} and chunks[-1]["usage"]
+
+
+async def test_latency_marking_walks_chains_thousands_deep():
+    session = Session("owner", {})
+    previous = session.new_variable("blocker")  # never set: the chain waits
+    for _ in range(3000):
+        output = session.new_variable()
+        session.add_call(Call(session, {"in": previous}, {"out": output}, _idle, latency=False), input_timeout_s=5)
+        previous = output
+
+    session.add_call(Call(session, {"in": previous}, {"out": session.new_variable()}, _idle, latency=True),
+                     input_timeout_s=5)
+
+    assert all(call.latency for call in session.calls.values())
+    session.close()
