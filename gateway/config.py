@@ -65,6 +65,7 @@ class SemanticConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     var_timeout_s: float = 60.0  # default wait of GET /v1/vars/{id}?wait=true
     min_prefix_chars: int = 64  # shorter constant prefixes are left to the engine's block-level prefix cache
     max_prefixes_per_engine: int = 32  # unpinned shared-prefix contexts kept per engine (LRU beyond)
+    default_session_max_variables: int = 10_000  # a key's default session forgets its oldest finished ones beyond
 
 
 class GatewayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -142,11 +142,14 @@ class Call:
 
 
 class Session:
-    def __init__(self, owner: str, index: dict[str, Variable], *, default: bool = False):
+    def __init__(self, owner: str, index: dict[str, Variable], *, default: bool = False,
+                 max_variables: int | None = None):
         self.id = new_id("sess")
         self._index = index  # the store's id -> variable map, for lookups without a session id
         self.owner = owner
         self.default = default
+        # A key's default session lives as long as the gateway: it keeps its newest variables only.
+        self.max_variables = max_variables
         self.created = int(time.time())
         self.arrival = next(_arrivals)
         self.variables: dict[str, Variable] = {}
@@ -158,7 +161,17 @@ class Session:
         variable = Variable(self, name, value)
         self.variables[variable.id] = variable
         self._index[variable.id] = variable
+        if self.max_variables is not None and len(self.variables) > self.max_variables:
+            self._forget_oldest(len(self.variables) - self.max_variables * 9 // 10)
         return variable
+
+    def _forget_oldest(self, count: int) -> None:
+        """Forgets up to ``count`` of the oldest variables that nothing pending needs any more."""
+        needed = {id(v) for call in self.calls.values() for v in (*call.inputs.values(), *call.outputs.values())}
+        stale = [v for v in self.variables.values() if v.ready and id(v) not in needed][:count]
+        for variable in stale:
+            del self.variables[variable.id]
+            self._index.pop(variable.id, None)
 
     def variable(self, var_id: str) -> Variable:
         variable = self.variables.get(var_id)
@@ -244,7 +257,8 @@ def _consume_exception(task: asyncio.Task) -> None:
 class SessionStore:
     """Sessions by id; each belongs to the API key that created it, and other keys see a 404."""
 
-    def __init__(self) -> None:
+    def __init__(self, default_session_max_variables: int | None = None) -> None:
+        self._default_max_variables = default_session_max_variables
         self._sessions: dict[str, Session] = {}
         self._defaults: dict[str, str] = {}
         self._variables: dict[str, Variable] = {}
@@ -254,7 +268,8 @@ class SessionStore:
         return hashlib.sha256((api_key or "").encode()).hexdigest()
 
     def create(self, owner: str, *, default: bool = False) -> Session:
-        session = Session(owner, self._variables, default=default)
+        session = Session(owner, self._variables, default=default,
+                          max_variables=self._default_max_variables if default else None)
         self._sessions[session.id] = session
         return session
 

@@ -43,7 +43,7 @@ class SemanticService:
     def __init__(self, gateway: Gateway, config: SemanticConfig):
         self.gateway = gateway
         self.config = config
-        self.sessions = SessionStore()
+        self.sessions = SessionStore(config.default_session_max_variables)
         self.prefixes = PrefixCache(config.max_prefixes_per_engine)
         self.runner = Runner(gateway, self.prefixes, config.min_prefix_chars)
 

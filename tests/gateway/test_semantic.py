@@ -358,3 +358,17 @@ async def test_latency_marking_walks_chains_thousands_deep():
 
     assert all(call.latency for call in session.calls.values())
     session.close()
+
+
+async def test_a_default_session_forgets_its_oldest_finished_variables_only():
+    index: dict = {}
+    session = Session("owner", index, default=True, max_variables=10)
+    pending = session.new_variable("pending")  # an input nobody has produced yet: kept
+    session.add_call(Call(session, {"in": pending}, {"out": session.new_variable("out")}, _idle, latency=False),
+                     input_timeout_s=5)
+    finished = [session.new_variable(f"v{i}", "value") for i in range(20)]
+
+    assert len(session.variables) <= 10 and pending.id in session.variables
+    assert finished[-1].id in session.variables and finished[0].id not in session.variables
+    assert index.keys() == session.variables.keys()
+    session.close()
