@@ -7,7 +7,8 @@ It echoes the last user message. Behaviour is steered per request by an extra bo
   words         number of content words to produce (default: echo the prompt)
   status        answer with this HTTP status and an OpenAI error body
   die_after     streaming: drop the connection after this many chunks (mid-stream failure)
-``GET /fake/stats`` reports requests seen and streams opened/finished/cancelled, for tests.
+``GET /fake/stats`` reports requests seen (and abandoned by their client during a delay) and streams
+opened/finished/cancelled, for tests.
 
 Run alone: python -m benchmarks.fake_upstream --port 9000
 """
@@ -21,7 +22,8 @@ from typing import Any
 
 import msgspec
 
-_stats = {"requests": 0, "streams_open": 0, "streams_done": 0, "streams_cancelled": 0, "last_body": None}
+_stats = {"requests": 0, "requests_abandoned": 0, "streams_open": 0, "streams_done": 0, "streams_cancelled": 0,
+          "last_body": None}
 
 
 def _words(body: dict[str, Any]) -> list[str]:
@@ -115,6 +117,19 @@ async def _watch_disconnect(receive, gone: asyncio.Event) -> None:
     gone.set()
 
 
+async def _sleep_unless_gone(receive, seconds: float) -> bool:
+    """Sleeps ``seconds``; False, at once, if the client disconnects meanwhile."""
+    gone = asyncio.Event()
+    watcher = asyncio.create_task(_watch_disconnect(receive, gone))
+    try:
+        await asyncio.wait_for(gone.wait(), seconds)
+        return False
+    except asyncio.TimeoutError:
+        return True
+    finally:
+        watcher.cancel()
+
+
 async def _stream(send, receive, body: dict[str, Any], fake: dict[str, Any]) -> None:
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
@@ -162,8 +177,9 @@ async def app(scope, receive, send) -> None:
     _stats["requests"] += 1
     _stats["last_body"] = body
     fake = body.get("fake") or {}
-    if fake.get("delay_s"):
-        await asyncio.sleep(float(fake["delay_s"]))
+    if fake.get("delay_s") and not await _sleep_unless_gone(receive, float(fake["delay_s"])):
+        _stats["requests_abandoned"] += 1  # the client (a gateway) gave up on this request
+        return
     if fake.get("status"):
         return await _send_json(send, int(fake["status"]), {"error": {
             "message": "fake upstream error", "type": "invalid_request_error", "param": None, "code": "fake"}})

@@ -17,31 +17,15 @@ from litestar.response import Stream
 from litestar.response.streaming import ASGIStreamingResponse
 from litestar.types import Receive, Send
 
+from engines.disconnect import disconnected
 from engines.protocol import SSE_DONE
-
-
-async def _disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def until_done_or_disconnected(work: asyncio.Future, receive: Receive) -> None:
-    """Waits for ``work``; if the client disconnects first, cancels it (nobody is left to answer)."""
-    left = asyncio.ensure_future(_disconnect(receive))
-    try:
-        await asyncio.wait({work, left}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        left.cancel()
-        if not work.done():
-            work.cancel()
-            await asyncio.wait({work})
 
 
 async def send_events(events: AsyncIterator[bytes], send: Send, receive: Receive) -> None:
     """Sends SSE ``events`` as the body of a started response, up to ``[DONE]`` (nothing after it is sent)
     or the iterator's end; stops early, closing the iterator, if the client disconnects."""
     task = asyncio.current_task()
-    left = asyncio.ensure_future(_disconnect(receive))
+    left = asyncio.ensure_future(disconnected(receive))
 
     def cancel_stream(_: asyncio.Future) -> None:
         if not left.cancelled():

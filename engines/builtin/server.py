@@ -13,7 +13,7 @@ import time
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import httpx
 import msgspec
@@ -22,6 +22,7 @@ from litestar.params import FromPath, JSONBody
 from litestar.response import Stream
 
 from engines.base import EngineError, EngineStats
+from engines.disconnect import until_done_or_disconnected
 from engines.http_errors import OPENAI_EXCEPTION_HANDLERS, engine_error_body, error_payload
 from engines.builtin.config import EngineConfig
 from engines.builtin.serving import (
@@ -129,12 +130,21 @@ def _engine_serving(request: Request, model: str) -> BuiltinEngine:
     return engine
 
 
+async def _answer(request: Request, work: Awaitable[Any]) -> Response:
+    """``work``'s result as JSON; if the client disconnects first, its generation is aborted (as vLLM does)."""
+    answer = asyncio.ensure_future(work)
+    await until_done_or_disconnected(answer, request.receive)
+    if answer.cancelled():
+        return Response(b"", status_code=499)  # nginx's "client closed request": nobody reads it
+    return _json(answer.result())
+
+
 @post("/v1/chat/completions", status_code=200)
 async def chat_completions(request: Request, data: JSONBody[ChatCompletionRequest]) -> Response:
     engine = _engine_serving(request, data.model)
     if data.stream:
         return await sse(engine.chat_stream(data))
-    return _json(await engine.chat(data))
+    return await _answer(request, engine.chat(data))
 
 
 @post("/v1/completions", status_code=200)
@@ -142,7 +152,7 @@ async def completions(request: Request, data: JSONBody[CompletionRequest]) -> Re
     engine = _engine_serving(request, data.model)
     if data.stream:
         return await sse(engine.complete_stream(data))
-    return _json(await engine.complete(data))
+    return await _answer(request, engine.complete(data))
 
 
 class RenderRequest(msgspec.Struct):
@@ -185,7 +195,7 @@ async def generate_in_context(request: Request, context_id: FromPath[str], data:
     engine = _engine(request)
     if data.stream:
         return await sse(_generation_chunks(engine, context_id, data))
-    return _json(await engine.generate_in_context(context_id, data))
+    return await _answer(request, engine.generate_in_context(context_id, data))
 
 
 @delete("/v1/contexts/{context_id:str}", status_code=200)

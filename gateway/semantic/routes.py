@@ -9,6 +9,7 @@ from litestar import Request, delete, get, post, put
 from litestar.datastructures import State
 from litestar.params import FromPath, FromQuery, JSONBody, QueryParameter
 
+from engines.disconnect import until_done_or_disconnected
 from gateway.semantic.graph import SessionStore
 from gateway.semantic.schema import (
     Criteria,
@@ -24,7 +25,6 @@ from gateway.semantic.schema import (
 )
 from gateway.errors import APIError
 from gateway.semantic.service import SemanticService, view
-from gateway.streaming import until_done_or_disconnected
 
 
 def owner(request: Request) -> str:

@@ -65,3 +65,15 @@ def test_client_leaving_while_the_engine_is_silent_releases_it_at_once(http, gat
         assert '"role":"assistant"' in first
         assert in_flight(http, gateway_url) == 1
     wait_until(lambda: in_flight(http, gateway_url) == 0, timeout_s=2)
+
+
+def test_client_leaving_a_non_streaming_request_abandons_the_upstream_request(http, gateway_url, fake_stats,
+                                                                              wait_until):
+    before = fake_stats()["requests_abandoned"]
+    slow = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "fake": {"delay_s": 5}}
+
+    with pytest.raises(httpx.ReadTimeout):
+        http.post(f"{gateway_url}/v1/chat/completions", json=slow, timeout=0.3)
+
+    wait_until(lambda: fake_stats()["requests_abandoned"] > before, timeout_s=3)
+    assert in_flight(http, gateway_url) == 0

@@ -190,6 +190,14 @@ def test_client_disconnect_aborts_the_generation(http, wait_until):
     wait_until(lambda: (s := http.get("/v1/stats").json())["running"] == 0 and s["blocks_free"] == baseline, timeout_s=15)
 
 
+def test_client_leaving_a_non_streaming_request_aborts_the_generation(http, wait_until):
+    baseline = http.get("/v1/stats").json()["blocks_free"]
+    body = {"model": MODEL, "messages": FRANCE, "max_tokens": 500, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        http.post("/v1/chat/completions", json=body, timeout=1.0)
+    wait_until(lambda: (s := http.get("/v1/stats").json())["running"] == 0 and s["blocks_free"] == baseline, timeout_s=15)
+
+
 # ---------------------------------------------------------------- errors
 
 
