@@ -99,24 +99,31 @@ class SamplingFields(Struct, kw_only=True, omit_defaults=True):
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
     top_p: Probability | None = None
-    n: Annotated[int, Meta(ge=1, le=128)] = 1
+    n: Annotated[int, Meta(ge=1, le=128)] | None = 1
     stop: Union[str, list[str], None] = None
     seed: int | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # Common extras (vLLM / SGLang).
     top_k: int | None = None
     min_p: Probability | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = None
-    priority: int = 0  # as vLLM: larger runs first (Parrot sends it for latency-critical and app-FIFO work)
+    priority: int | None = 0  # as vLLM: larger runs first (Parrot sends it for latency-critical and app-FIFO work)
     # Parrot's extension object; interpreted by the gateway, never forwarded upstream.
     parrot: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        # OpenAI's schema makes these nullable, null meaning the default: some clients send every field.
+        self.n = 1 if self.n is None else self.n
+        self.stream = bool(self.stream)
+        self.ignore_eos = bool(self.ignore_eos)
+        self.priority = self.priority or 0
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -137,12 +144,16 @@ class SamplingFields(Struct, kw_only=True, omit_defaults=True):
 class ChatCompletionRequest(SamplingFields, kw_only=True, omit_defaults=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     tools: list[Tool] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.logprobs = bool(self.logprobs)
 
     def validate(self) -> None:
         self._validate_common()
@@ -164,9 +175,13 @@ class CompletionRequest(SamplingFields, kw_only=True, omit_defaults=True):
     # A string, a list of strings, one prompt as token ids, or a list of token-id prompts.
     prompt: Union[str, list[Union[str, int, list[int]]]]
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
-    echo: bool = False
+    echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.echo = bool(self.echo)
 
     def validate(self) -> None:
         self._validate_common()

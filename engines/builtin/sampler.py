@@ -135,6 +135,7 @@ def filter_top_k_top_p_min_p(probs: torch.Tensor, params: list[SamplingParams]) 
         # Keep a token while the mass strictly before it is below top_p (the first always stays).
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         drop = (rank >= top_k.unsqueeze(1)) | (mass_before >= top_p.unsqueeze(1) * sorted_probs.sum(-1, keepdim=True))
+        drop[:, 0] = False  # top_p = 0 (OpenAI's "near-greedy") still keeps the most likely token
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.empty_like(probs).scatter_(1, order, sorted_probs)
     return probs

@@ -95,3 +95,11 @@ def test_filters_on_a_known_distribution():
     kept = filter_top_k_top_p_min_p(probs, params) > 0
     assert kept.tolist() == [[True, True, False, False], [True, True, False, False], [True, True, False, False]]
     assert bool((filter_top_k_top_p_min_p(probs, [SamplingParams()] * 3) == probs).all())
+
+
+def test_top_p_zero_keeps_only_the_most_likely_token():
+    probs = torch.tensor([[0.15, 0.5, 0.3, 0.05]])
+
+    kept = filter_top_k_top_p_min_p(probs, [SamplingParams(top_p=0.0)]) > 0
+
+    assert kept.tolist() == [[False, True, False, False]]

@@ -73,6 +73,18 @@ def test_greedy_smollm2_knows_the_capital_of_france(client):
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
+def test_null_means_the_default_for_nullable_fields(http):
+    nulls = {"n": None, "stream": None, "ignore_eos": None, "priority": None}
+    chat = http.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": FRANCE, "max_tokens": 2, "logprobs": None, **nulls})
+    completion = http.post("/v1/completions", json={
+        "model": MODEL, "prompt": "Hi", "max_tokens": 2, "temperature": 0, "echo": None, **nulls})
+
+    assert chat.status_code == completion.status_code == 200, (chat.text, completion.text)
+    assert len(chat.json()["choices"]) == 1 and chat.json()["choices"][0]["logprobs"] is None
+    assert not completion.json()["choices"][0]["text"].startswith("Hi")  # no echo
+
+
 def test_max_tokens_ends_with_length(client, greedy_answer):
     reply = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=3)
     assert reply.choices[0].finish_reason == "length"
