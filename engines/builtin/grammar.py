@@ -67,7 +67,7 @@ def output_grammar(
     if tools and choice != "none":
         # Several calls only when asked for outright: small models otherwise repeat a call until max_tokens.
         grammar = tools_grammar(tools, choice, parallel_tool_calls is True)
-        _check(grammar, "tools")
+        _check_tools(grammar, tools)
         return OutputGrammar(grammar, tool_calls=True)
     grammar = response_format_grammar(response_format)
     if grammar is None and tools:  # "none": a model that has seen calls in the conversation may write one anyway
@@ -161,6 +161,18 @@ def _call_schema(tool: Tool) -> dict[str, Any]:
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
+
+
+def _check_tools(grammar: str, tools: Sequence[Tool]) -> None:
+    """Like ``_check``, naming the tool whose parameters schema is wrong (llguidance's own message for
+    the whole tools grammar ends in an echo of its source)."""
+    from llguidance import LLMatcher
+
+    if not LLMatcher.validate_grammar(grammar):
+        return
+    for i, tool in enumerate(tools):
+        _check(LLMatcher.grammar_from_json_schema(_call_schema(tool)), f"tools[{i}].function.parameters")
+    _check(grammar, "tools")
 
 
 def _check(grammar: str, param: str) -> None:
@@ -357,9 +369,13 @@ class ToolCallReader:
         return "", deltas
 
     def finish(self) -> str:
-        """The output ended: returns text that never became a call (a malformed or cut-off tail)."""
+        """The output ended: returns text that never became a call. Tool-call markup cut off (by
+        max_tokens) is dropped: the model's call syntax is never a client's content."""
         leftover, self._buffer = self._buffer, ""
-        return leftover if self._arguments is None and leftover.strip() else ""
+        stripped = leftover.strip()
+        if not stripped or self._arguments is not None or self._mode == "calls" or TOOL_CALL_OPEN.startswith(stripped):
+            return ""
+        return leftover
 
     def _step(self, deltas: list[ToolCallDelta]) -> bool:
         """Consumes what it can of the buffer; returns whether to try again."""

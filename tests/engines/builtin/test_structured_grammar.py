@@ -145,8 +145,9 @@ def test_invalid_requests_name_their_parameter():
     assert bad_choice.value.param == "tool_choice"
     bad_tool = Tool(function=FunctionDefinition(name="f", parameters={"type": "strang"}))
     with pytest.raises(InvalidRequest) as bad_parameters:
-        output_grammar(None, [bad_tool], "auto", None)
-    assert bad_parameters.value.param == "tools"
+        output_grammar(None, [WEATHER, bad_tool], "auto", None)
+    assert bad_parameters.value.param == "tools[1].function.parameters"
+    assert "strang" in str(bad_parameters.value)  # llguidance's reason, not an echo of the grammar
 
 
 def test_tool_choice_none_keeps_a_call_out_of_the_text(engine):
@@ -232,9 +233,15 @@ def test_reader_passes_plain_text_through():
     markup = ToolCallReader()
     assert markup.feed("<to") == ("", [])  # could still become a call
     assert markup.feed("p>hi") == ("<top>hi", [])
-    cut = ToolCallReader()
-    assert cut.feed("<tool") == ("", []) and cut.finish() == "<tool"
     assert read_tool_calls("Just text.") == ("Just text.", [])
+
+
+@pytest.mark.parametrize("cut_off", ["<tool", "<tool_call>", '<tool_call>\n{"name": "get_wea'])
+def test_call_markup_cut_off_by_max_tokens_is_no_content(cut_off):
+    reader = ToolCallReader()
+
+    assert reader.feed(cut_off) == ("", []) and reader.finish() == ""
+    assert read_tool_calls(cut_off) == ("", [])
 
 
 def test_tools_reach_a_template_that_does_not_render_them(tokenizer_with_plain_template):
