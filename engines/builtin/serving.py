@@ -502,13 +502,18 @@ class BuiltinEngine:
                 f"the prompt is {prompt_len} tokens; this model's context window is {self.llm.max_model_len}", prompt_param
             )
         limit = request.token_limit()
+        if limit is not None and limit > remaining:  # as vLLM and OpenAI: an error, not a silently shorter answer
+            raise EngineBadRequest(
+                f"this model's context window is {self.llm.max_model_len} tokens; the prompt is {prompt_len} and "
+                f"{limit} more were asked for: reduce the prompt or max_tokens",
+                "max_completion_tokens" if getattr(request, "max_completion_tokens", None) else "max_tokens")
         logit_bias = {int(k): v for k, v in request.logit_bias.items()} if request.logit_bias else None
         if logit_bias:
             self._check_token_ids(logit_bias, "logit_bias")
         stop_token_ids = list(request.stop_token_ids or ())
         self._check_token_ids(stop_token_ids, "stop_token_ids")
         return SamplingParams(
-            max_tokens=remaining if limit is None else min(limit, remaining),
+            max_tokens=remaining if limit is None else limit,
             temperature=_or(request.temperature, 1.0),
             top_p=_or(request.top_p, 1.0),
             top_k=request.top_k if request.top_k else -1,  # 0 and None both mean "disabled"

@@ -148,7 +148,7 @@ def test_a_native_function_failing_after_its_session_closed_ends_quietly(client,
         raise ValueError("too late")
 
     with Session(client, model=MODEL) as session:
-        result = late(session.variable(value="x"))
+        result = late("x", session=session)
     release.set()  # the session is gone: the failure can no longer be reported to the gateway
 
     with pytest.raises(ValueError, match="too late"):
