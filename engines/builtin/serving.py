@@ -408,6 +408,10 @@ class BuiltinEngine:
 
     def _completion_jobs(self, request: CompletionRequest) -> tuple[list[PromptJob], list[str]]:
         _validate(request)
+        if request.suffix:
+            raise EngineBadRequest("suffix (insertion) is not supported by this engine", "suffix")
+        if request.best_of is not None and request.best_of != request.n:
+            raise EngineBadRequest("best_of is not supported by this engine: leave it out or equal to n", "best_of")
         jobs, echoes = [], []
         for prompt in request.prompts():
             tokens = text_tokens(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)

@@ -254,6 +254,13 @@ def test_prompt_longer_than_the_window_is_a_400(client, http):
     _error(http.post("/v1/completions", json=body), 400)  # a plain error, not a 200 stream
 
 
+@pytest.mark.parametrize("extra", [{"suffix": " end"}, {"best_of": 3}])
+def test_completion_options_this_engine_lacks_are_400s_not_ignored(http, extra):
+    error = _error(http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2, **extra}), 400)
+
+    assert error["param"] == next(iter(extra))
+
+
 @pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
 def test_asking_for_more_tokens_than_the_window_holds_is_a_400(http, field):
     error = _error(http.post("/v1/chat/completions", json={"model": MODEL, "messages": FRANCE, field: 10**6}), 400)
