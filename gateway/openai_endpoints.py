@@ -10,8 +10,6 @@ exceptions, which the app's exception handlers answer as OpenAI errors; the app'
 
 from __future__ import annotations
 
-import asyncio
-
 import msgspec
 from litestar import Request, asgi
 from litestar.exceptions import MethodNotAllowedException
@@ -19,7 +17,7 @@ from litestar.handlers import ASGIRouteHandler
 from litestar.types import Message, Receive, Scope, Send
 
 from engines.base import Route
-from engines.disconnect import until_done_or_disconnected
+from engines.disconnect import CancelledOnDisconnect
 from engines.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.errors import APIError, body_error
 from gateway.semantic.routes import owner
@@ -66,11 +64,11 @@ async def _serve(route: Route, data: OpenAIRequest, raw: bytes, scope: Scope, re
         response = await state.semantic.serve(route, data.parrot, body, owner(request), data.stream)
         await response.to_asgi_response(None, request)(scope, receive, send)
     elif not data.stream:
-        answer = asyncio.ensure_future(gateway.create(route, data.model, body))
-        await until_done_or_disconnected(answer, receive)  # a client that left cancels the engine's work
-        if answer.cancelled():
+        payload = None
+        async with CancelledOnDisconnect(receive):  # a client that leaves cancels the engine's work
+            payload = await gateway.create(route, data.model, body)
+        if payload is None:
             return
-        payload = answer.result()
         await send(_start(b"application/json", (b"content-length", str(len(payload)).encode())))
         await send({"type": "http.response.body", "body": payload})
     else:

@@ -17,37 +17,24 @@ from litestar.response import Stream
 from litestar.response.streaming import ASGIStreamingResponse
 from litestar.types import Receive, Send
 
-from engines.disconnect import disconnected
+from engines.disconnect import CancelledOnDisconnect
 from engines.protocol import SSE_DONE
 
 
 async def send_events(events: AsyncIterator[bytes], send: Send, receive: Receive) -> None:
     """Sends SSE ``events`` as the body of a started response, up to ``[DONE]`` (nothing after it is sent)
     or the iterator's end; stops early, closing the iterator, if the client disconnects."""
-    task = asyncio.current_task()
-    left = asyncio.ensure_future(disconnected(receive))
-
-    def cancel_stream(_: asyncio.Future) -> None:
-        if not left.cancelled():
-            task.cancel()
-
-    left.add_done_callback(cancel_stream)
     try:
-        async for chunk in events:
-            # ``[DONE]`` ends the body in the same write as the last chunk's framing: one syscall less.
-            done = chunk.endswith(SSE_DONE)
-            await send({"type": "http.response.body", "body": chunk, "more_body": not done})
-            if done:
-                break
-        else:
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-    except asyncio.CancelledError:
-        if not left.done() or task.cancelling() > 1:
-            raise  # cancelled by someone else, not by the client leaving
-        task.uncancel()
+        async with CancelledOnDisconnect(receive):
+            async for chunk in events:
+                # ``[DONE]`` ends the body in the same write as the last chunk's framing: one syscall less.
+                done = chunk.endswith(SSE_DONE)
+                await send({"type": "http.response.body", "body": chunk, "more_body": not done})
+                if done:
+                    break
+            else:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
     finally:
-        left.remove_done_callback(cancel_stream)
-        left.cancel()
         aclose = getattr(events, "aclose", None)
         if aclose is not None:
             await aclose()

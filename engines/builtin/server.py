@@ -22,7 +22,7 @@ from litestar.params import FromPath, JSONBody
 from litestar.response import Stream
 
 from engines.base import EngineError, EngineStats
-from engines.disconnect import until_done_or_disconnected
+from engines.disconnect import CancelledOnDisconnect
 from engines.http_errors import OPENAI_EXCEPTION_HANDLERS, engine_error_body, error_payload
 from engines.builtin.config import EngineConfig
 from engines.builtin.serving import (
@@ -132,11 +132,10 @@ def _engine_serving(request: Request, model: str) -> BuiltinEngine:
 
 async def _answer(request: Request, work: Awaitable[Any]) -> Response:
     """``work``'s result as JSON; if the client disconnects first, its generation is aborted (as vLLM does)."""
-    answer = asyncio.ensure_future(work)
-    await until_done_or_disconnected(answer, request.receive)
-    if answer.cancelled():
+    async with CancelledOnDisconnect(request.receive) as watch:
+        return _json(await work)
+    if watch.disconnected:
         return Response(b"", status_code=499)  # nginx's "client closed request": nobody reads it
-    return _json(answer.result())
 
 
 @post("/v1/chat/completions", status_code=200)

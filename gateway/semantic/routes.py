@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Annotated
 
 from litestar import Request, delete, get, post, put
 from litestar.datastructures import State
 from litestar.params import FromPath, FromQuery, JSONBody, QueryParameter
 
-from engines.disconnect import until_done_or_disconnected
+from engines.disconnect import CancelledOnDisconnect
 from gateway.semantic.graph import SessionStore
 from gateway.semantic.schema import (
     Criteria,
@@ -72,9 +71,9 @@ async def read_var(var_id: FromPath[str], request: Request, state: State,
 ) -> VarView:
     service = semantic(state)
     variable = service.sessions.find_variable(var_id, owner(request))
-    reading = asyncio.ensure_future(service.read(variable, wait=wait, timeout_s=timeout, criteria=criteria))
-    await until_done_or_disconnected(reading, request.receive)  # a long wait ends when its client leaves
-    return reading.result() if not reading.cancelled() else view(variable)
+    async with CancelledOnDisconnect(request.receive):  # a long wait ends when its client leaves
+        return await service.read(variable, wait=wait, timeout_s=timeout, criteria=criteria)
+    return view(variable)  # for nobody
 
 
 @put("/v1/vars/{var_id:str}", status_code=200)
