@@ -120,11 +120,13 @@ def hf_greedy_continuation(references, prompt, first_output):
     return references(prompt + first_output)
 
 
-async def test_preemption_by_recompute_keeps_outputs(make_engine, references):
+def test_preemption_by_recompute_keeps_outputs(tiny_model_dir, references):
     # 10 blocks of 16 slots: the five prompts plus their tokens need 17, so some must be evicted.
-    engine = make_engine(num_blocks=10, max_num_batched_tokens=64)
+    # All five are queued before the first step (no loop thread), so that holds whatever the timing:
+    # with the loop running, an early request could finish before the last arrived, and none be evicted.
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_blocks=10, max_num_batched_tokens=64))
     prompts = random_prompts(PROMPT_LENGTHS, seed=3)
-    outputs = await asyncio.gather(*(collect(engine.generate_from_prompt(p, GREEDY)) for p in prompts))
+    outputs = engine.generate_batch(prompts, GREEDY)
     assert engine.scheduler.num_preemptions > 0
     for prompt, output in zip(prompts, outputs):
         assert references(prompt).accepts(output)
