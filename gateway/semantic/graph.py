@@ -124,7 +124,7 @@ class Call:
                 try:
                     values[name] = await variable.get(input_timeout_s)
                 except VariableFailed as exc:
-                    raise VariableFailed(f"input {variable.label} failed: {exc}") from None
+                    raise VariableFailed(f"input {variable.label} failed: {_clipped(str(exc))}") from None
             if any(peer.latency for peer in self.group_peers()):
                 self.latency = True  # a task group runs at the pace of its most urgent member
             results = await self.work(self, values)
@@ -237,6 +237,11 @@ def _reaches(inputs, targets: set[Variable]) -> bool:
         seen.add(id(variable))
         stack.extend(variable.producer.inputs.values())
     return False
+
+
+def _clipped(message: str, limit: int = 2000) -> str:
+    """A failure carried down a chain names every producer on the way: clipped, it stays linear in size."""
+    return message if len(message) <= limit else f"{message[:limit // 2]} … {message[-limit // 2:]}"
 
 
 def _describe(exc: BaseException) -> str:

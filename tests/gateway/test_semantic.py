@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from gateway.config import UpstreamConfig
-from gateway.semantic.graph import Call, Session
+from gateway.semantic.graph import Call, Session, VariableFailed
 from tests.gateway.conftest import MODEL
 
 
@@ -371,4 +371,21 @@ async def test_a_default_session_forgets_its_oldest_finished_variables_only():
     assert len(session.variables) <= 10 and pending.id in session.variables
     assert finished[-1].id in session.variables and finished[0].id not in session.variables
     assert index.keys() == session.variables.keys()
+    session.close()
+
+
+async def test_a_failure_carried_down_a_long_chain_stays_short():
+    session = Session("owner", {})
+    first = session.new_variable("first")
+    previous = first
+    for _ in range(300):
+        output = session.new_variable()
+        session.add_call(Call(session, {"in": previous}, {"out": output}, _idle, latency=False), input_timeout_s=5)
+        previous = output
+    first.fail("the original reason")
+
+    with pytest.raises(VariableFailed) as failed:
+        await previous.get(timeout_s=10)
+
+    assert len(str(failed.value)) < 3000 and "the original reason" in str(failed.value)
     session.close()
