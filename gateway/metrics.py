@@ -61,17 +61,17 @@ class ModelMetrics:
         self._model = model
         self._success_family = metrics.request_success
         self._errors_family = metrics.request_errors
-        self._success: dict[str, Counter] = {}
-        self._errors: dict[int, Counter] = {}
+        self._children: dict[tuple[Counter, str], Counter] = {}
 
     def success(self, reason: str) -> Counter:
-        child = self._success.get(reason)
-        if child is None:
-            child = self._success[reason] = self._success_family.labels(self._model, reason)
-        return child
+        return self._child(self._success_family, reason)
 
     def error(self, status: int) -> Counter:
-        child = self._errors.get(status)
+        return self._child(self._errors_family, str(status))
+
+    def _child(self, family: Counter, label: str) -> Counter:
+        key = (family, label)
+        child = self._children.get(key)
         if child is None:
-            child = self._errors[status] = self._errors_family.labels(self._model, str(status))
+            child = self._children[key] = family.labels(self._model, label)
         return child

@@ -14,7 +14,7 @@ import hashlib
 import itertools
 import secrets
 import time
-from typing import Awaitable, Callable, Iterator
+from typing import Awaitable, Callable, Iterable, Iterator
 
 from engines.base import EngineError
 from gateway.errors import APIError, engine_error_body
@@ -168,10 +168,12 @@ class Session:
     def _forget_oldest(self, count: int) -> None:
         """Forgets up to ``count`` of the oldest variables that nothing pending needs any more."""
         needed = {id(v) for call in self.calls.values() for v in (*call.inputs.values(), *call.outputs.values())}
-        stale = [v for v in self.variables.values() if v.ready and id(v) not in needed][:count]
-        for variable in stale:
-            del self.variables[variable.id]
-            self._index.pop(variable.id, None)
+        self._forget([v.id for v in self.variables.values() if v.ready and id(v) not in needed][:count])
+
+    def _forget(self, var_ids: Iterable[str]) -> None:
+        for var_id in var_ids:
+            del self.variables[var_id]
+            self._index.pop(var_id, None)
 
     def variable(self, var_id: str) -> Variable:
         variable = self.variables.get(var_id)
@@ -207,9 +209,7 @@ class Session:
         try:
             yield
         except BaseException:
-            for var_id in self.variables.keys() - before:
-                del self.variables[var_id]
-                self._index.pop(var_id, None)
+            self._forget(self.variables.keys() - before)
             raise
 
     def close(self) -> None:
