@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
-from engines.upstream import sse_events
+from engines.upstream import SSEFramer
 
 A, B = b'{"choices":[{"delta":{"content":"a"}}]}', b'{"choices":[{"delta":{"content":"[DONE]"}}]}'
 
 
 def reframed(*reads: bytes) -> list[bytes]:
-    async def chunks():
-        for read in reads:
-            yield read
-
-    async def collect():
-        return [events async for events in sse_events(chunks())]
-
-    return asyncio.run(collect())
+    framer = SSEFramer()
+    return [events for events in map(framer.feed, reads) if events]
 
 
 def test_framed_reads_pass_through_whole_up_to_done():
