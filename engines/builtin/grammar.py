@@ -66,7 +66,8 @@ def output_grammar(
     choice = tool_choice if tool_choice is not None else "auto"
     if tools and choice != "none":
         # Several calls only when asked for outright: small models otherwise repeat a call until max_tokens.
-        grammar = tools_grammar(tools, choice, parallel_tool_calls is True)
+        answer = format_schema(response_format) if choice == "auto" else None
+        grammar = tools_grammar(tools, choice, parallel_tool_calls is True, answer)
         _check_tools(grammar, tools)
         return OutputGrammar(grammar, tool_calls=True)
     grammar = response_format_grammar(response_format)
@@ -80,21 +81,25 @@ def output_grammar(
 
 
 def response_format_grammar(response_format: ResponseFormat | None) -> str | None:
+    from llguidance import LLMatcher
+
+    schema = format_schema(response_format)
+    return None if schema is None else LLMatcher.grammar_from_json_schema(schema)
+
+
+def format_schema(response_format: ResponseFormat | None) -> dict[str, Any] | None:
+    """The JSON schema a response_format asks for, with its llguidance options; None for free text."""
     if response_format is None or response_format.type == "text":
         return None
     if response_format.type == "json_object":
-        return _json_grammar({"type": "object"}, strict=True)
-    spec = response_format.json_schema
-    return _json_grammar(spec.schema if spec is not None else None, strict=bool(spec and spec.strict))
-
-
-def _json_grammar(schema: Any, *, strict: bool) -> str:
-    from llguidance import LLMatcher
-
+        schema, strict = {"type": "object"}, True
+    else:
+        spec = response_format.json_schema
+        schema, strict = (spec.schema if spec is not None else None), bool(spec and spec.strict)
     if not isinstance(schema, dict):
         raise InvalidRequest("response_format json_schema.schema must be a JSON object", "response_format")
     # Non-strict schemas may use keywords llguidance does not implement; it then ignores them.
-    return LLMatcher.grammar_from_json_schema(closed(schema), defaults={**JSON_STYLE, "lenient": not strict})
+    return {**closed(schema), "x-guidance": {**JSON_STYLE, "lenient": not strict}}
 
 
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
@@ -124,9 +129,11 @@ def closed(schema: Any) -> Any:
     return out
 
 
-def tools_grammar(tools: Sequence[Tool], tool_choice: str | dict[str, Any], parallel: bool) -> str:
+def tools_grammar(tools: Sequence[Tool], tool_choice: str | dict[str, Any], parallel: bool,
+                  answer: dict[str, Any] | None = None) -> str:
     """Lark: one or more tool calls ("required", a named function), or for "auto" either
-    tool calls or text that is not one."""
+    tool calls or an answer: JSON following ``answer`` (a response_format's schema) if given,
+    else text that is not a call."""
     from llguidance import LLMatcher
 
     tools = _chosen_tools(tools, tool_choice)
@@ -135,9 +142,10 @@ def tools_grammar(tools: Sequence[Tool], tool_choice: str | dict[str, Any], para
     # Options apply to a whole %json schema, so only at its top level.
     body["x-guidance"] = {**JSON_STYLE, "lenient": not all(tool.function.strict for tool in tools)}
     rules = [
-        "start: calls" + (" | TEXT" if tool_choice == "auto" else ""),
+        "start: calls" + (" | answer" if tool_choice == "auto" else ""),
         'calls: call ("\\n" call)*' if parallel else "calls: call",
         f'call: "{TOOL_CALL_OPEN}" %json {json.dumps(body)} "{TOOL_CALL_CLOSE}"',
+        f"answer: %json {json.dumps(answer)}" if answer is not None else "answer: TEXT",
         f"TEXT: {NOT_A_CALL}",
     ]
     return LLMatcher.grammar_from_lark("\n".join(rules))

@@ -128,6 +128,29 @@ async def test_forced_tool_calls_parse_into_valid_calls(engine, choice):
             assert call.function.name == "get_time" and json.loads(call.function.arguments) == {}
 
 
+async def test_tool_choice_auto_with_a_response_format_answers_in_that_format_or_calls(engine):
+    """OpenAI's combination: the model may call a tool; if it answers instead, the answer follows
+    response_format. A random model at temperature 1 takes both branches over a few seeds."""
+    output = output_grammar(schema_format(Pet.model_json_schema()), [WEATHER], "auto", None)
+    assert output.tool_calls
+    # Pushed both ways: towards "<" (which opens a call) and towards "{" (which opens an answer).
+    call, answer = (engine.tokenizer.encode(text, add_special_tokens=False)[0] for text in ("<", "{"))
+    branches = set()
+    for seed, bias in enumerate([{call: 20.0}, {answer: 20.0}] * 2):
+        params = SamplingParams(max_tokens=120, temperature=1.0, seed=seed, grammar=output.grammar, logit_bias=bias)
+        text, finish = await sample(engine, params)
+        assert finish == "stop", text
+        content, calls = read_tool_calls(text)
+        if calls:
+            assert content is None and calls[0].function.name == "get_weather"
+            Weather.model_validate_json(calls[0].function.arguments)
+            branches.add("call")
+        else:
+            Pet.model_validate_json(content)
+            branches.add("answer")
+    assert branches == {"call", "answer"}
+
+
 async def test_parallel_tool_calls_allow_several(engine):
     output = output_grammar(None, [CLOCK], "required", True)
     params = SamplingParams(max_tokens=60, temperature=0.0, grammar=output.grammar, logit_bias={198: 50.0})  # 198: "\n"
