@@ -96,7 +96,7 @@ class SamplingFields(Struct, kw_only=True, omit_defaults=True):
     """Fields shared by chat and text completions, with OpenAI's ranges."""
 
     model: str
-    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    max_tokens: Annotated[int, Meta(ge=0)] | None = None  # 0 only to score an echoed prompt (completions)
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
     top_p: Probability | None = None
     n: Annotated[int, Meta(ge=1, le=128)] | None = 1
@@ -157,6 +157,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True, omit_defaults=True):
 
     def validate(self) -> None:
         self._validate_common()
+        if self.max_tokens == 0:
+            raise InvalidRequest("max_tokens must be at least 1", "max_tokens")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")
         if isinstance(self.tool_choice, str) and self.tool_choice not in ("none", "auto", "required"):
@@ -185,6 +187,8 @@ class CompletionRequest(SamplingFields, kw_only=True, omit_defaults=True):
 
     def validate(self) -> None:
         self._validate_common()
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequest("max_tokens must be at least 1 (0 only with echo, to score the prompt)", "max_tokens")
         if isinstance(self.prompt, list):
             if len(self.prompt) == 0:
                 raise InvalidRequest("prompt must not be empty", "prompt")
@@ -293,8 +297,9 @@ class ChatCompletionChunk(Struct):
 
 class CompletionLogprobs(Struct):
     tokens: list[str] = field(default_factory=list)
-    token_logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = field(default_factory=list)
+    # None for an echoed prompt's first token, which nothing precedes (as OpenAI and vLLM answer).
+    token_logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = field(default_factory=list)
     text_offset: list[int] = field(default_factory=list)
 
 

@@ -24,12 +24,12 @@ from engines.builtin.block_manager import BlockManager
 from engines.builtin.config import EngineConfig
 from engines.builtin.grammar import GrammarCompiler
 from engines.builtin.loader import DTYPES, ModelSource, build_model, load_checkpoint, load_tokenizer
-from engines.builtin.model_runner import ModelRunner, ScheduledBatch, kv_block_bytes
+from engines.builtin.model_runner import ModelRunner, ScheduledBatch, StepResult, kv_block_bytes
 from engines.builtin.quantization import quantize_linears
 from engines.builtin.sampler import SampleResult
 from engines.builtin.scheduler import Scheduler
 from engines.builtin.sequence import Sequence, Status
-from engines.builtin.types import FillResult, SamplingParams, TokenEvent
+from engines.builtin.types import FillResult, SamplingParams, TokenEvent, TokenScore
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class LLMEngine:
 
     def step(self) -> None:
         batch, done_fills = self._schedule()
-        result = self.runner.run(batch) if batch.entries else None
+        result = self.runner.run(batch) if batch.entries else StepResult(None)
         self._postprocess(batch, result, done_fills)
 
     def _schedule(self) -> tuple[ScheduledBatch, list[Sequence]]:
@@ -128,9 +128,11 @@ class LLMEngine:
             self._step_count += 1
             return self.scheduler.schedule()
 
-    def _postprocess(self, batch: ScheduledBatch, result: SampleResult | None, done_fills: list[Sequence]) -> None:
+    def _postprocess(self, batch: ScheduledBatch, result: StepResult, done_fills: list[Sequence]) -> None:
         with self._lock:
             sampled = batch.sampled()
+            for seq, first, scores in result.scores:  # by position: a recomputed (preempted) chunk rewrites its own
+                seq.scores.update(zip(range(first, first + len(scores)), scores))
             for seq, n in batch.entries:
                 previous = seq.num_computed_tokens
                 seq.num_computed_tokens += n
@@ -143,7 +145,7 @@ class LLMEngine:
             for fill in done_fills:
                 self._finish(fill, None)
             for i, seq in enumerate(sampled):
-                self._append_token(seq, result, i)
+                self._append_token(seq, result.samples, i)
 
     def _append_token(self, seq: Sequence, result: SampleResult, i: int) -> None:
         token = result.token_ids[i]
@@ -171,7 +173,9 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str | None, *, delivered: bool = False) -> None:
         """Ends ``seq``'s request: reason None completes a fill, else ends a generation."""
         deliver = seq.deliver
-        if seq.is_fill:
+        if seq.is_fill and seq.score_top_k is not None:
+            outcome = [seq.scores[p] for p in range(1, len(seq))] if reason is None else None
+        elif seq.is_fill:
             cached = max(0, len(seq) - seq.num_computed_by_request)
             outcome = FillResult(seq.context_id, len(seq), cached) if reason is None else None
         else:
@@ -262,6 +266,32 @@ class LLMEngine:
             raise
         if result is None:
             raise RuntimeError(f"fill of context {seq.context_id!r} was aborted")
+        return result
+
+    async def score(self, tokens: list[int], top_logprobs: int = 0) -> list[TokenScore]:
+        """The logprob of each token after the ones before it (the first has none: ``len - 1`` scores),
+        each with its ``top_logprobs`` most likely alternatives. Computed as a fill of a temporary
+        context whose full blocks stay in the prefix cache, so generating from ``tokens`` next reuses them."""
+        if len(tokens) > self.max_model_len:
+            raise PromptTooLong(f"{len(tokens)} tokens is more than the maximum context length of {self.max_model_len} tokens")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[list[TokenScore] | None] = loop.create_future()
+        with self._lock:
+            seq = self._new_context(None, None, temporary=True)
+            seq.token_ids += tokens
+            seq.score_top_k = top_logprobs
+            seq.deliver = _resolver(loop, future)
+            self._prompt_tokens += len(tokens)
+            self.scheduler.add(seq)
+            arrival = seq.arrival
+        self._wakeup.set()
+        try:
+            result = await future
+        except asyncio.CancelledError:
+            self._request_abort(seq, arrival)
+            raise
+        if result is None:
+            raise RuntimeError("scoring the prompt was aborted")
         return result
 
     async def free_context(self, context_id: str) -> int:

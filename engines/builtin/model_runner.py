@@ -9,8 +9,9 @@ import torch
 
 from engines.builtin.attention import AttentionMetadata, DecodeMetadata, PrefillMetadata, SharedPrefixMetadata
 from engines.builtin.model import LlamaForCausalLM, head_dim_of
-from engines.builtin.sampler import SampleResult, Sampler
+from engines.builtin.sampler import SampleResult, Sampler, score_tokens
 from engines.builtin.sequence import Sequence
+from engines.builtin.types import TokenScore
 from kernels import dispatch
 
 # The Triton shared-prefix kernel always beats paged decode; on CPU the torch path only once the
@@ -42,6 +43,18 @@ class ScheduledBatch:
         return [seq for seq, n in self.entries if not seq.is_fill and seq.num_computed_tokens + n == len(seq)]
 
 
+@dataclass
+class StepResult:
+    samples: SampleResult | None  # the next token of each of the batch's ``sampled()`` sequences
+    # Scoring fills: (sequence, position of its first scored token, scores of this step's positions).
+    scores: list[tuple[Sequence, int, list[TokenScore]]] = field(default_factory=list)
+
+
+# Score rows go through log-softmax this many at a time: a 1024-token chunk's logits are 200 MB
+# for a 49k vocabulary, and each pass copies them.
+SCORE_ROWS_PER_PASS = 256
+
+
 def kv_block_bytes(hf_config, block_size: int, dtype: torch.dtype) -> int:
     per_token = 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim_of(hf_config)
     return per_token * block_size * torch.finfo(dtype).bits // 8
@@ -68,10 +81,27 @@ class ModelRunner:
             attn.k_cache[dst_block, :num_rows] = attn.k_cache[src_block, :num_rows]
             attn.v_cache[dst_block, :num_rows] = attn.v_cache[src_block, :num_rows]
 
-    def run(self, batch: ScheduledBatch) -> SampleResult | None:
-        input_ids, positions, meta, logit_rows, sampled = self.prepare(batch)
+    def run(self, batch: ScheduledBatch) -> StepResult:
+        input_ids, positions, meta, logit_rows, sampled, scored = self.prepare(batch)
         logits = self.model(input_ids, positions, meta, logit_rows)
-        return self.sampler(logits.cpu(), sampled) if sampled else None  # the sampler works on the host
+        # The sampler works on the host; sampled rows come first, then the scored ones.
+        samples = self.sampler(logits[: len(sampled)].cpu(), sampled) if sampled else None
+        return StepResult(samples, self._scores(logits[len(sampled):], scored) if scored else [])
+
+    @staticmethod
+    def _scores(logits: torch.Tensor, scored: list[tuple[Sequence, int, int]]) -> list[tuple[Sequence, int, list[TokenScore]]]:
+        """Scores of each (sequence, first position, end position): row p predicts prompt token p + 1."""
+        targets = [t for seq, first, end in scored for t in seq.token_ids[first + 1 : end + 1]]
+        top_k = [seq.score_top_k for seq, first, end in scored for _ in range(first, end)]
+        flat: list[TokenScore] = []
+        for at in range(0, len(targets), SCORE_ROWS_PER_PASS):
+            part = slice(at, at + SCORE_ROWS_PER_PASS)
+            flat += score_tokens(logits[part].cpu(), targets[part], top_k[part])
+        out, at = [], 0
+        for seq, first, end in scored:
+            out.append((seq, first + 1, flat[at : at + end - first]))
+            at += end - first
+        return out
 
     def prepare(self, batch: ScheduledBatch):
         size = self.block_size
@@ -80,6 +110,8 @@ class ModelRunner:
         slots: list[int] = []
         logit_rows: list[int] = []
         sampled: list[Sequence] = []
+        score_rows: list[int] = []
+        scored: list[tuple[Sequence, int, int]] = []  # (sequence, first row position, end position)
         decodes: list[Sequence] = []
         prefills: list[tuple[Sequence, int]] = []
         for seq, n in batch.entries:
@@ -95,6 +127,10 @@ class ModelRunner:
             if not seq.is_fill and start + n == len(seq):
                 logit_rows.append(row + n - 1)
                 sampled.append(seq)
+            end = min(start + n, len(seq) - 1)  # rows before the last one predict a prompt token
+            if seq.score_top_k is not None and end > start:
+                score_rows += range(row, row + end - start)
+                scored.append((seq, start, end))
         meta = AttentionMetadata(slot_mapping=self._tensor(slots, torch.long), num_decodes=len(decodes))
         if decodes and self._worth_sharing(batch.prefix_groups, len(decodes)):
             meta.shared_prefix = self._shared_prefix(decodes, batch.prefix_groups)
@@ -102,8 +138,9 @@ class ModelRunner:
             meta.decode = self._decode(decodes)
         if prefills:
             meta.prefill = self._prefill(prefills)
+        logit_rows += score_rows
         rows = self._tensor(logit_rows, torch.long) if logit_rows else None
-        return self._tensor(token_ids, torch.long), self._tensor(positions, torch.long), meta, rows, sampled
+        return self._tensor(token_ids, torch.long), self._tensor(positions, torch.long), meta, rows, sampled, scored
 
     def _worth_sharing(self, groups: list[PrefixGroup], num_decodes: int) -> bool:
         shared_tokens = sum(g.num_blocks * self.block_size * len(g.members) for g in groups)

@@ -14,7 +14,7 @@ import torch
 
 from engines.builtin.grammar import mask_logits
 from engines.builtin.sequence import Sequence
-from engines.builtin.types import SamplingParams
+from engines.builtin.types import SamplingParams, TokenScore
 
 
 @dataclass
@@ -89,6 +89,17 @@ class Sampler:
             for i, p in enumerate(params)
         ]
         return result
+
+
+def score_tokens(logits: torch.Tensor, targets: list[int], top_k: list[int]) -> list[TokenScore]:
+    """Each row's logprob of its target token, with its ``top_k`` most likely alternatives.
+    (logits: [rows, vocab] float32; the raw distribution, no sampling settings applied.)"""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(targets).unsqueeze(1)).squeeze(1).tolist()
+    top_values, top_ids = logprobs.topk(max(1, max(top_k)), dim=-1)
+    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    return [TokenScore(target, lp, list(zip(ids[:k], values[:k])))
+            for target, lp, ids, values, k in zip(targets, chosen, top_ids, top_values, top_k)]
 
 
 def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None:

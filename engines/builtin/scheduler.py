@@ -97,8 +97,9 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
-            # A generation must compute at least its last token to get logits.
-            self.block_manager.match_prefix(seq, seq.num_pending_tokens - (0 if seq.is_fill else 1))
+            if seq.score_top_k is None:  # a scoring fill needs every position's logits
+                # A generation must compute at least its last token to get logits.
+                self.block_manager.match_prefix(seq, seq.num_pending_tokens - (0 if seq.is_fill else 1))
             if seq.num_pending_tokens == 0:
                 self.waiting.remove(seq)
                 done_fills.append(seq)

@@ -50,6 +50,10 @@ class Sequence:
         self.deliver: Callable[[object], None] | None = None
         self.aborted = False
         self.num_computed_by_request = 0  # tokens this request computed (the rest were reused)
+        # A scoring fill: each prompt token's logprob (and this many alternatives) by position.
+        # Its every position is computed (no prefix-cache reuse: cached KV has no logits).
+        self.score_top_k: int | None = None
+        self.scores: dict = {}
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -10,6 +10,7 @@ strings, logprobs, usage and the streaming chunk sequence.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Annotated, Any, AsyncIterator, Iterable, Protocol, Sequence, TypeVar
@@ -20,7 +21,7 @@ from msgspec import Meta
 from engines.base import EngineError, EngineStats, Route
 from engines.builtin.grammar import ToolCallReader, output_grammar, read_tool_calls, tool_messages
 from engines.builtin.tokenizer import IncrementalDetokenizer, TokenTexts, chat_prompt_text, chat_prompt_tokens, text_tokens
-from engines.builtin.types import FillResult, SamplingParams, TokenEvent
+from engines.builtin.types import FillResult, SamplingParams, TokenEvent, TokenScore
 from engines.protocol import sse_event
 from engines.protocol import (
     ChatChoice,
@@ -117,6 +118,7 @@ class LLMCore(Protocol):
     def generate(self, context_id: str, params: SamplingParams) -> AsyncIterator[TokenEvent]: ...
     def generate_from_prompt(self, prompt_tokens: list[int], params: SamplingParams, *, parent_context_id: str | None = None) -> AsyncIterator[TokenEvent]: ...
     async def free_context(self, context_id: str) -> int: ...
+    async def score(self, tokens: list[int], top_logprobs: int = 0) -> list[TokenScore]: ...
     def stats(self) -> EngineStats: ...
     def shutdown(self) -> None: ...
 
@@ -377,11 +379,19 @@ class BuiltinEngine:
 
     async def complete(self, request: CompletionRequest) -> Completion:
         jobs, echoes = self._completion_jobs(request)
-        results = await self._collect(jobs)
+        echo_logprobs = await self._echo_logprobs(request, jobs)
+        if request.max_tokens == 0:  # the echoed prompt scored, nothing generated
+            results = [ChoiceResult(finish_reason="length") for job in jobs for _ in job.params]
+        else:
+            results = await self._collect(jobs)
         choices = []
         for i, r in enumerate(results):
             echo = echoes[i // request.n] if request.echo else ""
-            logprobs = self._completion_logprobs(r.events, len(echo)) if request.logprobs is not None else None
+            logprobs = None
+            if request.logprobs is not None:
+                logprobs = self._completion_logprobs(r.events, len(echo))
+                if echo_logprobs:
+                    logprobs = _joined(echo_logprobs[i // request.n], logprobs)
             choices.append(CompletionChoice(index=i, text=echo + r.text, finish_reason=r.finish_reason, logprobs=logprobs))
         return Completion(model=self.model_name, choices=choices, usage=_usage(jobs, results))
 
@@ -392,11 +402,15 @@ class BuiltinEngine:
         def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> bytes:
             return encoder.encode(Completion(model=self.model_name, choices=choices, id=chunk_id, created=created, usage=usage))
 
+        echo_logprobs = await self._echo_logprobs(request, jobs)
         if request.echo:
-            yield chunk([CompletionChoice(index=i, text=echoes[i // request.n]) for job in jobs for i in job.indices])
+            yield chunk([CompletionChoice(index=i, text=echoes[i // request.n],
+                                          logprobs=echo_logprobs[i // request.n] if echo_logprobs else None)
+                         for job in jobs for i in job.indices])
         text_offsets = [len(echoes[i // request.n]) if request.echo else 0 for job in jobs for i in job.indices]
         completion_tokens = 0
-        async for index, piece in self._run_all(jobs):
+        pieces = self._run_all(jobs) if request.max_tokens != 0 else _nothing_generated(jobs)
+        async for index, piece in pieces:
             completion_tokens += len(piece.token_ids)
             logprobs = None
             if request.logprobs is not None:
@@ -425,6 +439,26 @@ class BuiltinEngine:
             if request.echo:
                 echoes.append(prompt if isinstance(prompt, str) else self.tokenizer.decode(tokens))
         return jobs, echoes
+
+    async def _echo_logprobs(self, request: CompletionRequest, jobs: list[PromptJob]) -> list[CompletionLogprobs]:
+        """With echo and logprobs: each prompt's own tokens scored, as OpenAI's legacy completions
+        (and evaluation harnesses reading loglikelihoods through them) expect. Empty otherwise."""
+        if not request.echo or request.logprobs is None:
+            return []
+        try:
+            scored = [await self.llm.score(job.tokens, request.logprobs) for job in jobs]
+        except Exception as exc:
+            raise _translate(exc) from exc
+        texts = self.token_texts
+        out = []
+        for job, scores in zip(jobs, scored):
+            logprobs = CompletionLogprobs(tokens=[texts.text(t) for t in job.tokens], token_logprobs=[None],
+                                          top_logprobs=[None])
+            logprobs.token_logprobs += [s.logprob for s in scores]
+            logprobs.top_logprobs += [{texts.text(t): lp for t, lp in s.top_logprobs} for s in scores]
+            logprobs.text_offset = list(itertools.accumulate((len(t) for t in logprobs.tokens[:-1]), initial=0))
+            out.append(logprobs)
+        return out
 
     def _completion_logprobs(self, events: Sequence[TokenEvent], text_offset: int) -> CompletionLogprobs:
         texts = self.token_texts
@@ -631,6 +665,17 @@ def _tool_delta(reader: ToolCallReader, piece: Piece) -> tuple[ChatDelta, str | 
     if piece.finish_reason is not None:
         content += reader.finish()
     return ChatDelta(content=content or None, tool_calls=calls or None), _tool_finish_reason(piece.finish_reason, reader.calls)
+
+
+async def _nothing_generated(jobs: list[PromptJob]) -> AsyncIterator[tuple[int, Piece]]:
+    for job in jobs:
+        for index in job.indices:
+            yield index, Piece("", [], [], "length")
+
+
+def _joined(first: CompletionLogprobs, then: CompletionLogprobs) -> CompletionLogprobs:
+    return CompletionLogprobs(first.tokens + then.tokens, first.token_logprobs + then.token_logprobs,
+                              first.top_logprobs + then.top_logprobs, first.text_offset + then.text_offset)
 
 
 def _usage_of(prompt_tokens: int, completion_tokens: int) -> Usage:

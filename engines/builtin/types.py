@@ -49,3 +49,11 @@ class FillResult(msgspec.Struct):
     context_id: str
     num_tokens: int  # tokens the context holds after the fill, its parent's included
     cached_tokens: int  # of those, how many were reused (parent or prefix cache) rather than computed
+
+
+class TokenScore(msgspec.Struct):
+    """How likely the model found one prompt token after the tokens before it (echo + logprobs)."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] = []

@@ -80,7 +80,7 @@ def test_wrong_field_types(api, body, param):
     assert param in (error["param"] or "") + error["message"]
 
 
-@pytest.mark.parametrize("field, value", [("max_tokens", -1), ("temperature", 3), ("n", 0), ("top_p", 1.5),
+@pytest.mark.parametrize("field, value", [("max_tokens", -1), ("max_tokens", 0), ("temperature", 3), ("n", 0), ("top_p", 1.5),
                                           ("presence_penalty", -2.5)])
 def test_out_of_range_values(api, field, value):
     error = assert_openai_error(api.post("/v1/chat/completions", json={**CHAT, field: value}), 400)

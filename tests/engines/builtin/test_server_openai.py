@@ -73,6 +73,25 @@ def test_greedy_smollm2_knows_the_capital_of_france(client):
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
+def test_echo_logprobs_score_a_prompt_as_evaluation_harnesses_read_it(client):
+    """Loglikelihood the way lm-eval and friends ask for it: echo the prompt with logprobs and
+    generate nothing (max_tokens 0) or one token; a likely continuation outscores an unlikely one."""
+    def score(text: str) -> float:
+        reply = client.completions.create(model=MODEL, prompt=text, echo=True, logprobs=1, max_tokens=0)
+        choice = reply.choices[0]
+        assert choice.text == text and choice.finish_reason == "length" and reply.usage.completion_tokens == 0
+        assert choice.logprobs.token_logprobs[0] is None and len(choice.logprobs.tokens) == reply.usage.prompt_tokens
+        return sum(choice.logprobs.token_logprobs[1:])
+
+    one_more = client.completions.create(model=MODEL, prompt="The capital of France is", echo=True, logprobs=1,
+                                         max_tokens=1, temperature=0)
+
+    assert score("The capital of France is Paris") > score("The capital of France is Banana")
+    logprobs = one_more.choices[0].logprobs
+    assert len(logprobs.tokens) == one_more.usage.prompt_tokens + 1
+    assert all(len(top) == 1 for top in logprobs.top_logprobs[1:])
+
+
 def test_null_means_the_default_for_nullable_fields(http):
     nulls = {"n": None, "stream": None, "ignore_eos": None, "priority": None}
     chat = http.post("/v1/chat/completions", json={

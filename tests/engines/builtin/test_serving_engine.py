@@ -89,6 +89,55 @@ async def test_echo_prefixes_the_prompt(engine):
     assert reply["choices"][0]["text"].startswith("one two")
 
 
+async def test_echo_with_logprobs_scores_the_prompt_tokens_too(engine, llm):
+    """Evaluation harnesses read loglikelihoods this way: echo, logprobs, one generated token."""
+    body = {"model": "tiny", "prompt": "one two three", "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 2}
+    prompt_tokens = llm.tokenizer.encode("one two three", add_special_tokens=False)
+
+    reply = json.loads(await engine.create("completions", body))
+    streamed = [json.loads(event[6:]) for event in _events(await _stream_bytes(engine, body))]
+
+    logprobs = reply["choices"][0]["logprobs"]
+    scores = await llm.score(prompt_tokens, 2)
+    assert len(logprobs["tokens"]) == len(prompt_tokens) + 1
+    assert "".join(logprobs["tokens"]) == reply["choices"][0]["text"]
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None  # nothing precedes it
+    assert logprobs["token_logprobs"][1:-1] == pytest.approx([s.logprob for s in scores], abs=1e-5)
+    assert all(len(top) == 2 for top in logprobs["top_logprobs"][1:])
+    assert logprobs["text_offset"][:2] == [0, len(logprobs["tokens"][0])]
+    greedy = logprobs["top_logprobs"][-1]  # the generated token was the most likely one
+    assert logprobs["token_logprobs"][-1] == pytest.approx(max(greedy.values()), abs=1e-5)
+    echoed = streamed[0]["choices"][0]
+    assert echoed["text"] == "one two three" and echoed["logprobs"]["tokens"] == logprobs["tokens"][:-1]
+    assert echoed["logprobs"]["token_logprobs"] == logprobs["token_logprobs"][:-1]
+
+
+async def test_echo_with_max_tokens_0_scores_the_prompt_and_generates_nothing(engine):
+    body = {"model": "tiny", "prompt": "one two three", "max_tokens": 0, "echo": True, "logprobs": 0}
+
+    reply = json.loads(await engine.create("completions", body))
+    streamed = [json.loads(event[6:]) for event in _events(await _stream_bytes(engine, body))]
+
+    choice = reply["choices"][0]
+    assert choice["text"] == "one two three" and choice["finish_reason"] == "length"
+    assert reply["usage"]["completion_tokens"] == 0
+    assert len(choice["logprobs"]["tokens"]) == reply["usage"]["prompt_tokens"]
+    assert choice["logprobs"]["top_logprobs"][1:] == [{}] * (reply["usage"]["prompt_tokens"] - 1)  # logprobs 0: none
+    assert streamed[0]["choices"][0]["logprobs"] == choice["logprobs"]
+    assert streamed[-1]["choices"][0]["finish_reason"] == "length" and streamed[-1]["choices"][0]["text"] == ""
+    with pytest.raises(EngineBadRequest) as no_echo:
+        await engine.create("completions", {**body, "echo": False})
+    assert no_echo.value.param == "max_tokens"
+
+
+async def _stream_bytes(engine, body) -> bytes:
+    return b"".join([events async for events in engine.stream("completions", {**body, "stream": True})])
+
+
+def _events(raw: bytes) -> list[bytes]:
+    return [event for event in raw.split(b"\n\n") if event.startswith(b"data: {")]
+
+
 @pytest.mark.parametrize(
     ("route", "body", "param"),
     [
