@@ -13,6 +13,7 @@ starting together never see a half-written cache.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -50,10 +51,22 @@ def cache_root() -> Path:
     return Path(os.environ.get("PARROT_CACHE_DIR") or Path.home() / ".cache" / "parrot")
 
 
+_FINGERPRINT_BYTES = 2**20
+
+
 def gguf_cache_dir(source: ModelSource) -> Path:
+    """Named by the file's content, not its path or mtime: every reinstall of a package that ships the
+    GGUF (a fresh venv, a CI clone) made a new 500 MB cache when the key held the mtime. The size and a
+    hash of its first and last MiB (header and metadata, last tensors) tell GGUF files apart at once,
+    where hashing a multi-GB file would cost seconds at every start."""
     gguf = Path(source.directory, source.gguf_file)
-    stat = gguf.stat()
-    return cache_root() / f"{gguf.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    size = gguf.stat().st_size
+    digest = hashlib.blake2b(digest_size=8)
+    with gguf.open("rb") as file:
+        digest.update(file.read(_FINGERPRINT_BYTES))
+        file.seek(max(0, size - _FINGERPRINT_BYTES))
+        digest.update(file.read(_FINGERPRINT_BYTES))
+    return cache_root() / f"{gguf.stem}-{size}-{digest.hexdigest()}"
 
 
 def converted_gguf(source: ModelSource) -> Path | None:

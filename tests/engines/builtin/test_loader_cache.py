@@ -3,6 +3,8 @@ starting together never see a half-written one."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -91,6 +93,25 @@ def test_second_load_reads_the_cache_and_matches_the_gguf(tiny_gguf, monkeypatch
     text = "the cat sat <|im_end|>"
     assert cached_tokenizer(text).input_ids == tokenizer(text).input_ids
     assert cached_tokenizer.eos_token_id == tokenizer.eos_token_id
+
+
+def test_a_reinstalled_copy_reuses_the_cache_and_another_file_gets_its_own(tiny_gguf, tmp_path):
+    """A fresh venv or CI clone installs the same GGUF anew (new path, new mtime): same cache."""
+    original = Path(tiny_gguf.directory, tiny_gguf.gguf_file)
+    (tmp_path / "reinstalled").mkdir()
+    copy = tmp_path / "reinstalled" / original.name
+    shutil.copyfile(original, copy)
+    os.utime(copy, ns=(1, 1))
+    changed = tmp_path / "changed" / original.name
+    changed.parent.mkdir()
+    data = bytearray(original.read_bytes())
+    data[-1] ^= 0xFF  # the last tensor's last byte
+    changed.write_bytes(bytes(data))
+
+    same, other = loader.gguf_cache_dir(ModelSource(str(copy))), loader.gguf_cache_dir(ModelSource(str(changed)))
+
+    assert same == loader.gguf_cache_dir(tiny_gguf)
+    assert other != same
 
 
 def test_concurrent_first_loads_share_one_complete_cache(tiny_gguf, monkeypatch):
