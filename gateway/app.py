@@ -69,7 +69,7 @@ async def _add_request_id(message: Message, scope: Scope) -> None:
     if message["type"] != "http.response.start":
         return
     request_id = next((v for k, v in scope.get("headers", ()) if k == b"x-request-id"), None)
-    if request_id is None:
+    if not request_id:
         request_id = b"%s%016x" % (_REQUEST_ID_PREFIX, next(_request_numbers))
     # A new list: responses may share theirs.
     message["headers"] = [*message.get("headers", ()), (b"x-request-id", request_id)]

@@ -268,10 +268,13 @@ class LLMEngine:
             raise RuntimeError(f"fill of context {seq.context_id!r} was aborted")
         return result
 
-    async def score(self, tokens: list[int], top_logprobs: int = 0) -> list[TokenScore]:
+    async def score(self, tokens: list[int], top_logprobs: int = 0, *, priority: int = 0,
+                    counted: bool = True) -> list[TokenScore]:
         """The logprob of each token after the ones before it (the first has none: ``len - 1`` scores),
         each with its ``top_logprobs`` most likely alternatives. Computed as a fill of a temporary
-        context whose full blocks stay in the prefix cache, so generating from ``tokens`` next reuses them."""
+        context whose full blocks stay in the prefix cache, so generating from ``tokens`` next reuses them.
+        ``counted``: whether they count as prompt tokens in stats (not when a generation from the same
+        prompt follows, which counts them)."""
         if len(tokens) > self.max_model_len:
             raise PromptTooLong(f"{len(tokens)} tokens is more than the maximum context length of {self.max_model_len} tokens")
         loop = asyncio.get_running_loop()
@@ -280,8 +283,9 @@ class LLMEngine:
             seq = self._new_context(None, None, temporary=True)
             seq.token_ids += tokens
             seq.score_top_k = top_logprobs
+            seq.fill_priority = priority
             seq.deliver = _resolver(loop, future)
-            self._prompt_tokens += len(tokens)
+            self._prompt_tokens += len(tokens) if counted else 0
             self.scheduler.add(seq)
             arrival = seq.arrival
         self._wakeup.set()

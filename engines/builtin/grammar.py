@@ -65,8 +65,10 @@ def output_grammar(
     """The grammar for a chat request; raises ``InvalidRequest`` for schemas llguidance rejects."""
     choice = tool_choice if tool_choice is not None else "auto"
     if tools and choice != "none":
-        # Several calls only when asked for outright: small models otherwise repeat a call until max_tokens.
         answer = format_schema(response_format) if choice == "auto" else None
+        if answer is not None:  # checked alone, so that a bad schema is named as such
+            _check(response_format_grammar(response_format), "response_format")
+        # Several calls only when asked for outright: small models otherwise repeat a call until max_tokens.
         grammar = tools_grammar(tools, choice, parallel_tool_calls is True, answer)
         _check_tools(grammar, tools)
         return OutputGrammar(grammar, tool_calls=True)
@@ -98,8 +100,9 @@ def format_schema(response_format: ResponseFormat | None) -> dict[str, Any] | No
         schema, strict = (spec.schema if spec is not None else None), bool(spec and spec.strict)
     if not isinstance(schema, dict):
         raise InvalidRequest("response_format json_schema.schema must be a JSON object", "response_format")
-    # Non-strict schemas may use keywords llguidance does not implement; it then ignores them.
-    return {**closed(schema), "x-guidance": {**JSON_STYLE, "lenient": not strict}}
+    # Non-strict schemas may use keywords llguidance does not implement; it then ignores them. The
+    # schema's own x-guidance options, if any, win over these defaults.
+    return {**closed(schema), "x-guidance": {**JSON_STYLE, "lenient": not strict, **schema.get("x-guidance", {})}}
 
 
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")

@@ -97,9 +97,7 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
-            if seq.score_top_k is None:  # a scoring fill needs every position's logits
-                # A generation must compute at least its last token to get logits.
-                self.block_manager.match_prefix(seq, seq.num_pending_tokens - (0 if seq.is_fill else 1))
+            self.block_manager.match_prefix(seq, self._reusable_tokens(seq))
             if seq.num_pending_tokens == 0:
                 self.waiting.remove(seq)
                 done_fills.append(seq)
@@ -117,6 +115,16 @@ class Scheduler:
             entries.append((seq, n))
             budget -= n
         return done_fills
+
+    @staticmethod
+    def _reusable_tokens(seq: Sequence) -> int:
+        """How many of ``seq``'s next tokens may come from the prefix cache instead of being computed."""
+        if seq.score_top_k is not None:
+            # A scoring fill needs every position's logits: only the positions already scored (before
+            # it was preempted) may be reused. Scores are keyed by the token they score: p needs row p - 1.
+            return max(seq.scores, default=0) - seq.num_computed_tokens
+        # A generation must compute at least its last token to get logits.
+        return seq.num_pending_tokens - (0 if seq.is_fill else 1)
 
     def _make_room(self, seq: Sequence, num_tokens: int, *, preempt_running: bool = True) -> bool:
         while not self.block_manager.can_allocate(seq, num_tokens):

@@ -54,13 +54,14 @@ class Sequence:
         # Its every position is computed (no prefix-cache reuse: cached KV has no logits).
         self.score_top_k: int | None = None
         self.scores: dict = {}
+        self.fill_priority = 0  # a fill's place in line (a generation's is in its params)
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
     @property
     def priority(self) -> int:
-        return self.params.priority if self.params else 0
+        return self.params.priority if self.params else self.fill_priority
 
     @property
     def num_pending_tokens(self) -> int:

@@ -379,7 +379,7 @@ class BuiltinEngine:
 
     async def complete(self, request: CompletionRequest) -> Completion:
         jobs, echoes = self._completion_jobs(request)
-        echo_logprobs = await self._echo_logprobs(request, jobs)
+        echo_logprobs = await self._echo_logprobs(request, jobs, echoes)
         if request.max_tokens == 0:  # the echoed prompt scored, nothing generated
             results = [ChoiceResult(finish_reason="length") for job in jobs for _ in job.params]
         else:
@@ -402,7 +402,7 @@ class BuiltinEngine:
         def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> bytes:
             return encoder.encode(Completion(model=self.model_name, choices=choices, id=chunk_id, created=created, usage=usage))
 
-        echo_logprobs = await self._echo_logprobs(request, jobs)
+        echo_logprobs = await self._echo_logprobs(request, jobs, echoes)
         if request.echo:
             yield chunk([CompletionChoice(index=i, text=echoes[i // request.n],
                                           logprobs=echo_logprobs[i // request.n] if echo_logprobs else None)
@@ -440,25 +440,41 @@ class BuiltinEngine:
                 echoes.append(prompt if isinstance(prompt, str) else self.tokenizer.decode(tokens))
         return jobs, echoes
 
-    async def _echo_logprobs(self, request: CompletionRequest, jobs: list[PromptJob]) -> list[CompletionLogprobs]:
+    async def _echo_logprobs(self, request: CompletionRequest, jobs: list[PromptJob],
+                             echoes: list[str]) -> list[CompletionLogprobs]:
         """With echo and logprobs: each prompt's own tokens scored, as OpenAI's legacy completions
         (and evaluation harnesses reading loglikelihoods through them) expect. Empty otherwise."""
         if not request.echo or request.logprobs is None:
             return []
+        counted = request.max_tokens == 0  # else the generation from the same prompt counts it
+        tasks = [asyncio.ensure_future(self.llm.score(job.tokens, request.logprobs, priority=request.priority,
+                                                      counted=counted)) for job in jobs]
         try:
-            scored = [await self.llm.score(job.tokens, request.logprobs) for job in jobs]
+            scored = await asyncio.gather(*tasks)  # all prompts in one batch
         except Exception as exc:
+            for task in tasks:  # one failed: the others are of no use
+                task.cancel()
             raise _translate(exc) from exc
         texts = self.token_texts
         out = []
-        for job, scores in zip(jobs, scored):
-            logprobs = CompletionLogprobs(tokens=[texts.text(t) for t in job.tokens], token_logprobs=[None],
-                                          top_logprobs=[None])
-            logprobs.token_logprobs += [s.logprob for s in scores]
-            logprobs.top_logprobs += [{texts.text(t): lp for t, lp in s.top_logprobs} for s in scores]
-            logprobs.text_offset = list(itertools.accumulate((len(t) for t in logprobs.tokens[:-1]), initial=0))
-            out.append(logprobs)
+        for job, scores, echo in zip(jobs, scored, echoes):
+            out.append(CompletionLogprobs(
+                tokens=[texts.text(t) for t in job.tokens],
+                token_logprobs=[None, *(s.logprob for s in scores)],
+                top_logprobs=[None, *({texts.text(t): lp for t, lp in s.top_logprobs} for s in scores)],
+                text_offset=self._offsets(echo, job.tokens)))
         return out
+
+    def _offsets(self, text: str, tokens: list[int]) -> list[int]:
+        """Where each token starts in ``text``: the tokenizer's own offsets when ``text`` tokenizes to
+        ``tokens`` (pieces of one character share its offset), else the running length of token texts."""
+        try:
+            encoded = self.tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
+        except NotImplementedError:  # a slow tokenizer has no offsets
+            encoded = None
+        if encoded is not None and list(encoded["input_ids"]) == tokens:
+            return [start for start, _ in encoded["offset_mapping"]]
+        return list(itertools.accumulate((len(self.token_texts.text(t)) for t in tokens[:-1]), initial=0))
 
     def _completion_logprobs(self, events: Sequence[TokenEvent], text_offset: int) -> CompletionLogprobs:
         texts = self.token_texts
@@ -535,7 +551,7 @@ class BuiltinEngine:
     ) -> SamplingParams:
         """OpenAI fields (unset = None) as normalised ``SamplingParams`` for a prompt of ``prompt_len``."""
         remaining = self.llm.max_model_len - prompt_len
-        if remaining < 1:
+        if remaining < (0 if request.token_limit() == 0 else 1):  # 0: an echoed prompt only scored
             raise EngineBadRequest(
                 f"the prompt is {prompt_len} tokens; this model's context window is {self.llm.max_model_len}", prompt_param
             )

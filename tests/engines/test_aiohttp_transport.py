@@ -56,6 +56,25 @@ def test_streams_arrive_in_pieces_and_close_early_without_reading_the_rest(upstr
     assert stats["streams_cancelled"] >= 1  # the upstream saw the connection go
 
 
+def test_a_stream_read_as_it_comes_never_re_enters_the_parser(upstream, monkeypatch):
+    """aiohttp's own protocol re-enters its parser once per HTTP chunk (one per token); the pool's
+    protocol skips that while nothing is paused (this fails if the pool no longer uses it)."""
+    resumes = []
+    resume_reading = ResponseHandler.resume_reading
+    monkeypatch.setattr(ResponseHandler, "resume_reading",
+                        lambda self, *args: resumes.append(1) or resume_reading(self, *args))
+
+    async def test(client: httpx.AsyncClient):
+        body = {**CHAT, "stream": True, "fake": {"words": 30}}
+        async with client.stream("POST", f"{upstream}/v1/chat/completions", json=body) as response:
+            return b"".join([chunk async for chunk in response.aiter_raw()])
+
+    streamed = run(test)
+
+    assert streamed.count(b"data: ") == 33 and streamed.endswith(b"data: [DONE]\n\n")
+    assert resumes == []
+
+
 def test_compressed_bodies_are_decoded_by_httpx(serve):
     async def app(scope, receive, send):
         if scope["type"] != "http":

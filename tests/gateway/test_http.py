@@ -43,6 +43,12 @@ def test_request_ids_differ_per_request(api):
     assert len(ids) == 3
 
 
+def test_an_empty_incoming_request_id_gets_one_made(api):
+    response = api.get("/v1/models", headers={"x-request-id": ""})
+
+    assert re.fullmatch(r"[0-9a-f]{32}", response.headers["x-request-id"])
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_incoming_request_id_is_echoed(api, stream):
     response = api.post("/v1/chat/completions", json={**CHAT, "stream": stream},

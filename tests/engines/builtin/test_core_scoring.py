@@ -66,3 +66,45 @@ def test_scoring_fills_the_prefix_cache_and_a_cached_prompt_is_still_scored(make
 
 def test_a_one_token_prompt_has_no_scores(make_engine):
     assert asyncio.run(make_engine().score([7])) == []
+
+
+def test_a_preempted_scoring_fill_resumes_where_it_was_and_scores_right(make_engine, tiny_hf_model):
+    """Six blocks for a 60-token scoring fill and a higher-priority generation: the fill is preempted
+    again and again; each time it comes back it reuses the blocks it had scored, not position 0."""
+    engine = make_engine(num_blocks=6, max_num_batched_tokens=16)
+    tokens = prompt(60, seed=4)
+
+    async def score_beside_a_generation():
+        generation = engine.generate_from_prompt(prompt(40, seed=5), SamplingParams(max_tokens=50, ignore_eos=True,
+                                                                                    priority=10))
+        await anext(generation)
+        scoring = asyncio.create_task(engine.score(tokens, 2))
+        generated = [event async for event in generation]
+        return await scoring, generated
+
+    scores, generated = asyncio.run(score_beside_a_generation())
+
+    expected = hf_logprobs(tiny_hf_model, tokens).gather(1, torch.tensor(tokens[1:]).unsqueeze(1)).squeeze(1)
+    assert torch.allclose(torch.tensor([s.logprob for s in scores]), expected, atol=1e-4)
+    assert len(generated) == 49
+    assert 0 < engine.scheduler.num_preemptions <= 8  # 27 when every return started again from position 0
+
+
+def test_a_cancelled_scoring_fill_frees_its_blocks(make_engine):
+    engine = make_engine(max_num_batched_tokens=16)
+
+    async def cancel_midway():
+        scoring = asyncio.create_task(engine.score(prompt(500, seed=7), 1))
+        await asyncio.sleep(0.3)
+        scoring.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await scoring
+        for _ in range(100):  # the abort is applied by the engine's next step
+            if not engine.scheduler.contexts:
+                break
+            await asyncio.sleep(0.05)
+
+    asyncio.run(cancel_midway())
+
+    assert not engine.scheduler.contexts
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

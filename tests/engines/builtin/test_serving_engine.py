@@ -130,6 +130,30 @@ async def test_echo_with_max_tokens_0_scores_the_prompt_and_generates_nothing(en
     assert no_echo.value.param == "max_tokens"
 
 
+async def test_echo_offsets_follow_the_text_for_characters_split_across_tokens(engine):
+    text = "naïve 日本語 café 🙂 ok"
+    body = {"model": "tiny", "prompt": text, "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 0,
+            "ignore_eos": True}
+
+    logprobs = json.loads(await engine.create("completions", body))["choices"][0]["logprobs"]
+
+    offsets = logprobs["text_offset"]
+    assert offsets == sorted(offsets) and offsets[0] == 0
+    echoed = offsets[: len(offsets) - 2]
+    assert echoed[-1] < len(text) <= offsets[-2]  # the generated tokens start after the echo
+
+
+async def test_a_prompt_filling_the_window_can_be_scored(engine):
+    tokens = list(range(1000, 1000 + WINDOW))
+    body = {"model": "tiny", "prompt": tokens, "max_tokens": 0, "echo": True, "logprobs": 1}
+
+    reply = json.loads(await engine.create("completions", body))
+
+    assert len(reply["choices"][0]["logprobs"]["tokens"]) == WINDOW
+    with pytest.raises(EngineBadRequest):  # one token more than fits: no room to generate
+        await engine.create("completions", {**body, "max_tokens": 1})
+
+
 async def _stream_bytes(engine, body) -> bytes:
     return b"".join([events async for events in engine.stream("completions", {**body, "stream": True})])
 

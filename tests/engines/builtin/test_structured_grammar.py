@@ -166,6 +166,9 @@ def test_invalid_requests_name_their_parameter():
     with pytest.raises(InvalidRequest) as bad_choice:
         output_grammar(None, [WEATHER], {"type": "function", "function": {"name": "nope"}}, None)
     assert bad_choice.value.param == "tool_choice"
+    with pytest.raises(InvalidRequest) as bad_answer:  # tools offered too: still the format that is wrong
+        output_grammar(schema_format({"type": "strang"}), [WEATHER], "auto", None)
+    assert bad_answer.value.param == "response_format"
     bad_tool = Tool(function=FunctionDefinition(name="f", parameters={"type": "strang"}))
     with pytest.raises(InvalidRequest) as bad_parameters:
         output_grammar(None, [WEATHER, bad_tool], "auto", None)
