@@ -250,23 +250,13 @@ class LLMEngine:
             else:
                 if parent_context_id is not None:
                     self._check_length(self._context(parent_context_id), len(tokens))
-                elif len(tokens) > self.max_model_len:
-                    raise PromptTooLong(f"{len(tokens)} tokens is more than the maximum context length of {self.max_model_len} tokens")
+                else:
+                    self._check_prompt_length(tokens)
                 seq = self._new_context(context_id, parent_context_id)
             seq.token_ids += tokens
-            seq.deliver = _resolver(loop, future)
             self._prompt_tokens += len(tokens)
-            self.scheduler.add(seq)
-            arrival = seq.arrival
-        self._wakeup.set()
-        try:
-            result = await future
-        except asyncio.CancelledError:
-            self._request_abort(seq, arrival)
-            raise
-        if result is None:
-            raise RuntimeError(f"fill of context {seq.context_id!r} was aborted")
-        return result
+            arrival = self._submit(seq, _resolver(loop, future))
+        return await self._outcome(seq, arrival, future, f"fill of context {seq.context_id!r} was aborted")
 
     async def score(self, tokens: list[int], top_logprobs: int = 0, *, priority: int = 0,
                     counted: bool = True) -> list[TokenScore]:
@@ -275,8 +265,7 @@ class LLMEngine:
         context whose full blocks stay in the prefix cache, so generating from ``tokens`` next reuses them.
         ``counted``: whether they count as prompt tokens in stats (not when a generation from the same
         prompt follows, which counts them)."""
-        if len(tokens) > self.max_model_len:
-            raise PromptTooLong(f"{len(tokens)} tokens is more than the maximum context length of {self.max_model_len} tokens")
+        self._check_prompt_length(tokens)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[list[TokenScore] | None] = loop.create_future()
         with self._lock:
@@ -284,10 +273,22 @@ class LLMEngine:
             seq.token_ids += tokens
             seq.score_top_k = top_logprobs
             seq.fill_priority = priority
-            seq.deliver = _resolver(loop, future)
             self._prompt_tokens += len(tokens) if counted else 0
-            self.scheduler.add(seq)
-            arrival = seq.arrival
+            arrival = self._submit(seq, _resolver(loop, future))
+        return await self._outcome(seq, arrival, future, "scoring the prompt was aborted")
+
+    def _check_prompt_length(self, tokens: list[int]) -> None:
+        if len(tokens) > self.max_model_len:
+            raise PromptTooLong(f"{len(tokens)} tokens is more than the maximum context length of {self.max_model_len} tokens")
+
+    def _submit(self, seq: Sequence, deliver: Callable) -> int:
+        """Queues ``seq``'s fill (under the lock); returns its arrival, which names the request for aborts."""
+        seq.deliver = deliver
+        self.scheduler.add(seq)
+        return seq.arrival
+
+    async def _outcome(self, seq: Sequence, arrival: int, future: asyncio.Future, aborted: str):
+        """What a queued fill delivers; cancelling the wait aborts the fill."""
         self._wakeup.set()
         try:
             result = await future
@@ -295,7 +296,7 @@ class LLMEngine:
             self._request_abort(seq, arrival)
             raise
         if result is None:
-            raise RuntimeError("scoring the prompt was aborted")
+            raise RuntimeError(aborted)
         return result
 
     async def free_context(self, context_id: str) -> int:
