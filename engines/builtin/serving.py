@@ -118,7 +118,7 @@ class LLMCore(Protocol):
     def generate(self, context_id: str, params: SamplingParams) -> AsyncIterator[TokenEvent]: ...
     def generate_from_prompt(self, prompt_tokens: list[int], params: SamplingParams, *, parent_context_id: str | None = None) -> AsyncIterator[TokenEvent]: ...
     async def free_context(self, context_id: str) -> int: ...
-    async def score(self, tokens: list[int], top_logprobs: int = 0) -> list[TokenScore]: ...
+    async def score(self, tokens: list[int], top_logprobs: int = 0, *, priority: int = 0, counted: bool = True) -> list[TokenScore]: ...
     def stats(self) -> EngineStats: ...
     def shutdown(self) -> None: ...
 
@@ -380,10 +380,7 @@ class BuiltinEngine:
     async def complete(self, request: CompletionRequest) -> Completion:
         jobs, echoes = self._completion_jobs(request)
         echo_logprobs = await self._echo_logprobs(request, jobs, echoes)
-        if request.max_tokens == 0:  # the echoed prompt scored, nothing generated
-            results = [ChoiceResult(finish_reason="length") for job in jobs for _ in job.params]
-        else:
-            results = await self._collect(jobs)
+        results = await self._collect(jobs, self._completion_pieces(request, jobs))
         choices = []
         for i, r in enumerate(results):
             echo = echoes[i // request.n] if request.echo else ""
@@ -409,8 +406,7 @@ class BuiltinEngine:
                          for job in jobs for i in job.indices])
         text_offsets = [len(echoes[i // request.n]) if request.echo else 0 for job in jobs for i in job.indices]
         completion_tokens = 0
-        pieces = self._run_all(jobs) if request.max_tokens != 0 else _nothing_generated(jobs)
-        async for index, piece in pieces:
+        async for index, piece in self._completion_pieces(request, jobs):
             completion_tokens += len(piece.token_ids)
             logprobs = None
             if request.logprobs is not None:
@@ -439,6 +435,10 @@ class BuiltinEngine:
             if request.echo:
                 echoes.append(prompt if isinstance(prompt, str) else self.tokenizer.decode(tokens))
         return jobs, echoes
+
+    def _completion_pieces(self, request: CompletionRequest, jobs: list[PromptJob]) -> AsyncIterator[tuple[int, Piece]]:
+        """The choices' pieces; with max_tokens 0 (an echoed prompt only scored) each just ends."""
+        return _nothing_generated(jobs) if request.max_tokens == 0 else self._run_all(jobs)
 
     async def _echo_logprobs(self, request: CompletionRequest, jobs: list[PromptJob],
                              echoes: list[str]) -> list[CompletionLogprobs]:
@@ -593,9 +593,10 @@ class BuiltinEngine:
     def _hidden_ids(self, params: SamplingParams) -> frozenset[int]:
         return self.eos_token_ids | frozenset(params.stop_token_ids)
 
-    async def _collect(self, jobs: list[PromptJob]) -> list[ChoiceResult]:
+    async def _collect(self, jobs: list[PromptJob], pieces: AsyncIterator[tuple[int, Piece]] | None = None
+                       ) -> list[ChoiceResult]:
         results = [ChoiceResult() for job in jobs for _ in job.params]
-        async for index, piece in self._run_all(jobs):
+        async for index, piece in pieces or self._run_all(jobs):
             results[index].add(piece)
         return results
 
