@@ -279,7 +279,8 @@ class LLMEngine:
 
     def _check_prompt_length(self, tokens: list[int]) -> None:
         if len(tokens) > self.max_model_len:
-            raise PromptTooLong(f"{len(tokens)} tokens is more than the maximum context length of {self.max_model_len} tokens")
+            raise PromptTooLong(
+                f"{len(tokens)} prompt tokens is more than the maximum context length of {self.max_model_len} tokens")
 
     def _submit(self, seq: Sequence, deliver: Callable) -> int:
         """Queues ``seq``'s fill (under the lock); returns its arrival, which names the request for aborts."""
@@ -360,10 +361,8 @@ class LLMEngine:
             else:
                 if parent_context_id is not None:
                     self._check_length(self._context(parent_context_id), len(prompt_tokens))
-                elif len(prompt_tokens) > self.max_model_len:
-                    raise PromptTooLong(
-                        f"{len(prompt_tokens)} prompt tokens is more than the maximum context length of {self.max_model_len} tokens"
-                    )
+                else:
+                    self._check_prompt_length(prompt_tokens)
                 seq = self._new_context(None, parent_context_id, temporary=True)
                 seq.token_ids += prompt_tokens
                 self._prompt_tokens += len(prompt_tokens)

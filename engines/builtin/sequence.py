@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from engines.builtin.types import SamplingParams
+from engines.builtin.types import SamplingParams, TokenScore
 
 _arrival = itertools.count()
 
@@ -53,7 +53,7 @@ class Sequence:
         # A scoring fill: each prompt token's logprob (and this many alternatives) by position.
         # Its every position is computed (no prefix-cache reuse: cached KV has no logits).
         self.score_top_k: int | None = None
-        self.scores: dict = {}
+        self.scores: dict[int, TokenScore] = {}
         self.fill_priority = 0  # a fill's place in line (a generation's is in its params)
 
     def __len__(self) -> int:
