@@ -1,7 +1,7 @@
 """HTTP client for a builtin engine's context primitives: fill (with fork), generate, free, render.
 
-It is what the gateway uses to share prefixes: fill a constant prefix once, then fork every
-request from it instead of recomputing it.
+It is what the gateway uses to share prefixes: every request on a constant prefix forks one
+context holding it (created by the first request to arrive) instead of recomputing it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ class Generation(msgspec.Struct):
     text: str
     token_ids: list[int]
     finish_reason: str | None
-    usage: dict[str, int]
+    usage: dict[str, int]  # prompt_tokens: the request's own (a fork's text), not the context's
+    context_tokens: int  # the context's tokens the generation followed
 
 
 class Rendered(msgspec.Struct):
@@ -44,18 +45,23 @@ class ContextClient:
         return response.content
 
     async def fill(self, *, text: str | None = None, tokens: list[int] | None = None,
-                   parent_context_id: str | None = None, context_id: str | None = None) -> FillResult:
+                   parent_context_id: str | None = None, context_id: str | None = None,
+                   if_absent: bool = False) -> FillResult:
+        """Fills a context; ``if_absent``: creates ``context_id`` unless it exists, not waiting for its fill."""
         body = {k: v for k, v in (("text", text), ("tokens", tokens), ("parent_context_id", parent_context_id),
-                                  ("context_id", context_id)) if v is not None}
+                                  ("context_id", context_id), ("if_absent", if_absent or None)) if v is not None}
         return msgspec.json.decode(await self._call("POST", "contexts", body), type=FillResult)
 
-    async def generate(self, context_id: str, sampling: dict[str, Any], *, fork_with: str | None = None
-                       ) -> Generation:
+    async def generate(self, context_id: str, sampling: dict[str, Any], *, fork_with: str | None = None,
+                       context_text: str | None = None) -> Generation:
         """Generate after the context (appending to it), or with ``fork_with``: after the context plus
-        that text, in a temporary child the engine frees itself."""
+        that text, in a temporary child the engine frees itself. ``context_text`` (with ``fork_with``):
+        the context's text, to create it from if it does not exist yet."""
         body = {**sampling, "stream": False}
         if fork_with is not None:
             body |= {"text": fork_with, "fork": True}
+            if context_text is not None:
+                body["context_text"] = context_text
         return msgspec.json.decode(await self._call("POST", f"contexts/{context_id}/generate", body),
                                    type=Generation)
 

@@ -1,7 +1,11 @@
 """Fixed-size KV blocks with reference counts, a prefix cache and fork with copy-on-write.
 
-A full block whose KV is computed gets a chain hash, ``hash((previous block's hash, tokens))``,
-so one hash names a whole prefix; a lookup is confirmed by comparing the block's tokens. Blocks
+A full block gets a chain hash, ``hash((previous block's hash, tokens))``, so one hash names a
+whole prefix; a lookup is confirmed by comparing the block's tokens. A block is published when
+it is scheduled to become full, not after: a sequence admitted later in the same step then
+shares it instead of computing the same prefix beside it (each layer writes the step's keys and
+values before any of its attention reads them). ``commit`` marks the step's blocks computed;
+``rollback`` unpublishes them when the step failed. Blocks
 whose last reference goes away stay in the cache (their KV is intact) on an LRU free list and
 are reused for new data oldest first. Partial blocks are never shared: ``fork`` shares the
 parent's fully computed blocks and copies the rows of the rest into a fresh block. With
@@ -49,6 +53,7 @@ class BlockManager:
         # copy_rows(src_block, dst_block, num_rows): copies KV rows, set by the model runner.
         self.copy_rows = copy_rows or (lambda src, dst, n: None)
         self.prefix_hit_tokens = 0  # tokens served from cache or parent instead of computed
+        self._in_flight: list[int] = []  # blocks published this step, computed once it ran
 
     @property
     def num_blocks(self) -> int:
@@ -71,8 +76,10 @@ class BlockManager:
         return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Slots for the next ``num_new_tokens`` tokens, which this step computes."""
         for _ in range(self.blocks_needed(seq, num_new_tokens)):
             seq.block_table.append(self._take_free_block().block_id)
+        self._publish(seq, seq.num_computed_tokens + num_new_tokens)
 
     def match_prefix(self, seq: Sequence, max_tokens: int) -> int:
         """Extends ``seq`` with cached blocks holding its next full blocks; returns tokens reused.
@@ -101,19 +108,35 @@ class BlockManager:
         self.prefix_hit_tokens += reused
         return reused
 
-    def commit(self, seq: Sequence, previously_computed: int) -> None:
-        """Publishes the blocks that became full and computed since ``previously_computed``."""
+    def _publish(self, seq: Sequence, computed_after: int) -> None:
+        """Publishes the blocks that are full once ``seq`` has ``computed_after`` tokens computed."""
         if not self.prefix_caching:
             return
         size = self.block_size
-        for index in range(previously_computed // size, seq.num_computed_tokens // size):
+        for index in range(seq.num_computed_tokens // size, computed_after // size):
             block = self.blocks[seq.block_table[index]]
             if block.hash is not NO_HASH:
                 continue
             previous = self.blocks[seq.block_table[index - 1]].hash if index else None
+            if index and previous is NO_HASH:
+                return  # a chain with a gap names no prefix
             block.token_ids = tuple(seq.token_ids[index * size : (index + 1) * size])
             block.hash = chain_hash(previous, block.token_ids)
             self.cached[block.hash] = block.block_id
+            self._in_flight.append(block.block_id)
+
+    def commit(self) -> None:
+        """The step ran: the blocks published for it hold their KV."""
+        self._in_flight.clear()
+
+    def rollback(self) -> None:
+        """The step failed: the blocks published for it may hold anything, so nobody may match them."""
+        for block_id in self._in_flight:
+            block = self.blocks[block_id]
+            if self.cached.get(block.hash) == block_id:
+                del self.cached[block.hash]
+            block.hash, block.token_ids = NO_HASH, ()
+        self._in_flight.clear()
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Gives ``child`` the parent's KV: full computed blocks shared, the remainder copied."""

@@ -97,6 +97,14 @@ class LLMEngine:
             self._thread = None
         self._abort_all()
 
+    def _discard_step(self) -> None:
+        """After a failed step no KV it was to write can be trusted: its blocks leave the prefix cache
+        and the running sequences (the ones it held) drop theirs, to be recomputed if ever used again."""
+        with self._lock:
+            self.block_manager.rollback()
+            for seq in self.scheduler.running:
+                self.block_manager.release(seq)
+
     def _abort_all(self) -> None:
         with self._lock:
             for seq in self.scheduler.running + self.scheduler.waiting:
@@ -112,6 +120,7 @@ class LLMEngine:
                 self.step()
             except Exception:  # a bug must not leave every waiter hanging silently
                 log.exception("engine step failed; aborting all requests")
+                self._discard_step()
                 self._abort_all()
 
     def has_work(self) -> bool:
@@ -133,12 +142,11 @@ class LLMEngine:
             sampled = batch.sampled()
             for seq, first, scores in result.scores:  # by position: a recomputed (preempted) chunk rewrites its own
                 seq.scores.update(zip(range(first, first + len(scores)), scores))
+            self.block_manager.commit()
             for seq, n in batch.entries:
-                previous = seq.num_computed_tokens
                 seq.num_computed_tokens += n
                 seq.num_computed_by_request += n
                 seq.last_used = self._step_count
-                self.block_manager.commit(seq, previous)
                 if seq.is_fill and seq.num_pending_tokens == 0:
                     done_fills.append(seq)
             self._computed_tokens += batch.num_tokens
@@ -236,6 +244,30 @@ class LLMEngine:
         with self._lock:
             return self._new_context(context_id, parent_context_id).context_id
 
+    def ensure_context(self, context_id: str, tokens: list[int]) -> bool:
+        """Creates ``context_id`` holding ``tokens`` unless it exists, its fill queued with nobody
+        waiting for it. Returns whether it was created."""
+        with self._lock:
+            created = self._ensure_context(context_id, tokens)
+        self._wakeup.set()
+        return created
+
+    def _ensure_context(self, context_id: str, tokens: list[int]) -> bool:
+        if context_id in self.scheduler.contexts:
+            return False
+        self._check_prompt_length(tokens)
+        seq = self._new_context(context_id, None)
+        seq.token_ids += tokens
+        self._prompt_tokens += len(tokens)
+        self._submit(seq, None)
+        return True
+
+    def context_length(self, context_id: str) -> int | None:
+        """Tokens the context holds; None when there is no such context."""
+        with self._lock:
+            seq = self.scheduler.contexts.get(context_id)
+            return None if seq is None else len(seq)
+
     async def fill(self, tokens: list[int], *, context_id: str | None = None, parent_context_id: str | None = None) -> FillResult:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[FillResult] = loop.create_future()
@@ -282,7 +314,7 @@ class LLMEngine:
             raise PromptTooLong(
                 f"{len(tokens)} prompt tokens is more than the maximum context length of {self.max_model_len} tokens")
 
-    def _submit(self, seq: Sequence, deliver: Callable) -> int:
+    def _submit(self, seq: Sequence, deliver: Callable | None) -> int:
         """Queues ``seq``'s fill (under the lock); returns its arrival, which names the request for aborts."""
         seq.deliver = deliver
         self.scheduler.add(seq)
@@ -321,19 +353,26 @@ class LLMEngine:
         return self._stream(params, context_id=context_id)
 
     def generate_from_prompt(
-        self, prompt_tokens: list[int], params: SamplingParams, *, parent_context_id: str | None = None
+        self, prompt_tokens: list[int], params: SamplingParams, *, parent_context_id: str | None = None,
+        parent_tokens: list[int] | None = None,
     ) -> AsyncIterator[TokenEvent]:
-        return self._stream(params, prompt_tokens=prompt_tokens, parent_context_id=parent_context_id)
+        """Generates after ``prompt_tokens``, or after the parent context's tokens plus them. With
+        ``parent_tokens`` the parent is created from them if it does not exist, its fill queued with
+        this generation (under one lock, so that a step takes both): the step that computes the
+        parent's blocks shares them with its forks."""
+        return self._stream(params, prompt_tokens=prompt_tokens, parent_context_id=parent_context_id,
+                            parent_tokens=parent_tokens)
 
-    async def _stream(self, params: SamplingParams, *, context_id=None, prompt_tokens=None, parent_context_id=None):
+    async def _stream(self, params: SamplingParams, *, context_id=None, prompt_tokens=None, parent_context_id=None,
+                      parent_tokens=None):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         # Compiling a grammar (the first one also builds llguidance's view of the vocabulary, ~0.5 s)
         # must not stall the server's event loop.
-        grammar = await asyncio.to_thread(self._grammar_matcher, params)
+        grammar = await asyncio.to_thread(self._grammar_matcher, params) if params.grammar is not None else None
         seq, arrival = self._start_generation(
             params, lambda event: loop.call_soon_threadsafe(queue.put_nowait, event), context_id, prompt_tokens,
-            parent_context_id, grammar,
+            parent_context_id, grammar, parent_tokens,
         )
         finished = False
         try:
@@ -352,8 +391,10 @@ class LLMEngine:
         return self.grammars.matcher(params.grammar) if params.grammar is not None else None
 
     def _start_generation(self, params, deliver, context_id, prompt_tokens, parent_context_id,
-                          grammar) -> tuple[Sequence, int]:
+                          grammar, parent_tokens=None) -> tuple[Sequence, int]:
         with self._lock:
+            if parent_tokens is not None:
+                self._ensure_context(parent_context_id, parent_tokens)
             if context_id is not None:
                 seq = self._context(context_id)
                 if seq.status is not Status.IDLE:

@@ -85,6 +85,16 @@ class EngineConflict(EngineError):
     param = "context_id"
 
 
+async def _translated(pieces: AsyncIterator[Piece]) -> AsyncIterator[Piece]:
+    """``pieces`` with the core's errors as this layer's, closed however the caller stops."""
+    try:
+        async with aclosing(pieces):
+            async for piece in pieces:
+                yield piece
+    except Exception as exc:
+        raise _translate(exc) from exc
+
+
 def _translate(exc: Exception) -> Exception:
     """Core exceptions as the seam's ``EngineError``s; anything else unchanged.
 
@@ -115,8 +125,11 @@ class LLMCore(Protocol):
     eos_token_ids: list[int]
 
     async def fill(self, tokens: list[int], *, context_id: str | None = None, parent_context_id: str | None = None) -> FillResult: ...
+    def ensure_context(self, context_id: str, tokens: list[int]) -> bool: ...
+    def context_length(self, context_id: str) -> int | None: ...
     def generate(self, context_id: str, params: SamplingParams) -> AsyncIterator[TokenEvent]: ...
-    def generate_from_prompt(self, prompt_tokens: list[int], params: SamplingParams, *, parent_context_id: str | None = None) -> AsyncIterator[TokenEvent]: ...
+    def generate_from_prompt(self, prompt_tokens: list[int], params: SamplingParams, *, parent_context_id: str | None = None,
+                             parent_tokens: list[int] | None = None) -> AsyncIterator[TokenEvent]: ...
     async def free_context(self, context_id: str) -> int: ...
     async def score(self, tokens: list[int], top_logprobs: int = 0, *, priority: int = 0, counted: bool = True) -> list[TokenScore]: ...
     def stats(self) -> EngineStats: ...
@@ -158,6 +171,9 @@ class ContextFillRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     parent_context_id: str | None = None
     tokens: list[int] | None = None
     text: str | None = None
+    # With context_id: create it only if it does not exist and answer at once, its fill queued (how a
+    # gateway pins a shared prefix without waiting for it); an existing context is left as it is.
+    if_absent: bool = False
 
 
 class ContextGenerateRequest(SamplingBody, kw_only=True, omit_defaults=True):
@@ -166,6 +182,10 @@ class ContextGenerateRequest(SamplingBody, kw_only=True, omit_defaults=True):
     text: str | None = None
     tokens: list[int] | None = None
     fork: bool = False
+    # With fork: the context's own text, to create it from if it does not exist yet. Requests naming
+    # one new prefix can then all be sent at once: the first creates it, and the step that computes
+    # it (or the prefix cache after) shares its KV with every fork.
+    context_text: str | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] = 0
     stream: bool = False
@@ -182,7 +202,8 @@ class ContextGenerationChunk(msgspec.Struct):
 class ContextGeneration(ContextGenerationChunk):
     """A whole generation appended to a context, as ``/v1/contexts/{id}/generate`` answers."""
 
-    usage: Usage
+    usage: Usage  # prompt_tokens: the tokens given with the request (a fork's text), not the context's
+    context_tokens: int  # the context's tokens the generation followed
 
 
 # ---------------------------------------------------------------- one choice's output
@@ -493,11 +514,17 @@ class BuiltinEngine:
     async def fill_context(self, request: ContextFillRequest) -> FillResult:
         if (request.tokens is None) == (request.text is None):
             raise EngineBadRequest("give exactly one of 'tokens' and 'text'", "tokens")
+        if request.if_absent and (request.context_id is None or request.parent_context_id is not None):
+            raise EngineBadRequest("'if_absent' needs a 'context_id' and no 'parent_context_id'", "if_absent")
         tokens = request.tokens if request.tokens is not None else text_tokens(self.tokenizer, request.text or "")
         if not tokens:
             raise EngineBadRequest("nothing to fill: 'tokens'/'text' is empty", "tokens")
         self._check_token_ids(tokens, "tokens")
         try:
+            if request.if_absent:
+                created = self.llm.ensure_context(request.context_id, tokens)
+                length = self.llm.context_length(request.context_id) or len(tokens)  # freed at once: as asked
+                return FillResult(request.context_id, length, 0 if created else length)
             return await self.llm.fill(tokens, context_id=request.context_id, parent_context_id=request.parent_context_id)
         except Exception as exc:
             raise _translate(exc) from exc
@@ -509,11 +536,38 @@ class BuiltinEngine:
             raise _translate(exc) from exc
 
     async def generate_in_context(self, context_id: str, request: ContextGenerateRequest) -> ContextGeneration:
+        context_tokens, suffix_tokens, pieces = self._start_in_context(context_id, request)
         result = ChoiceResult()
-        async for piece in self.generate_in_context_stream(context_id, request):
+        async for piece in _translated(pieces):
             result.add(piece)
-        usage = _usage_of(len(self._suffix_tokens(request)), len(result.token_ids))
-        return ContextGeneration(result.text, result.token_ids, result.finish_reason, usage)
+        usage = _usage_of(suffix_tokens, len(result.token_ids))
+        return ContextGeneration(result.text, result.token_ids, result.finish_reason, usage, context_tokens)
+
+    async def generate_in_context_stream(self, context_id: str, request: ContextGenerateRequest) -> AsyncIterator[Piece]:
+        """Generates after a context's tokens and appends the output to it; with ``fork``, after the
+        context's tokens plus ``text``/``tokens`` in a temporary child, leaving the context as it was."""
+        _, _, pieces = self._start_in_context(context_id, request)
+        async for piece in _translated(pieces):
+            yield piece
+
+    def _start_in_context(self, context_id: str, request: ContextGenerateRequest) -> tuple[int, int, AsyncIterator[Piece]]:
+        """Checks and starts a generation after a context: (the context's tokens, the request's own, pieces)."""
+        suffix = self._suffix_tokens(request)
+        if suffix and not request.fork:
+            raise EngineBadRequest("'text'/'tokens' need 'fork': true (fill a context to append to it)", "fork")
+        if request.fork and not suffix:
+            raise EngineBadRequest("'fork' needs 'text' or 'tokens' to generate from", "text")
+        if request.context_text is not None and not request.fork:
+            raise EngineBadRequest("'context_text' needs 'fork': true", "context_text")
+        params = self.sampling_params(request, len(suffix), logprobs=request.logprobs,
+                                      top_logprobs=request.top_logprobs)
+        detok = IncrementalDetokenizer(self.tokenizer, request.stop_list())
+        context = text_tokens(self.tokenizer, request.context_text) if request.context_text else None
+        events = (self.llm.generate_from_prompt(suffix, params, parent_context_id=context_id, parent_tokens=context)
+                  if request.fork else self.llm.generate(context_id, params))
+        length = self.llm.context_length(context_id)  # None: created from context_text (or not found, below)
+        context_tokens = length if length is not None else len(context or ())
+        return context_tokens, len(suffix), decode_events(events, detok, self._hidden_ids(params))
 
     def _suffix_tokens(self, request: ContextGenerateRequest) -> list[int]:
         if request.text is not None and request.tokens is not None:
@@ -522,27 +576,6 @@ class BuiltinEngine:
             self._check_token_ids(request.tokens, "tokens")
             return request.tokens
         return text_tokens(self.tokenizer, request.text) if request.text else []
-
-    async def generate_in_context_stream(self, context_id: str, request: ContextGenerateRequest) -> AsyncIterator[Piece]:
-        """Generates after a context's tokens and appends the output to it; with ``fork``, after the
-        context's tokens plus ``text``/``tokens`` in a temporary child, leaving the context as it was."""
-        suffix = self._suffix_tokens(request)
-        if suffix and not request.fork:
-            raise EngineBadRequest("'text'/'tokens' need 'fork': true (fill a context to append to it)", "fork")
-        if request.fork and not suffix:
-            raise EngineBadRequest("'fork' needs 'text' or 'tokens' to generate from", "text")
-        params = self.sampling_params(request, len(suffix), logprobs=request.logprobs,
-                                      top_logprobs=request.top_logprobs)
-        detok = IncrementalDetokenizer(self.tokenizer, request.stop_list())
-        try:
-            events = (self.llm.generate_from_prompt(suffix, params, parent_context_id=context_id) if request.fork
-                      else self.llm.generate(context_id, params))
-            pieces = decode_events(events, detok, self._hidden_ids(params))
-            async with aclosing(pieces):
-                async for piece in pieces:
-                    yield piece
-        except Exception as exc:
-            raise _translate(exc) from exc
 
     # ------------------------------------------------------------ shared machinery
 

@@ -143,8 +143,13 @@ class Runner:
             return
         try:
             plan = await self._plan(route, body, builtin)
-            if plan is not None:
-                self.prefixes.release(await self._acquire(plan, session))
+            if plan is None:
+                return
+            entry, _ = await self._acquire(plan, session)
+            try:
+                await self.contexts(plan.record).fill(text=plan.prefix, context_id=entry.context_id, if_absent=True)
+            finally:
+                self.prefixes.release(entry)
         except EngineError:
             pass
 
@@ -182,28 +187,30 @@ class Runner:
             self._rendered.move_to_end(key)
         return prompt
 
-    async def _acquire(self, plan: Plan, session: Session) -> PrefixEntry:
-        entry = await self.prefixes.acquire(plan.record.id, self.contexts(plan.record), plan.prefix,
-                                            None if session.default else session.id)
+    async def _acquire(self, plan: Plan, session: Session) -> tuple[PrefixEntry, bool]:
+        entry, hit = await self.prefixes.acquire(plan.record.id, self.contexts(plan.record), plan.prefix,
+                                                 None if session.default else session.id)
         if not session.default:
             session.prefix_keys.add(entry.key)
-        return entry
+        return entry, hit
 
     async def _fork_and_generate(self, plan: Plan, rest: str, body: dict[str, Any], priority: int,
                                  session: Session) -> tuple[Generation, int]:
         record = plan.record
-        entry = await self._acquire(plan, session)
+        entry, hit = await self._acquire(plan, session)
         record.in_flight += 1
         try:
             sampling = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
             if body.get("max_completion_tokens") is not None:
                 sampling["max_tokens"] = body["max_completion_tokens"]
-            generation = await self.contexts(record).generate(entry.filled.result(), sampling | {"priority": priority},
-                                                              fork_with=rest)
+            generation = await self.contexts(record).generate(entry.context_id, sampling | {"priority": priority},
+                                                              fork_with=rest, context_text=plan.prefix)
         finally:
             record.in_flight -= 1
             self.prefixes.release(entry)
-        return generation, entry.tokens + generation.usage["prompt_tokens"]
+        if hit:
+            self.prefixes.hit_tokens += generation.context_tokens
+        return generation, generation.context_tokens + generation.usage["prompt_tokens"]
 
 
 def _response(route: Route, model: str, generation: Generation, prompt_tokens: int) -> bytes:

@@ -1,4 +1,5 @@
-"""Block manager: reference counts, prefix-cache hits, copy-on-write fork, LRU eviction."""
+"""Block manager: reference counts, prefix-cache hits (same-step ones too), copy-on-write fork,
+LRU eviction, a failed step's blocks unpublished."""
 
 from __future__ import annotations
 
@@ -11,12 +12,18 @@ SIZE = 4
 def computed(manager: BlockManager, tokens: list[int], name: str = "s") -> Sequence:
     """A sequence whose tokens all got blocks and were computed, as after a prefill step."""
     seq = Sequence(name, tokens)
-    manager.match_prefix(seq, len(tokens))
-    previous = seq.num_computed_tokens
-    manager.allocate(seq, seq.num_pending_tokens)
+    scheduled(manager, seq)
+    manager.commit()
     seq.num_computed_tokens = len(tokens)
-    manager.commit(seq, previous)
     return seq
+
+
+def scheduled(manager: BlockManager, seq: Sequence) -> int:
+    """Admits ``seq`` into a step as the scheduler does; returns the tokens it computes there."""
+    manager.match_prefix(seq, len(seq))
+    pending = seq.num_pending_tokens
+    manager.allocate(seq, pending)
+    return pending
 
 
 def test_allocate_and_release_count_references():
@@ -104,3 +111,25 @@ def test_uncompute_last_token_copies_a_shared_block():
     assert child.block_table[0] == parent.block_table[0] and child.block_table[1] != parent.block_table[1]
     assert copies == [(parent.block_table[1], child.block_table[1], 3)]
     assert manager.blocks[parent.block_table[1]].ref_count == 1
+
+
+def test_blocks_scheduled_this_step_are_shared_by_a_later_admission_in_it():
+    manager = BlockManager(8, SIZE)
+    first, second = Sequence("a", list(range(10))), Sequence("b", list(range(8)) + [99])
+    assert scheduled(manager, first) == 10
+    assert scheduled(manager, second) == 1  # its two full blocks are being computed by the first
+    assert second.block_table[:2] == first.block_table[:2]
+    manager.commit()
+    assert manager.num_cached_tokens == 8
+
+
+def test_a_failed_step_unpublishes_its_blocks_and_keeps_earlier_ones():
+    manager = BlockManager(8, SIZE)
+    earlier = computed(manager, list(range(4)))
+    seq = Sequence("b", list(range(12)))
+    assert scheduled(manager, seq) == 8
+    manager.rollback()
+    assert manager.num_cached_tokens == 4
+    assert manager.match_prefix(Sequence("c", list(range(12))), 12) == 4
+    assert all(manager.blocks[b].hash is None for b in seq.block_table[1:])
+    assert earlier.block_table[0] == seq.block_table[0]

@@ -151,3 +151,48 @@ def test_generate_batch_without_loop_thread(tiny_model_dir, references):
     outputs = engine.generate_batch(prompts, GREEDY)
     assert all(references(p).accepts(o) for p, o in zip(prompts, outputs))
     assert_all_blocks_free(engine)
+
+
+def test_prompts_sharing_a_prefix_in_one_step_compute_it_once(tiny_model_dir, references):
+    prefix, *suffixes = random_prompts((40, 5, 9, 3), seed=6)  # 40 tokens: two full blocks of 16
+    prompts = [prefix + suffix for suffix in suffixes]
+    computed = {}
+    for caching in (True, False):
+        # All queued before the first step (no loop thread): one step admits them all.
+        engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), enable_prefix_caching=caching))
+        outputs = engine.generate_batch(prompts, GREEDY)
+        assert all(references(p).accepts(o) for p, o in zip(prompts, outputs))
+        computed[caching] = engine.computed_tokens
+        assert_all_blocks_free(engine)
+    assert engine.stats().prefix_hit_tokens == 0
+    assert computed[False] - computed[True] == 32 * (len(prompts) - 1)
+
+
+async def test_a_failed_step_leaves_no_kv_to_reuse(make_engine, references, monkeypatch):
+    engine = make_engine()
+    prompt = random_prompts((40,), seed=7)[0]
+    run = engine.runner.run
+    monkeypatch.setattr(engine.runner, "run", lambda batch: 1 / 0)
+    events = [event async for event in engine.generate_from_prompt(prompt, GREEDY)]
+    assert [event.finish_reason for event in events] == ["abort"]
+    assert engine.stats().cached_tokens == 0  # the blocks it was computing were unpublished
+    assert_all_blocks_free(engine)
+    monkeypatch.setattr(engine.runner, "run", run)
+    assert references(prompt).accepts(await collect(engine.generate_from_prompt(prompt, GREEDY)))
+    assert engine.stats().prefix_hit_tokens == 0
+
+
+async def test_forks_that_bring_their_parents_tokens_create_it_and_share_its_blocks(make_engine, references):
+    engine = make_engine()
+    prefix, *suffixes = random_prompts((40, 5, 9, 3), seed=8)  # 40: two full blocks and 8 tokens
+    before = engine.computed_tokens
+    outputs = await asyncio.gather(*(
+        collect(engine.generate_from_prompt(s, GREEDY, parent_context_id="shared", parent_tokens=prefix))
+        for s in suffixes))
+    assert all(references(prefix + s).accepts(o) for s, o in zip(suffixes, outputs))
+    assert engine.context_length("shared") == len(prefix)  # created once, by whichever came first
+    # Each full block of the prefix is computed once; every fork recomputes at most the partial tail.
+    decodes = (MAX_TOKENS - 1) * len(suffixes)
+    assert engine.computed_tokens - before - decodes <= len(prefix) + sum(8 + len(s) for s in suffixes)
+    await engine.free_context("shared")
+    assert_all_blocks_free(engine)

@@ -6,6 +6,7 @@ front of the same core.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import threading
@@ -302,7 +303,8 @@ def test_fill_fork_generate_free_returns_blocks_to_baseline(http):
     generated = http.post(
         f"/v1/contexts/{child['context_id']}/generate", json={"temperature": 0, "max_tokens": 8}
     ).json()
-    assert set(generated) == {"text", "token_ids", "finish_reason", "usage"}
+    assert set(generated) == {"text", "token_ids", "finish_reason", "usage", "context_tokens"}
+    assert generated["context_tokens"] == child["num_tokens"]
     assert len(generated["token_ids"]) == generated["usage"]["completion_tokens"] <= 8
     assert "Paris" in generated["text"]
 
@@ -337,6 +339,34 @@ def test_forked_generation_leaves_the_parent_as_it_was(http):
                             json={"max_tokens": 2, "fork": True}), 400)["param"] == "text"
     http.delete(f"/v1/contexts/{parent['context_id']}")
     assert http.get("/v1/stats").json()["blocks_free"] == baseline
+
+
+async def test_forks_sent_at_once_create_their_context_and_share_its_kv(http, base_url):
+    baseline = http.get("/v1/stats").json()
+    system = "You are a geography expert. Answer in one short sentence. " * 3
+    context_id = f"prefix-{os.urandom(8).hex()}"
+    body = {"temperature": 0, "max_tokens": 8, "fork": True, "text": "Q: What is the capital of France?\nA:",
+            "context_text": system}
+    async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
+        answers = [r.json() for r in await asyncio.gather(*(
+            client.post(f"/v1/contexts/{context_id}/generate", json=body) for _ in range(3)))]
+    assert "Paris" in answers[0]["text"] and all(a["text"] == answers[0]["text"] for a in answers)
+    pinned = http.post("/v1/contexts", json={"context_id": context_id, "text": "ignored", "if_absent": True}).json()
+    assert pinned["cached_tokens"] == pinned["num_tokens"] == answers[0]["context_tokens"]  # it exists, untouched
+    # The context and three forks: the prefix's full blocks are computed once, by whichever came first.
+    full_block_tokens = pinned["num_tokens"] // 16 * 16
+    assert http.get("/v1/stats").json()["prefix_hit_tokens"] - baseline["prefix_hit_tokens"] >= 3 * full_block_tokens
+    http.delete(f"/v1/contexts/{context_id}")
+    assert http.get("/v1/stats").json()["blocks_free"] == baseline["blocks_free"]
+
+
+def test_an_if_absent_fill_creates_without_waiting_and_needs_a_context_id(http):
+    created = http.post("/v1/contexts", json={"context_id": "pin-me", "text": "Hello there", "if_absent": True}).json()
+    assert created["context_id"] == "pin-me" and created["cached_tokens"] == 0
+    assert _error(http.post("/v1/contexts", json={"text": "Hello", "if_absent": True}), 400)["param"] == "if_absent"
+    assert _error(http.post("/v1/contexts/x/generate", json={"max_tokens": 2, "context_text": "Hello"}),
+                  400)["param"] == "context_text"
+    http.delete("/v1/contexts/pin-me")
 
 
 def test_unknown_context_is_a_404(http):
