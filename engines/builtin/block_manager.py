@@ -5,11 +5,12 @@ whole prefix; a lookup is confirmed by comparing the block's tokens. A block is 
 it is scheduled to become full, not after: a sequence admitted later in the same step then
 shares it instead of computing the same prefix beside it (each layer writes the step's keys and
 values before any of its attention reads them). ``commit`` marks the step's blocks computed;
-``rollback`` unpublishes them when the step failed. Blocks
-whose last reference goes away stay in the cache (their KV is intact) on an LRU free list and
-are reused for new data oldest first. Partial blocks are never shared: ``fork`` shares the
-parent's fully computed blocks and copies the rows of the rest into a fresh block. With
-``prefix_caching`` off, blocks are never published or looked up; forks still share explicitly.
+``rollback`` unpublishes them when the step failed. Blocks whose last reference goes away stay
+in the cache (their KV is intact) on an LRU free list and are reused for new data oldest first.
+Partial blocks are never shared: ``fork`` shares the parent's fully computed blocks and copies
+the rows of the rest into a fresh block (unless the parent is still filling: then the child
+matches its next blocks). With ``prefix_caching`` off, blocks are never published or looked up;
+forks still share explicitly.
 """
 
 from __future__ import annotations
@@ -122,29 +123,35 @@ class BlockManager:
                 return  # a chain with a gap names no prefix
             block.token_ids = tuple(seq.token_ids[index * size : (index + 1) * size])
             block.hash = chain_hash(previous, block.token_ids)
-            self.cached[block.hash] = block.block_id
+            if block.hash not in self.cached:  # another block with this prefix stays the one found
+                self.cached[block.hash] = block.block_id
             self._in_flight.append(block.block_id)
 
     def commit(self) -> None:
         """The step ran: the blocks published for it hold their KV."""
         self._in_flight.clear()
 
-    def rollback(self) -> None:
-        """The step failed: the blocks published for it may hold anything, so nobody may match them."""
-        for block_id in self._in_flight:
+    def rollback(self) -> set[int]:
+        """The step failed: the blocks published for it may hold anything, so nobody may match them.
+        Returns their ids: whoever holds one must drop its KV."""
+        untrusted = set(self._in_flight)
+        for block_id in untrusted:
             block = self.blocks[block_id]
             if self.cached.get(block.hash) == block_id:
                 del self.cached[block.hash]
             block.hash, block.token_ids = NO_HASH, ()
         self._in_flight.clear()
+        return untrusted
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Gives ``child`` the parent's KV: full computed blocks shared, the remainder copied."""
         size = self.block_size
         num_full = parent.num_computed_tokens // size
         remainder = parent.num_computed_tokens % size
-        if remainder and not self.free:
-            remainder = 0  # no block to copy into: the child recomputes those few tokens
+        if remainder and (not self.free or parent.num_pending_tokens):
+            # No block to copy into: the child recomputes those few tokens. A parent still filling: the
+            # child starts at a block boundary, so it matches the parent's next blocks as they are scheduled.
+            remainder = 0
         for block_id in parent.block_table[:num_full]:
             self._reference(block_id)
             child.block_table.append(block_id)

@@ -97,13 +97,17 @@ class LLMEngine:
             self._thread = None
         self._abort_all()
 
-    def _discard_step(self) -> None:
-        """After a failed step no KV it was to write can be trusted: its blocks leave the prefix cache
-        and the running sequences (the ones it held) drop theirs, to be recomputed if ever used again."""
+    def _discard_step(self, done_fills: list[Sequence]) -> None:
+        """After a failed step no KV it was to write can be trusted: its blocks leave the prefix cache,
+        every context holding one drops its KV (recomputed if ever used again), and the fills it found
+        fully cached are aborted with the rest."""
         with self._lock:
-            self.block_manager.rollback()
-            for seq in self.scheduler.running:
-                self.block_manager.release(seq)
+            untrusted = self.block_manager.rollback()
+            for seq in self.scheduler.contexts.values():
+                if untrusted.intersection(seq.block_table):
+                    self.block_manager.release(seq)
+            for fill in done_fills:
+                self._finish(fill, "abort")
 
     def _abort_all(self) -> None:
         with self._lock:
@@ -120,7 +124,6 @@ class LLMEngine:
                 self.step()
             except Exception:  # a bug must not leave every waiter hanging silently
                 log.exception("engine step failed; aborting all requests")
-                self._discard_step()
                 self._abort_all()
 
     def has_work(self) -> bool:
@@ -128,7 +131,11 @@ class LLMEngine:
 
     def step(self) -> None:
         batch, done_fills = self._schedule()
-        result = self.runner.run(batch) if batch.entries else StepResult(None)
+        try:
+            result = self.runner.run(batch) if batch.entries else StepResult(None)
+        except Exception:
+            self._discard_step(done_fills)
+            raise
         self._postprocess(batch, result, done_fills)
 
     def _schedule(self) -> tuple[ScheduledBatch, list[Sequence]]:
@@ -190,13 +197,14 @@ class LLMEngine:
             outcome = None if delivered else TokenEvent(seq.token_ids[-1] if seq.token_ids else 0, finish_reason=reason)
         self.scheduler.remove(seq)
         seq.clear_request()
-        if seq.temporary or (seq.context_id not in self.scheduler.contexts):
+        if seq.temporary or self.scheduler.contexts.get(seq.context_id) is not seq:  # freed (maybe the id reused)
             self._drop(seq)
         if deliver is not None and (outcome is not None or reason == "abort"):
             deliver(outcome)
 
     def _drop(self, seq: Sequence) -> int:
-        self.scheduler.contexts.pop(seq.context_id, None)
+        if self.scheduler.contexts.get(seq.context_id) is seq:
+            del self.scheduler.contexts[seq.context_id]
         seq.num_released_blocks = self.block_manager.release(seq)
         return seq.num_released_blocks
 
@@ -372,7 +380,7 @@ class LLMEngine:
         grammar = await asyncio.to_thread(self._grammar_matcher, params) if params.grammar is not None else None
         seq, arrival = self._start_generation(
             params, lambda event: loop.call_soon_threadsafe(queue.put_nowait, event), context_id, prompt_tokens,
-            parent_context_id, grammar, parent_tokens,
+            parent_context_id, grammar, parent_tokens=parent_tokens,
         )
         finished = False
         try:
@@ -388,12 +396,15 @@ class LLMEngine:
 
     def _grammar_matcher(self, params: SamplingParams):
         """Built outside the lock: a large grammar takes a while and the step loop needs the lock."""
-        return self.grammars.matcher(params.grammar) if params.grammar is not None else None
+        return self.grammars.matcher(params.grammar) if params.grammar is not None else None  # generate_batch
 
     def _start_generation(self, params, deliver, context_id, prompt_tokens, parent_context_id,
-                          grammar, parent_tokens=None) -> tuple[Sequence, int]:
+                          grammar, *, parent_tokens=None) -> tuple[Sequence, int]:
         with self._lock:
-            if parent_tokens is not None:
+            if parent_tokens is not None and parent_context_id not in self.scheduler.contexts:
+                if parent_context_id is None:
+                    raise ValueError("parent_tokens need a parent_context_id to create")
+                self._check_prompt_length(parent_tokens + prompt_tokens)  # nothing is created for a refusal
                 self._ensure_context(parent_context_id, parent_tokens)
             if context_id is not None:
                 seq = self._context(context_id)
@@ -422,8 +433,10 @@ class LLMEngine:
         self._wakeup.set()
         return seq, arrival
 
-    def generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-        """Synchronous one-shot generation for tests and benchmarks; returns generated token ids.
+    def generate_batch(self, prompts: list[list[int]], params: SamplingParams, *,
+                       parent_context_id: str | None = None) -> list[list[int]]:
+        """Synchronous one-shot generation for tests and benchmarks (each prompt after the parent
+        context's tokens, if one is named); returns generated token ids.
 
         Steps on the calling thread when the loop thread is not started.
         """
@@ -440,7 +453,7 @@ class LLMEngine:
             return deliver
 
         for i, prompt in enumerate(prompts):
-            self._start_generation(params, collector(i), None, prompt, None, self._grammar_matcher(params))
+            self._start_generation(params, collector(i), None, prompt, parent_context_id, self._grammar_matcher(params))
         if self._thread is None:
             while not all(event.is_set() for event in done):
                 self.step()

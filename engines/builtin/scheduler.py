@@ -24,9 +24,10 @@ def service_order(seq: Sequence) -> tuple[int, int]:
 def prefix_groups(decodes: list[Sequence], block_size: int) -> list[PrefixGroup]:
     """Groups of two or more decodes whose block tables start with the same blocks.
 
-    The block manager shares only full blocks (by fork or prefix-cache hit), computed at the latest
-    in this step before attention reads them, so equal leading block ids mean equal leading KV. Grouped by first block; a group's prefix is its
-    members' longest common run of leading blocks.
+    The block manager shares only full blocks (by fork or prefix-cache hit), computed at the
+    latest in this step before attention reads them, so equal leading block ids mean equal
+    leading KV. Grouped by first block; a group's prefix is its members' longest common run of
+    leading blocks.
     """
     by_first_block: dict[int, list[int]] = {}
     for i, seq in enumerate(decodes):

@@ -523,7 +523,8 @@ class BuiltinEngine:
         try:
             if request.if_absent:
                 created = self.llm.ensure_context(request.context_id, tokens)
-                length = self.llm.context_length(request.context_id) or len(tokens)  # freed at once: as asked
+                length = self.llm.context_length(request.context_id)
+                length = len(tokens) if length is None else length  # None: freed meanwhile; it held these
                 return FillResult(request.context_id, length, 0 if created else length)
             return await self.llm.fill(tokens, context_id=request.context_id, parent_context_id=request.parent_context_id)
         except Exception as exc:
@@ -538,8 +539,9 @@ class BuiltinEngine:
     async def generate_in_context(self, context_id: str, request: ContextGenerateRequest) -> ContextGeneration:
         context_tokens, suffix_tokens, pieces = self._start_in_context(context_id, request)
         result = ChoiceResult()
-        async for piece in _translated(pieces):
-            result.add(piece)
+        async with aclosing(_translated(pieces)) as translated:
+            async for piece in translated:
+                result.add(piece)
         usage = _usage_of(suffix_tokens, len(result.token_ids))
         return ContextGeneration(result.text, result.token_ids, result.finish_reason, usage, context_tokens)
 
@@ -547,8 +549,9 @@ class BuiltinEngine:
         """Generates after a context's tokens and appends the output to it; with ``fork``, after the
         context's tokens plus ``text``/``tokens`` in a temporary child, leaving the context as it was."""
         _, _, pieces = self._start_in_context(context_id, request)
-        async for piece in _translated(pieces):
-            yield piece
+        async with aclosing(_translated(pieces)) as translated:
+            async for piece in translated:
+                yield piece
 
     def _start_in_context(self, context_id: str, request: ContextGenerateRequest) -> tuple[int, int, AsyncIterator[Piece]]:
         """Checks and starts a generation after a context: (the context's tokens, the request's own, pieces)."""
@@ -562,11 +565,12 @@ class BuiltinEngine:
         params = self.sampling_params(request, len(suffix), logprobs=request.logprobs,
                                       top_logprobs=request.top_logprobs)
         detok = IncrementalDetokenizer(self.tokenizer, request.stop_list())
-        context = text_tokens(self.tokenizer, request.context_text) if request.context_text else None
+        length = self.llm.context_length(context_id)
+        # Tokenized only to create the context: requests that find it (most) skip that.
+        context = text_tokens(self.tokenizer, request.context_text) if request.context_text and length is None else None
         events = (self.llm.generate_from_prompt(suffix, params, parent_context_id=context_id, parent_tokens=context)
                   if request.fork else self.llm.generate(context_id, params))
-        length = self.llm.context_length(context_id)  # None: created from context_text (or not found, below)
-        context_tokens = length if length is not None else len(context or ())
+        context_tokens = length if length is not None else len(context or ())  # 0: not found, as the events say
         return context_tokens, len(suffix), decode_events(events, detok, self._hidden_ids(params))
 
     def _suffix_tokens(self, request: ContextGenerateRequest) -> list[int]:

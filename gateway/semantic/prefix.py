@@ -27,7 +27,6 @@ class PrefixEntry:
         self.sessions: set[str] = set()
         self.in_use = 0
         self.last_used = time.monotonic()
-        self.hits = 0
 
 
 class PrefixCache:
@@ -41,7 +40,8 @@ class PrefixCache:
         return hashlib.sha256(f"{engine_id}\0{text}".encode()).hexdigest()
 
     def engine_holding(self, texts: list[tuple[str, str]]) -> str | None:
-        """Of candidate (engine_id, prefix) pairs, the engine that already holds its prefix, if any."""
+        """Of candidate (engine_id, prefix) pairs, the engine a request already pinned its prefix on, if any
+        (it holds the context unless every request on it failed; the next one creates it then)."""
         for engine_id, text in texts:
             if self.key(engine_id, text) in self._entries:
                 return engine_id
@@ -56,8 +56,6 @@ class PrefixCache:
         hit = entry is not None
         if entry is None:
             entry = self._entries[key] = PrefixEntry(key, engine_id, client)
-        else:
-            entry.hits += 1
         entry.in_use += 1
         if pin is not None:
             entry.sessions.add(pin)
@@ -94,6 +92,8 @@ class PrefixCache:
         try:
             await entry.client.free(entry.context_id)
         except Exception:  # never created (its requests failed), or the engine is gone with its contexts
+            # A request cancelled here but still on its way to the engine may create the context again
+            # after this; it is then unpinned, as after a gateway restart (the engine's LRU evicts its KV).
             return 0
         return 1
 

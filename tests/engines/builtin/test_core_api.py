@@ -95,6 +95,30 @@ async def test_busy_context_and_freeing_a_running_one(make_engine):
         await engine.fill([1], context_id=None, parent_context_id=context.context_id)
 
 
+async def test_an_id_freed_while_busy_can_be_taken_again_at_once(make_engine):
+    engine = make_engine()
+    prompt = list(range(100, 140))
+    await engine.fill(prompt, context_id="reused")
+    stream = engine.generate("reused", ENDLESS)
+    await anext(stream)
+    freeing = asyncio.create_task(engine.free_context("reused"))
+    await asyncio.sleep(0)  # unlisted at once; its blocks go when the loop has aborted its generation
+    assert engine.ensure_context("reused", prompt)  # a new context under the same id
+    assert await freeing > 0  # the old one's blocks, not the new one's
+    assert [e async for e in stream][-1].finish_reason == "abort"
+    assert engine.context_length("reused") == len(prompt)
+    await wait_until(lambda: engine.stats().waiting == engine.stats().running == 0)
+    await engine.free_context("reused")
+    await wait_until(lambda: all_free(engine))
+
+
+async def test_a_refused_fork_creates_no_parent(make_engine):
+    engine = make_engine(max_model_len=64)
+    with pytest.raises(PromptTooLong):
+        await anext(engine.generate_from_prompt([5] * 40, ENDLESS, parent_context_id="p", parent_tokens=[7] * 40))
+    assert engine.context_length("p") is None
+
+
 async def test_fill_appends_and_stats_count(make_engine):
     engine = make_engine()
     first = await engine.fill(list(range(100, 120)), context_id="ctx")

@@ -128,7 +128,7 @@ def test_a_failed_step_unpublishes_its_blocks_and_keeps_earlier_ones():
     earlier = computed(manager, list(range(4)))
     seq = Sequence("b", list(range(12)))
     assert scheduled(manager, seq) == 8
-    manager.rollback()
+    assert manager.rollback() == set(seq.block_table[1:])
     assert manager.num_cached_tokens == 4
     assert manager.match_prefix(Sequence("c", list(range(12))), 12) == 4
     assert all(manager.blocks[b].hash is None for b in seq.block_table[1:])

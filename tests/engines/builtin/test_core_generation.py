@@ -156,16 +156,28 @@ def test_generate_batch_without_loop_thread(tiny_model_dir, references):
 def test_prompts_sharing_a_prefix_in_one_step_compute_it_once(tiny_model_dir, references):
     prefix, *suffixes = random_prompts((40, 5, 9, 3), seed=6)  # 40 tokens: two full blocks of 16
     prompts = [prefix + suffix for suffix in suffixes]
-    computed = {}
+    computed, hits = {}, {}
     for caching in (True, False):
         # All queued before the first step (no loop thread): one step admits them all.
         engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), enable_prefix_caching=caching))
         outputs = engine.generate_batch(prompts, GREEDY)
         assert all(references(p).accepts(o) for p, o in zip(prompts, outputs))
-        computed[caching] = engine.computed_tokens
+        computed[caching], hits[caching] = engine.computed_tokens, engine.stats().prefix_hit_tokens
         assert_all_blocks_free(engine)
-    assert engine.stats().prefix_hit_tokens == 0
+    assert hits == {True: 32 * (len(prompts) - 1), False: 0}
     assert computed[False] - computed[True] == 32 * (len(prompts) - 1)
+
+
+def test_a_fork_of_a_parent_still_filling_matches_its_next_blocks(tiny_model_dir, references):
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), max_num_batched_tokens=24))
+    prefix, suffix = random_prompts((70, 5), seed=9)  # the parent's fill takes three steps of 24
+    engine.ensure_context("parent", prefix)
+    engine.step()  # 24 of 70 computed: the fork starts at the block boundary 16, not mid-block
+    before = engine.computed_tokens
+    output = engine.generate_batch([suffix], GREEDY, parent_context_id="parent")[0]
+    assert references(prefix + suffix).accepts(output)
+    by_the_fork = engine.computed_tokens - before - (len(prefix) - 24) - (MAX_TOKENS - 1)
+    assert by_the_fork <= len(prefix) % 16 + len(suffix)  # the parent's partial tail and its own tokens
 
 
 async def test_a_failed_step_leaves_no_kv_to_reuse(make_engine, references, monkeypatch):
