@@ -396,7 +396,8 @@ class LLMEngine:
 
     def _grammar_matcher(self, params: SamplingParams):
         """Built outside the lock: a large grammar takes a while and the step loop needs the lock."""
-        return self.grammars.matcher(params.grammar) if params.grammar is not None else None  # generate_batch
+        # generate_batch asks for every request; _stream only for constrained ones (no thread hop otherwise).
+        return self.grammars.matcher(params.grammar) if params.grammar is not None else None
 
     def _start_generation(self, params, deliver, context_id, prompt_tokens, parent_context_id,
                           grammar, *, parent_tokens=None) -> tuple[Sequence, int]:
