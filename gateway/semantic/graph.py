@@ -57,7 +57,8 @@ class Variable:
 
     async def get(self, timeout_s: float) -> str:
         try:
-            await asyncio.wait_for(self._ready.wait(), timeout_s)
+            if not self.ready:  # wait_for with no time left times out even on a set event
+                await asyncio.wait_for(self._ready.wait(), timeout_s)
         except asyncio.TimeoutError:
             who = f"its producer {self.producer.id} has not finished" if self.producer else "nothing produces it"
             raise APIError(504, f"variable {self.label} was not ready within {timeout_s:g}s: {who}",
@@ -203,14 +204,20 @@ class Session:
         call.task.add_done_callback(_consume_exception)
 
     @contextlib.contextmanager
-    def undo_on_error(self) -> Iterator[None]:
-        """Variables made by a request that is then rejected are forgotten again (the block must not await)."""
-        before = set(self.variables)
+    def undo_on_error(self) -> Iterator[set[str]]:
+        """Variables made by a request that is then rejected are forgotten again (the block must not await).
+        Yields a set that holds, after the block, the ids of the variables it made."""
+        before, made = set(self.variables), set()
         try:
-            yield
+            yield made
         except BaseException:
             self._forget(self.variables.keys() - before)
             raise
+        made |= self.variables.keys() - before
+
+    def forget(self, var_ids: Iterable[str]) -> None:
+        """Forgets those of the variables still known (a default session may have dropped some already)."""
+        self._forget([var_id for var_id in var_ids if var_id in self.variables])
 
     def close(self) -> None:
         """Cancel running calls, wake whoever waits on a variable, and forget every variable."""

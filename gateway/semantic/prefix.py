@@ -6,7 +6,8 @@ sends the prefix's text along, and the engine creates the context from the first
 So nobody waits for a fill: the engine computes the prefix once, in the step where the first of
 them is scheduled, and shares its KV with the rest. Requests are routed to the engine that holds
 a prefix. Sessions pin the prefixes they used; deleting the last session that pinned one frees its
-context. Unpinned prefixes beyond ``max_per_engine`` are evicted LRU.
+context (once its last request ends, if some still use it). Unpinned prefixes beyond
+``max_per_engine`` are evicted LRU.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class PrefixEntry:
         self.sessions: set[str] = set()
         self.in_use = 0
         self.last_used = time.monotonic()
+        self.unpinned = False  # its last pinning session was deleted while requests used it: free when idle
 
 
 class PrefixCache:
@@ -64,10 +66,11 @@ class PrefixCache:
             await self._evict(engine_id)
         return entry, hit
 
-    @staticmethod
-    def release(entry: PrefixEntry) -> None:
+    async def release(self, entry: PrefixEntry) -> None:
         entry.in_use -= 1
         entry.last_used = time.monotonic()
+        if entry.in_use == 0 and entry.unpinned and not entry.sessions:
+            await self._free(entry)
 
     async def drop_session(self, session_id: str, keys: set[str]) -> int:
         """Unpin a deleted session's prefixes; free those nobody else pins. Returns contexts freed."""
@@ -77,8 +80,12 @@ class PrefixCache:
             if entry is None:
                 continue
             entry.sessions.discard(session_id)
-            if not entry.sessions and entry.in_use == 0:
+            if entry.sessions:
+                continue
+            if entry.in_use == 0:
                 freed += await self._free(entry)
+            else:
+                entry.unpinned = True
         return freed
 
     async def _evict(self, engine_id: str) -> None:

@@ -9,6 +9,7 @@ engines get plain text substitution.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from typing import Any, NamedTuple
 
@@ -33,7 +34,7 @@ from gateway.service import Gateway
 # Private-use characters: no chat template or tokenizer gives them meaning, and users don't type them.
 _OPEN, _CLOSE = "\ue000", "\ue001"
 _SPLIT = f"{_OPEN}split{_CLOSE}"  # the start of the last message: where a prompt with no variables splits
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                    "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
 _PLAIN_ONLY = ("tools", "response_format", "logprobs", "top_logprobs", "echo", "suffix", "best_of")
 
@@ -127,8 +128,15 @@ class Runner:
             rest = plan.rest
             for name, value in values.items():
                 rest = rest.replace(_marker(name), value)
-            generation, prompt_tokens = await self._fork_and_generate(plan, rest, body, priority, session)
-            return _response(route, model, generation, prompt_tokens)
+            started = time.perf_counter()
+            try:
+                generation, prompt_tokens = await self._fork_and_generate(plan, rest, body, priority, session)
+            except EngineError as exc:
+                self.gateway.metrics.model(model).error(exc.status_code).inc()
+                raise
+            response = _response(route, model, generation, prompt_tokens)
+            self.gateway.account(model, response, started)  # as a plain request through the gateway is
+            return response
         plain = substitute(route, body, values)
         if builtin:
             plain["priority"] = priority
@@ -149,7 +157,7 @@ class Runner:
             try:
                 await self.contexts(plan.record).fill(text=plan.prefix, context_id=entry.context_id, if_absent=True)
             finally:
-                self.prefixes.release(entry)
+                await self.prefixes.release(entry)
         except EngineError:
             pass
 
@@ -200,14 +208,14 @@ class Runner:
         entry, hit = await self._acquire(plan, session)
         record.in_flight += 1
         try:
-            sampling = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
+            sampling = {k: body[k] for k in _SAMPLING_FIELDS if body.get(k) is not None}
             if body.get("max_completion_tokens") is not None:
                 sampling["max_tokens"] = body["max_completion_tokens"]
             generation = await self.contexts(record).generate(entry.context_id, sampling | {"priority": priority},
                                                               fork_with=rest, context_text=plan.prefix)
         finally:
             record.in_flight -= 1
-            self.prefixes.release(entry)
+            await self.prefixes.release(entry)
         if hit:
             self.prefixes.hit_tokens += generation.context_tokens
         return generation, generation.context_tokens + generation.usage["prompt_tokens"]

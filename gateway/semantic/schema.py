@@ -97,15 +97,32 @@ class VarList(msgspec.Struct):
     object: str = "list"
 
 
-class OutputSpec(msgspec.Struct, omit_defaults=True):
-    """Sampling for one ``{{output:NAME}}`` of a semantic call (OpenAI names)."""
+class OutputSpec(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """Sampling for one ``{{output:NAME}}`` of a semantic call: the sampling fields of /v1/completions
+    (checked against its ranges when the call is submitted)."""
 
     max_tokens: int | None = None
+    max_completion_tokens: int | None = None  # as in chat: takes precedence over max_tokens
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     stop: Union[str, list[str], None] = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def sampling(self) -> dict[str, Any]:
+        """The fields as a /v1/completions body would carry them."""
+        fields = msgspec.to_builtins(self)
+        limit = fields.pop("max_completion_tokens", None)
+        if limit is not None:
+            fields["max_tokens"] = limit
+        return fields
 
 
 class SemanticCall(msgspec.Struct, forbid_unknown_fields=True):

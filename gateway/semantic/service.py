@@ -9,17 +9,18 @@ from typing import Any
 import msgspec
 from litestar import Response
 
-from engines.base import Route
-from engines.protocol import SSE_DONE, InvalidRequest, sse_event
+from engines.base import EngineError, Route
+from engines.protocol import SSE_DONE, CompletionRequest, InvalidRequest, sse_event
 from gateway.config import SemanticConfig
 from gateway.errors import APIError, model_not_found
 from gateway.semantic import template
 from gateway.semantic.graph import Call, Session, SessionStore, Variable, VariableFailed
 from gateway.semantic.prefix import PrefixCache
-from gateway.semantic.runner import SAMPLING_FIELDS, Runner, output_text, texts
+from gateway.semantic.runner import Runner, output_text, texts
 from gateway.semantic.schema import (
     Accepted,
     OutputRef,
+    OutputSpec,
     OutputView,
     ParrotExtension,
     ParrotResult,
@@ -31,6 +32,8 @@ from gateway.service import Gateway
 from gateway.streaming import EventStream
 
 JSON = "application/json"
+# How long deleting a session waits for its cancelled calls to unwind (they do at their next await).
+_UNWIND_WAIT_S = 10.0
 
 
 def view(variable: Variable) -> VarView:
@@ -66,6 +69,9 @@ class SemanticService:
     @staticmethod
     def _output(session: Session, output: str | OutputRef | None) -> Variable:
         if isinstance(output, OutputRef) and output.id is not None:
+            if output.name is not None:
+                raise InvalidRequest("parrot.output takes one of 'name' (a new variable) and 'id' (an existing "
+                                     "one), not both", "parrot.output")
             return session.variable(output.id)
         name = output if isinstance(output, str) else (output.name if output else None)
         return session.new_variable(name or "output")
@@ -81,6 +87,9 @@ class SemanticService:
             ext = msgspec.convert(raw_extension, ParrotExtension)
         except msgspec.ValidationError as exc:
             raise InvalidRequest(f"invalid parrot extension: {exc}", "parrot") from None
+        if stream and not ext.wait:
+            raise InvalidRequest("stream cannot be combined with parrot.wait=false: the answer is the queued "
+                                 "call's variable id; read its value with GET /v1/vars/{id}", "parrot.wait")
         session = self.sessions.resolve(ext.session_id, owner)
         placeholders = {name for text in texts(route, body) for name in template.names(text)}
         responses: dict[str, bytes] = {}
@@ -92,7 +101,7 @@ class SemanticService:
             return {"output": output_text(route, responses["body"])}
 
         latency = ext.criteria == "latency" or (ext.criteria is None and ext.wait)
-        with session.undo_on_error():
+        with session.undo_on_error() as made:
             inputs = self._bind(session, placeholders, ext.vars, "parrot.vars")
             output = self._output(session, ext.output)
             call = Call(session, inputs, {"output": output}, work, latency=latency,
@@ -103,7 +112,12 @@ class SemanticService:
         if not ext.wait:
             result.status = "queued"
             return Response(msgspec.json.encode(Accepted(parrot=result)), status_code=202, media_type=JSON)
-        await self._finish(call)
+        try:
+            await self._finish(call)
+        except EngineError as exc:
+            if exc.status_code < 500:  # the engine refused the request itself: as for a 400 here, nothing stays
+                session.forget(made)
+            raise
         answer = msgspec.json.decode(responses["body"])
         answer["parrot"] = msgspec.to_builtins(result)
         if stream:
@@ -128,7 +142,10 @@ class SemanticService:
     # ------------------------------------------------------------ native API
 
     async def close_session(self, session_id: str, owner: str) -> tuple[int, int]:
-        session = self.sessions.remove(session_id, owner)
+        running = [c.task for c in self.sessions.get(session_id, owner).calls.values() if c.task is not None]
+        session = self.sessions.remove(session_id, owner)  # cancels them
+        if running:  # as they unwind they let go of their shared prefixes, which can then be freed here
+            await asyncio.wait(running, timeout=_UNWIND_WAIT_S)
         contexts = await self.prefixes.drop_session(session.id, session.prefix_keys)
         return len(session.variables), contexts
 
@@ -157,6 +174,10 @@ class SemanticService:
             raise InvalidRequest("each {{output:NAME}} may appear once", "template")
         if set(outputs_in_template) & {p.name for p in pieces if p.kind == "input"}:
             raise InvalidRequest("a name cannot be both an input and an output", "template")
+        for name in spec.outputs.keys() - set(outputs_in_template):
+            raise InvalidRequest(f"outputs.{name}: the template has no {{{{output:{name}}}}}", f"outputs.{name}")
+        for name, output in spec.outputs.items():
+            self._check_sampling(spec.model, name, output)
         session = self.sessions.resolve(spec.session_id, owner)
         placeholders = {p.name for p in pieces if p.kind == "input"}
 
@@ -170,6 +191,16 @@ class SemanticService:
             self._start(session, call)
         return session, call
 
+    def _check_sampling(self, model: str, name: str, output: OutputSpec) -> None:
+        """An output's sampling, held to /v1/completions' ranges and limits before the call is accepted."""
+        try:
+            request = msgspec.convert({"model": model, "prompt": "", **output.sampling()}, CompletionRequest)
+            self.gateway.check(request)
+        except msgspec.ValidationError as exc:
+            raise InvalidRequest(f"outputs.{name}: {exc}", f"outputs.{name}") from None
+        except InvalidRequest as exc:
+            raise InvalidRequest(f"outputs.{name}: {exc}", f"outputs.{name}.{exc.param}") from None
+
     async def _run_template(self, spec: SemanticCall, pieces: list[template.Piece], values: dict[str, str],
                             priority: int, session: Session) -> dict[str, str]:
         """Generate each output in order, each seeing the text and outputs before it."""
@@ -181,9 +212,8 @@ class SemanticService:
                 prompt += piece.text
                 continue
             if piece.kind == "output":
-                sampling = msgspec.to_builtins(spec.outputs[piece.name]) if piece.name in spec.outputs else {}
-                body = {"model": spec.model, "prompt": prompt,
-                        **{k: v for k, v in sampling.items() if k in SAMPLING_FIELDS}}
+                output = spec.outputs.get(piece.name)
+                body = {"model": spec.model, "prompt": prompt, **(output.sampling() if output else {})}
                 response = await self.runner.run("completions", body, known, priority=priority, session=session)
                 known[piece.name] = results[piece.name] = output_text("completions", response)
             prompt += "{{" + piece.name + "}}"

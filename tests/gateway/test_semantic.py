@@ -210,6 +210,7 @@ def test_put_sets_a_variable_once_and_wakes_its_consumers(gw, session):
     ({"vars": {"x": {"value": "a", "id": "b"}}}, "parrot.vars.x"),
     ({"vars": {"x": {"value": "a"}}, "criteria": "fast"}, "parrot"),
     ({"vars": {"x": {"value": "a"}}, "session_id": "sess_unknown"}, "session_id"),
+    ({"vars": {"x": {"value": "a"}}, "output": {"name": "n", "id": "var_x"}}, "parrot.output"),
 ])
 def test_bad_extension_is_a_4xx_naming_the_field(gw, parrot, param):
     response = gw.post("/v1/chat/completions", json=chat("{{x}}", parrot))
@@ -229,6 +230,43 @@ def test_semantic_call_generates_outputs_in_order(gw, session):
     # the fake echoes the prompt: the second output's prompt held the first output
     assert first == "echo: Topic: birds. First: "
     assert second == f"echo: Topic: birds. First: {first} Then: "
+
+
+def test_a_stream_cannot_be_queued(gw, session):
+    response = gw.post("/v1/chat/completions", json=chat(
+        "{{x}}", {"session_id": session, "wait": False, "vars": {"x": {"value": "a"}}}, stream=True))
+    assert response.status_code == 400 and response.json()["error"]["param"] == "parrot.wait"
+    assert gw.get(f"/v1/sessions/{session}/vars").json()["data"] == []  # nothing was queued
+
+
+@pytest.mark.parametrize("outputs, param", [
+    ({"o": {"max_token": 3}}, None),  # a misspelt field is not silently ignored
+    ({"o": {"max_tokens": -3}}, "outputs.o"),
+    ({"o": {"temperature": -1}}, "outputs.o"),
+    ({"o": {"max_tokens": 0}}, "outputs.o.max_tokens"),
+    ({"o": {"logit_bias": {"x": 1}}}, "outputs.o.logit_bias"),
+    ({"p": {"max_tokens": 3}}, "outputs.p"),  # no {{output:p}} in the template
+])
+def test_semantic_call_sampling_is_checked_before_it_is_accepted(gw, session, outputs, param):
+    response = gw.post("/v1/semantic_calls", json={
+        "model": MODEL, "session_id": session, "template": "Say {{output:o}}", "outputs": outputs})
+    assert response.status_code == 400, response.text
+    if param is not None:
+        assert response.json()["error"]["param"] == param
+    assert gw.get(f"/v1/sessions/{session}/vars").json()["data"] == []
+
+
+def test_reading_a_ready_variable_without_waiting_time_answers_its_value(gw, session):
+    var = new_var(gw, session, "lit", "ready")
+    response = gw.get(f"/v1/vars/{var}", params={"wait": "true", "timeout": 0})
+    assert response.status_code == 200 and response.json()["value"] == "ready"
+
+
+def test_a_request_the_engine_rejects_leaves_no_variables_behind(gw, session):
+    response = gw.post("/v1/chat/completions", json=chat(
+        "{{a}}", {"session_id": session, "vars": {"a": {"value": "x"}}, "output": "o"}, fake={"status": 400}))
+    assert response.status_code == 400, response.text
+    assert gw.get(f"/v1/sessions/{session}/vars").json()["data"] == []
 
 
 def test_semantic_call_without_output_is_400(gw):

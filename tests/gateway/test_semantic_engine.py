@@ -4,6 +4,7 @@ block accounting and prefix-hit metrics."""
 from __future__ import annotations
 
 import re
+import threading
 import time
 
 import httpx
@@ -144,3 +145,65 @@ def test_semantic_call_with_two_outputs_on_the_engine(gw):
     second = gw.get(f"/v1/vars/{outputs['second']['id']}", params={"wait": "true", "timeout": 120}).json()
     assert "Paris" in capital["value"]
     assert "Rome" in second["value"]
+
+
+def metric_total(gw, name: str) -> float:
+    """A metric summed over its labels."""
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$",
+                                                       gw.get("/metrics").text, re.M))
+
+
+def test_deleting_a_session_mid_request_frees_its_prefix_when_the_request_unwinds(gw, urls):
+    system = "You write long, patient stories about lighthouses and their keepers, for children at bedtime."
+    baseline = engine_stats(urls)["blocks_free"]
+    session = gw.post("/v1/sessions").json()["id"]
+    body = ask("{{q}}", {"session_id": session, "vars": {"q": {"value": "Tell me a story."}}},
+               max_tokens=400, ignore_eos=True)
+    body["messages"][0]["content"] = system
+    answers: list[httpx.Response] = []
+    request = threading.Thread(target=lambda: answers.append(gw.post("/v1/chat/completions", json=body)))
+    request.start()
+    deadline = time.monotonic() + 60
+    while engine_stats(urls)["blocks_free"] >= baseline and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine_stats(urls)["blocks_free"] < baseline  # the prefix and its fork are on the engine
+
+    deleted = gw.delete(f"/v1/sessions/{session}").json()
+    request.join(timeout=60)
+
+    assert answers[0].status_code == 409, answers[0].text
+    assert deleted["freed_contexts"] == 1
+    deadline = time.monotonic() + 10  # the engine drops the fork once it sees its request gone
+    while engine_stats(urls)["blocks_free"] != baseline and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine_stats(urls)["blocks_free"] == baseline
+
+
+def test_forked_requests_are_counted_like_plain_ones(gw):
+    session = gw.post("/v1/sessions").json()["id"]
+    names = ["parrot:request_success_total", "parrot:prompt_tokens_total", "parrot:generation_tokens_total",
+             "parrot:e2e_request_latency_seconds_count"]
+    before = {name: metric_total(gw, name) for name in names}
+    forks_before = metric(gw, "parrot:shared_prefix_fork_tokens")
+    answers = [gw.post("/v1/chat/completions", json=ask(
+        "{{q}}", {"session_id": session, "vars": {"q": {"value": question}}})).json()
+        for question in ["Is the museum open late?", "Can I take photos?"]]
+    assert metric(gw, "parrot:shared_prefix_fork_tokens") > forks_before  # the second one forked
+    assert metric_total(gw, names[0]) - before[names[0]] == 2
+    assert metric_total(gw, names[1]) - before[names[1]] == sum(a["usage"]["prompt_tokens"] for a in answers)
+    assert metric_total(gw, names[2]) - before[names[2]] == sum(a["usage"]["completion_tokens"] for a in answers)
+    assert metric_total(gw, names[3]) - before[names[3]] == 2
+    gw.delete(f"/v1/sessions/{session}")
+
+
+def test_semantic_call_outputs_sample_like_completions(gw):
+    prompt = "The museum's oldest fossil is"
+    sampling = {"temperature": 0, "max_tokens": 9, "max_completion_tokens": 3, "logit_bias": {"28": 100}}
+    plain = gw.post("/v1/completions", json={"model": SMOLLM, "prompt": prompt, "temperature": 0,
+                                             "max_tokens": 3, "logit_bias": {"28": 100}}).json()
+    call = gw.post("/v1/semantic_calls", json={"model": SMOLLM, "template": prompt + "{{output:o}}",
+                                               "outputs": {"o": sampling}})
+    assert call.status_code == 202, call.text
+    output = gw.get(f"/v1/vars/{call.json()['outputs']['o']['id']}", params={"wait": "true", "timeout": 120}).json()
+    assert output["value"] == plain["choices"][0]["text"]
+    assert plain["usage"]["completion_tokens"] == 3
