@@ -77,6 +77,14 @@ def handle_http_exception(_: Request, exc: HTTPException) -> Response:
     return error_response(exc.status_code, ErrorBody(message=message, type=error_type, param=param), exc.headers)
 
 
+def handle_recursion(request: Request, exc: RecursionError) -> Response:
+    """msgspec gives up on JSON nested deeper than Python's recursion limit: the client's mistake."""
+    if "deserializing" not in str(exc):
+        return handle_unexpected(request, exc)
+    return error_response(400, ErrorBody(message="We could not parse the JSON body of your request: it is "
+                                                 "nested too deeply.", type="invalid_request_error"))
+
+
 def handle_unexpected(request: Request, exc: Exception) -> Response:
     log.error("unhandled error on %s", request.url.path, exc_info=exc)
     return error_response(500, ErrorBody(message="The server had an internal error.", type="api_error",
@@ -86,5 +94,6 @@ def handle_unexpected(request: Request, exc: Exception) -> Response:
 OPENAI_EXCEPTION_HANDLERS = {
     EngineError: handle_engine_error,
     HTTPException: handle_http_exception,
+    RecursionError: handle_recursion,
     Exception: handle_unexpected,
 }

@@ -7,6 +7,7 @@ servers do, so new SDK fields never break a request.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Annotated, Any, Literal, Union
@@ -18,6 +19,7 @@ Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 PositiveInt = Annotated[int, Meta(ge=1)]
+Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]  # a 64-bit integer, as vLLM takes it
 
 
 class InvalidRequest(ValueError):
@@ -64,6 +66,25 @@ class ChatMessage(Struct, omit_defaults=True):
         return "".join(part.text or "" for part in self.content if part.type == "text")
 
 
+PART_TYPES = ("text", "image_url", "input_audio", "file", "refusal")  # OpenAI's content part types
+_FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+
+
+def _check_message(message: ChatMessage, at: str) -> None:
+    """OpenAI's rules for one message: who needs content, a tool_call_id, known part types."""
+    if message.content is None and not (message.role == "assistant" and message.tool_calls):
+        needs = "content or tool_calls" if message.role == "assistant" else "content"
+        raise InvalidRequest(f"{at}: a {message.role} message needs {needs}", f"{at}.content")
+    if message.role == "tool" and not message.tool_call_id:
+        raise InvalidRequest(f"{at}: a tool message needs the tool_call_id it answers", f"{at}.tool_call_id")
+    for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+        if part.type not in PART_TYPES:
+            raise InvalidRequest(f"{at}.content[{j}]: unknown content part type {part.type!r}; expected one of "
+                                 + ", ".join(PART_TYPES), f"{at}.content[{j}].type")
+        if part.type == "text" and part.text is None:
+            raise InvalidRequest(f"{at}.content[{j}]: a text part needs text", f"{at}.content[{j}].text")
+
+
 class FunctionDefinition(Struct, omit_defaults=True):
     name: str
     description: str | None = None
@@ -92,6 +113,10 @@ class StreamOptions(Struct, omit_defaults=True):
     include_usage: bool = False
 
 
+VLLM_EXTRAS = ("min_tokens", "allowed_token_ids", "bad_words", "include_stop_str_in_output", "prompt_logprobs",
+                "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
 class SamplingFields(Struct, kw_only=True, omit_defaults=True):
     """Fields shared by chat and text completions, with OpenAI's ranges."""
 
@@ -101,7 +126,7 @@ class SamplingFields(Struct, kw_only=True, omit_defaults=True):
     top_p: Probability | None = None
     n: Annotated[int, Meta(ge=1, le=128)] | None = 1
     stop: Union[str, list[str], None] = None
-    seed: int | None = None
+    seed: Seed | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
@@ -115,6 +140,16 @@ class SamplingFields(Struct, kw_only=True, omit_defaults=True):
     ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = None
     priority: int | None = 0  # as vLLM: larger runs first (Parrot sends it for latency-critical and app-FIFO work)
+    # vLLM extras the builtin engine does not implement: passed on to upstreams, refused by it (not ignored).
+    min_tokens: Annotated[int, Meta(ge=0)] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool | None = None
+    prompt_logprobs: int | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # Parrot's extension object; interpreted by the gateway, never forwarded upstream.
     parrot: dict[str, Any] | None = None
 
@@ -124,6 +159,10 @@ class SamplingFields(Struct, kw_only=True, omit_defaults=True):
         self.stream = bool(self.stream)
         self.ignore_eos = bool(self.ignore_eos)
         self.priority = self.priority or 0
+
+    def unimplemented_extras(self) -> list[str]:
+        """The vLLM extras above that are set to something that would change the output."""
+        return [name for name in VLLM_EXTRAS if getattr(self, name) not in (None, False, 0)]
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -159,6 +198,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True, omit_defaults=True):
         self._validate_common()
         if self.max_tokens == 0:
             raise InvalidRequest("max_tokens must be at least 1", "max_tokens")
+        for i, message in enumerate(self.messages):
+            _check_message(message, f"messages[{i}]")
+        self._check_tools()
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")
         if isinstance(self.tool_choice, str) and self.tool_choice not in ("none", "auto", "required"):
@@ -168,6 +210,17 @@ class ChatCompletionRequest(SamplingFields, kw_only=True, omit_defaults=True):
         fmt = self.response_format
         if fmt is not None and fmt.type == "json_schema" and (fmt.json_schema is None or fmt.json_schema.schema is None):
             raise InvalidRequest("response_format json_schema requires json_schema.schema", "response_format")
+
+    def _check_tools(self) -> None:
+        names: set[str] = set()
+        for i, tool in enumerate(self.tools or ()):
+            name = tool.function.name
+            if not _FUNCTION_NAME.fullmatch(name):
+                raise InvalidRequest(f"tools[{i}].function.name {name!r} must be 1-64 letters, digits, "
+                                     "underscores or dashes", f"tools[{i}].function.name")
+            if name in names:
+                raise InvalidRequest(f"tools[{i}]: another tool is already named {name!r}", f"tools[{i}].function.name")
+            names.add(name)
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

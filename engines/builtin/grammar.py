@@ -168,7 +168,9 @@ def _call_schema(tool: Tool) -> dict[str, Any]:
     fn = tool.function
     return {
         "type": "object",
-        "properties": {"name": {"const": fn.name}, "arguments": closed(fn.parameters or {"type": "object"})},
+        # No parameters: an empty parameter list, as OpenAI reads it (not "any object").
+        "properties": {"name": {"const": fn.name},
+                       "arguments": closed(fn.parameters or {"type": "object", "properties": {}})},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }

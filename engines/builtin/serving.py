@@ -39,6 +39,7 @@ from engines.protocol import (
     InvalidRequest,
     Penalty,
     Probability,
+    Seed,
     ResponseMessage,
     TokenLogprob,
     Tool,
@@ -147,7 +148,7 @@ class SamplingBody(msgspec.Struct, kw_only=True, omit_defaults=True):
     top_p: Probability | None = None
     top_k: Annotated[int, Meta(ge=-1)] | None = None
     min_p: Probability | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -369,12 +370,13 @@ class BuiltinEngine:
 
     def _chat_job(self, request: ChatCompletionRequest) -> PromptJob:
         _validate(request)
+        _check_text_only(request.messages, self.model_name)
         try:
             output = output_grammar(request.response_format, request.tools, request.tool_choice, request.parallel_tool_calls)
         except InvalidRequest as exc:
             raise EngineBadRequest(str(exc), exc.param) from exc
-        tools = request.tools if output.tool_calls else None  # tool_choice "none": the model is not offered them
-        tokens = chat_prompt_tokens(self.tokenizer, self._with_tools(request.messages, tools), tools)
+        # Offered even with tool_choice "none" (the grammar keeps calls out), as OpenAI and vLLM do.
+        tokens = chat_prompt_tokens(self.tokenizer, self._with_tools(request.messages, request.tools), request.tools)
         params = self.sampling_params(
             request, len(tokens), logprobs=request.logprobs, top_logprobs=request.top_logprobs or 0, prompt_param="messages"
         )
@@ -482,7 +484,8 @@ class BuiltinEngine:
             out.append(CompletionLogprobs(
                 tokens=[texts.text(t) for t in job.tokens],
                 token_logprobs=[None, *(s.logprob for s in scores)],
-                top_logprobs=[None, *({texts.text(t): lp for t, lp in s.top_logprobs} for s in scores)],
+                top_logprobs=[None, *(self._top_dict(t, s.logprob, s.top_logprobs)
+                                      for t, s in zip(job.tokens[1:], scores))],
                 text_offset=self._offsets(echo, job.tokens)))
         return out
 
@@ -497,6 +500,12 @@ class BuiltinEngine:
             return [start for start, _ in encoded["offset_mapping"]]
         return list(itertools.accumulate((len(self.token_texts.text(t)) for t in tokens[:-1]), initial=0))
 
+    def _top_dict(self, token_id: int, logprob: float, top: Iterable[tuple[int, float]]) -> dict[str, float]:
+        """A position's legacy ``top_logprobs``: the most likely tokens and always the chosen one, as
+        OpenAI documents (up to ``logprobs + 1`` entries)."""
+        texts = self.token_texts
+        return {texts.text(token_id): logprob, **{texts.text(t): lp for t, lp in top}}
+
     def _completion_logprobs(self, events: Sequence[TokenEvent], text_offset: int) -> CompletionLogprobs:
         texts = self.token_texts
         out = CompletionLogprobs()
@@ -504,7 +513,7 @@ class BuiltinEngine:
             token = texts.text(e.token_id)
             out.tokens.append(token)
             out.token_logprobs.append(e.logprob if e.logprob is not None else 0.0)
-            out.top_logprobs.append({texts.text(t): lp for t, lp in e.top_logprobs or ()})
+            out.top_logprobs.append(self._top_dict(e.token_id, out.token_logprobs[-1], e.top_logprobs or ()))
             out.text_offset.append(text_offset)
             text_offset += len(token)
         return out
@@ -695,6 +704,20 @@ def _validate(request: ChatCompletionRequest | CompletionRequest) -> None:
         request.validate()
     except InvalidRequest as exc:
         raise EngineBadRequest(str(exc), exc.param) from exc
+    unimplemented = request.unimplemented_extras()
+    if unimplemented:
+        raise EngineBadRequest(f"{unimplemented[0]} is not supported by the builtin engine (use response_format "
+                               "for structured output, logit_bias to steer tokens)", unimplemented[0])
+
+
+def _check_text_only(messages: list[ChatMessage], model: str) -> None:
+    """Images, audio and files would be dropped unseen: refused instead, as OpenAI refuses them for a
+    model without that modality."""
+    for i, message in enumerate(messages):
+        for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+            if part.type in ("image_url", "input_audio", "file"):
+                raise EngineBadRequest(f"model {model!r} takes text only; messages[{i}].content[{j}] is a part "
+                                       f"of type {part.type}", f"messages[{i}].content[{j}]")
 
 
 def _or(value: T | None, default: T) -> T:

@@ -23,6 +23,7 @@ from engines.protocol import (
     Completion,
     CompletionChoice,
     ResponseMessage,
+    VLLM_EXTRAS,
     Usage,
 )
 from gateway.registry import EngineRecord
@@ -36,7 +37,7 @@ _OPEN, _CLOSE = "\ue000", "\ue001"
 _SPLIT = f"{_OPEN}split{_CLOSE}"  # the start of the last message: where a prompt with no variables splits
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                    "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
-_PLAIN_ONLY = ("tools", "response_format", "logprobs", "top_logprobs", "echo", "suffix", "best_of")
+_PLAIN_ONLY = ("tools", "response_format", "logprobs", "top_logprobs", "echo", "suffix", "best_of", *VLLM_EXTRAS)
 
 
 def _marker(name: str) -> str:

@@ -51,6 +51,33 @@ def test_invalid_json_or_not_an_object(api, body):
     assert "'data'" not in error["message"]  # no framework internals
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/vars", "/v1/semantic_calls"])
+def test_json_nested_too_deeply(api, path):
+    deep = "[" * 5000 + "]" * 5000
+    body = '{"model": "fake-model", "messages": [], "prompt": "hi", "extra": %s}' % deep
+
+    assert_openai_error(api.post(path, content=body, headers={"content-type": "application/json"}), 400)
+
+
+@pytest.mark.parametrize("messages, param", [
+    ([{"role": "user"}], "messages[0].content"),
+    ([{"role": "user", "content": None}], "messages[0].content"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}], "messages[1].content"),
+    ([{"role": "tool", "content": "sunny"}], "messages[0].tool_call_id"),
+    ([{"role": "user", "content": [{"type": "foo", "text": "hi"}]}], "messages[0].content[0].type"),
+    ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content[0].text"),
+])
+def test_malformed_messages(api, messages, param):
+    assert_openai_error(api.post("/v1/chat/completions", json={"model": MODEL, "messages": messages}), 400, param=param)
+
+
+@pytest.mark.parametrize("names, param", [(["bad name!"], "tools[0].function.name"),
+                                          (["f", "f"], "tools[1].function.name")])
+def test_malformed_tool_names(api, names, param):
+    tools = [{"type": "function", "function": {"name": name}} for name in names]
+    assert_openai_error(api.post("/v1/chat/completions", json={**CHAT, "tools": tools}), 400, param=param)
+
+
 def test_body_that_is_not_utf8(api):
     response = api.post("/v1/completions", content=b'{"model": "fake-model", "prompt": "\xff"}')
 
@@ -81,9 +108,11 @@ def test_wrong_field_types(api, body, param):
 
 
 @pytest.mark.parametrize("field, value", [("max_tokens", -1), ("max_tokens", 0), ("temperature", 3), ("n", 0), ("top_p", 1.5),
-                                          ("presence_penalty", -2.5)])
-def test_out_of_range_values(api, field, value):
-    error = assert_openai_error(api.post("/v1/chat/completions", json={**CHAT, field: value}), 400)
+                                          ("presence_penalty", -2.5), ("seed", 2**64), ("seed", -(2**63) - 1)])
+@pytest.mark.parametrize("stream", [False, True])
+def test_out_of_range_values(api, field, value, stream):
+    body = {**CHAT, field: value, **({"stream": True} if stream else {})}
+    error = assert_openai_error(api.post("/v1/chat/completions", json=body), 400)
 
     assert field in (error["param"] or "") + error["message"]
 

@@ -90,7 +90,9 @@ def test_echo_logprobs_score_a_prompt_as_evaluation_harnesses_read_it(client):
     assert score("The capital of France is Paris") > score("The capital of France is Banana")
     logprobs = one_more.choices[0].logprobs
     assert len(logprobs.tokens) == one_more.usage.prompt_tokens + 1
-    assert all(len(top) == 1 for top in logprobs.top_logprobs[1:])
+    # the most likely token, and always the chosen one (OpenAI's legacy logprobs: up to logprobs + 1)
+    for token, logprob, top in zip(logprobs.tokens[1:], logprobs.token_logprobs[1:], logprobs.top_logprobs[1:]):
+        assert 1 <= len(top) <= 2 and top[token] == pytest.approx(logprob, abs=1e-5)
 
 
 def test_null_means_the_default_for_nullable_fields(http):
@@ -474,3 +476,33 @@ def test_render_is_the_prompt_a_chat_request_becomes(http, client, llm):
         reply = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=1,
                                                **({"tools": tools} if tools else {}))
         assert reply.usage.prompt_tokens == len(llm.tokenizer.encode(prompt, add_special_tokens=False))
+
+
+def test_tools_stay_in_the_prompt_with_tool_choice_none(client):
+    tools = [{"type": "function", "function": {"name": "get_time", "description": "The time now"}}]
+    usage = {choice: client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=1, tools=tools,
+                                                     tool_choice=choice).usage.prompt_tokens
+             for choice in ("auto", "none")}
+    without = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=1).usage.prompt_tokens
+    assert usage["none"] == usage["auto"] > without  # offered, as OpenAI does; the grammar keeps calls out
+
+
+@pytest.mark.parametrize("part", [{"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},
+                                  {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}])
+def test_media_parts_are_refused_not_dropped(client, part):
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, max_tokens=1, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "Describe this"}, part]}])
+    assert refused.value.body["param"] == "messages[0].content[1]"
+
+
+@pytest.mark.parametrize("extra", [{"min_tokens": 5}, {"allowed_token_ids": [28]}, {"bad_words": ["Paris"]},
+                                   {"include_stop_str_in_output": True}, {"guided_choice": ["yes", "no"]}])
+def test_vllm_extras_it_does_not_implement_are_refused_not_ignored(http, extra):
+    body = {"model": MODEL, "messages": FRANCE, "max_tokens": 2, **extra}
+    assert _error(http.post("/v1/chat/completions", json=body), 400)["param"] == next(iter(extra))
+
+
+def test_vllm_extras_at_their_defaults_are_fine(http):
+    body = {"model": MODEL, "messages": FRANCE, "max_tokens": 2, "min_tokens": 0, "include_stop_str_in_output": False}
+    assert http.post("/v1/chat/completions", json=body).status_code == 200

@@ -103,7 +103,8 @@ async def test_echo_with_logprobs_scores_the_prompt_tokens_too(engine, llm):
     assert "".join(logprobs["tokens"]) == reply["choices"][0]["text"]
     assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None  # nothing precedes it
     assert logprobs["token_logprobs"][1:-1] == pytest.approx([s.logprob for s in scores], abs=1e-5)
-    assert all(len(top) == 2 for top in logprobs["top_logprobs"][1:])
+    for token, logprob, top in zip(logprobs["tokens"][1:], logprobs["token_logprobs"][1:], logprobs["top_logprobs"][1:]):
+        assert 2 <= len(top) <= 3 and top[token] == pytest.approx(logprob, abs=1e-5)  # the chosen one is always there
     assert logprobs["text_offset"][:2] == [0, len(logprobs["tokens"][0])]
     greedy = logprobs["top_logprobs"][-1]  # the generated token was the most likely one
     assert logprobs["token_logprobs"][-1] == pytest.approx(max(greedy.values()), abs=1e-5)
@@ -122,7 +123,8 @@ async def test_echo_with_max_tokens_0_scores_the_prompt_and_generates_nothing(en
     assert choice["text"] == "one two three" and choice["finish_reason"] == "length"
     assert reply["usage"]["completion_tokens"] == 0
     assert len(choice["logprobs"]["tokens"]) == reply["usage"]["prompt_tokens"]
-    assert choice["logprobs"]["top_logprobs"][1:] == [{}] * (reply["usage"]["prompt_tokens"] - 1)  # logprobs 0: none
+    lp = choice["logprobs"]
+    assert lp["top_logprobs"][1:] == [{t: p} for t, p in zip(lp["tokens"][1:], lp["token_logprobs"][1:])]  # the chosen only
     assert streamed[0]["choices"][0]["logprobs"] == choice["logprobs"]
     assert streamed[-1]["choices"][0]["finish_reason"] == "length" and streamed[-1]["choices"][0]["text"] == ""
     with pytest.raises(EngineBadRequest) as no_echo:

@@ -52,6 +52,7 @@ class Weather(pydantic.BaseModel):
 
 WEATHER = Tool(function=FunctionDefinition(name="get_weather", parameters=Weather.model_json_schema()))
 CLOCK = Tool(function=FunctionDefinition(name="get_time", parameters={"type": "object", "properties": {}}))
+BARE_CLOCK = Tool(function=FunctionDefinition(name="get_time"))  # no parameters: OpenAI's empty parameter list
 
 
 def schema_format(schema: dict, strict: bool = True) -> ResponseFormat:
@@ -112,7 +113,7 @@ async def test_unconstrained_neighbours_sample_as_if_alone(engine):
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 async def test_forced_tool_calls_parse_into_valid_calls(engine, choice):
-    output = output_grammar(None, [WEATHER, CLOCK], choice, None)
+    output = output_grammar(None, [WEATHER, BARE_CLOCK], choice, None)
     assert output.tool_calls
     for seed in range(4):
         text, finish = await sample(engine, SamplingParams(max_tokens=80, temperature=1.0, seed=seed, grammar=output.grammar))
