@@ -56,6 +56,7 @@ class ChatMessage(Struct, omit_defaults=True):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    function_call: dict[str, Any] | None = None  # OpenAI's deprecated form of one tool call, in old histories
 
     def text(self) -> str:
         """The message's text, parts joined; non-text parts are skipped."""
@@ -72,9 +73,9 @@ _FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 def _check_message(message: ChatMessage, at: str) -> None:
     """OpenAI's rules for one message: who needs content, a tool_call_id, known part types."""
-    if message.content is None and not (message.role == "assistant" and message.tool_calls):
+    if message.content is None and not (message.role == "assistant" and (message.tool_calls or message.function_call)):
         needs = "content or tool_calls" if message.role == "assistant" else "content"
-        raise InvalidRequest(f"{at}: a {message.role} message needs {needs}", f"{at}.content")
+        raise InvalidRequest(f"{at}: the {message.role} message needs {needs}", f"{at}.content")
     if message.role == "tool" and not message.tool_call_id:
         raise InvalidRequest(f"{at}: a tool message needs the tool_call_id it answers", f"{at}.tool_call_id")
     for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
@@ -162,7 +163,10 @@ class SamplingFields(Struct, kw_only=True, omit_defaults=True):
 
     def unimplemented_extras(self) -> list[str]:
         """The vLLM extras above that are set to something that would change the output."""
-        return [name for name in VLLM_EXTRAS if getattr(self, name) not in (None, False, 0)]
+        # Empty or false means unset (vLLM's own defaults, as clients dumping a full request send them);
+        # prompt_logprobs 0 still asks for the prompt's own logprobs.
+        return [name for name in VLLM_EXTRAS
+                if (getattr(self, name) is not None if name == "prompt_logprobs" else getattr(self, name))]
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

@@ -91,11 +91,11 @@ class Gateway:
             finally:
                 record.in_flight -= 1
                 self.metrics.model(model).requests_running.dec()
-            self.account(model, response, started)
+            self.record_success(model, response, started)
             return response
         raise self._no_engine(model, last_error)
 
-    def account(self, model: str, response: bytes, started: float) -> None:
+    def record_success(self, model: str, response: bytes, started: float) -> None:
         """Metrics for a finished non-streamed request: latency, tokens, finish reasons."""
         self.metrics.model(model).e2e_latency.observe(time.perf_counter() - started)
         for reason in self._count_usage(model, response) or ["stop"]:

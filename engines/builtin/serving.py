@@ -39,8 +39,8 @@ from engines.protocol import (
     InvalidRequest,
     Penalty,
     Probability,
-    Seed,
     ResponseMessage,
+    Seed,
     TokenLogprob,
     Tool,
     TopLogprob,
@@ -504,7 +504,9 @@ class BuiltinEngine:
         """A position's legacy ``top_logprobs``: the most likely tokens and always the chosen one, as
         OpenAI documents (up to ``logprobs + 1`` entries)."""
         texts = self.token_texts
-        return {texts.text(token_id): logprob, **{texts.text(t): lp for t, lp in top}}
+        ranked = {texts.text(t): lp for t, lp in top}
+        ranked[texts.text(token_id)] = logprob  # last, unless among them; and its own, should texts collide
+        return ranked
 
     def _completion_logprobs(self, events: Sequence[TokenEvent], text_offset: int) -> CompletionLogprobs:
         texts = self.token_texts
@@ -706,8 +708,7 @@ def _validate(request: ChatCompletionRequest | CompletionRequest) -> None:
         raise EngineBadRequest(str(exc), exc.param) from exc
     unimplemented = request.unimplemented_extras()
     if unimplemented:
-        raise EngineBadRequest(f"{unimplemented[0]} is not supported by the builtin engine (use response_format "
-                               "for structured output, logit_bias to steer tokens)", unimplemented[0])
+        raise EngineBadRequest(f"{unimplemented[0]} is not supported by the builtin engine", unimplemented[0])
 
 
 def _check_text_only(messages: list[ChatMessage], model: str) -> None:

@@ -157,6 +157,7 @@ class Session:
         self.calls: dict[str, Call] = {}
         self.prefix_keys: set[str] = set()  # shared prefixes this session pinned on engines
         self.closed = False
+        self.cancelled_tasks: list[asyncio.Task] = []  # its calls' tasks, cancelled when it closed
 
     def new_variable(self, name: str | None = None, value: str | None = None) -> Variable:
         variable = Variable(self, name, value)
@@ -222,9 +223,9 @@ class Session:
     def close(self) -> None:
         """Cancel running calls, wake whoever waits on a variable, and forget every variable."""
         self.closed = True
-        for call in list(self.calls.values()):
-            if call.task is not None:
-                call.task.cancel()
+        self.cancelled_tasks = [call.task for call in self.calls.values() if call.task is not None]
+        for task in self.cancelled_tasks:
+            task.cancel()
         self.calls.clear()
         for var_id, variable in self.variables.items():
             if not variable.ready:

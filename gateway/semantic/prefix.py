@@ -28,7 +28,7 @@ class PrefixEntry:
         self.sessions: set[str] = set()
         self.in_use = 0
         self.last_used = time.monotonic()
-        self.unpinned = False  # its last pinning session was deleted while requests used it: free when idle
+        self.free_when_idle = False  # its last pinning session was deleted while requests still used it
 
 
 class PrefixCache:
@@ -59,17 +59,24 @@ class PrefixCache:
         if entry is None:
             entry = self._entries[key] = PrefixEntry(key, engine_id, client)
         entry.in_use += 1
-        if pin is not None:
+        pinned = pin is not None and pin not in entry.sessions
+        if pinned:
             entry.sessions.add(pin)
         entry.last_used = time.monotonic()
         if not hit:
-            await self._evict(engine_id)
+            try:
+                await self._evict(engine_id)
+            except BaseException:  # cancelled (its session deleted, say): the caller never gets to release it
+                entry.in_use -= 1
+                if pinned:
+                    entry.sessions.discard(pin)
+                raise
         return entry, hit
 
     async def release(self, entry: PrefixEntry) -> None:
         entry.in_use -= 1
         entry.last_used = time.monotonic()
-        if entry.in_use == 0 and entry.unpinned and not entry.sessions:
+        if entry.in_use == 0 and entry.free_when_idle and not entry.sessions:
             await self._free(entry)
 
     async def drop_session(self, session_id: str, keys: set[str]) -> int:
@@ -85,7 +92,7 @@ class PrefixCache:
             if entry.in_use == 0:
                 freed += await self._free(entry)
             else:
-                entry.unpinned = True
+                entry.free_when_idle = True
         return freed
 
     async def _evict(self, engine_id: str) -> None:

@@ -23,8 +23,8 @@ from engines.protocol import (
     Completion,
     CompletionChoice,
     ResponseMessage,
-    VLLM_EXTRAS,
     Usage,
+    VLLM_EXTRAS,
 )
 from gateway.registry import EngineRecord
 from gateway.semantic import template
@@ -63,6 +63,12 @@ def _map_texts(route: Route, body: dict[str, Any], change) -> dict[str, Any]:
         messages.append(message)
     body["messages"] = messages
     return body
+
+
+def _has_media(message: dict[str, Any]) -> bool:
+    """Whether a message has parts other than text (rendering for a fork would drop them unseen)."""
+    content = message.get("content")
+    return isinstance(content, list) and any(part.get("type") != "text" for part in content)
 
 
 def texts(route: Route, body: dict[str, Any]) -> list[str]:
@@ -115,7 +121,9 @@ class Runner:
     def _forkable(self, route: Route, body: dict[str, Any]) -> bool:
         if (body.get("n") or 1) != 1 or any(body.get(k) for k in _PLAIN_ONLY):
             return False
-        return route == "chat/completions" or isinstance(body.get("prompt"), str)
+        if route == "completions":
+            return isinstance(body.get("prompt"), str)
+        return not any(_has_media(message) for message in body["messages"])  # the engine refuses it plainly
 
     def _builtin(self, model: str) -> list[EngineRecord]:
         return [r for r in self.gateway.registry.candidates(model) if r.kind == "builtin"]
@@ -123,20 +131,20 @@ class Runner:
     async def run(self, route: Route, body: dict[str, Any], values: dict[str, str], *, priority: int,
                   session: Session) -> bytes:
         model = body["model"]
+        started = time.perf_counter()
         builtin = self._builtin(model)
         plan = await self._plan(route, body, builtin) if builtin and self._forkable(route, body) else None
         if plan is not None:
             rest = plan.rest
             for name, value in values.items():
                 rest = rest.replace(_marker(name), value)
-            started = time.perf_counter()
             try:
                 generation, prompt_tokens = await self._fork_and_generate(plan, rest, body, priority, session)
             except EngineError as exc:
                 self.gateway.metrics.model(model).error(exc.status_code).inc()
                 raise
             response = _response(route, model, generation, prompt_tokens)
-            self.gateway.account(model, response, started)  # as a plain request through the gateway is
+            self.gateway.record_success(model, response, started)  # as a plain request through the gateway is
             return response
         plain = substitute(route, body, values)
         if builtin:

@@ -142,11 +142,13 @@ class SemanticService:
     # ------------------------------------------------------------ native API
 
     async def close_session(self, session_id: str, owner: str) -> tuple[int, int]:
-        running = [c.task for c in self.sessions.get(session_id, owner).calls.values() if c.task is not None]
-        session = self.sessions.remove(session_id, owner)  # cancels them
-        if running:  # as they unwind they let go of their shared prefixes, which can then be freed here
-            await asyncio.wait(running, timeout=_UNWIND_WAIT_S)
-        contexts = await self.prefixes.drop_session(session.id, session.prefix_keys)
+        session = self.sessions.remove(session_id, owner)  # cancels its calls
+        running = [task for task in session.cancelled_tasks if not task.done()]
+        try:
+            if running:  # as they unwind they let go of their shared prefixes, which can then be freed here
+                await asyncio.wait(running, timeout=_UNWIND_WAIT_S)
+        finally:
+            contexts = await self.prefixes.drop_session(session.id, session.prefix_keys)
         return len(session.variables), contexts
 
     async def read(self, variable: Variable, *, wait: bool, timeout_s: float | None, criteria: str | None
@@ -174,8 +176,10 @@ class SemanticService:
             raise InvalidRequest("each {{output:NAME}} may appear once", "template")
         if set(outputs_in_template) & {p.name for p in pieces if p.kind == "input"}:
             raise InvalidRequest("a name cannot be both an input and an output", "template")
-        for name in spec.outputs.keys() - set(outputs_in_template):
-            raise InvalidRequest(f"outputs.{name}: the template has no {{{{output:{name}}}}}", f"outputs.{name}")
+        unknown = sorted(spec.outputs.keys() - set(outputs_in_template))
+        if unknown:
+            raise InvalidRequest(f"outputs.{unknown[0]}: the template has no {{{{output:{unknown[0]}}}}}",
+                                 f"outputs.{unknown[0]}")
         for name, output in spec.outputs.items():
             self._check_sampling(spec.model, name, output)
         session = self.sessions.resolve(spec.session_id, owner)
@@ -199,7 +203,10 @@ class SemanticService:
         except msgspec.ValidationError as exc:
             raise InvalidRequest(f"outputs.{name}: {exc}", f"outputs.{name}") from None
         except InvalidRequest as exc:
-            raise InvalidRequest(f"outputs.{name}: {exc}", f"outputs.{name}.{exc.param}") from None
+            raise InvalidRequest(f"outputs.{name}: {exc}", _within(f"outputs.{name}", exc.param)) from None
+        except APIError as exc:  # a configured limit
+            exc.body.param = _within(f"outputs.{name}", exc.body.param)
+            raise
 
     async def _run_template(self, spec: SemanticCall, pieces: list[template.Piece], values: dict[str, str],
                             priority: int, session: Session) -> dict[str, str]:
@@ -218,6 +225,10 @@ class SemanticService:
                 known[piece.name] = results[piece.name] = output_text("completions", response)
             prompt += "{{" + piece.name + "}}"
         return results
+
+
+def _within(prefix: str, param: str | None) -> str:
+    return f"{prefix}.{param}" if param else prefix
 
 
 def _as_stream(route: Route, answer: dict[str, Any], include_usage: bool) -> Response:

@@ -1,0 +1,66 @@
+"""The gateway's table of shared prefixes pinned on engines: who pins what, and when a context is freed.
+
+The engine is reached through ``ContextClient``; here a recording stand-in takes its one call that
+matters (``free``). The real client against a real engine is exercised in test_semantic_engine.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.semantic.prefix import PrefixCache
+
+
+class RecordingContexts:
+    def __init__(self) -> None:
+        self.freed: list[str] = []
+
+    async def free(self, context_id: str) -> None:
+        self.freed.append(context_id)
+
+
+async def test_a_prefix_dropped_while_in_use_is_freed_once_by_its_last_release():
+    cache, engine = PrefixCache(), RecordingContexts()
+    pinned, _ = await cache.acquire("e1", engine, "You are a helpful assistant.", pin="sess_a")
+    shared, hit = await cache.acquire("e1", engine, "You are a helpful assistant.", pin=None)  # a default session
+    assert hit and shared is pinned
+
+    assert await cache.drop_session("sess_a", {pinned.key}) == 0  # still in use: not yet
+    await cache.release(pinned)
+    assert engine.freed == []
+    await cache.release(shared)
+
+    assert engine.freed == [pinned.context_id]
+    assert cache.engine_holding([("e1", "You are a helpful assistant.")]) is None
+
+
+async def test_a_prefix_another_session_pins_outlives_one_sessions_deletion():
+    cache, engine = PrefixCache(), RecordingContexts()
+    first, _ = await cache.acquire("e1", engine, "Shared document.", pin="sess_a")
+    await cache.acquire("e1", engine, "Shared document.", pin="sess_b")
+    for _ in range(2):
+        await cache.release(first)
+
+    assert await cache.drop_session("sess_a", {first.key}) == 0
+    assert engine.freed == []
+    assert await cache.drop_session("sess_b", {first.key}) == 1
+    assert engine.freed == [first.context_id]
+
+
+async def test_an_acquire_cancelled_while_evicting_leaves_nothing_pinned():
+    class SlowContexts(RecordingContexts):
+        async def free(self, context_id: str) -> None:
+            await asyncio.sleep(10)
+
+    cache, engine = PrefixCache(max_per_engine=1), SlowContexts()
+    old, _ = await cache.acquire("e1", engine, "old prefix", pin=None)
+    await cache.release(old)
+    acquiring = asyncio.ensure_future(cache.acquire("e1", engine, "new prefix", pin="sess_a"))
+    await asyncio.sleep(0.01)  # inside the eviction of the old prefix
+    acquiring.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await acquiring
+
+    entry = cache._entries[cache.key("e1", "new prefix")]
+    assert entry.in_use == 0 and entry.sessions == set()
