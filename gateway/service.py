@@ -86,7 +86,7 @@ class Gateway:
                 last_error = exc
                 continue  # nothing reached the client: another engine may take it
             except EngineError as exc:
-                self.metrics.model(model).error(exc.status_code).inc()
+                self.record_failure(model, exc)
                 raise
             finally:
                 record.in_flight -= 1
@@ -100,6 +100,9 @@ class Gateway:
         self.metrics.model(model).e2e_latency.observe(time.perf_counter() - started)
         for reason in self._count_usage(model, response) or ["stop"]:
             self.metrics.model(model).success(reason).inc()
+
+    def record_failure(self, model: str, exc: EngineError) -> None:
+        self.metrics.model(model).error(exc.status_code).inc()
 
     def _count_usage(self, model: str, payload: bytes) -> list[str]:
         """Counts the tokens a body reports; returns its choices' finish reasons."""
@@ -127,7 +130,7 @@ class Gateway:
 
     def _no_engine(self, model: str, last_error: EngineError | None) -> EngineError:
         if last_error is not None:
-            self.metrics.model(model).error(last_error.status_code).inc()
+            self.record_failure(model, last_error)
             return last_error
         self.metrics.model(model).error(503).inc()
         return EngineOverloaded(f"no healthy engine serves model {model!r} right now")
@@ -147,7 +150,7 @@ class Gateway:
                 last_error = exc
                 continue
             except EngineError as exc:
-                self.metrics.model(model).error(exc.status_code).inc()
+                self.record_failure(model, exc)
                 raise
             self.metrics.model(model).ttft.observe(time.perf_counter() - started)
             record.in_flight += 1
@@ -168,7 +171,7 @@ class Gateway:
             for reason in reasons or ["stop"]:
                 self.metrics.model(model).success(reason).inc()
         except EngineError as exc:
-            self.metrics.model(model).error(exc.status_code).inc()
+            self.record_failure(model, exc)
             yield sse_event(error_payload(engine_error_body(exc)))
         finally:
             await opened.rest.aclose()  # closes the engine's stream, also when the client went away

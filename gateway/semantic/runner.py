@@ -141,7 +141,7 @@ class Runner:
             try:
                 generation, prompt_tokens = await self._fork_and_generate(plan, rest, body, priority, session)
             except EngineError as exc:
-                self.gateway.metrics.model(model).error(exc.status_code).inc()
+                self.gateway.record_failure(model, exc)
                 raise
             response = _response(route, model, generation, prompt_tokens)
             self.gateway.record_success(model, response, started)  # as a plain request through the gateway is
