@@ -85,6 +85,7 @@ def serve(argv: list[str]) -> None:
     import uvicorn
 
     from gateway.app import create_app
+    from engines.http_protocol import HttpProtocol
 
     config = config_from_args(_serve_parser().parse_args(argv))
     logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
@@ -95,7 +96,7 @@ def serve(argv: list[str]) -> None:
         print(f"Parrot gateway on http://{config.server.host}:{config.server.port}/v1"
               f"{' (builtin engine loading…)' if engine else ''}", flush=True)
         uvicorn.run(create_app(config), host=config.server.host, port=config.server.port,
-                    log_level=config.server.log_level, access_log=False, loop="uvloop", http="httptools",
+                    log_level=config.server.log_level, access_log=False, loop="uvloop", http=HttpProtocol,
                     timeout_graceful_shutdown=config.server.shutdown_grace_s,
                     proxy_headers=False)  # no proxy in front by default; its per-request middleware costs
     finally:

@@ -11,6 +11,8 @@ from typing import Any, Callable, Iterator
 import pytest
 import uvicorn
 
+from engines.http_protocol import HttpProtocol
+
 
 def free_port() -> int:
     """A loopback port nothing listens on right now (also what a dead server looks like)."""
@@ -24,7 +26,7 @@ def serve_in_thread(app: Any, *, startup_timeout_s: float = 20.0) -> Iterator[st
     """Runs ``app`` under uvicorn on 127.0.0.1 until the block ends; yields its base URL (no trailing /)."""
     port = free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
-                            lifespan="on", timeout_graceful_shutdown=2)
+                            lifespan="on", timeout_graceful_shutdown=2, loop="uvloop", http=HttpProtocol)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
     thread.start()

@@ -72,6 +72,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
+    from engines.http_protocol import HttpProtocol
+
     from engines.builtin.server import GatewayRegistration, create_app
 
     args = build_parser().parse_args(argv)
@@ -91,7 +93,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"parrot engine: {message}", file=sys.stderr, flush=True)
 
     app = create_app(config, model_name=args.served_model_name, registration=registration, log=log)
-    uvicorn.run(app, host=args.host, port=int(args.port), log_level=args.log_level, access_log=False)
+    uvicorn.run(app, host=args.host, port=int(args.port), log_level=args.log_level, access_log=False,
+                loop="uvloop", http=HttpProtocol)
 
 
 if __name__ == "__main__":
