@@ -82,7 +82,8 @@ class Engine(Protocol):
 
     def stream(self, route: Route, body: dict[str, Any]) -> AsyncIterator[bytes]:
         """Run one streaming request; yields whole SSE events (several per item when they arrived
-        together), never ``[DONE]``. Closing it cancels the request."""
+        together). When the engine ends its stream with ``[DONE]``, that event closes the last item,
+        with the events that came with it. Closing it cancels the request."""
         ...
 
     async def health(self) -> bool: ...

@@ -6,6 +6,7 @@ translated into ``EngineError``s here and nowhere else.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import http.cookiejar
 import os
@@ -22,9 +23,10 @@ from engines.base import (
     EngineUnavailable,
     Route,
 )
-from engines.protocol import sse_event
+from engines.protocol import SSE_DONE, sse_event
 
 _DONE = b"[DONE]"
+_DRAIN_S = 1.0
 
 
 @contextlib.contextmanager
@@ -117,6 +119,18 @@ def _body(response: httpx.Response) -> AsyncIterator[bytes]:
     return response.stream.__aiter__()  # type: ignore[union-attr]
 
 
+async def _drain(body: AsyncIterator[bytes]) -> None:
+    """Reads what follows ``[DONE]`` (the end of the HTTP body, normally already here), so that the
+    connection goes back to the pool. The answer is complete: a failure or a server that keeps
+    sending only costs the connection, closed after ``_DRAIN_S``."""
+    try:
+        async with asyncio.timeout(_DRAIN_S):
+            async for _ in body:
+                pass
+    except (httpx.TransportError, TimeoutError):
+        pass
+
+
 def _rejected(name: str, response: httpx.Response, body: bytes) -> EngineRejected:
     return EngineRejected(
         f"engine {name!r} answered HTTP {response.status_code}",
@@ -199,12 +213,18 @@ class UpstreamEngine:
             if response.status_code >= 400:
                 with translate_errors(self.name):
                     raise _rejected(self.name, response, await response.aread())
-            framer = SSEFramer()
+            framer, body = SSEFramer(), _body(response)
             with translate_errors(self.name):
-                async for chunk in _body(response):
+                async for chunk in body:
                     events = framer.feed(chunk)
+                    if framer.done:
+                        # With its last events: a gateway forwards the end of the answer in one write.
+                        yield events + SSE_DONE
+                        break
                     if events:
                         yield events
+            if framer.done:
+                await _drain(body)
         finally:
             await response.aclose()
 

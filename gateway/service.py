@@ -98,7 +98,10 @@ class Gateway:
     def record_success(self, model: str, response: bytes, started: float) -> None:
         """Metrics for a finished non-streamed request: latency, tokens, finish reasons."""
         self.metrics.model(model).e2e_latency.observe(time.perf_counter() - started)
-        for reason in self._count_usage(model, response) or ["stop"]:
+        self._count_success(model, self._count_usage(model, response))
+
+    def _count_success(self, model: str, reasons: list[str]) -> None:
+        for reason in reasons or ["stop"]:
             self.metrics.model(model).success(reason).inc()
 
     def record_failure(self, model: str, exc: EngineError) -> None:
@@ -159,17 +162,21 @@ class Gateway:
         raise self._no_engine(model, last_error)
 
     async def sse_events(self, model: str, opened: OpenedStream) -> AsyncIterator[bytes]:
-        """SSE events, ``[DONE]`` last; an engine failure mid-stream becomes an SSE error object."""
+        """SSE events, ``[DONE]`` last (in the engine's last item when it sent one); an engine failure
+        mid-stream becomes an SSE error object."""
         reasons: list[str] = []
+        done = False
         try:
-            if opened.first is not None:
-                reasons += self._count_events(model, opened.first)
-                yield opened.first
-            async for events in opened.rest:
+            events = opened.first
+            while events is not None:
                 reasons += self._count_events(model, events)
+                if events.endswith(SSE_DONE):  # the client has the whole answer, whatever follows
+                    done = True
+                    self._count_success(model, reasons)
                 yield events
-            for reason in reasons or ["stop"]:
-                self.metrics.model(model).success(reason).inc()
+                events = await anext(opened.rest, None)
+            if not done:
+                self._count_success(model, reasons)
         except EngineError as exc:
             self.record_failure(model, exc)
             yield sse_event(error_payload(engine_error_body(exc)))
@@ -178,4 +185,5 @@ class Gateway:
             opened.record.in_flight -= 1
             self.metrics.model(model).requests_running.dec()
             self.metrics.model(model).e2e_latency.observe(time.perf_counter() - opened.started)
-        yield SSE_DONE
+        if not done:
+            yield SSE_DONE

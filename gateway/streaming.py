@@ -20,17 +20,19 @@ from engines.protocol import SSE_DONE
 
 
 async def send_events(events: AsyncIterator[bytes], send: Send, receive: Receive) -> None:
-    """Sends SSE ``events`` as the body of a started response, up to ``[DONE]`` (nothing after it is sent)
-    or the iterator's end; stops early, closing the iterator, if the client disconnects."""
+    """Sends SSE ``events`` as the body of a started response, up to ``[DONE]`` or the iterator's end.
+    Nothing after ``[DONE]`` is sent, but the iterator still runs to its end (its accounting, the
+    engine connection's drain) unless the client disconnects, which stops it early."""
     try:
         async with CancelledOnDisconnect(receive):
+            done = False
             async for chunk in events:
+                if done:
+                    continue
                 # ``[DONE]`` ends the body in the same write as the last chunk's framing: one syscall less.
                 done = chunk.endswith(SSE_DONE)
                 await send({"type": "http.response.body", "body": chunk, "more_body": not done})
-                if done:
-                    break
-            else:
+            if not done:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
     finally:
         aclose = getattr(events, "aclose", None)

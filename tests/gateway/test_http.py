@@ -9,7 +9,9 @@ import re
 import httpx
 import pytest
 
+from engines.protocol import SSE_DONE
 from gateway.config import UpstreamConfig
+from tests.engines.test_upstream_stream import FIRST, LAST, sse_app
 
 MODEL = "fake-model"  # what the gateway fixtures serve
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi there"}]}
@@ -156,3 +158,11 @@ def test_upstream_sse_framing_variants(http, serve, start_gateway, separator, ex
     events = raw.split("\n\n")
     assert events[-2:] == ["data: [DONE]", ""]
     assert [json.loads(e.removeprefix("data: ")) for e in events[:-2]] == QUIRKY_CHUNKS
+
+
+@pytest.mark.parametrize("done", [True, False])
+def test_done_is_sent_exactly_once_whether_or_not_the_upstream_sends_it(http, start_gateway, serve, done):
+    url = start_gateway([UpstreamConfig(model="m", base_url=f"{serve(sse_app(done=done))}/v1")])
+    body = http.post(f"{url}/v1/chat/completions",
+                     json={"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}).content
+    assert body == FIRST + LAST + SSE_DONE

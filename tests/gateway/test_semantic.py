@@ -342,12 +342,16 @@ def test_deleting_a_session_under_a_waiting_request_answers_409(gw):
 def test_deleting_a_session_wakes_its_waiting_readers_with_404(gw):
     session = gw.post("/v1/sessions").json()["id"]
     var = new_var(gw, session, "never")
-    threading.Timer(0.5, lambda: gw.delete(f"/v1/sessions/{session}")).start()
+    deleted = []
+    deleter = threading.Timer(0.5, lambda: deleted.append(gw.delete(f"/v1/sessions/{session}").status_code))
+    deleter.start()
 
     started = time.monotonic()
     response = gw.get(f"/v1/vars/{var}", params={"wait": "true", "timeout": 30})
+    deleter.join()  # before the client closes
 
     assert response.status_code == 404 and time.monotonic() - started < 10
+    assert deleted == [200]
 
 
 def test_a_rejected_request_leaves_no_variables_behind(gw, session):
