@@ -16,6 +16,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.types import Message, Scope
 
 from engines.aiohttp_transport import AiohttpTransport
+from engines.http11 import Http11Transport
 from engines.upstream import NoCookies
 from gateway.config import GatewayConfig
 from gateway.errors import EXCEPTION_HANDLERS, APIError
@@ -27,11 +28,12 @@ from gateway.service import Gateway
 
 
 def _http_client(config: GatewayConfig) -> tuple[httpx.AsyncClient, httpx.AsyncBaseTransport]:
-    """The one client every engine shares (httpx's API over aiohttp's faster connection handling),
-    and its transport, which also serves the engines' hot path directly. The client owns and closes it."""
+    """The one client every engine shares (httpx's API over a lean HTTP/1.1 transport for http://
+    engines, aiohttp for the rest), and its transport, which also serves the engines' hot path
+    directly. The client owns and closes it."""
     limits = config.limits
     pool = httpx.Limits(max_connections=limits.max_connections, max_keepalive_connections=limits.max_connections)
-    transport = AiohttpTransport(limits=pool)
+    transport = Http11Transport(limits=pool, fallback=AiohttpTransport(limits=pool))
     client = httpx.AsyncClient(
         timeout=httpx.Timeout(limits.request_timeout_s, connect=limits.connect_timeout_s),
         limits=pool,

@@ -1,0 +1,256 @@
+"""The lean HTTP/1.1 transport, against real servers on loopback: httpx's API, errors and pooling."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+
+import httpx
+import pytest
+
+from benchmarks import fake_upstream
+from engines import http11
+from engines.http11 import Http11Transport
+from tests.conftest import free_port
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there"}]}
+
+
+@pytest.fixture(scope="module")
+def upstream(serve_module) -> str:
+    return serve_module(fake_upstream.app)
+
+
+def run(test, limits: httpx.Limits = httpx.Limits(), fallback=None, **client_options):
+    async def with_client():
+        transport = Http11Transport(limits=limits, fallback=fallback)
+        async with httpx.AsyncClient(transport=transport, **client_options) as client:
+            return await test(client)
+
+    return asyncio.run(with_client())
+
+
+def asgi(handler):
+    """An ASGI app of one HTTP handler (lifespan events acknowledged)."""
+    async def app(scope, receive, send):
+        if scope["type"] == "lifespan":
+            while (message := await receive())["type"] != "lifespan.shutdown":
+                await send({"type": message["type"] + ".complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        await handler(scope, receive, send)
+    return app
+
+
+def test_requests_and_responses_round_trip(upstream):
+    async def test(client: httpx.AsyncClient):
+        models = await client.get(f"{upstream}/v1/models")
+        reply = await client.post(f"{upstream}/v1/chat/completions?x=1", json=CHAT, headers={"x-test": "1"})
+        return models, reply
+
+    models, reply = run(test)
+
+    assert models.status_code == 200 and models.json()["data"][0]["id"] == "fake-model"
+    assert reply.json()["choices"][0]["message"]["content"] == "echo: hello there"
+    assert reply.headers["content-type"] == "application/json"
+
+
+def counting_connections(pieces: list[bytes], pause_s: float = 0.0):
+    """An app answering ``pieces`` as a chunked body; ``app.ports`` holds each request's client port."""
+    ports: list[int] = []
+
+    async def handler(scope, receive, send):
+        ports.append(scope["client"][1])
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        for piece in pieces:
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+            await asyncio.sleep(pause_s)
+        await send({"type": "http.response.body", "body": b""})
+
+    app = asgi(handler)
+    app.ports = ports
+    return app
+
+
+def test_answers_read_to_the_end_leave_their_connection_for_the_next_request(serve):
+    app = counting_connections([b"one ", b"two ", b"three"])
+    url = serve(app)
+
+    async def test(client: httpx.AsyncClient):
+        texts = [(await client.post(url, json=CHAT)).text for _ in range(2)]
+        async with client.stream("GET", url) as response:
+            texts.append(b"".join([chunk async for chunk in response.aiter_raw()]).decode())
+        return texts + [(await client.get(url)).text]
+
+    assert run(test) == ["one two three"] * 4
+    assert len(set(app.ports)) == 1
+
+
+def test_an_answer_closed_before_its_end_closes_its_connection(serve):
+    app = counting_connections([b"one ", b"two ", b"three"], pause_s=0.05)
+    url = serve(app)
+
+    async def test(client: httpx.AsyncClient):
+        async with client.stream("GET", url) as response:
+            await anext(response.aiter_raw())
+        return (await client.get(url)).text
+
+    assert run(test) == "one two three"
+    assert len(set(app.ports)) == 2
+
+
+def test_streams_arrive_in_pieces_and_close_early_without_reading_the_rest(upstream):
+    async def test(client: httpx.AsyncClient):
+        body = {**CHAT, "stream": True, "fake": {"words": 50, "chunk_delay_s": 0.01}}
+        async with client.stream("POST", f"{upstream}/v1/chat/completions", json=body) as response:
+            first = await anext(response.aiter_raw())
+        await asyncio.sleep(0.2)
+        return first, (await client.get(f"{upstream}/fake/stats")).json()
+
+    first, stats = run(test)
+
+    assert first.startswith(b"data: ")
+    assert stats["streams_cancelled"] >= 1  # the upstream saw the connection go
+
+
+def test_compressed_bodies_are_decoded_by_httpx(serve):
+    async def handler(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/plain"), (b"content-encoding", b"gzip")]})
+        await send({"type": "http.response.body", "body": gzip.compress(b"plain words")})
+
+    assert run(lambda client: client.get(serve(asgi(handler)))).text == "plain words"
+
+
+def test_a_closed_port_is_a_connect_error():
+    with pytest.raises(httpx.ConnectError):
+        run(lambda client: client.get(f"http://127.0.0.1:{free_port()}/"))
+
+
+def test_a_slow_answer_is_a_read_timeout(upstream):
+    body = {**CHAT, "fake": {"delay_s": 2}}
+
+    with pytest.raises(httpx.ReadTimeout):
+        run(lambda client: client.post(f"{upstream}/v1/chat/completions", json=body), timeout=httpx.Timeout(0.3))
+
+
+def test_a_large_body_read_slowly_arrives_whole(serve, monkeypatch):
+    """Flow control: a reader that falls behind pauses the socket, which must resume again."""
+    monkeypatch.setattr(http11, "_HIGH_WATER", 256 * 1024)
+    pieces = [bytes([i % 251]) * 65536 for i in range(160)]  # 10 MiB in HTTP chunks of 64 KiB
+
+    async def handler(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        for piece in pieces:
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    url = serve(asgi(handler))
+    pauses = []
+    pause_reading = http11._Connection.data_received
+
+    def counting(self, data):
+        was = self._paused
+        pause_reading(self, data)
+        if self._paused and not was:
+            pauses.append(1)
+
+    monkeypatch.setattr(http11._Connection, "data_received", counting)
+
+    async def test(client: httpx.AsyncClient):
+        received, reads = bytearray(), 0
+        async with asyncio.timeout(30), client.stream("GET", url) as response:  # a socket never resumed hangs
+            async for chunk in response.aiter_raw():
+                received += chunk
+                reads += 1
+                if reads % 4 == 0:
+                    await asyncio.sleep(0.01)  # let the server get ahead
+        return bytes(received)
+
+    assert run(test) == b"".join(pieces)
+    assert pauses  # the slow reader did pause the socket
+
+
+def test_a_server_that_hangs_up_mid_answer_is_a_transport_error(serve):
+    async def handler(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"100")]})
+        await send({"type": "http.response.body", "body": b"only part", "more_body": True})
+        raise RuntimeError("the server fails mid-body")  # uvicorn closes the connection
+
+    with pytest.raises(httpx.TransportError):
+        run(lambda client: client.get(serve(asgi(handler))))
+
+
+def test_a_body_without_length_ends_with_the_connection(serve):
+    async def handler(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/plain"), (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": b"until ", "more_body": True})
+        await send({"type": "http.response.body", "body": b"the end"})
+
+    assert run(lambda client: client.get(serve(asgi(handler)))).text == "until the end"
+
+
+def test_a_kept_alive_connection_the_server_closed_is_replaced(serve):
+    """The server drops idle connections after its keep-alive timeout; a request that meets one
+    goes out on a new connection instead of failing."""
+    async def handler(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    url = serve(asgi(handler))
+
+    async def test(client: httpx.AsyncClient):
+        first = await client.get(url)
+        transport: Http11Transport = client._transport  # type: ignore[assignment]
+        [connection] = [c for idle in transport._idle.values() for c in idle]
+        connection.transport.close = lambda: None  # noqa: E731 (as if the FIN were still in flight)
+        connection.transport.abort()
+        connection.closed = False  # not seen yet when the request goes out
+        second = await client.get(url)
+        return first.text, second.text
+
+    assert run(test) == ("ok", "ok")
+
+
+def test_the_pool_limit_makes_requests_wait_then_time_out(upstream):
+    async def test(client: httpx.AsyncClient):
+        slow = {**CHAT, "fake": {"delay_s": 0.5}}
+        answers = await asyncio.gather(*(client.post(f"{upstream}/v1/chat/completions", json=slow) for _ in range(3)))
+        with pytest.raises(httpx.PoolTimeout):
+            await asyncio.gather(client.post(f"{upstream}/v1/chat/completions", json={**CHAT, "fake": {"delay_s": 1}}),
+                                 client.post(f"{upstream}/v1/chat/completions", json=CHAT,
+                                             timeout=httpx.Timeout(5, pool=0.1)))
+        return answers
+
+    answers = run(test, limits=httpx.Limits(max_connections=1))
+    assert [a.status_code for a in answers] == [200, 200, 200]
+
+
+def test_https_goes_to_the_fallback():
+    seen = []
+
+    class Fallback(httpx.AsyncBaseTransport):
+        async def handle_async_request(self, request):
+            seen.append(str(request.url))
+            return httpx.Response(200, text="from the fallback")
+
+    assert run(lambda client: client.get("https://example.invalid/x"), fallback=Fallback()).text == "from the fallback"
+    assert seen == ["https://example.invalid/x"]
+
+
+def test_a_request_built_by_hand_gets_its_content_length(serve):
+    async def handler(scope, receive, send):
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": body[::-1]})
+
+    url = serve(asgi(handler))
+    request = httpx.Request("POST", url, stream=httpx.ByteStream(b"abc"), headers={"host": url[7:]})
+    assert "content-length" not in request.headers
+    assert run(lambda client: client.send(request)).text == "cba"
