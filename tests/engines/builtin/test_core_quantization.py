@@ -5,7 +5,6 @@ from __future__ import annotations
 import msgspec
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engines.builtin.config import EngineConfig
