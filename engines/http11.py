@@ -19,6 +19,10 @@ import httpx
 import httptools
 
 _HIGH_WATER = 1 << 20  # bytes read ahead of the consumer before the socket is paused
+# A kept-alive connection lost this soon after a request went out on it, with no answer, was closed
+# by the server before the request arrived (its keep-alive timeout): the request is sent again. Later,
+# the server may have worked on it, and a completion must not be generated twice.
+_RETRY_WINDOW_S = 0.1
 
 
 class _Connection(asyncio.Protocol):
@@ -46,6 +50,8 @@ class _Connection(asyncio.Protocol):
         self._buffered = 0
         self._until_eof = False
         self._keep_alive = False
+        self._interim = False
+        self.sent_at = self.lost_at = 0.0
 
     # ------------------------------------------------------------ asyncio.Protocol
 
@@ -66,7 +72,8 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if self._until_eof and self.head_done:
+        self.lost_at = time.monotonic()
+        if self._until_eof and self.head_done and exc is None:
             self.complete = True  # a body without a length ends with the connection
             self._wake()
         elif not self.complete:
@@ -80,6 +87,10 @@ class _Connection(asyncio.Protocol):
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        if 100 <= self.status_code < 200 and self.status_code != 101:  # interim (100 Continue, 103): the answer follows
+            self.headers = []
+            self._interim = True
+            return
         self.head_done = True
         self._until_eof = not any(name.lower() in (b"content-length", b"transfer-encoding")
                                   for name, _ in self.headers) and self.status_code not in (204, 304)
@@ -92,6 +103,9 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
         self.complete = True
         self._wake()
 
@@ -107,6 +121,7 @@ class _Connection(asyncio.Protocol):
     def send(self, data: bytes) -> None:
         self._start_exchange()
         self.exchanges += 1
+        self.sent_at = time.monotonic()
         self.transport.write(data)
 
     async def head(self, timeout: float | None) -> None:
@@ -118,10 +133,10 @@ class _Connection(asyncio.Protocol):
     async def read(self, timeout: float | None) -> bytes:
         """The body bytes received since the last read; ``b""`` at its end."""
         while not self._chunks:
+            if self.complete:  # whatever came after the answer only keeps the connection from reuse
+                return b""
             if self.error is not None:
                 raise self.error
-            if self.complete:
-                return b""
             await self._wait(timeout)
         chunks, self._chunks, self._buffered = self._chunks, [], 0
         if self._paused:
@@ -202,6 +217,7 @@ class Http11Transport(httpx.AsyncBaseTransport):
         self._idle: dict[tuple[str, int], deque[_Connection]] = {}
         self._open = 0
         self._waiters: deque[asyncio.Future] = deque()  # requests waiting for the full pool
+        self._closed = False
 
     def _handles(self, request: httpx.Request) -> bool:
         return (request.url.scheme == "http" and request.method != "HEAD"
@@ -215,8 +231,8 @@ class Http11Transport(httpx.AsyncBaseTransport):
         wire = _wire(request, await request.aread())
         while True:
             connection = await self._connection(key, timeout)
-            connection.send(wire)
             try:
+                connection.send(wire)
                 await connection.head(timeout.get("read"))
             except BaseException as exc:
                 self._discard(connection)
@@ -230,8 +246,9 @@ class Http11Transport(httpx.AsyncBaseTransport):
     @staticmethod
     def _server_closed_it_idle(connection: _Connection, exc: BaseException) -> bool:
         """Whether a kept-alive connection was closed by the server just as it was reused."""
-        return (connection.exchanges > 1 and not connection.received and connection.closed
-                and isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError)))
+        return (connection.exchanges > 1 and not connection.received
+                and isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError))
+                and 0 <= connection.lost_at - connection.sent_at < _RETRY_WINDOW_S)
 
     # ------------------------------------------------------------ the pool
 
@@ -306,7 +323,7 @@ class Http11Transport(httpx.AsyncBaseTransport):
                 return
 
     def release(self, connection: _Connection) -> None:
-        if connection.reusable():
+        if connection.reusable() and not self._closed:
             connection.idle_since = time.monotonic()
             self._idle.setdefault(connection.key, deque()).append(connection)
             self._notify()
@@ -324,6 +341,7 @@ class Http11Transport(httpx.AsyncBaseTransport):
         self._notify()
 
     async def aclose(self) -> None:
+        self._closed = True  # answers still being read close their connections when done
         for idle in self._idle.values():
             while idle:
                 self._discard(idle.pop())

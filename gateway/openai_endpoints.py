@@ -72,7 +72,11 @@ async def _serve(route: Route, data: OpenAIRequest, raw: bytes, scope: Scope, re
         await send(_start(b"application/json", (b"content-length", str(len(payload)).encode())))
         await send({"type": "http.response.body", "body": payload})
     else:
-        opened = await gateway.open_stream(route, data.model, body)
+        opened = None
+        async with CancelledOnDisconnect(receive):  # a client that leaves during a long prefill, too
+            opened = await gateway.open_stream(route, data.model, body)
+        if opened is None:
+            return
         await send(_start(b"text/event-stream", (b"cache-control", b"no-cache")))
         await send_events(gateway.sse_events(data.model, opened), send, receive)
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import socket
+import struct
 
 import httpx
 import pytest
@@ -254,3 +256,81 @@ def test_a_request_built_by_hand_gets_its_content_length(serve):
     request = httpx.Request("POST", url, stream=httpx.ByteStream(b"abc"), headers={"host": url[7:]})
     assert "content-length" not in request.headers
     assert run(lambda client: client.send(request)).text == "cba"
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    return await reader.readexactly(length)
+
+
+def raw_server_run(handler, test) -> object:
+    """Runs ``test(client, url)`` against an asyncio server whose connections ``handler`` serves."""
+    async def main():
+        server = await asyncio.start_server(handler, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/"
+        try:
+            async with httpx.AsyncClient(transport=Http11Transport()) as client:
+                return await test(client, url)
+        finally:
+            server.close()
+
+    return asyncio.run(main())
+
+
+def test_a_body_without_length_cut_by_a_reset_is_an_error():
+    async def handler(reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\r\npart of the bo")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with RST
+        writer.transport.abort()
+
+    with pytest.raises(httpx.ReadError):
+        raw_server_run(handler, lambda client, url: client.get(url))
+
+
+def test_interim_answers_are_skipped_for_the_final_one():
+    async def handler(reader, writer):
+        while True:
+            try:
+                await read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </x>\r\n\r\n"
+                         b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\nx-final: 1\r\n\r\nfinal")
+
+    async def test(client, url):
+        return [await client.post(url, content=b"{}") for _ in range(2)]
+
+    for answer in raw_server_run(handler, test):
+        assert (answer.status_code, answer.text, answer.headers.get("x-final"), answer.headers.get("link")) == (
+            200, "final", "1", None)
+
+
+def test_a_request_the_server_worked_on_before_hanging_up_is_not_sent_again():
+    seen = []
+
+    async def handler(reader, writer):
+        while True:
+            try:
+                body = await read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            seen.append(body)
+            if body == b"expensive":
+                await asyncio.sleep(0.5)  # works on it, then dies without answering
+                writer.close()
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+
+    async def test(client, url):
+        await client.post(url, content=b"warm")
+        with pytest.raises(httpx.RemoteProtocolError):
+            await client.post(url, content=b"expensive")
+
+    raw_server_run(handler, test)
+    assert seen == [b"warm", b"expensive"]
