@@ -45,6 +45,20 @@ def serve_in_thread(app: Any, *, startup_timeout_s: float = 20.0) -> Iterator[st
         thread.join(timeout=10)
 
 
+def asgi_app(handler: Callable[[Any, Any, Any], Any]) -> Callable[[Any, Any, Any], Any]:
+    """An ASGI app of one HTTP handler ``handler(scope, receive, send)``; lifespan events acknowledged."""
+
+    async def app(scope, receive, send):
+        if scope["type"] == "lifespan":
+            while (message := await receive())["type"] != "lifespan.shutdown":
+                await send({"type": message["type"] + ".complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        await handler(scope, receive, send)
+
+    return app
+
+
 def _serve_fixture(scope: str):
     @pytest.fixture(scope=scope)
     def fixture() -> Iterator[Callable[[Any], str]]:

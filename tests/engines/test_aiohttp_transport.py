@@ -1,9 +1,9 @@
-"""The httpx transport over aiohttp, against the real fake upstream on loopback: httpx's API and errors."""
+"""The aiohttp transport (https engines), against real servers on loopback: what is its own.
+(What it shares with the HTTP/1.1 transport: test_transports.py.)"""
 
 from __future__ import annotations
 
 import asyncio
-import gzip
 
 import httpx
 import pytest
@@ -11,7 +11,6 @@ from aiohttp.client_proto import ResponseHandler
 
 from benchmarks import fake_upstream
 from engines.aiohttp_transport import AiohttpTransport
-from tests.conftest import free_port
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there"}]}
 
@@ -27,33 +26,6 @@ def run(test, **client_options):
             return await test(client)
 
     return asyncio.run(with_client())
-
-
-def test_requests_and_responses_round_trip(upstream):
-    async def test(client: httpx.AsyncClient):
-        models = await client.get(f"{upstream}/v1/models")
-        reply = await client.post(f"{upstream}/v1/chat/completions", json=CHAT, headers={"x-test": "1"})
-        return models, reply
-
-    models, reply = run(test)
-
-    assert models.status_code == 200 and models.json()["data"][0]["id"] == "fake-model"
-    assert reply.json()["choices"][0]["message"]["content"] == "echo: hello there"
-    assert reply.headers["content-type"] == "application/json"
-
-
-def test_streams_arrive_in_pieces_and_close_early_without_reading_the_rest(upstream):
-    async def test(client: httpx.AsyncClient):
-        body = {**CHAT, "stream": True, "fake": {"words": 50, "chunk_delay_s": 0.01}}
-        async with client.stream("POST", f"{upstream}/v1/chat/completions", json=body) as response:
-            first = await anext(response.aiter_raw())
-        await asyncio.sleep(0.2)
-        return first, (await client.get(f"{upstream}/fake/stats")).json()
-
-    first, stats = run(test)
-
-    assert first.startswith(b"data: ")
-    assert stats["streams_cancelled"] >= 1  # the upstream saw the connection go
 
 
 def test_a_stream_read_as_it_comes_never_re_enters_the_parser(upstream, monkeypatch):
@@ -73,31 +45,6 @@ def test_a_stream_read_as_it_comes_never_re_enters_the_parser(upstream, monkeypa
 
     assert streamed.count(b"data: ") == 33 and streamed.endswith(b"data: [DONE]\n\n")
     assert resumes == []
-
-
-def test_compressed_bodies_are_decoded_by_httpx(serve):
-    async def app(scope, receive, send):
-        if scope["type"] != "http":
-            return
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/plain"), (b"content-encoding", b"gzip")]})
-        await send({"type": "http.response.body", "body": gzip.compress(b"plain words")})
-
-    url = serve(app)
-
-    assert run(lambda client: client.get(url)).text == "plain words"
-
-
-def test_a_closed_port_is_a_connect_error():
-    with pytest.raises(httpx.ConnectError):
-        run(lambda client: client.get(f"http://127.0.0.1:{free_port()}/"))
-
-
-def test_a_slow_answer_is_a_read_timeout(upstream):
-    body = {**CHAT, "fake": {"delay_s": 2}}
-
-    with pytest.raises(httpx.ReadTimeout):
-        run(lambda client: client.post(f"{upstream}/v1/chat/completions", json=body), timeout=httpx.Timeout(0.3))
 
 
 def test_a_large_body_read_slowly_arrives_whole(serve, monkeypatch):

@@ -1,9 +1,9 @@
-"""The lean HTTP/1.1 transport, against real servers on loopback: httpx's API, errors and pooling."""
+"""The lean HTTP/1.1 transport, against real servers on loopback: pooling, framing, retries.
+(What it shares with the aiohttp transport: test_transports.py.)"""
 
 from __future__ import annotations
 
 import asyncio
-import gzip
 import socket
 import struct
 
@@ -13,7 +13,7 @@ import pytest
 from benchmarks import fake_upstream
 from engines import http11
 from engines.http11 import Http11Transport
-from tests.conftest import free_port
+from tests.conftest import asgi_app
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there"}]}
 
@@ -32,31 +32,6 @@ def run(test, limits: httpx.Limits = httpx.Limits(), fallback=None, **client_opt
     return asyncio.run(with_client())
 
 
-def asgi(handler):
-    """An ASGI app of one HTTP handler (lifespan events acknowledged)."""
-    async def app(scope, receive, send):
-        if scope["type"] == "lifespan":
-            while (message := await receive())["type"] != "lifespan.shutdown":
-                await send({"type": message["type"] + ".complete"})
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-        await handler(scope, receive, send)
-    return app
-
-
-def test_requests_and_responses_round_trip(upstream):
-    async def test(client: httpx.AsyncClient):
-        models = await client.get(f"{upstream}/v1/models")
-        reply = await client.post(f"{upstream}/v1/chat/completions?x=1", json=CHAT, headers={"x-test": "1"})
-        return models, reply
-
-    models, reply = run(test)
-
-    assert models.status_code == 200 and models.json()["data"][0]["id"] == "fake-model"
-    assert reply.json()["choices"][0]["message"]["content"] == "echo: hello there"
-    assert reply.headers["content-type"] == "application/json"
-
-
 def counting_connections(pieces: list[bytes], pause_s: float = 0.0):
     """An app answering ``pieces`` as a chunked body; ``app.ports`` holds each request's client port."""
     ports: list[int] = []
@@ -69,7 +44,7 @@ def counting_connections(pieces: list[bytes], pause_s: float = 0.0):
             await asyncio.sleep(pause_s)
         await send({"type": "http.response.body", "body": b""})
 
-    app = asgi(handler)
+    app = asgi_app(handler)
     app.ports = ports
     return app
 
@@ -101,41 +76,6 @@ def test_an_answer_closed_before_its_end_closes_its_connection(serve):
     assert len(set(app.ports)) == 2
 
 
-def test_streams_arrive_in_pieces_and_close_early_without_reading_the_rest(upstream):
-    async def test(client: httpx.AsyncClient):
-        body = {**CHAT, "stream": True, "fake": {"words": 50, "chunk_delay_s": 0.01}}
-        async with client.stream("POST", f"{upstream}/v1/chat/completions", json=body) as response:
-            first = await anext(response.aiter_raw())
-        await asyncio.sleep(0.2)
-        return first, (await client.get(f"{upstream}/fake/stats")).json()
-
-    first, stats = run(test)
-
-    assert first.startswith(b"data: ")
-    assert stats["streams_cancelled"] >= 1  # the upstream saw the connection go
-
-
-def test_compressed_bodies_are_decoded_by_httpx(serve):
-    async def handler(scope, receive, send):
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/plain"), (b"content-encoding", b"gzip")]})
-        await send({"type": "http.response.body", "body": gzip.compress(b"plain words")})
-
-    assert run(lambda client: client.get(serve(asgi(handler)))).text == "plain words"
-
-
-def test_a_closed_port_is_a_connect_error():
-    with pytest.raises(httpx.ConnectError):
-        run(lambda client: client.get(f"http://127.0.0.1:{free_port()}/"))
-
-
-def test_a_slow_answer_is_a_read_timeout(upstream):
-    body = {**CHAT, "fake": {"delay_s": 2}}
-
-    with pytest.raises(httpx.ReadTimeout):
-        run(lambda client: client.post(f"{upstream}/v1/chat/completions", json=body), timeout=httpx.Timeout(0.3))
-
-
 def test_a_large_body_read_slowly_arrives_whole(serve, monkeypatch):
     """Flow control: a reader that falls behind pauses the socket, which must resume again."""
     monkeypatch.setattr(http11, "_HIGH_WATER", 256 * 1024)
@@ -147,7 +87,7 @@ def test_a_large_body_read_slowly_arrives_whole(serve, monkeypatch):
             await send({"type": "http.response.body", "body": piece, "more_body": True})
         await send({"type": "http.response.body", "body": b""})
 
-    url = serve(asgi(handler))
+    url = serve(asgi_app(handler))
     pauses = []
     pause_reading = http11._Connection.data_received
 
@@ -180,7 +120,7 @@ def test_a_server_that_hangs_up_mid_answer_is_a_transport_error(serve):
         raise RuntimeError("the server fails mid-body")  # uvicorn closes the connection
 
     with pytest.raises(httpx.TransportError):
-        run(lambda client: client.get(serve(asgi(handler))))
+        run(lambda client: client.get(serve(asgi_app(handler))))
 
 
 def test_a_body_without_length_ends_with_the_connection(serve):
@@ -190,7 +130,7 @@ def test_a_body_without_length_ends_with_the_connection(serve):
         await send({"type": "http.response.body", "body": b"until ", "more_body": True})
         await send({"type": "http.response.body", "body": b"the end"})
 
-    assert run(lambda client: client.get(serve(asgi(handler)))).text == "until the end"
+    assert run(lambda client: client.get(serve(asgi_app(handler)))).text == "until the end"
 
 
 def test_a_kept_alive_connection_the_server_closed_is_replaced(serve):
@@ -200,7 +140,7 @@ def test_a_kept_alive_connection_the_server_closed_is_replaced(serve):
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
         await send({"type": "http.response.body", "body": b"ok"})
 
-    url = serve(asgi(handler))
+    url = serve(asgi_app(handler))
 
     async def test(client: httpx.AsyncClient):
         first = await client.get(url)
@@ -252,7 +192,7 @@ def test_a_request_built_by_hand_gets_its_content_length(serve):
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
         await send({"type": "http.response.body", "body": body[::-1]})
 
-    url = serve(asgi(handler))
+    url = serve(asgi_app(handler))
     request = httpx.Request("POST", url, stream=httpx.ByteStream(b"abc"), headers={"host": url[7:]})
     assert "content-length" not in request.headers
     assert run(lambda client: client.send(request)).text == "cba"

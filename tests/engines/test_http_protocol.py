@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from engines.http_protocol import _HeldHeadersTransport
-from tests.conftest import serve_in_thread
+from tests.conftest import asgi_app, serve_in_thread
 
 
 class RecordingTransport:
@@ -72,17 +72,12 @@ async def test_close_sends_a_held_head_first_and_a_closed_connection_gets_nothin
 
 
 def _slow_body_app(release: threading.Event):
-    async def app(scope, receive, send):
-        if scope["type"] == "lifespan":
-            while (message := await receive())["type"] != "lifespan.shutdown":
-                await send({"type": message["type"] + ".complete"})
-            await send({"type": "lifespan.shutdown.complete"})
-            return
+    async def handler(scope, receive, send):
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
         while not release.is_set():
             await asyncio.sleep(0.01)
         await send({"type": "http.response.body", "body": b"done"})
-    return app
+    return asgi_app(handler)
 
 
 @pytest.mark.timeout(30)

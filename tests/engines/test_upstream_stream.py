@@ -11,6 +11,7 @@ from engines import upstream
 from engines.aiohttp_transport import AiohttpTransport
 from engines.protocol import SSE_DONE
 from engines.upstream import UpstreamEngine
+from tests.conftest import asgi_app
 
 FIRST, LAST = b'data: {"n":1}\n\n', b'data: {"n":2}\n\n'
 
@@ -20,12 +21,7 @@ def sse_app(*, done: bool = True, hold_after_done_s: float = 0.0):
     Records the client port of every request, to tell new connections from reused ones."""
     ports: list[int] = []
 
-    async def app(scope, receive, send):
-        if scope["type"] == "lifespan":
-            while (message := await receive())["type"] != "lifespan.shutdown":
-                await send({"type": message["type"] + ".complete"})
-            await send({"type": "lifespan.shutdown.complete"})
-            return
+    async def handler(scope, receive, send):
         ports.append(scope["client"][1])
         while (await receive()).get("more_body"):
             pass
@@ -36,6 +32,7 @@ def sse_app(*, done: bool = True, hold_after_done_s: float = 0.0):
         await asyncio.sleep(hold_after_done_s)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
+    app = asgi_app(handler)
     app.ports = ports
     return app
 
