@@ -45,35 +45,3 @@ def test_a_stream_read_as_it_comes_never_re_enters_the_parser(upstream, monkeypa
 
     assert streamed.count(b"data: ") == 33 and streamed.endswith(b"data: [DONE]\n\n")
     assert resumes == []
-
-
-def test_a_large_body_read_slowly_arrives_whole(serve, monkeypatch):
-    """Flow control: a reader that falls behind pauses the connection, which must resume again
-    (the transport's protocol skips aiohttp's resume calls only while nothing is paused)."""
-    pauses = []
-    pause_reading = ResponseHandler.pause_reading
-    monkeypatch.setattr(ResponseHandler, "pause_reading", lambda self: pauses.append(1) or pause_reading(self))
-    pieces = [bytes([i % 251]) * 65536 for i in range(160)]  # 10 MiB in HTTP chunks of 64 KiB
-
-    async def app(scope, receive, send):
-        if scope["type"] != "http":
-            return
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
-        for piece in pieces:
-            await send({"type": "http.response.body", "body": piece, "more_body": True})
-        await send({"type": "http.response.body", "body": b""})
-
-    url = serve(app)
-
-    async def test(client: httpx.AsyncClient):
-        received, reads = bytearray(), 0
-        async with asyncio.timeout(30), client.stream("GET", url) as response:  # a connection never resumed hangs
-            async for chunk in response.aiter_raw():
-                received += chunk
-                reads += 1
-                if reads % 8 == 0:
-                    await asyncio.sleep(0.01)  # let the server get ahead: aiohttp pauses reading
-        return bytes(received)
-
-    assert run(test) == b"".join(pieces)
-    assert pauses  # the slow reader did make aiohttp pause

@@ -11,7 +11,6 @@ import httpx
 import pytest
 
 from benchmarks import fake_upstream
-from engines import http11
 from engines.http11 import Http11Transport
 from tests.conftest import asgi_app
 
@@ -74,43 +73,6 @@ def test_an_answer_closed_before_its_end_closes_its_connection(serve):
 
     assert run(test) == "one two three"
     assert len(set(app.ports)) == 2
-
-
-def test_a_large_body_read_slowly_arrives_whole(serve, monkeypatch):
-    """Flow control: a reader that falls behind pauses the socket, which must resume again."""
-    monkeypatch.setattr(http11, "_HIGH_WATER", 256 * 1024)
-    pieces = [bytes([i % 251]) * 65536 for i in range(160)]  # 10 MiB in HTTP chunks of 64 KiB
-
-    async def handler(scope, receive, send):
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
-        for piece in pieces:
-            await send({"type": "http.response.body", "body": piece, "more_body": True})
-        await send({"type": "http.response.body", "body": b""})
-
-    url = serve(asgi_app(handler))
-    pauses = []
-    pause_reading = http11._Connection.data_received
-
-    def counting(self, data):
-        was = self._paused
-        pause_reading(self, data)
-        if self._paused and not was:
-            pauses.append(1)
-
-    monkeypatch.setattr(http11._Connection, "data_received", counting)
-
-    async def test(client: httpx.AsyncClient):
-        received, reads = bytearray(), 0
-        async with asyncio.timeout(30), client.stream("GET", url) as response:  # a socket never resumed hangs
-            async for chunk in response.aiter_raw():
-                received += chunk
-                reads += 1
-                if reads % 4 == 0:
-                    await asyncio.sleep(0.01)  # let the server get ahead
-        return bytes(received)
-
-    assert run(test) == b"".join(pieces)
-    assert pauses  # the slow reader did pause the socket
 
 
 def test_a_server_that_hangs_up_mid_answer_is_a_transport_error(serve):

@@ -10,6 +10,9 @@ import httpx
 import pytest
 
 from benchmarks import fake_upstream
+from aiohttp.client_proto import ResponseHandler
+
+from engines import http11
 from engines.aiohttp_transport import AiohttpTransport
 from engines.http11 import Http11Transport
 from tests.conftest import asgi_app, free_port
@@ -22,17 +25,19 @@ def upstream(serve_module) -> str:
     return serve_module(fake_upstream.app)
 
 
+def run_over(transport: type[httpx.AsyncBaseTransport], test, **client_options):
+    """``await test(client)`` with a client over a new ``transport``."""
+    async def with_client():
+        async with httpx.AsyncClient(transport=transport(), **client_options) as client:
+            return await test(client)
+
+    return asyncio.run(with_client())
+
+
 @pytest.fixture(params=[Http11Transport, AiohttpTransport])
 def run(request):
-    """``run(test, **client_options)``: ``await test(client)`` with a client over the transport."""
-    def run(test, **client_options):
-        async def with_client():
-            async with httpx.AsyncClient(transport=request.param(), **client_options) as client:
-                return await test(client)
-
-        return asyncio.run(with_client())
-
-    return run
+    """``run(test, **client_options)``: ``run_over`` each transport."""
+    return lambda test, **client_options: run_over(request.param, test, **client_options)
 
 
 def test_requests_and_responses_round_trip(run, upstream):
@@ -83,3 +88,52 @@ def test_a_slow_answer_is_a_read_timeout(run, upstream):
 
     with pytest.raises(httpx.ReadTimeout):
         run(lambda client: client.post(f"{upstream}/v1/chat/completions", json=body), timeout=httpx.Timeout(0.3))
+
+
+def count_pauses(transport: type[httpx.AsyncBaseTransport], monkeypatch) -> list[int]:
+    """A list that grows each time the transport pauses reading its socket."""
+    pauses: list[int] = []
+    if transport is AiohttpTransport:
+        pause_reading = ResponseHandler.pause_reading
+        monkeypatch.setattr(ResponseHandler, "pause_reading", lambda self: pauses.append(1) or pause_reading(self))
+    else:
+        monkeypatch.setattr(http11, "_HIGH_WATER", 256 * 1024)
+        data_received = http11._Connection.data_received
+
+        def counting(self, data):
+            was = self._paused
+            data_received(self, data)
+            if self._paused and not was:
+                pauses.append(1)
+
+        monkeypatch.setattr(http11._Connection, "data_received", counting)
+    return pauses
+
+
+@pytest.mark.parametrize("transport", [Http11Transport, AiohttpTransport])
+def test_a_large_body_read_slowly_arrives_whole(transport, serve, monkeypatch):
+    """Flow control: a reader that falls behind pauses the socket, which must resume again (the aiohttp
+    transport's protocol skips aiohttp's resume calls only while nothing is paused)."""
+    pauses = count_pauses(transport, monkeypatch)
+    pieces = [bytes([i % 251]) * 65536 for i in range(160)]  # 10 MiB in HTTP chunks of 64 KiB
+
+    async def handler(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        for piece in pieces:
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    url = serve(asgi_app(handler))
+
+    async def test(client: httpx.AsyncClient):
+        received, reads = bytearray(), 0
+        async with asyncio.timeout(30), client.stream("GET", url) as response:  # a socket never resumed hangs
+            async for chunk in response.aiter_raw():
+                received += chunk
+                reads += 1
+                if reads % 4 == 0:
+                    await asyncio.sleep(0.01)  # let the server get ahead
+        return bytes(received)
+
+    assert run_over(transport, test) == b"".join(pieces)
+    assert pauses  # the slow reader did pause the socket
