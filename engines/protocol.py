@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, Union
 import msgspec
 from msgspec import Meta, Struct, field
 
+Criteria = Literal["latency", "throughput"]  # what a request's sender needs: fast tokens, or big batches
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
@@ -141,6 +142,8 @@ class SamplingFields(Struct, kw_only=True, omit_defaults=True):
     ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = None
     priority: int | None = 0  # as vLLM: larger runs first (Parrot sends it for latency-critical and app-FIFO work)
+    # Parrot's builtin engine: "throughput" work may wait for a bigger batch (see its latency_max_num_seqs).
+    criteria: Criteria | None = None
     # vLLM extras the builtin engine does not implement: passed on to upstreams, refused by it (not ignored).
     min_tokens: Annotated[int, Meta(ge=0)] | None = None
     allowed_token_ids: list[int] | None = None

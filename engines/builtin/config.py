@@ -25,6 +25,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     num_blocks: int | None = None
     kv_cache_memory: int = 512 * 2**20
     max_num_seqs: int = 64
+    # A latency-tuned batch: while latency-critical work runs (any generation not sent with
+    # criteria "throughput"), a step serves at most this many sequences, the latency-critical ones
+    # first, so each of their tokens comes quickly. Throughput work alone still batches up to
+    # max_num_seqs. None: one limit for all (max_num_seqs), as vLLM.
+    latency_max_num_seqs: int | None = None
     # Chunked-prefill budget: tokens one step may compute, prefill chunks and decodes together.
     max_num_batched_tokens: int = 1024
     # Off: full blocks are never published to or looked up in the prefix cache (forked contexts
@@ -35,6 +40,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.latency_max_num_seqs is not None and not 1 <= self.latency_max_num_seqs <= self.max_num_seqs:
+            raise ValueError(f"latency_max_num_seqs must be between 1 and max_num_seqs ({self.max_num_seqs})")
         if self.quantization and self.device != "cpu":
             raise ValueError(f"quantization {self.quantization!r} runs on CPU only, not on {self.device!r}")
 

@@ -5,11 +5,18 @@ ones. When blocks run out, idle contexts lose their KV first (least recently use
 blocks stay in the prefix cache), then the lowest-priority running sequence is preempted by
 recompute: its blocks are dropped and it goes back to waiting.
 
+With ``latency_max_num_seqs`` set, a step that has latency-critical work serves at most that many
+sequences, latency-critical ones first (running, then waiting), then throughput work in the seats
+left; throughput sequences left out keep their KV and sit the step out. A step of throughput work
+alone seats up to ``max_num_seqs``: work that said it can wait is what gets the big batches.
+
 The batch also says which decodes share leading KV blocks (forks of one context, prefix-cache
 hits on one system prompt), so attention can read each shared prefix once for its group.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 from engines.builtin.block_manager import BlockManager
 from engines.builtin.config import EngineConfig
@@ -46,9 +53,34 @@ def prefix_groups(decodes: list[Sequence], block_size: int) -> list[PrefixGroup]
     return groups
 
 
+@dataclass
+class _Step:
+    """What one step has taken so far: its token budget, its seats (sequences) and their entries."""
+
+    budget: int
+    seats: int
+    entries: list[tuple[Sequence, int]] = field(default_factory=list)
+    done_fills: list[Sequence] = field(default_factory=list)
+    out_of_blocks: bool = False  # a waiting sequence found no room: none served after it is admitted
+
+    @property
+    def full(self) -> bool:
+        return self.budget == 0 or len(self.entries) == self.seats
+
+    def add(self, seq: Sequence, num_tokens: int, block_manager: BlockManager) -> None:
+        block_manager.allocate(seq, num_tokens)
+        self.entries.append((seq, num_tokens))
+        self.budget -= num_tokens
+
+
+def _in_pass(seq: Sequence, latency_critical: bool | None) -> bool:
+    return latency_critical is None or seq.latency_critical == latency_critical
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager):
         self.max_num_seqs = config.max_num_seqs
+        self.latency_max_num_seqs = config.latency_max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.block_manager = block_manager
         self.waiting: list[Sequence] = []
@@ -74,48 +106,56 @@ class Scheduler:
 
     def schedule(self) -> tuple[ScheduledBatch, list[Sequence]]:
         """Returns the step's batch and the waiting fills that turned out fully cached (done)."""
-        budget = self.max_num_batched_tokens
-        entries: list[tuple[Sequence, int]] = []
         self.running.sort(key=service_order)
+        self.waiting.sort(key=service_order)
+        step = _Step(self.max_num_batched_tokens, self.max_num_seqs)
+        passes: tuple[bool | None, ...] = (None,)  # None: every sequence in one pass
+        if self.latency_max_num_seqs is not None and any(
+                seq.latency_critical for seq in (*self.running, *self.waiting)):
+            step.seats, passes = self.latency_max_num_seqs, (True, False)
+        for latency_critical in passes:
+            self._schedule_running(step, latency_critical)
+            self._admit_waiting(step, latency_critical)
+        entries = sorted(step.entries, key=lambda entry: entry[1] != 1)  # decodes first, as the runner expects
+        decodes = [seq for seq, n in entries if n == 1]
+        return ScheduledBatch(entries, prefix_groups(decodes, self.block_manager.block_size)), step.done_fills
+
+    def _schedule_running(self, step: _Step, latency_critical: bool | None) -> None:
         for seq in list(self.running):
-            if seq.status is not Status.RUNNING or budget == 0:
-                continue  # preempted below while making room for a higher-priority sequence
-            n = min(seq.num_pending_tokens, budget)
+            if step.full:
+                return
+            if seq.status is not Status.RUNNING or not _in_pass(seq, latency_critical):
+                continue  # preempted below while making room for a higher-priority sequence, or not its pass
+            n = min(seq.num_pending_tokens, step.budget)
             if not self._make_room(seq, n):
                 self._preempt(seq)
                 continue
-            self.block_manager.allocate(seq, n)
-            entries.append((seq, n))
-            budget -= n
-        done_fills = self._admit_waiting(entries, budget)
-        entries.sort(key=lambda entry: entry[1] != 1)  # decodes first, as the runner expects
-        decodes = [seq for seq, n in entries if n == 1]
-        return ScheduledBatch(entries, prefix_groups(decodes, self.block_manager.block_size)), done_fills
+            step.add(seq, n, self.block_manager)
 
-    def _admit_waiting(self, entries: list[tuple[Sequence, int]], budget: int) -> list[Sequence]:
-        done_fills = []
-        self.waiting.sort(key=service_order)
+    def _admit_waiting(self, step: _Step, latency_critical: bool | None) -> None:
+        # Latency-critical work is admitted even when throughput work fills max_num_seqs: that sits out.
+        limited = latency_critical is not True
         for seq in list(self.waiting):
-            if budget == 0 or len(self.running) >= self.max_num_seqs:
-                break
+            if step.full or step.out_of_blocks or (limited and len(self.running) >= self.max_num_seqs):
+                return
+            if not _in_pass(seq, latency_critical):
+                continue
             self.block_manager.match_prefix(seq, self._reusable_tokens(seq))
             if seq.num_pending_tokens == 0:
                 self.waiting.remove(seq)
-                done_fills.append(seq)
+                step.done_fills.append(seq)
                 continue
-            n = min(seq.num_pending_tokens, budget)
+            n = min(seq.num_pending_tokens, step.budget)
             if not self._make_room(seq, n, preempt_running=False):
                 # Give back what matching took (full blocks stay cached): waiting sequences holding
-                # blocks could starve the running ones.
+                # blocks could starve the running ones. Nobody served later may overtake it.
                 self.block_manager.release(seq)
-                break
-            self.block_manager.allocate(seq, n)
+                step.out_of_blocks = True
+                return
             self.waiting.remove(seq)
             self.running.append(seq)
             seq.status = Status.RUNNING
-            entries.append((seq, n))
-            budget -= n
-        return done_fills
+            step.add(seq, n, self.block_manager)
 
     @staticmethod
     def _reusable_tokens(seq: Sequence) -> int:

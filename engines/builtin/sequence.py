@@ -64,6 +64,11 @@ class Sequence:
         return self.params.priority if self.params else self.fill_priority
 
     @property
+    def latency_critical(self) -> bool:
+        """A generation someone reads token by token; fills and throughput work are not."""
+        return self.params is not None and not self.params.throughput
+
+    @property
     def num_pending_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 

@@ -33,6 +33,7 @@ from engines.protocol import (
     ChatMessage,
     ChoiceLogprobs,
     Completion,
+    Criteria,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
@@ -157,6 +158,7 @@ class SamplingBody(msgspec.Struct, kw_only=True, omit_defaults=True):
     repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
     logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
     priority: int = 0
+    criteria: Criteria | None = None
 
     def token_limit(self) -> int | None:
         return self.max_tokens
@@ -630,6 +632,7 @@ class BuiltinEngine:
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             priority=request.priority,
+            throughput=request.criteria == "throughput",
         )
 
     def _check_token_ids(self, token_ids: Iterable[int], param: str) -> None:

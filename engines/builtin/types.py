@@ -24,6 +24,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     top_logprobs: int = 0
     # Latency-critical work is scheduled first (the priority hook); larger runs first.
     priority: int = 0
+    # The sender tolerates slower tokens for a bigger batch (EngineConfig.latency_max_num_seqs).
+    throughput: bool = False
     # An llguidance grammar (grammar.py) the output must follow; None leaves it free.
     grammar: str | None = None
 

@@ -34,6 +34,9 @@ def test_flags_and_environment_override_defaults(monkeypatch):
 def test_invalid_engine_option_exits_with_a_message():
     with pytest.raises(SystemExit, match="block_size"):
         engine_config(build_parser().parse_args(["--block-size", "sixteen"]))
+    with pytest.raises(SystemExit, match="latency_max_num_seqs must be between 1 and max_num_seqs"):
+        engine_config(build_parser().parse_args(["--max-num-seqs", "8", "--latency-max-num-seqs", "9"]))
+    assert engine_config(build_parser().parse_args(["--latency-max-num-seqs", "2"])).latency_max_num_seqs == 2
 
 
 def test_served_model_names():

@@ -1,0 +1,101 @@
+"""Which sequences a step serves: a latency-tuned batch for latency-critical work, big batches for
+throughput work (EngineConfig.latency_max_num_seqs). Pure scheduling: no model runs."""
+
+from __future__ import annotations
+
+from engines.builtin.block_manager import BlockManager
+from engines.builtin.config import EngineConfig
+from engines.builtin.scheduler import Scheduler
+from engines.builtin.sequence import Sequence, Status
+from engines.builtin.types import SamplingParams
+
+BLOCK_SIZE = 4
+
+
+def make_scheduler(latency_max_num_seqs: int | None, num_blocks: int = 64, max_num_seqs: int = 8) -> Scheduler:
+    config = EngineConfig(block_size=BLOCK_SIZE, max_num_seqs=max_num_seqs, latency_max_num_seqs=latency_max_num_seqs)
+    return Scheduler(config, BlockManager(num_blocks, BLOCK_SIZE))
+
+
+def submit(scheduler: Scheduler, *, throughput: bool, priority: int = 0, prompt_len: int = 6) -> Sequence:
+    first = 3 + 100 * len(scheduler.contexts)  # distinct prompts: no prefix-cache sharing between them
+    seq = Sequence(f"ctx{len(scheduler.contexts)}", list(range(first, first + prompt_len)))
+    seq.params = SamplingParams(max_tokens=8, throughput=throughput, priority=priority)
+    scheduler.contexts[seq.context_id] = seq
+    scheduler.add(seq)
+    return seq
+
+
+def step(scheduler: Scheduler) -> list[Sequence]:
+    """One step as the engine runs it: schedule, then the batch's tokens are computed (and a token
+    sampled for each sequence that reached its end)."""
+    batch, _ = scheduler.schedule()
+    scheduler.block_manager.commit()
+    for seq, n in batch.entries:
+        seq.num_computed_tokens += n
+        if seq.num_computed_tokens == len(seq):
+            seq.token_ids.append(7)
+    return [seq for seq, _ in batch.entries]
+
+
+def test_latency_critical_work_gets_the_latency_batch_and_waits_its_turn():
+    scheduler = make_scheduler(latency_max_num_seqs=2)
+    chats = [submit(scheduler, throughput=False) for _ in range(4)]
+    for _ in range(3):
+        assert step(scheduler) == chats[:2]  # first come, first served; the others are not even admitted
+    assert [seq.status for seq in chats] == [Status.RUNNING] * 2 + [Status.WAITING] * 2
+
+
+def test_throughput_work_alone_is_batched_up_to_max_num_seqs():
+    scheduler = make_scheduler(latency_max_num_seqs=2)
+    maps = [submit(scheduler, throughput=True) for _ in range(6)]
+    assert step(scheduler) == maps
+    assert step(scheduler) == maps
+
+
+def test_without_a_latency_limit_every_request_is_batched():
+    scheduler = make_scheduler(latency_max_num_seqs=None)
+    chats = [submit(scheduler, throughput=False) for _ in range(6)]
+    assert step(scheduler) == chats
+
+
+def test_latency_critical_arrival_takes_seats_from_running_throughput_work():
+    scheduler = make_scheduler(latency_max_num_seqs=2)
+    maps = [submit(scheduler, throughput=True) for _ in range(4)]
+    step(scheduler)
+    chat = submit(scheduler, throughput=False, priority=-10)  # even below the maps' priority
+    assert set(step(scheduler)) == {chat, maps[0]}
+    # The maps left out sit the step out with their KV: nothing is preempted or recomputed.
+    assert all(seq.status is Status.RUNNING and seq.block_table for seq in maps)
+    assert scheduler.num_preemptions == 0
+    scheduler.remove(chat)  # the chat is done: the maps get the big batch back
+    assert step(scheduler) == maps
+
+
+def test_latency_critical_arrival_is_admitted_when_throughput_work_fills_max_num_seqs():
+    scheduler = make_scheduler(latency_max_num_seqs=2, max_num_seqs=4)
+    maps = [submit(scheduler, throughput=True) for _ in range(4)]
+    step(scheduler)
+    chat = submit(scheduler, throughput=False)
+    assert set(step(scheduler)) == {chat, maps[0]}
+
+
+def test_fills_are_not_latency_critical():
+    scheduler = make_scheduler(latency_max_num_seqs=1)
+    fills = []
+    for i in range(3):
+        fill = Sequence(f"fill{i}", list(range(100 * i + 3, 100 * i + 9)))
+        scheduler.contexts[fill.context_id] = fill
+        scheduler.add(fill)
+        fills.append(fill)
+    assert step(scheduler) == fills
+
+
+def test_a_latency_critical_request_blocked_on_memory_is_not_overtaken_by_throughput_work():
+    scheduler = make_scheduler(latency_max_num_seqs=2, num_blocks=5)
+    hog = submit(scheduler, throughput=False, prompt_len=12)  # 3 blocks, and a 4th for its first decode
+    step(scheduler)
+    chat = submit(scheduler, throughput=False, prompt_len=8)  # needs 2 blocks: only 1 is left
+    later = submit(scheduler, throughput=True, prompt_len=2)  # would fit in that one block
+    assert step(scheduler) == [hog]
+    assert (chat.status, later.status) == (Status.WAITING, Status.WAITING)
