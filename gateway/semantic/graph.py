@@ -14,7 +14,7 @@ import hashlib
 import itertools
 import secrets
 import time
-from typing import Awaitable, Callable, Iterable, Iterator
+from typing import Any, Awaitable, Callable, Iterable, Iterator
 
 from engines.base import EngineError
 from gateway.errors import APIError, engine_error_body
@@ -90,12 +90,20 @@ class Call:
         self.outputs = outputs
         self.work = work
         self.latency = latency
+        self.grouped = False  # its consumer also waits for other inputs: finishing first gains nothing
         self.task: asyncio.Task[dict[str, str]] | None = None
 
     @property
     def priority(self) -> int:
         """Latency-critical first; otherwise app-FIFO: calls of earlier sessions (apps) go first."""
         return (LATENCY_PRIORITY if self.latency else 0) - self.session.arrival
+
+    def engine_hints(self) -> dict[str, Any]:
+        """How a builtin engine should schedule this call's requests: its place in line, and whether it
+        may wait for a big batch. A task group's members are batched together even when urgent: their
+        consumer waits for the last of them, so they must finish together, not one after another."""
+        throughput = not self.latency or self.grouped
+        return {"priority": self.priority, "criteria": "throughput" if throughput else "latency"}
 
     def mark_latency(self) -> None:
         """Someone waits on this call's result: it and everything it transitively needs become urgent.
@@ -108,12 +116,14 @@ class Call:
             call.latency = True
             pending.extend(v.producer for v in call.inputs.values() if v.producer is not None)
 
+    def consumers(self) -> list["Call"]:
+        return [consumer for output in self.outputs.values() for consumer in self.session.consumers_of(output)]
+
     def group_peers(self) -> set["Call"]:
         """Producers feeding the same consumers as this call: they are scheduled together."""
         peers: set[Call] = set()
-        for output in self.outputs.values():
-            for consumer in output.session.consumers_of(output):
-                peers |= {v.producer for v in consumer.inputs.values() if v.producer and v.producer.task}
+        for consumer in self.consumers():
+            peers |= {v.producer for v in consumer.inputs.values() if v.producer and v.producer.task}
         return peers
 
     async def run(self, input_timeout_s: float) -> dict[str, str]:
@@ -126,6 +136,7 @@ class Call:
                     values[name] = await variable.get(input_timeout_s)
                 except VariableFailed as exc:
                     raise VariableFailed(f"input {variable.label} failed: {_clipped(str(exc))}") from None
+            self.grouped = any(sum(not v.ready for v in consumer.inputs.values()) > 1 for consumer in self.consumers())
             if any(peer.latency for peer in self.group_peers()):
                 self.latency = True  # a task group runs at the pace of its most urgent member
             results = await self.work(self, values)
@@ -195,8 +206,8 @@ class Session:
         if _reaches(call.inputs.values(), set(call.outputs.values())):
             raise APIError(400, f"call {call.id} would close a cycle: one of its outputs is among its own "
                            "transitive inputs", param="parrot.vars", code="cycle")
-        if call.latency:
-            call.latency = False
+        if call.latency or any(consumer.latency for consumer in call.consumers()):
+            call.latency = False  # someone waits on it, or on what it feeds: it and its producers are urgent
             call.mark_latency()
         for output in call.outputs.values():
             output.producer = call

@@ -128,8 +128,9 @@ class Runner:
     def _builtin(self, model: str) -> list[EngineRecord]:
         return [r for r in self.gateway.registry.candidates(model) if r.kind == "builtin"]
 
-    async def run(self, route: Route, body: dict[str, Any], values: dict[str, str], *, priority: int,
+    async def run(self, route: Route, body: dict[str, Any], values: dict[str, str], *, hints: dict[str, Any],
                   session: Session) -> bytes:
+        """``hints``: the call's scheduling fields for a builtin engine (``Call.engine_hints``)."""
         model = body["model"]
         started = time.perf_counter()
         builtin = self._builtin(model)
@@ -139,7 +140,7 @@ class Runner:
             for name, value in values.items():
                 rest = rest.replace(_marker(name), value)
             try:
-                generation, prompt_tokens = await self._fork_and_generate(plan, rest, body, priority, session)
+                generation, prompt_tokens = await self._fork_and_generate(plan, rest, body, hints, session)
             except EngineError as exc:
                 self.gateway.record_failure(model, exc)
                 raise
@@ -148,7 +149,7 @@ class Runner:
             return response
         plain = substitute(route, body, values)
         if builtin:
-            plain["priority"] = priority
+            plain |= hints
         return await self.gateway.create(route, model, plain)
 
     async def warm(self, route: Route, body: dict[str, Any], session: Session) -> None:
@@ -211,7 +212,7 @@ class Runner:
             session.prefix_keys.add(entry.key)
         return entry, hit
 
-    async def _fork_and_generate(self, plan: Plan, rest: str, body: dict[str, Any], priority: int,
+    async def _fork_and_generate(self, plan: Plan, rest: str, body: dict[str, Any], hints: dict[str, Any],
                                  session: Session) -> tuple[Generation, int]:
         record = plan.record
         entry, hit = await self._acquire(plan, session)
@@ -220,7 +221,7 @@ class Runner:
             sampling = {k: body[k] for k in _SAMPLING_FIELDS if body.get(k) is not None}
             if body.get("max_completion_tokens") is not None:
                 sampling["max_tokens"] = body["max_completion_tokens"]
-            generation = await self.contexts(record).generate(entry.context_id, sampling | {"priority": priority},
+            generation = await self.contexts(record).generate(entry.context_id, sampling | hints,
                                                               fork_with=rest, context_text=plan.prefix)
         finally:
             record.in_flight -= 1

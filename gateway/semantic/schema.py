@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Union
 
 import msgspec
 
-Criteria = Literal["latency", "throughput"]
+from engines.protocol import Criteria
 
 
 class VarRef(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):

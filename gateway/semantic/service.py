@@ -97,7 +97,7 @@ class SemanticService:
         body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}  # runs whole, server-side
 
         async def work(call: Call, values: dict[str, str]) -> dict[str, str]:
-            responses["body"] = await self.runner.run(route, body, values, priority=call.priority, session=session)
+            responses["body"] = await self.runner.run(route, body, values, hints=call.engine_hints(), session=session)
             return {"output": output_text(route, responses["body"])}
 
         latency = ext.criteria == "latency" or (ext.criteria is None and ext.wait)
@@ -186,7 +186,7 @@ class SemanticService:
         placeholders = {p.name for p in pieces if p.kind == "input"}
 
         async def work(call: Call, values: dict[str, str]) -> dict[str, str]:
-            return await self._run_template(spec, pieces, values, call.priority, session)
+            return await self._run_template(spec, pieces, values, call.engine_hints(), session)
 
         with session.undo_on_error():
             inputs = self._bind(session, placeholders, spec.inputs, "inputs")
@@ -209,7 +209,7 @@ class SemanticService:
             raise
 
     async def _run_template(self, spec: SemanticCall, pieces: list[template.Piece], values: dict[str, str],
-                            priority: int, session: Session) -> dict[str, str]:
+                            hints: dict[str, Any], session: Session) -> dict[str, str]:
         """Generate each output in order, each seeing the text and outputs before it."""
         results: dict[str, str] = {}
         known = dict(values)
@@ -221,7 +221,7 @@ class SemanticService:
             if piece.kind == "output":
                 output = spec.outputs.get(piece.name)
                 body = {"model": spec.model, "prompt": prompt, **(output.sampling() if output else {})}
-                response = await self.runner.run("completions", body, known, priority=priority, session=session)
+                response = await self.runner.run("completions", body, known, hints=hints, session=session)
                 known[piece.name] = results[piece.name] = output_text("completions", response)
             prompt += "{{" + piece.name + "}}"
         return results

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from gateway.config import UpstreamConfig
-from gateway.semantic.graph import Call, Session, VariableFailed
+from gateway.semantic.graph import LATENCY_PRIORITY, Call, Session, VariableFailed
 from tests.gateway.conftest import MODEL
 
 
@@ -298,6 +298,47 @@ async def test_latency_read_makes_transitive_producers_latency_critical():
     assert all(c.latency for c in [*producers, reducer])
     assert reducer.priority > Call(Session("x", {}), {}, {}, _idle, latency=False).priority
     assert producers[0].group_peers() == set(producers)  # they feed the same consumer
+    session.close()
+
+
+async def test_a_producer_linked_after_its_urgent_consumer_is_urgent_too():
+    session = Session("owner", {})
+    summary, final = session.new_variable("summary"), session.new_variable("final")
+    reducer = Call(session, {"s": summary}, {"o": final}, _idle, latency=True)
+    session.add_call(reducer, input_timeout_s=5)
+    mapper = Call(session, {}, {"o": summary}, _idle, latency=False)
+    session.add_call(mapper, input_timeout_s=5)
+    assert mapper.latency
+    session.close()
+
+
+async def test_engine_hints_batch_a_task_group_even_when_urgent():
+    session = Session("owner", {})
+    summaries = [session.new_variable(f"s{i}") for i in range(2)]
+    seen: dict[str, dict] = {}
+    maps_running = asyncio.Event()
+
+    async def record(call, values):
+        seen[call.id] = call.engine_hints()
+        if all(m.id in seen for m in mappers):
+            maps_running.set()
+        await maps_running.wait()  # the maps run at the same time, as on an engine
+        return {name: "" for name in call.outputs}
+
+    reducer = Call(session, {f"s{i}": v for i, v in enumerate(summaries)}, {"o": session.new_variable()},
+                   record, latency=True)
+    session.add_call(reducer, input_timeout_s=5)
+    mappers = [Call(session, {}, {"o": v}, record, latency=False) for v in summaries]
+    alone = Call(session, {}, {"o": session.new_variable()}, record, latency=True)
+    for call in [*mappers, alone]:
+        session.add_call(call, input_timeout_s=5)
+    await reducer.task
+    await alone.task
+    # The reduce waits for both maps: they run as one throughput batch, at latency priority. The
+    # call nothing else waits with is latency-critical, as a map would be that runs last, alone.
+    assert [seen[m.id]["criteria"] for m in mappers] == ["throughput", "throughput"]
+    assert all(seen[m.id]["priority"] >= LATENCY_PRIORITY - session.arrival for m in mappers)
+    assert seen[reducer.id]["criteria"] == seen[alone.id]["criteria"] == "latency"
     session.close()
 
 

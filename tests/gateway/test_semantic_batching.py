@@ -1,0 +1,118 @@
+"""Performance criteria reach the builtin engine's batches. The engine gives latency-critical work a
+batch of one (``latency_max_num_seqs=1``): plain requests (someone reads each as it streams) run one
+at a time, while the maps of a map-reduce, a task group the gateway knows its reduce waits for as a
+whole, run together as throughput work. Real gateway and engine (a tiny random Llama) on loopback."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from engines.builtin.config import EngineConfig
+from engines.builtin.server import create_app as create_engine_app
+from gateway.app import create_app as create_gateway_app
+from gateway.config import BuiltinConfig, GatewayConfig
+
+MODEL = "tiny"
+MAPS = 3
+SAMPLING = {"max_tokens": 64, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def urls(tiny_model_dir, serve_module) -> dict[str, str]:
+    config = EngineConfig(model=str(tiny_model_dir), max_num_seqs=8, latency_max_num_seqs=1)
+    engine = serve_module(create_engine_app(config, model_name=MODEL))
+    gateway = serve_module(create_gateway_app(GatewayConfig(builtin=BuiltinConfig(enabled=False,
+                                                                                  heartbeat_timeout_s=600.0))))
+    registered = httpx.post(f"{gateway}/v1/engines", json={"name": "tiny", "url": engine, "models": [MODEL]})
+    assert registered.status_code == 201, registered.text
+    return {"gateway": gateway, "engine": engine}
+
+
+class BatchWatch:
+    """Samples the engine's running and waiting counts while a workload runs."""
+
+    def __init__(self, engine_url: str):
+        self.engine_url = engine_url
+        self.samples: list[tuple[int, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch)
+
+    def _watch(self) -> None:
+        with httpx.Client(base_url=self.engine_url, timeout=10) as client:
+            while not self._stop.is_set():
+                stats = client.get("/v1/stats").json()
+                self.samples.append((stats["running"], stats["waiting"]))
+                time.sleep(0.005)
+
+    def __enter__(self) -> "BatchWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def most_running(self) -> int:
+        return max(running for running, _ in self.samples)
+
+    @property
+    def most_waiting(self) -> int:
+        return max(waiting for _, waiting in self.samples)
+
+
+def completion(prompt: str, **extra) -> dict:
+    # Prompts too short to pin a shared prefix: the engine runs generations only, no prefix fills.
+    return {"model": MODEL, "prompt": prompt, **SAMPLING, **extra}
+
+
+def in_threads(*calls) -> list:
+    results: list = [None] * len(calls)
+
+    def run(i: int) -> None:
+        results[i] = calls[i]()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+@pytest.mark.timeout(120)
+def test_plain_requests_are_latency_critical_and_run_one_at_a_time(urls):
+    with httpx.Client(base_url=urls["gateway"], timeout=60) as gw, BatchWatch(urls["engine"]) as watch:
+        answers = in_threads(*(lambda i=i: gw.post("/v1/completions", json=completion(f"Tell me about {i}."))
+                               for i in range(MAPS)))
+    assert all(answer.status_code == 200 for answer in answers)
+    assert watch.most_running == 1
+    assert watch.most_waiting >= 1  # they did overlap: the others queued behind the one running
+
+
+@pytest.mark.timeout(120)
+def test_the_maps_of_a_map_reduce_run_as_one_batch_though_their_reduce_is_urgent(urls):
+    with httpx.Client(base_url=urls["gateway"], timeout=60) as gw, BatchWatch(urls["engine"]) as watch:
+        session = gw.post("/v1/sessions").json()["id"]
+        summaries = [gw.post("/v1/vars", json={"session_id": session, "name": f"s{i}"}).json()["id"]
+                     for i in range(MAPS)]
+        # The reduce comes first, latency-critical: each map is urgent from the start, and still batched.
+        reduce = gw.post("/v1/completions", json=completion(
+            "Combine: " + " ".join(f"{{{{s{i}}}}}" for i in range(MAPS)),
+            parrot={"session_id": session, "wait": False, "output": "final", "criteria": "latency",
+                    "vars": {f"s{i}": {"id": var} for i, var in enumerate(summaries)}}))
+        assert reduce.status_code == 202, reduce.text
+        final = reduce.json()["parrot"]["output"]["id"]
+        for i, var in enumerate(summaries):
+            queued = gw.post("/v1/completions", json=completion(
+                "Summarize: {{part}}", parrot={"session_id": session, "wait": False, "output": {"id": var},
+                                               "vars": {"part": {"value": f"part {i} of the report"}}}))
+            assert queued.status_code == 202, queued.text
+        result = gw.get(f"/v1/vars/{final}", params={"wait": "true", "timeout": 60}).json()
+        gw.delete(f"/v1/sessions/{session}")
+    assert result["ready"] and result["error"] is None
+    assert watch.most_running == MAPS
