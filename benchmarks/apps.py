@@ -13,6 +13,17 @@ KV blocks that an earlier run left in an engine's prefix cache.
 The fan-out apps (map_reduce, multi_agent) also run mode ``baseline_sequential``: the same client
 calls one at a time, as LangChain's classic synchronous chains make them.
 
+An engine shared with chat users is tuned for latency. The seed paper's map-reduce baseline ran on
+an engine that batches 2 requests at a time, and it used 15 chunks. The same setting here:
+
+    python -m benchmarks.apps --start --engine-args "--quantization int8 --latency-max-num-seqs 2" \
+        --apps map_reduce multi_agent --chunks 15
+
+Plain requests then run at most 2 at a time. Parrot knows which calls nobody reads token by token
+(the maps, which feed a reduce), so it sends them as throughput work, and the engine batches all of
+them. Without ``--latency-max-num-seqs``, the engine batches every request alike. Then the
+concurrent baseline computes the same batches as Parrot.
+
 The shared-system-prompt app is also run as a baseline against a server WITHOUT prefix sharing
 (``--no-sharing-url``; with ``--start`` a second gateway is launched whose engine gets
 ``--no-sharing-engine-args``), the comparison that shows what forking the prompt saves. Without

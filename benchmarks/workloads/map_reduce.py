@@ -26,7 +26,7 @@ SYSTEM = ("You are a careful analyst. You write short, factual summaries of repo
 
 @dataclass(frozen=True)
 class Config:
-    chunks: int = 8
+    chunks: int = 15  # the seed paper's map-reduce setting
     chunk_words: int = 150
     map_tokens: int = 32
     reduce_tokens: int = 48
