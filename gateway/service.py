@@ -73,14 +73,17 @@ class Gateway:
 
     # ------------------------------------------------------------ non-streaming
 
-    async def create(self, route: Route, model: str, body: dict[str, Any]) -> bytes:
+    async def create(self, route: Route, model: str, body: dict[str, Any],
+                     builtin_hints: dict[str, Any] | None = None) -> bytes:
+        """``builtin_hints``: fields only builtin engines understand (scheduling), added for them alone."""
         started = time.perf_counter()
         last_error: EngineError | None = None
         for record in self.registry.candidates(model):
             record.in_flight += 1
             self.metrics.model(model).requests_running.inc()
             try:
-                response = await record.engine.create(route, body)
+                sent = body | builtin_hints if builtin_hints and record.kind == "builtin" else body
+                response = await record.engine.create(route, sent)
             except EngineUnavailable as exc:
                 self.registry.mark_down(record)
                 last_error = exc

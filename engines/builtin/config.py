@@ -25,10 +25,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     num_blocks: int | None = None
     kv_cache_memory: int = 512 * 2**20
     max_num_seqs: int = 64
-    # A latency-tuned batch: while latency-critical work runs (any generation not sent with
-    # criteria "throughput"), a step serves at most this many sequences, the latency-critical ones
-    # first, so each of their tokens comes quickly. Throughput work alone still batches up to
-    # max_num_seqs. None: one limit for all (max_num_seqs), as vLLM.
+    # A latency-tuned batch: while latency-critical work runs or waits (any generation not sent with
+    # criteria "throughput"), a step serves at most this many generations, the latency-critical ones
+    # first, so each of their tokens comes quickly; throughput work gets the seats left, else it
+    # waits (its admitted sequences keep their KV: running sequences may then exceed max_num_seqs by
+    # up to this many). Throughput work alone batches up to max_num_seqs. None: one limit for all
+    # (max_num_seqs), as vLLM.
     latency_max_num_seqs: int | None = None
     # Chunked-prefill budget: tokens one step may compute, prefill chunks and decodes together.
     max_num_batched_tokens: int = 1024

@@ -5,10 +5,12 @@ ones. When blocks run out, idle contexts lose their KV first (least recently use
 blocks stay in the prefix cache), then the lowest-priority running sequence is preempted by
 recompute: its blocks are dropped and it goes back to waiting.
 
-With ``latency_max_num_seqs`` set, a step that has latency-critical work serves at most that many
-sequences, latency-critical ones first (running, then waiting), then throughput work in the seats
-left; throughput sequences left out keep their KV and sit the step out. A step of throughput work
-alone seats up to ``max_num_seqs``: work that said it can wait is what gets the big batches.
+With ``latency_max_num_seqs`` set, a step that has latency-critical work (running or waiting)
+seats at most that many generations, latency-critical ones first (running, then waiting), then
+throughput work in the seats left; throughput sequences left out keep their KV and sit the step
+out, and a sequence already seated is never preempted for one served later in the step. Without
+latency-critical work a step seats up to ``max_num_seqs``: work that said it can wait is what gets
+the big batches. Fills (prefill only, often on a generation's critical path) need no seat.
 
 The batch also says which decodes share leading KV blocks (forks of one context, prefix-cache
 hits on one system prompt), so attention can read each shared prefix once for its group.
@@ -16,7 +18,9 @@ hits on one system prompt), so attention can read each shared prefix once for it
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
+from typing import Callable
 
 from engines.builtin.block_manager import BlockManager
 from engines.builtin.config import EngineConfig
@@ -26,6 +30,10 @@ from engines.builtin.sequence import Sequence, Status, next_arrival
 
 def service_order(seq: Sequence) -> tuple[int, int]:
     return (-seq.priority, seq.arrival)
+
+
+def latency_first_order(seq: Sequence) -> tuple[bool, int, int]:
+    return (not seq.latency_critical, *service_order(seq))
 
 
 def prefix_groups(decodes: list[Sequence], block_size: int) -> list[PrefixGroup]:
@@ -55,21 +63,24 @@ def prefix_groups(decodes: list[Sequence], block_size: int) -> list[PrefixGroup]
 
 @dataclass
 class _Step:
-    """What one step has taken so far: its token budget, its seats (sequences) and their entries."""
+    """What one step has taken so far: its token budget, its seats and their entries. Seats are for
+    generations; fills (prefill only, often on a generation's critical path) need none."""
 
     budget: int
     seats: int
+    order: Callable[[Sequence], tuple] = service_order  # who is served first, hence who may preempt whom
     entries: list[tuple[Sequence, int]] = field(default_factory=list)
+    generations: int = 0
     done_fills: list[Sequence] = field(default_factory=list)
     out_of_blocks: bool = False  # a waiting sequence found no room: none served after it is admitted
 
-    @property
-    def full(self) -> bool:
-        return self.budget == 0 or len(self.entries) == self.seats
+    def has_seat(self, seq: Sequence) -> bool:
+        return seq.is_fill or self.generations < self.seats
 
     def add(self, seq: Sequence, num_tokens: int, block_manager: BlockManager) -> None:
         block_manager.allocate(seq, num_tokens)
         self.entries.append((seq, num_tokens))
+        self.generations += not seq.is_fill
         self.budget -= num_tokens
 
 
@@ -107,12 +118,11 @@ class Scheduler:
     def schedule(self) -> tuple[ScheduledBatch, list[Sequence]]:
         """Returns the step's batch and the waiting fills that turned out fully cached (done)."""
         self.running.sort(key=service_order)
-        self.waiting.sort(key=service_order)
         step = _Step(self.max_num_batched_tokens, self.max_num_seqs)
         passes: tuple[bool | None, ...] = (None,)  # None: every sequence in one pass
         if self.latency_max_num_seqs is not None and any(
-                seq.latency_critical for seq in (*self.running, *self.waiting)):
-            step.seats, passes = self.latency_max_num_seqs, (True, False)
+                seq.latency_critical for seq in itertools.chain(self.running, self.waiting)):
+            step.seats, step.order, passes = self.latency_max_num_seqs, latency_first_order, (True, False)
         for latency_critical in passes:
             self._schedule_running(step, latency_critical)
             self._admit_waiting(step, latency_critical)
@@ -122,12 +132,12 @@ class Scheduler:
 
     def _schedule_running(self, step: _Step, latency_critical: bool | None) -> None:
         for seq in list(self.running):
-            if step.full:
+            if step.budget == 0:
                 return
-            if seq.status is not Status.RUNNING or not _in_pass(seq, latency_critical):
-                continue  # preempted below while making room for a higher-priority sequence, or not its pass
+            if seq.status is not Status.RUNNING or not _in_pass(seq, latency_critical) or not step.has_seat(seq):
+                continue  # preempted to make room for a sequence served before it, or not its turn
             n = min(seq.num_pending_tokens, step.budget)
-            if not self._make_room(seq, n):
+            if not self._make_room(seq, n, step):
                 self._preempt(seq)
                 continue
             step.add(seq, n, self.block_manager)
@@ -135,10 +145,11 @@ class Scheduler:
     def _admit_waiting(self, step: _Step, latency_critical: bool | None) -> None:
         # Latency-critical work is admitted even when throughput work fills max_num_seqs: that sits out.
         limited = latency_critical is not True
+        self.waiting.sort(key=service_order)  # sequences preempted this step included
         for seq in list(self.waiting):
-            if step.full or step.out_of_blocks or (limited and len(self.running) >= self.max_num_seqs):
+            if step.budget == 0 or step.out_of_blocks or (limited and len(self.running) >= self.max_num_seqs):
                 return
-            if not _in_pass(seq, latency_critical):
+            if not _in_pass(seq, latency_critical) or not step.has_seat(seq):
                 continue
             self.block_manager.match_prefix(seq, self._reusable_tokens(seq))
             if seq.num_pending_tokens == 0:
@@ -146,7 +157,7 @@ class Scheduler:
                 step.done_fills.append(seq)
                 continue
             n = min(seq.num_pending_tokens, step.budget)
-            if not self._make_room(seq, n, preempt_running=False):
+            if not self._make_room(seq, n, step, preempt_running=False):
                 # Give back what matching took (full blocks stay cached): waiting sequences holding
                 # blocks could starve the running ones. Nobody served later may overtake it.
                 self.block_manager.release(seq)
@@ -167,11 +178,11 @@ class Scheduler:
         # A generation must compute at least its last token to get logits.
         return seq.num_pending_tokens - (0 if seq.is_fill else 1)
 
-    def _make_room(self, seq: Sequence, num_tokens: int, *, preempt_running: bool = True) -> bool:
+    def _make_room(self, seq: Sequence, num_tokens: int, step: _Step, *, preempt_running: bool = True) -> bool:
         while not self.block_manager.can_allocate(seq, num_tokens):
             victim = self._idle_victim()
             if victim is None and preempt_running:
-                victim = self._running_victim(seq)
+                victim = self._running_victim(seq, step)
             if victim is None:
                 return False
             self._preempt(victim)
@@ -181,13 +192,13 @@ class Scheduler:
         idle = [s for s in self.contexts.values() if s.status is Status.IDLE and s.block_table]
         return min(idle, key=lambda s: s.last_used) if idle else None
 
-    def _running_victim(self, seq: Sequence) -> Sequence | None:
-        """The last-served running sequence, if it is served after ``seq``."""
+    def _running_victim(self, seq: Sequence, step: _Step) -> Sequence | None:
+        """The last-served running sequence, if it is served after ``seq`` (so not yet in this step)."""
         candidates = [s for s in self.running if s.status is Status.RUNNING and s is not seq]
         if not candidates:
             return None
-        victim = max(candidates, key=service_order)
-        return victim if service_order(victim) > service_order(seq) else None
+        victim = max(candidates, key=step.order)
+        return victim if step.order(victim) > step.order(seq) else None
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.release(seq)

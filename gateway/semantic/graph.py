@@ -90,7 +90,7 @@ class Call:
         self.outputs = outputs
         self.work = work
         self.latency = latency
-        self.grouped = False  # its consumer also waits for other inputs: finishing first gains nothing
+        self.grouped = False  # a member of task groups only: finishing before its peers gains nothing
         self.task: asyncio.Task[dict[str, str]] | None = None
 
     @property
@@ -116,6 +116,13 @@ class Call:
             call.latency = True
             pending.extend(v.producer for v in call.inputs.values() if v.producer is not None)
 
+    def _feeds_only_task_groups(self) -> bool:
+        """Whether every consumer of this call also waits for inputs that other calls or the client
+        produce: finishing this call first would not start any of them sooner."""
+        consumers = self.consumers()
+        return bool(consumers) and all(
+            any(not v.ready and v.producer is not self for v in consumer.inputs.values()) for consumer in consumers)
+
     def consumers(self) -> list["Call"]:
         return [consumer for output in self.outputs.values() for consumer in self.session.consumers_of(output)]
 
@@ -136,7 +143,7 @@ class Call:
                     values[name] = await variable.get(input_timeout_s)
                 except VariableFailed as exc:
                     raise VariableFailed(f"input {variable.label} failed: {_clipped(str(exc))}") from None
-            self.grouped = any(sum(not v.ready for v in consumer.inputs.values()) > 1 for consumer in self.consumers())
+            self.grouped = self._feeds_only_task_groups()
             if any(peer.latency for peer in self.group_peers()):
                 self.latency = True  # a task group runs at the pace of its most urgent member
             results = await self.work(self, values)

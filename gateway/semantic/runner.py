@@ -147,10 +147,7 @@ class Runner:
             response = _response(route, model, generation, prompt_tokens)
             self.gateway.record_success(model, response, started)  # as a plain request through the gateway is
             return response
-        plain = substitute(route, body, values)
-        if builtin:
-            plain |= hints
-        return await self.gateway.create(route, model, plain)
+        return await self.gateway.create(route, model, substitute(route, body, values), builtin_hints=hints)
 
     async def warm(self, route: Route, body: dict[str, Any], session: Session) -> None:
         """Before a call's inputs are ready: render its prompt and fill its constant prefix on the engine

@@ -342,6 +342,25 @@ async def test_engine_hints_batch_a_task_group_even_when_urgent():
     session.close()
 
 
+async def test_a_sole_producer_of_an_urgent_consumer_is_not_a_task_group():
+    session = Session("owner", {})
+    question, answer = session.new_variable("question"), session.new_variable("answer")
+    seen: dict[str, dict] = {}
+
+    async def record(call, values):
+        seen[call.id] = call.engine_hints()
+        return {name: "" for name in call.outputs}
+
+    # One call with two outputs that one urgent consumer reads: nobody else feeds that consumer.
+    reader = Call(session, {"q": question, "a": answer}, {"o": session.new_variable()}, record, latency=True)
+    session.add_call(reader, input_timeout_s=5)
+    writer = Call(session, {}, {"q": question, "a": answer}, record, latency=False)
+    session.add_call(writer, input_timeout_s=5)
+    await reader.task
+    assert seen[writer.id]["criteria"] == "latency"
+    session.close()
+
+
 async def test_app_fifo_earlier_sessions_go_first():
     older, newer = Session("o", {}), Session("o", {})
     first_stage_new = Call(newer, {}, {}, _idle, latency=False)

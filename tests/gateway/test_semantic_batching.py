@@ -58,11 +58,11 @@ class BatchWatch:
 
     @property
     def most_running(self) -> int:
-        return max(running for running, _ in self.samples)
+        return max((running for running, _ in self.samples), default=0)
 
     @property
     def most_waiting(self) -> int:
-        return max(waiting for _, waiting in self.samples)
+        return max((waiting for _, waiting in self.samples), default=0)
 
 
 def completion(prompt: str, **extra) -> dict:

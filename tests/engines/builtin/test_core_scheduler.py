@@ -53,10 +53,10 @@ def test_throughput_work_alone_is_batched_up_to_max_num_seqs():
     assert step(scheduler) == maps
 
 
-def test_without_a_latency_limit_every_request_is_batched():
-    scheduler = make_scheduler(latency_max_num_seqs=None)
+def test_without_a_latency_limit_requests_are_batched_up_to_max_num_seqs():
+    scheduler = make_scheduler(latency_max_num_seqs=None, max_num_seqs=4)
     chats = [submit(scheduler, throughput=False) for _ in range(6)]
-    assert step(scheduler) == chats
+    assert step(scheduler) == chats[:4]
 
 
 def test_latency_critical_arrival_takes_seats_from_running_throughput_work():
@@ -80,15 +80,29 @@ def test_latency_critical_arrival_is_admitted_when_throughput_work_fills_max_num
     assert set(step(scheduler)) == {chat, maps[0]}
 
 
-def test_fills_are_not_latency_critical():
+def test_fills_need_no_seat():
     scheduler = make_scheduler(latency_max_num_seqs=1)
+    chat = submit(scheduler, throughput=False)
     fills = []
     for i in range(3):
-        fill = Sequence(f"fill{i}", list(range(100 * i + 3, 100 * i + 9)))
+        fill = Sequence(f"fill{i}", list(range(1000 * (i + 1), 1000 * (i + 1) + 6)))
         scheduler.contexts[fill.context_id] = fill
         scheduler.add(fill)
         fills.append(fill)
-    assert step(scheduler) == fills
+    assert set(step(scheduler)) == {chat, *fills}
+
+
+def test_a_sequence_seated_in_a_step_is_not_preempted_for_one_served_later_in_it():
+    # Two blocks: a throughput map (earlier, so served before the chat by priority and arrival) and a
+    # latency-critical chat, each holding one full block. Both need a new block to decode.
+    scheduler = make_scheduler(latency_max_num_seqs=2, num_blocks=2)
+    map_ = submit(scheduler, throughput=True, prompt_len=BLOCK_SIZE)
+    chat = submit(scheduler, throughput=False, prompt_len=BLOCK_SIZE)
+    assert set(step(scheduler)) == {map_, chat}  # each prompt fills its block; a token is sampled
+    # The chat is seated first; the map, finding no room, gives way (it would have taken the chat's
+    # block, though the chat is in the batch already).
+    assert step(scheduler) == [chat]
+    assert chat.status is Status.RUNNING and map_.status is Status.WAITING
 
 
 def test_a_latency_critical_request_blocked_on_memory_is_not_overtaken_by_throughput_work():
