@@ -116,20 +116,19 @@ class Call:
             call.latency = True
             pending.extend(v.producer for v in call.inputs.values() if v.producer is not None)
 
-    def _feeds_only_task_groups(self) -> bool:
+    def _feeds_only_task_groups(self, consumers: list["Call"]) -> bool:
         """Whether every consumer of this call also waits for inputs that other calls or the client
         produce: finishing this call first would not start any of them sooner."""
-        consumers = self.consumers()
         return bool(consumers) and all(
             any(not v.ready and v.producer is not self for v in consumer.inputs.values()) for consumer in consumers)
 
     def consumers(self) -> list["Call"]:
         return [consumer for output in self.outputs.values() for consumer in self.session.consumers_of(output)]
 
-    def group_peers(self) -> set["Call"]:
+    def group_peers(self, consumers: list["Call"] | None = None) -> set["Call"]:
         """Producers feeding the same consumers as this call: they are scheduled together."""
         peers: set[Call] = set()
-        for consumer in self.consumers():
+        for consumer in self.consumers() if consumers is None else consumers:
             peers |= {v.producer for v in consumer.inputs.values() if v.producer and v.producer.task}
         return peers
 
@@ -143,8 +142,9 @@ class Call:
                     values[name] = await variable.get(input_timeout_s)
                 except VariableFailed as exc:
                     raise VariableFailed(f"input {variable.label} failed: {_clipped(str(exc))}") from None
-            self.grouped = self._feeds_only_task_groups()
-            if any(peer.latency for peer in self.group_peers()):
+            consumers = self.consumers()
+            self.grouped = self._feeds_only_task_groups(consumers)
+            if any(peer.latency for peer in self.group_peers(consumers)):
                 self.latency = True  # a task group runs at the pace of its most urgent member
             results = await self.work(self, values)
         except BaseException as exc:
