@@ -137,7 +137,7 @@ class Scheduler:
             if seq.status is not Status.RUNNING or not _in_pass(seq, latency_critical) or not step.has_seat(seq):
                 continue  # preempted to make room for a sequence served before it, or not its turn
             n = min(seq.num_pending_tokens, step.budget)
-            if not self._make_room(seq, n, step):
+            if not self._make_room(seq, n, step.order):
                 self._preempt(seq)
                 continue
             step.add(seq, n, self.block_manager)
@@ -157,7 +157,7 @@ class Scheduler:
                 step.done_fills.append(seq)
                 continue
             n = min(seq.num_pending_tokens, step.budget)
-            if not self._make_room(seq, n, step, preempt_running=False):
+            if not self._make_room(seq, n, step.order, preempt_running=False):
                 # Give back what matching took (full blocks stay cached): waiting sequences holding
                 # blocks could starve the running ones. Nobody served later may overtake it.
                 self.block_manager.release(seq)
@@ -178,11 +178,12 @@ class Scheduler:
         # A generation must compute at least its last token to get logits.
         return seq.num_pending_tokens - (0 if seq.is_fill else 1)
 
-    def _make_room(self, seq: Sequence, num_tokens: int, step: _Step, *, preempt_running: bool = True) -> bool:
+    def _make_room(self, seq: Sequence, num_tokens: int, order: Callable[[Sequence], tuple], *,
+                   preempt_running: bool = True) -> bool:
         while not self.block_manager.can_allocate(seq, num_tokens):
             victim = self._idle_victim()
             if victim is None and preempt_running:
-                victim = self._running_victim(seq, step)
+                victim = self._running_victim(seq, order)
             if victim is None:
                 return False
             self._preempt(victim)
@@ -192,13 +193,13 @@ class Scheduler:
         idle = [s for s in self.contexts.values() if s.status is Status.IDLE and s.block_table]
         return min(idle, key=lambda s: s.last_used) if idle else None
 
-    def _running_victim(self, seq: Sequence, step: _Step) -> Sequence | None:
+    def _running_victim(self, seq: Sequence, order: Callable[[Sequence], tuple]) -> Sequence | None:
         """The last-served running sequence, if it is served after ``seq`` (so not yet in this step)."""
         candidates = [s for s in self.running if s.status is Status.RUNNING and s is not seq]
         if not candidates:
             return None
-        victim = max(candidates, key=step.order)
-        return victim if step.order(victim) > step.order(seq) else None
+        victim = max(candidates, key=order)
+        return victim if order(victim) > order(seq) else None
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.release(seq)

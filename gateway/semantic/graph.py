@@ -125,10 +125,11 @@ class Call:
     def consumers(self) -> list["Call"]:
         return [consumer for output in self.outputs.values() for consumer in self.session.consumers_of(output)]
 
-    def group_peers(self, consumers: list["Call"] | None = None) -> set["Call"]:
-        """Producers feeding the same consumers as this call: they are scheduled together."""
+    @staticmethod
+    def group_peers(consumers: list["Call"]) -> set["Call"]:
+        """Producers feeding ``consumers`` (this call's): they are scheduled together."""
         peers: set[Call] = set()
-        for consumer in self.consumers() if consumers is None else consumers:
+        for consumer in consumers:
             peers |= {v.producer for v in consumer.inputs.values() if v.producer and v.producer.task}
         return peers
 

@@ -30,13 +30,12 @@ from gateway.registry import EngineRecord
 from gateway.semantic import template
 from gateway.semantic.graph import Session
 from gateway.semantic.prefix import PrefixCache, PrefixEntry
+from gateway.semantic.schema import completion_sampling
 from gateway.service import Gateway
 
 # Private-use characters: no chat template or tokenizer gives them meaning, and users don't type them.
 _OPEN, _CLOSE = "\ue000", "\ue001"
 _SPLIT = f"{_OPEN}split{_CLOSE}"  # the start of the last message: where a prompt with no variables splits
-_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-                   "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
 _PLAIN_ONLY = ("tools", "response_format", "logprobs", "top_logprobs", "echo", "suffix", "best_of", *VLLM_EXTRAS)
 
 
@@ -215,10 +214,7 @@ class Runner:
         entry, hit = await self._acquire(plan, session)
         record.in_flight += 1
         try:
-            sampling = {k: body[k] for k in _SAMPLING_FIELDS if body.get(k) is not None}
-            if body.get("max_completion_tokens") is not None:
-                sampling["max_tokens"] = body["max_completion_tokens"]
-            generation = await self.contexts(record).generate(entry.context_id, sampling | hints,
+            generation = await self.contexts(record).generate(entry.context_id, completion_sampling(body) | hints,
                                                               fork_with=rest, context_text=plan.prefix)
         finally:
             record.in_flight -= 1

@@ -118,11 +118,17 @@ class OutputSpec(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True)
 
     def sampling(self) -> dict[str, Any]:
         """The fields as a /v1/completions body would carry them."""
-        fields = msgspec.to_builtins(self)
-        limit = fields.pop("max_completion_tokens", None)
-        if limit is not None:
-            fields["max_tokens"] = limit
-        return fields
+        return completion_sampling(msgspec.to_builtins(self))
+
+
+def completion_sampling(fields: dict[str, Any]) -> dict[str, Any]:
+    """The sampling fields of /v1/completions set in ``fields`` (a request body), with
+    ``max_completion_tokens`` as ``max_tokens``."""
+    sampling = {k: fields[k] for k in OutputSpec.__struct_fields__ if fields.get(k) is not None}
+    limit = sampling.pop("max_completion_tokens", None)
+    if limit is not None:
+        sampling["max_tokens"] = limit
+    return sampling
 
 
 class SemanticCall(msgspec.Struct, forbid_unknown_fields=True):

@@ -6,19 +6,10 @@ from __future__ import annotations
 import asyncio
 
 import httpx
-import pytest
 from aiohttp.client_proto import ResponseHandler
 
-from benchmarks import fake_upstream
 from engines.aiohttp_transport import AiohttpTransport
-
-CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there"}]}
-
-
-@pytest.fixture(scope="module")
-def upstream(serve_module) -> str:
-    return serve_module(fake_upstream.app)
-
+from tests.engines.conftest import CHAT
 
 def run(test, **client_options):
     async def with_client():

@@ -10,17 +10,9 @@ import struct
 import httpx
 import pytest
 
-from benchmarks import fake_upstream
 from engines.http11 import Http11Transport
 from tests.conftest import asgi_app
-
-CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there"}]}
-
-
-@pytest.fixture(scope="module")
-def upstream(serve_module) -> str:
-    return serve_module(fake_upstream.app)
-
+from tests.engines.conftest import CHAT
 
 def run(test, limits: httpx.Limits = httpx.Limits(), fallback=None, **client_options):
     async def with_client():

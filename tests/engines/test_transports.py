@@ -9,21 +9,13 @@ import gzip
 import httpx
 import pytest
 
-from benchmarks import fake_upstream
 from aiohttp.client_proto import ResponseHandler
 
 from engines import http11
 from engines.aiohttp_transport import AiohttpTransport
 from engines.http11 import Http11Transport
 from tests.conftest import asgi_app, free_port
-
-CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there"}]}
-
-
-@pytest.fixture(scope="module")
-def upstream(serve_module) -> str:
-    return serve_module(fake_upstream.app)
-
+from tests.engines.conftest import CHAT
 
 def run_over(transport: type[httpx.AsyncBaseTransport], test, **client_options):
     """``await test(client)`` with a client over a new ``transport``."""

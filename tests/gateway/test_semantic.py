@@ -297,7 +297,7 @@ async def test_latency_read_makes_transitive_producers_latency_critical():
     final.producer.mark_latency()
     assert all(c.latency for c in [*producers, reducer])
     assert reducer.priority > Call(Session("x", {}), {}, {}, _idle, latency=False).priority
-    assert producers[0].group_peers() == set(producers)  # they feed the same consumer
+    assert Call.group_peers(producers[0].consumers()) == set(producers)  # they feed the same consumer
     session.close()
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -70,25 +71,12 @@ def completion(prompt: str, **extra) -> dict:
     return {"model": MODEL, "prompt": prompt, **SAMPLING, **extra}
 
 
-def in_threads(*calls) -> list:
-    results: list = [None] * len(calls)
-
-    def run(i: int) -> None:
-        results[i] = calls[i]()
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return results
-
-
 @pytest.mark.timeout(120)
 def test_plain_requests_are_latency_critical_and_run_one_at_a_time(urls):
     with httpx.Client(base_url=urls["gateway"], timeout=60) as gw, BatchWatch(urls["engine"]) as watch:
-        answers = in_threads(*(lambda i=i: gw.post("/v1/completions", json=completion(f"Tell me about {i}."))
-                               for i in range(MAPS)))
+        with ThreadPoolExecutor(MAPS) as pool:
+            answers = list(pool.map(lambda i: gw.post("/v1/completions", json=completion(f"Tell me about {i}.")),
+                                    range(MAPS)))
     assert all(answer.status_code == 200 for answer in answers)
     assert watch.most_running == 1
     assert watch.most_waiting >= 1  # they did overlap: the others queued behind the one running

@@ -3,12 +3,12 @@ block accounting and prefix-hit metrics."""
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import SMOLLM
 
@@ -40,8 +40,9 @@ def engine_stats(urls) -> dict:
 
 
 def metric(gw, name: str) -> float:
-    match = re.search(rf"^{re.escape(name)} (\S+)$", gw.get("/metrics").text, re.M)
-    return float(match.group(1)) if match else 0.0
+    """A metric's value summed over its labels (0 before it is first set)."""
+    return sum(sample.value for family in text_string_to_metric_families(gw.get("/metrics").text)
+               for sample in family.samples if sample.name == name)
 
 
 def test_forked_prefix_answers_exactly_like_a_plain_request(gw):
@@ -147,12 +148,6 @@ def test_semantic_call_with_two_outputs_on_the_engine(gw):
     assert "Rome" in second["value"]
 
 
-def metric_total(gw, name: str) -> float:
-    """A metric summed over its labels."""
-    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$",
-                                                       gw.get("/metrics").text, re.M))
-
-
 def test_deleting_a_session_mid_request_frees_its_prefix_when_the_request_unwinds(gw, urls):
     system = "You write long, patient stories about lighthouses and their keepers, for children at bedtime."
     baseline = engine_stats(urls)["blocks_free"]
@@ -183,16 +178,16 @@ def test_forked_requests_are_counted_like_plain_ones(gw):
     session = gw.post("/v1/sessions").json()["id"]
     names = ["parrot:request_success_total", "parrot:prompt_tokens_total", "parrot:generation_tokens_total",
              "parrot:e2e_request_latency_seconds_count"]
-    before = {name: metric_total(gw, name) for name in names}
+    before = {name: metric(gw, name) for name in names}
     forks_before = metric(gw, "parrot:shared_prefix_fork_tokens")
     answers = [gw.post("/v1/chat/completions", json=ask(
         "{{q}}", {"session_id": session, "vars": {"q": {"value": question}}})).json()
         for question in ["Is the museum open late?", "Can I take photos?"]]
     assert metric(gw, "parrot:shared_prefix_fork_tokens") > forks_before  # the second one forked
-    assert metric_total(gw, names[0]) - before[names[0]] == 2
-    assert metric_total(gw, names[1]) - before[names[1]] == sum(a["usage"]["prompt_tokens"] for a in answers)
-    assert metric_total(gw, names[2]) - before[names[2]] == sum(a["usage"]["completion_tokens"] for a in answers)
-    assert metric_total(gw, names[3]) - before[names[3]] == 2
+    assert metric(gw, names[0]) - before[names[0]] == 2
+    assert metric(gw, names[1]) - before[names[1]] == sum(a["usage"]["prompt_tokens"] for a in answers)
+    assert metric(gw, names[2]) - before[names[2]] == sum(a["usage"]["completion_tokens"] for a in answers)
+    assert metric(gw, names[3]) - before[names[3]] == 2
     gw.delete(f"/v1/sessions/{session}")
 
 
