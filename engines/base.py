@@ -13,7 +13,7 @@ objects at one boundary.
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Literal, Protocol, runtime_checkable
+from typing import Annotated, Any, AsyncIterator, Literal, Protocol, runtime_checkable
 
 import msgspec
 
@@ -27,11 +27,13 @@ class EngineError(Exception):
     error_type = "upstream_error"
     code: str | None = "upstream_error"
 
-    def __init__(self, message: str, *, status_code: int | None = None, body: bytes | None = None):
+    def __init__(self, message: str, *, status_code: int | None = None, body: bytes | None = None,
+                 retry_after_s: float | None = None):
         super().__init__(message)
         if status_code is not None:
             self.status_code = status_code
         self.body = body  # an upstream's own OpenAI error body, passed through when present
+        self.retry_after_s = retry_after_s  # how long the engine asked to be left alone (its retry-after)
 
 
 class EngineUnavailable(EngineError):
@@ -59,17 +61,21 @@ class EngineRejected(EngineError):
     """The engine answered with an error status of its own (its body is passed through)."""
 
 
+# Routing sorts engines by reported load: a negative count would draw every request to its reporter.
+Count = Annotated[int, msgspec.Meta(ge=0)]
+
+
 class EngineStats(msgspec.Struct, kw_only=True):
     """What an engine reports on heartbeat; fields an engine cannot know stay at their defaults."""
 
-    running: int = 0
-    waiting: int = 0
-    blocks_total: int = 0
-    blocks_free: int = 0
-    cached_tokens: int = 0
-    prefix_hit_tokens: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
+    running: Count = 0
+    waiting: Count = 0
+    blocks_total: Count = 0
+    blocks_free: Count = 0
+    cached_tokens: Count = 0
+    prefix_hit_tokens: Count = 0
+    prompt_tokens: Count = 0
+    generation_tokens: Count = 0
 
 
 @runtime_checkable

@@ -29,16 +29,19 @@ class Rendered(msgspec.Struct):
 
 
 class ContextClient:
-    def __init__(self, name: str, base_url: str, client: httpx.AsyncClient):
+    def __init__(self, name: str, base_url: str, client: httpx.AsyncClient, *,
+                 auth_headers: dict[str, str] | None = None):
+        """``auth_headers``: what the engine requires (its secret: ``UpstreamEngine.auth_headers``)."""
         self.name = name
         self.base_url = base_url.rstrip("/")  # ends in /v1
         self._client = client
+        self._headers = {"content-type": "application/json", **(auth_headers or {})}
 
     async def _call(self, method: str, path: str, body: Any = None) -> bytes:
         with translate_errors(self.name):
             response = await self._client.request(
                 method, f"{self.base_url}/{path}", content=None if body is None else msgspec.json.encode(body),
-                headers={"content-type": "application/json"})
+                headers=self._headers)
         if response.status_code >= 400:
             raise EngineRejected(f"engine {self.name!r} answered HTTP {response.status_code} to {path}",
                                  status_code=response.status_code, body=response.content)

@@ -21,6 +21,11 @@ Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 PositiveInt = Annotated[int, Meta(ge=1)]
 Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]  # a 64-bit integer, as vLLM takes it
+# A 32-bit integer: room for the gateway's own ranks (about ±2**20, gateway/semantic/graph.py) and
+# any client's, while a huge number cannot ride through the engine's scheduler arithmetic.
+Priority = Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)]
+# Legacy completions without max_tokens generate this many tokens per choice, as OpenAI's and vLLM's do.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 class InvalidRequest(ValueError):
@@ -141,9 +146,13 @@ class SamplingFields(Struct, kw_only=True, omit_defaults=True):
     repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
     ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = None
-    priority: int | None = 0  # as vLLM: larger runs first (Parrot sends it for latency-critical and app-FIFO work)
+    priority: Priority | None = 0  # as vLLM: larger runs first (Parrot sends it for latency-critical and app-FIFO work)
     # Parrot's builtin engine: "throughput" work may wait for a bigger batch (see its latency_max_num_seqs).
     criteria: Criteria | None = None
+    # Parrot's builtin engine, without max_tokens: generate at most this many tokens per choice (fewer
+    # when the context window has less room left). How a gateway's cap bounds a request that names no
+    # max_tokens without the 400 that a max_tokens beyond the room left would get.
+    max_tokens_limit: Annotated[int, Meta(ge=1)] | None = None
     # vLLM extras the builtin engine does not implement: passed on to upstreams, refused by it (not ignored).
     min_tokens: Annotated[int, Meta(ge=0)] | None = None
     allowed_token_ids: list[int] | None = None
@@ -175,6 +184,10 @@ class SamplingFields(Struct, kw_only=True, omit_defaults=True):
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def choices(self) -> int:
+        """How many choices the request generates."""
+        return self.n or 1
 
     def _validate_common(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -268,6 +281,17 @@ class CompletionRequest(SamplingFields, kw_only=True, omit_defaults=True):
 
     def token_limit(self) -> int | None:
         return self.max_tokens
+
+    def choices(self) -> int:
+        """n choices for each prompt."""
+        return (self.n or 1) * prompt_count(self.prompt)
+
+
+def prompt_count(prompt: Any) -> int:
+    """How many prompts a completions ``prompt`` holds (one token-id list is one prompt)."""
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return len(prompt)
+    return 1
 
 
 # ---------------------------------------------------------------- responses

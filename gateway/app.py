@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import secrets
@@ -18,13 +20,21 @@ from litestar.types import Message, Scope
 from engines.aiohttp_transport import AiohttpTransport
 from engines.http11 import Http11Transport
 from engines.upstream import NoCookies
+from gateway.circuit import CircuitBreaker
 from gateway.config import GatewayConfig
 from gateway.errors import EXCEPTION_HANDLERS, APIError
+from gateway.allocator import map_large_blocks_separately
+from gateway.health_checks import health_checks
 from gateway.metrics import GatewayMetrics
+from gateway.quotas import Quotas
+from gateway.openapi import document
 from gateway.registry import EngineRegistry
 from gateway.routes import ROUTES
 from gateway.semantic.service import SemanticService
 from gateway.service import Gateway
+from gateway.supervisor import EngineSupervisor
+
+log = logging.getLogger("parrot.gateway")
 
 
 def _http_client(config: GatewayConfig) -> tuple[httpx.AsyncClient, httpx.AsyncBaseTransport]:
@@ -77,32 +87,59 @@ async def _add_request_id(message: Message, scope: Scope) -> None:
     message["headers"] = [*message.get("headers", ()), (b"x-request-id", request_id)]
 
 
+async def _sweep(semantic: SemanticService, quotas: Quotas, session_idle_ttl_s: float) -> None:
+    """Closes idle sessions and forgets the rate state of idle keys, every TTL / 4 (at least once a minute)."""
+    while True:
+        await asyncio.sleep(min(max(session_idle_ttl_s / 4, 0.05), 60.0))
+        try:
+            await semantic.close_idle_sessions()
+        except Exception:  # an engine failing to free a context must not stop expiry for good
+            log.exception("closing idle sessions failed")
+        quotas.forget_idle()
+
+
 def create_app(config: GatewayConfig | None = None) -> Litestar:
     config = config or GatewayConfig()
+    map_large_blocks_separately()  # so the memory of deleted sessions' values goes back to the OS
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a log line per proxied request costs real time
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         client, transport = _http_client(config)
         async with client:
-            registry = EngineRegistry(heartbeat_timeout_s=config.builtin.heartbeat_timeout_s)
+            registry = EngineRegistry(heartbeat_timeout_s=config.engines.heartbeat_timeout_s,
+                                      registration_secrets=[config.engines.registration_secret],
+                                      new_breaker=functools.partial(CircuitBreaker, config.routing.breaker_failures,
+                                                                    config.routing.breaker_cooldown_s))
             gateway = Gateway(config, registry, GatewayMetrics(), client, transport)
             gateway.add_upstreams()
             app.state.gateway = gateway
-            app.state.semantic = SemanticService(gateway, config.semantic)
+            app.state.quotas = quotas = Quotas(config.quotas)
+            app.state.semantic = SemanticService(gateway, config.semantic, limits_of=quotas.limits)
+            app.state.supervisor = EngineSupervisor(config, registry) if config.builtin_enabled() else None
+            if app.state.supervisor is not None:
+                app.state.supervisor.start()
+            sweeper = asyncio.create_task(_sweep(app.state.semantic, quotas, config.semantic.session_idle_ttl_s))
             try:
                 yield
             finally:
+                sweeper.cancel()
+                if app.state.supervisor is not None:
+                    await app.state.supervisor.aclose()
                 await registry.aclose()
 
+    def upstream_health_checks(app: Litestar) -> contextlib.AbstractAsyncContextManager[None]:
+        """Entered after ``lifespan`` (which made the registry), left before it."""
+        return health_checks(app.state.gateway.registry, config.routing.health_check_interval_s)
+
     api_keys = frozenset(config.auth.api_keys)
-    return Litestar(
+    return document(Litestar(
         route_handlers=ROUTES,
-        lifespan=[lifespan],
+        lifespan=[lifespan, upstream_health_checks],
         exception_handlers=EXCEPTION_HANDLERS,
         guards=[_require_api_key(api_keys)] if api_keys else None,
         before_send=[_add_request_id],
         request_max_body_size=config.limits.max_body_bytes,
         openapi_config=OpenAPIConfig(title="Parrot gateway", version="0.1.0", path="/docs"),
         debug=False,
-    )
+    ), config)

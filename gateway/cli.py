@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
-import subprocess
 import sys
 import time
 
@@ -48,34 +46,6 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     })
 
 
-def start_builtin_engine(config: GatewayConfig) -> subprocess.Popen[bytes]:
-    """The builtin engine runs in its own process: model compute never touches the gateway's loop."""
-    builtin, server = config.builtin, config.server
-    gateway_host = "127.0.0.1" if server.host in ("0.0.0.0", "::") else server.host
-    engine_url = f"http://{builtin.host}:{builtin.port}"
-    command = [sys.executable, "-m", "gateway.cli", "engine", "--host", builtin.host, "--port", str(builtin.port),
-               "--gateway-url", f"http://{gateway_host}:{server.port}", "--advertise-url", engine_url]
-    if builtin.model:
-        command += ["--model", builtin.model]
-    if builtin.served_model_name:
-        command += ["--served-model-name", builtin.served_model_name]
-    command += builtin.extra_args
-    env = dict(os.environ)
-    if config.auth.api_keys:
-        env["PARROT_GATEWAY_API_KEY"] = config.auth.api_keys[0]  # lets the engine register itself
-    return subprocess.Popen(command, env=env, preexec_fn=_die_with_parent)
-
-
-def _die_with_parent() -> None:
-    """Linux: the engine gets SIGTERM when the gateway process dies, however it dies."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     # uvicorn re-raises the signal it caught once it has shut down; as SystemExit, `finally` blocks still run.
     raise SystemExit(128 + signum)
@@ -90,22 +60,16 @@ def serve(argv: list[str]) -> None:
     config = config_from_args(_serve_parser().parse_args(argv))
     logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    engine = start_builtin_engine(config) if config.builtin_enabled() else None
     started = time.monotonic()
     try:
+        # The app's lifespan starts the builtin engine process, restarts it if it dies, stops it at exit.
         print(f"Parrot gateway on http://{config.server.host}:{config.server.port}/v1"
-              f"{' (builtin engine loading…)' if engine else ''}", flush=True)
+              f"{' (builtin engine loading…)' if config.builtin_enabled() else ''}", flush=True)
         uvicorn.run(create_app(config), host=config.server.host, port=config.server.port,
                     log_level=config.server.log_level, access_log=False, loop="uvloop", http=HttpProtocol,
                     timeout_graceful_shutdown=config.server.shutdown_grace_s,
                     proxy_headers=False)  # no proxy in front by default; its per-request middleware costs
     finally:
-        if engine is not None:
-            engine.terminate()
-            try:
-                engine.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                engine.kill()
         logging.getLogger("parrot").info("gateway ran %.0fs", time.monotonic() - started)
 
 

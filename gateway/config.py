@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -27,7 +27,11 @@ class AuthConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class LimitsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_body_bytes: int = 4 * 1024 * 1024
-    max_tokens: int | None = None  # cap on max_tokens / max_completion_tokens; None: the engine decides
+    # Cap on what one choice generates: an explicit max_tokens / max_completion_tokens above it is
+    # refused, and a request without one is held to it. None: the engine decides (the room left).
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    # Cap on n × max_tokens (× prompts, for completions) of one request; None: the same as max_tokens.
+    max_request_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
     connect_timeout_s: float = 5.0
     request_timeout_s: float = 600.0  # time allowed between bytes from an engine
     max_connections: int = 1000
@@ -55,7 +59,20 @@ class BuiltinConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     host: str = "127.0.0.1"
     port: int = 8001
     extra_args: list[str] = []  # passed to `parrot engine` as they are
-    heartbeat_timeout_s: float = 10.0  # an engine silent this long is dropped from routing
+    # The gateway restarts the process when it exits: after restart_backoff_s, doubling per quick
+    # failure up to restart_backoff_max_s (back to the start once it ran that long).
+    restart_backoff_s: float = 1.0
+    restart_backoff_max_s: float = 30.0
+    stop_grace_s: float = 10.0  # on gateway shutdown: SIGTERM, then SIGKILL after this long
+
+
+class EnginesConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Engine processes that register themselves (POST /v1/engines) and heartbeat."""
+
+    # Shared with remote engines (`parrot engine --gateway-secret`); never a client key. None: only
+    # the builtin engine the gateway starts itself (with a secret of its own) may register.
+    registration_secret: str | None = None
+    heartbeat_timeout_s: float = 10.0  # an engine silent this long is removed
 
 
 class SemanticConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -63,9 +80,70 @@ class SemanticConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     input_timeout_s: float = 300.0  # a call waiting this long for an input fails with a timeout error
     var_timeout_s: float = 60.0  # default wait of GET /v1/vars/{id}?wait=true
+    max_var_wait_s: Annotated[float, msgspec.Meta(ge=0)] = 600.0  # the longest wait a reader may ask for (timeout=inf included)
     min_prefix_chars: int = 64  # shorter constant prefixes are left to the engine's block-level prefix cache
     max_prefixes_per_engine: int = 32  # unpinned shared-prefix contexts kept per engine (LRU beyond)
     default_session_max_variables: int = 10_000  # a key's default session forgets its oldest finished ones beyond
+    # A session no request touched and no call ran in for this long is closed as DELETE closes it
+    # (a key's default session too: it is made anew on next use). Checked every ttl / 4 (at most 60 s).
+    session_idle_ttl_s: float = 3600.0
+
+
+class QuotaLimits(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What one API key may use; None: unlimited. Rates are unlimited by default; what stays in the
+    gateway's memory (sessions, variables) is bounded: per key at most sessions × bytes_per_session."""
+
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None  # prompt + completion tokens the engines report
+    concurrent_requests: int | None = None
+    sessions: int | None = 1_000  # open sessions (the key's default session is not counted)
+    variables_per_session: int | None = 10_000
+    bytes_per_variable: int | None = 4 * 1024 * 1024  # UTF-8 bytes of a value; = the default body limit
+    bytes_per_session: int | None = 64 * 1024 * 1024  # all its values together
+
+
+class QuotasConfig(QuotaLimits, kw_only=True, forbid_unknown_fields=True):
+    """Every key's limits, and per-key tables (``[quotas.keys."sk-alice"]``) that override only the
+    fields they set."""
+
+    keys: dict[str, dict[str, int | None]] = {}
+
+    def __post_init__(self) -> None:
+        for key in self.keys:  # an unknown field or a wrong type in a key's table fails the config here
+            try:
+                self.for_key(key)
+            except msgspec.ValidationError as exc:
+                raise ValueError(f"in [quotas.keys] table of a key: {exc}") from exc  # never the key itself
+
+    def for_key(self, key: str | None) -> QuotaLimits:
+        defaults = {name: getattr(self, name) for name in QuotaLimits.__struct_fields__}
+        overrides = self.keys.get(key, {}) if key is not None else {}
+        return msgspec.convert({**defaults, **overrides}, QuotaLimits)
+
+
+class RoutingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """How a request finds its way through a model's engines when some fail: retries, circuit
+    breakers, active health checks and fallback models."""
+
+    # Further attempts after a failed one (unreachable, 408, 429, 5xx, timeout), only while nothing
+    # reached the client; on another healthy engine of the model when there is one.
+    num_retries: int = 2
+    retry_backoff_s: float = 0.25  # wait before retrying the same engine; doubles per retry, with jitter
+    retry_max_backoff_s: float = 8.0  # cap on one wait; an engine asking (retry-after) for longer is not retried
+    retry_deadline_s: float = 60.0  # no retry starts later than this after the request came
+    breaker_failures: int = 5  # consecutive failures that open an engine's circuit (out of rotation)
+    breaker_cooldown_s: float = 10.0  # an open circuit lets one probe request through after this long
+    health_check_interval_s: float = 15.0  # GET /models on every configured upstream this often; 0: off
+    # Models tried in order when every engine of the asked one failed: {"gpt-4o" = ["gpt-4o-mini"]}.
+    fallbacks: dict[str, list[str]] = {}
+
+    def __post_init__(self) -> None:
+        for name in ("num_retries", "retry_backoff_s", "retry_max_backoff_s", "retry_deadline_s",
+                     "breaker_cooldown_s", "health_check_interval_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"routing.{name} must not be negative")
+        if self.breaker_failures < 1:
+            raise ValueError("routing.breaker_failures must be at least 1")
 
 
 class GatewayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -73,7 +151,10 @@ class GatewayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
     builtin: BuiltinConfig = msgspec.field(default_factory=BuiltinConfig)
+    engines: EnginesConfig = msgspec.field(default_factory=EnginesConfig)
     semantic: SemanticConfig = msgspec.field(default_factory=SemanticConfig)
+    quotas: QuotasConfig = msgspec.field(default_factory=QuotasConfig)
+    routing: RoutingConfig = msgspec.field(default_factory=RoutingConfig)
     upstreams: list[UpstreamConfig] = []
 
     def builtin_enabled(self) -> bool:
@@ -88,11 +169,20 @@ ENV_OVERRIDES: dict[str, tuple[str, str]] = {
     "PARROT_API_KEYS": ("auth", "api_keys"),  # comma-separated
     "PARROT_MAX_BODY_BYTES": ("limits", "max_body_bytes"),
     "PARROT_MAX_TOKENS": ("limits", "max_tokens"),
+    "PARROT_MAX_REQUEST_TOKENS": ("limits", "max_request_tokens"),
     "PARROT_REQUEST_TIMEOUT_S": ("limits", "request_timeout_s"),
     "PARROT_CONNECT_TIMEOUT_S": ("limits", "connect_timeout_s"),
+    "PARROT_NUM_RETRIES": ("routing", "num_retries"),
+    "PARROT_HEALTH_CHECK_INTERVAL_S": ("routing", "health_check_interval_s"),
+    "PARROT_SESSION_IDLE_TTL_S": ("semantic", "session_idle_ttl_s"),
+    "PARROT_QUOTA_REQUESTS_PER_MINUTE": ("quotas", "requests_per_minute"),
+    "PARROT_QUOTA_TOKENS_PER_MINUTE": ("quotas", "tokens_per_minute"),
+    "PARROT_QUOTA_CONCURRENT_REQUESTS": ("quotas", "concurrent_requests"),
     "PARROT_BUILTIN": ("builtin", "enabled"),
     "PARROT_BUILTIN_MODEL": ("builtin", "model"),
     "PARROT_BUILTIN_PORT": ("builtin", "port"),
+    "PARROT_ENGINE_SECRET": ("engines", "registration_secret"),  # `parrot engine` reads it too
+    "PARROT_HEARTBEAT_TIMEOUT_S": ("engines", "heartbeat_timeout_s"),
 }
 
 

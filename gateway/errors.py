@@ -22,9 +22,10 @@ class APIError(Exception):
     """An error the gateway answers with directly (not an engine failure)."""
 
     def __init__(self, status_code: int, message: str, *, param: str | None = None, code: str | None = None,
-                 error_type: str | None = None):
+                 error_type: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status_code = status_code
+        self.headers = headers  # e.g. retry-after on a 429
         self.body = ErrorBody(message=message, type=error_type or ERROR_TYPES.get(status_code, "api_error"),
                               param=param, code=code)
 
@@ -35,7 +36,7 @@ def model_not_found(model: str) -> APIError:
 
 
 def handle_api_error(_: Request, exc: APIError) -> Response:
-    return error_response(exc.status_code, exc.body)
+    return error_response(exc.status_code, exc.body, exc.headers)
 
 
 def handle_invalid_request(_: Request, exc: InvalidRequest) -> Response:

@@ -20,6 +20,7 @@ from engines.base import Route
 from engines.disconnect import CancelledOnDisconnect
 from engines.protocol import ChatCompletionRequest, CompletionRequest
 from gateway.errors import APIError, body_error
+from gateway.quotas import Quotas
 from gateway.semantic.routes import owner
 from gateway.service import Gateway, OpenAIRequest
 from gateway.streaming import send_events
@@ -56,8 +57,22 @@ def _start(content_type: bytes, *extra: tuple[bytes, bytes]) -> Message:
 
 async def _serve(route: Route, data: OpenAIRequest, raw: bytes, scope: Scope, receive: Receive, send: Send) -> None:
     state = scope["litestar_app"].state
+    state.gateway.check(data)
+    quotas: Quotas = state.quotas
+    if not quotas.enabled:  # no rate or concurrency quotas: nothing to count on the hot path
+        await _respond(route, data, raw, scope, receive, send)
+        return
+    # Charged when no usage is reported (a stream without include_usage); a semantic request's usage
+    # is reported by its call, which may outlive this response.
+    estimate = 0 if data.parrot is not None else state.gateway.max_request_tokens(data) or 0
+    with quotas.admitted(owner(Request(scope, receive)), estimate):  # a seat until the response has ended
+        await _respond(route, data, raw, scope, receive, send)
+
+
+async def _respond(route: Route, data: OpenAIRequest, raw: bytes, scope: Scope, receive: Receive, send: Send
+                   ) -> None:
+    state = scope["litestar_app"].state
     gateway: Gateway = state.gateway
-    gateway.check(data)
     body = gateway.forwarded_body(raw)
     if data.parrot is not None:
         request = Request(scope, receive)

@@ -5,14 +5,37 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
-from typing import Iterator
+from typing import Callable, Iterable, Iterator
 
+import httpx
 import msgspec
 
 from engines.base import Engine, EngineStats
+from gateway.circuit import CircuitBreaker
 
-# An engine that failed to connect is skipped for this long before it is tried again.
-FAILURE_COOLDOWN_S = 5.0
+
+class EngineConflict(Exception):
+    """A live engine is registered at that URL already: a newcomer may not take its place."""
+
+
+def url_key(url: str) -> tuple[str, str, int, str]:
+    """One spelling per engine address: scheme and host lower-cased, the default port explicit, no
+    trailing ``/`` or ``/v1`` (static upstreams are configured with it, registered engines without)."""
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as exc:
+        raise ValueError(f"{url!r} is not a valid URL: {exc}") from exc
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ValueError(f"{url!r} is not an http:// or https:// URL")
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    return parsed.scheme, parsed.host.lower(), port, parsed.path.rstrip("/").removesuffix("/v1")
+
+
+def _key_or_none(url: str) -> tuple[str, str, int, str] | None:
+    try:
+        return url_key(url)
+    except ValueError:  # a configured upstream's URL, which no registration can match
+        return None
 
 
 class EngineRecord(msgspec.Struct, kw_only=True):
@@ -22,27 +45,90 @@ class EngineRecord(msgspec.Struct, kw_only=True):
     kind: str = "upstream"  # "upstream" or "builtin"
     url: str | None = None
     in_flight: int = 0
-    down_until: float = 0.0
+    breaker: CircuitBreaker = msgspec.field(default_factory=CircuitBreaker)  # fed by requests and health checks
     last_heartbeat: float | None = None  # None: not heartbeating (static upstreams)
     stats: EngineStats = msgspec.field(default_factory=EngineStats)
+    token: str | None = None  # a registered engine's proof of identity for heartbeats (never listed)
 
     def healthy(self, now: float, heartbeat_timeout_s: float) -> bool:
-        if now < self.down_until:
-            return False
-        return self.last_heartbeat is None or now - self.last_heartbeat <= heartbeat_timeout_s
+        return self.breaker.allows() and not self.expired(now, heartbeat_timeout_s)
+
+    def expired(self, now: float, heartbeat_timeout_s: float) -> bool:
+        return self.last_heartbeat is not None and now - self.last_heartbeat > heartbeat_timeout_s
 
 
 class EngineRegistry:
-    def __init__(self, heartbeat_timeout_s: float = 10.0):
+    def __init__(self, heartbeat_timeout_s: float = 10.0, registration_secrets: Iterable[str | None] = (),
+                 new_breaker: Callable[[], CircuitBreaker] = CircuitBreaker):
+        self._new_breaker = new_breaker  # each engine's own, with the configured thresholds
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._records: dict[str, EngineRecord] = {}
         self._tiebreak = itertools.count()
+        self._secrets = [s.encode() for s in registration_secrets if s]  # what registering engines present
+        self._expected: set[str] = set()  # models of engines being started (not registered yet)
+
+    # ------------------------------------------------------------ engine trust
+
+    def allow_secret(self, secret: str) -> None:
+        self._secrets.append(secret.encode())
+
+    def registration_open(self) -> bool:
+        """Whether any engine may register at all (some secret is configured)."""
+        return bool(self._secrets)
+
+    def secret_accepted(self, presented: str) -> bool:
+        presented_bytes = presented.encode()
+        # Every secret compared, in constant time: the answer's timing tells nothing.
+        return sum(secrets.compare_digest(presented_bytes, s) for s in self._secrets) > 0
+
+    def register(self, engine: Engine, models: list[str], *, kind: str, url: str) -> EngineRecord:
+        """A heartbeating engine announcing itself; it gets a token of its own for its heartbeats.
+        Raises EngineConflict when a live engine holds that URL (ValueError for a malformed one)."""
+        key = url_key(url)
+        self.prune()
+        if self._at(key):
+            raise EngineConflict(f"an engine is registered at {url} already")
+        record = self.add(engine, models, kind=kind, url=url, heartbeating=True)
+        record.token = secrets.token_urlsafe(32)
+        return record
+
+    def authenticated(self, engine_id: str, token: str) -> EngineRecord | None:
+        """The record ``token`` proves to be ``engine_id``'s, else None (also once it expired)."""
+        self.prune()
+        record = self._records.get(engine_id)
+        if record is None or record.token is None or not secrets.compare_digest(record.token.encode(),
+                                                                                 token.encode()):
+            return None
+        return record
+
+    def remove_url(self, url: str) -> list[EngineRecord]:
+        """Removes the engines registered at ``url`` (one known to have died)."""
+        gone = self._at(url_key(url))
+        for record in gone:
+            del self._records[record.id]
+        return gone
+
+    def _at(self, key: tuple[str, str, int, str]) -> list[EngineRecord]:
+        return [r for r in self._records.values() if r.url is not None and _key_or_none(r.url) == key]
+
+    def prune(self) -> None:
+        """Forgets engines silent past the heartbeat timeout (a restarted one registers again)."""
+        now = time.monotonic()
+        for record in [r for r in self._records.values() if r.expired(now, self.heartbeat_timeout_s)]:
+            del self._records[record.id]
+
+    def expect(self, models: Iterable[str]) -> None:
+        """Models an engine being started will serve: known (503 rather than 404) before it registers."""
+        self._expected.update(models)
+
+    def expected_models(self) -> list[str]:
+        return sorted(self._expected)
 
     def add(self, engine: Engine, models: list[str], *, kind: str = "upstream", url: str | None = None,
             heartbeating: bool = False) -> EngineRecord:
         record = EngineRecord(
             id=f"eng-{secrets.token_hex(8)}", engine=engine, models=list(models), kind=kind, url=url,
-            last_heartbeat=time.monotonic() if heartbeating else None,
+            last_heartbeat=time.monotonic() if heartbeating else None, breaker=self._new_breaker(),
         )
         self._records[record.id] = record
         return record
@@ -54,13 +140,16 @@ class EngineRegistry:
         return self._records.get(engine_id)
 
     def records(self) -> list[EngineRecord]:
+        self.prune()
         return list(self._records.values())
 
     def models(self) -> list[str]:
+        """The models of the engines registered now."""
+        self.prune()
         return sorted({m for r in self._records.values() for m in r.models})
 
     def serves(self, model: str) -> bool:
-        return any(model in r.models for r in self._records.values())
+        return model in self._expected or any(model in r.models for r in self._records.values())
 
     def heartbeat(self, engine_id: str, stats: EngineStats) -> bool:
         record = self._records.get(engine_id)
@@ -71,19 +160,25 @@ class EngineRegistry:
         return True
 
     def candidates(self, model: str) -> Iterator[EngineRecord]:
-        """Healthy engines for ``model``, least loaded first (round-robin among equals)."""
+        """Healthy engines for ``model`` (live, circuit not open), least loaded first."""
+        return iter(self.routable(model))
+
+    def routable(self, model: str, *, last_resort: bool = False) -> list[EngineRecord]:
+        """Healthy engines for ``model``, least loaded first (round-robin among equals). With
+        ``last_resort``, when every live one's circuit is open: the one open longest, so that a
+        request is tried (as a probe) rather than refused unseen."""
         now = time.monotonic()
         healthy = [r for r in self._records.values()
                    if model in r.models and r.healthy(now, self.heartbeat_timeout_s)]
-        if healthy:
+        if len(healthy) > 1:
             turn = next(self._tiebreak) % len(healthy)
             healthy = healthy[turn:] + healthy[:turn]  # rotate, then a stable sort keeps equals fair
             healthy.sort(key=lambda r: r.in_flight + r.stats.waiting)
-        return iter(healthy)
-
-    @staticmethod
-    def mark_down(record: EngineRecord) -> None:
-        record.down_until = time.monotonic() + FAILURE_COOLDOWN_S
+        if healthy or not last_resort:
+            return healthy
+        live = [r for r in self._records.values()
+                if model in r.models and not r.expired(now, self.heartbeat_timeout_s)]
+        return [min(live, key=lambda r: r.breaker.opened_at or 0.0)] if live else []
 
     async def aclose(self) -> None:
         for record in self._records.values():

@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+from typing import Annotated, Literal
+
 import msgspec
-from litestar import Response, get, post
+from litestar import Request, Response, delete, get, post
+from litestar.connection import ASGIConnection
 from litestar.datastructures import State
+from litestar.handlers import BaseRouteHandler
 from litestar.params import FromPath, JSONBody
 
 from engines.base import EngineStats
@@ -35,19 +39,44 @@ async def get_model(model_id: FromPath[str], state: State) -> ModelCard:
 
 
 class HealthReport(msgspec.Struct):
-    status: str
+    status: str  # "ok": every model served has a healthy engine; else "degraded"
     engines: int
     healthy_engines: int
+    models_without_engine: list[str]  # served (or being started) with no healthy engine now
+    engine_restarts: int  # exits of the engine processes the gateway started (each restarted)
+
+
+def _readiness(state: State) -> HealthReport:
+    registry = state.gateway.registry
+    models = sorted({*registry.models(), *registry.expected_models()})
+    healthy_by_model = {m: {r.id for r in registry.candidates(m)} for m in models}
+    without = [m for m, ids in healthy_by_model.items() if not ids]
+    supervisor = state.supervisor
+    return HealthReport(status="ok" if models and not without else "degraded", engines=len(registry.records()),
+                        healthy_engines=len(set().union(*healthy_by_model.values())),
+                        models_without_engine=without, engine_restarts=supervisor.exits if supervisor else 0)
+
+
+def _readiness_response(state: State) -> Response:
+    report = _readiness(state)
+    return Response(msgspec.json.encode(report), media_type=JSON, status_code=200 if report.status == "ok" else 503)
 
 
 @get("/health", exclude_from_auth=True)
 async def health(state: State) -> Response:
-    gateway: Gateway = state.gateway
-    models = gateway.registry.models()
-    healthy = {r.id for m in models for r in gateway.registry.candidates(m)}
-    report = HealthReport(status="ok" if healthy else "degraded", engines=len(gateway.registry.records()),
-                          healthy_engines=len(healthy))
-    return Response(msgspec.json.encode(report), media_type=JSON, status_code=200 if healthy else 503)
+    """Readiness with its reasons: 503 while some model has no healthy engine (or none is served)."""
+    return _readiness_response(state)
+
+
+@get("/health/ready", exclude_from_auth=True)
+async def health_ready(state: State) -> Response:
+    return _readiness_response(state)
+
+
+@get("/health/live", exclude_from_auth=True)
+async def health_live() -> Response:
+    """The process serves (Kubernetes liveness: whatever the engines do, restarting it helps nothing)."""
+    return Response(b'{"status":"ok"}', media_type=JSON)
 
 
 @get("/metrics", exclude_from_auth=True)
@@ -63,11 +92,49 @@ async def metrics(state: State) -> Response:
 # ---------------------------------------------------------------- engine registration
 
 
+# Engines are not clients: their routes skip the client-key guard and take engine credentials
+# instead (the registration secret, then each engine's own token), JSON only, so that no client,
+# and no cross-site "simple" form POST, can put itself in the path of other users' requests.
+
+
+def _bearer(connection: ASGIConnection) -> str:
+    scheme, _, credential = connection.headers.get("authorization", "").partition(" ")
+    return credential.strip() if scheme.lower() == "bearer" else ""
+
+
+def _require_json(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+    media_type = connection.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != JSON:
+        raise APIError(415, "Engine routes take application/json bodies only.", code="unsupported_media_type")
+
+
+def _require_engine_secret(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
+    registry = connection.app.state.gateway.registry
+    if not registry.registration_open():
+        raise APIError(403, "Engine registration is disabled: set [engines] registration_secret "
+                            "(PARROT_ENGINE_SECRET) on the gateway and the engine.", code="engine_registration_disabled")
+    if not registry.secret_accepted(_bearer(connection)):
+        raise APIError(401, "Engine registration needs the engine secret as 'Authorization: Bearer SECRET'.",
+                       code="invalid_engine_secret")
+    _require_json(connection, handler)
+
+
+def _require_engine_token(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
+    """The token the engine got on registration: an engine speaks only for itself."""
+    registry = connection.app.state.gateway.registry
+    engine_id = connection.path_params["engine_id"]
+    if registry.authenticated(engine_id, _bearer(connection)) is None:
+        if registry.get(engine_id) is None:
+            raise APIError(404, f"engine {engine_id!r} is not registered", code="engine_not_found")
+        raise APIError(401, "Pass the token this engine got on registration as 'Authorization: Bearer TOKEN'.",
+                       code="invalid_engine_token")
+
+
 class EngineRegistration(msgspec.Struct):
-    name: str
-    url: str  # the engine's base URL, without /v1
-    models: list[str]
-    kind: str = "builtin"
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    url: Annotated[str, msgspec.Meta(max_length=2048)]  # the engine's base URL, without /v1
+    models: Annotated[list[Annotated[str, msgspec.Meta(min_length=1, max_length=256)]], msgspec.Meta(min_length=1)]
+    kind: Literal["builtin", "upstream"] = "builtin"
 
 
 class EngineInfo(msgspec.Struct):
@@ -79,32 +146,48 @@ class EngineInfo(msgspec.Struct):
     healthy: bool
     in_flight: int
     stats: EngineStats
+    pid: int | None  # the process, for engines the gateway started itself
+
+
+class EngineRef(msgspec.Struct):
+    id: str
 
 
 class Registered(msgspec.Struct):
     id: str
+    token: str  # the engine's credential for its heartbeats and deregistration
 
 
-@post("/v1/engines", status_code=201)
-async def register_engine(data: JSONBody[EngineRegistration], state: State) -> Registered:
-    return Registered(id=state.gateway.register_remote(data.name, data.url, data.models, data.kind))
+@post("/v1/engines", status_code=201, exclude_from_auth=True, guards=[_require_engine_secret])
+async def register_engine(request: Request, data: JSONBody[EngineRegistration], state: State) -> Registered:
+    record = state.gateway.register_remote(data.name, data.url, data.models, data.kind, _bearer(request))
+    return Registered(id=record.id, token=record.token)
 
 
-@post("/v1/engines/{engine_id:str}/heartbeat", status_code=200)
-async def engine_heartbeat(engine_id: FromPath[str], data: JSONBody[EngineStats], state: State) -> Registered:
-    if not state.gateway.registry.heartbeat(engine_id, data):
-        raise APIError(404, f"engine {engine_id!r} is not registered", code="engine_not_found")
-    return Registered(id=engine_id)
+@post("/v1/engines/{engine_id:str}/heartbeat", status_code=200, exclude_from_auth=True,
+      guards=[_require_engine_token, _require_json])
+async def engine_heartbeat(engine_id: FromPath[str], data: JSONBody[EngineStats], state: State) -> EngineRef:
+    state.gateway.registry.heartbeat(engine_id, data)
+    return EngineRef(id=engine_id)
+
+
+@delete("/v1/engines/{engine_id:str}", status_code=200, exclude_from_auth=True, guards=[_require_engine_token])
+async def deregister_engine(engine_id: FromPath[str], state: State) -> EngineRef:
+    """An engine shutting down leaves at once (its URL is free for its successor)."""
+    state.gateway.registry.remove(engine_id)
+    return EngineRef(id=engine_id)
 
 
 @get("/v1/engines")
 async def list_engines(state: State) -> list[EngineInfo]:
     registry = state.gateway.registry
     healthy = {r.id for m in registry.models() for r in registry.candidates(m)}
+    supervisor = state.supervisor
     return [EngineInfo(id=r.id, name=r.engine.name, kind=r.kind, url=r.url, models=r.models,
-                       healthy=r.id in healthy, in_flight=r.in_flight, stats=r.stats)
+                       healthy=r.id in healthy, in_flight=r.in_flight, stats=r.stats,
+                       pid=supervisor.pid_at(r.url) if supervisor else None)
             for r in registry.records()]
 
 
-ROUTES = [chat_completions, completions, list_models, get_model, health, metrics, register_engine,
-          engine_heartbeat, list_engines, *SEMANTIC_ROUTES]
+ROUTES = [chat_completions, completions, list_models, get_model, health, health_ready, health_live, metrics,
+          register_engine, engine_heartbeat, deregister_engine, list_engines, *SEMANTIC_ROUTES]

@@ -8,13 +8,23 @@ from typing import Any, AsyncIterator
 import httpx
 import msgspec
 
-from engines.base import EngineError, EngineOverloaded, EngineUnavailable, Route
-from engines.protocol import SSE_DONE, ChatCompletionRequest, CompletionRequest, sse_event, usage_decoder
+from engines.base import EngineError, EngineOverloaded, Route
+from engines.protocol import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    SSE_DONE,
+    ChatCompletionRequest,
+    CompletionRequest,
+    prompt_count,
+    sse_event,
+    usage_decoder,
+)
 from engines.upstream import UpstreamEngine
+from gateway.attempts import Attempts
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, engine_error_body, error_payload, model_not_found
 from gateway.metrics import GatewayMetrics
-from gateway.registry import EngineRecord, EngineRegistry
+from gateway.quotas import count_tokens
+from gateway.registry import EngineConflict, EngineRecord, EngineRegistry
 
 OpenAIRequest = ChatCompletionRequest | CompletionRequest
 
@@ -42,14 +52,18 @@ class Gateway:
                                     transport=self.transport)
             self.registry.add(engine, [upstream.model], url=upstream.base_url)
 
-    def register_remote(self, name: str, url: str, models: list[str], kind: str) -> str:
-        """An engine process announcing itself; a restarted engine at the same URL replaces its old record."""
+    def register_remote(self, name: str, url: str, models: list[str], kind: str, secret: str) -> EngineRecord:
+        """An engine process announcing itself with the engine secret, which the gateway then presents
+        to it on every request (a builtin engine started with a secret requires it). A URL a live
+        engine holds is refused: an engine restarted before its old record expired retries."""
         url = url.rstrip("/")
-        for record in self.registry.records():
-            if record.url == url:
-                self.registry.remove(record.id)
-        engine = UpstreamEngine(name, f"{url}/v1", self.client, transport=self.transport)
-        return self.registry.add(engine, models, kind=kind, url=url, heartbeating=True).id
+        engine = UpstreamEngine(name, f"{url}/v1", self.client, api_key=secret, transport=self.transport)
+        try:
+            return self.registry.register(engine, models, kind=kind, url=url)
+        except EngineConflict as exc:
+            raise APIError(409, str(exc), param="url", code="engine_url_taken") from exc
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="url") from exc
 
     # ------------------------------------------------------------ validation
 
@@ -61,8 +75,77 @@ class Gateway:
         if limit is not None and wanted is not None and wanted > limit:
             raise APIError(400, f"max_tokens is {wanted}, above this server's limit of {limit}",
                            param="max_tokens")
+        self._check_request_tokens(request, wanted)
         if not self.registry.serves(request.model):
             raise model_not_found(request.model)
+
+    def _check_request_tokens(self, request: OpenAIRequest, wanted: int | None) -> None:
+        """n × max_tokens (× prompts) within the per-request cap; without max_tokens every choice makes
+        at least one token (and gets its share of the cap: ``default_max_tokens``)."""
+        cap = self.request_token_cap()
+        choices = request.choices()
+        total = choices * (1 if wanted is None else wanted)
+        if cap is None or total <= cap:
+            return
+        if choices > (request.n or 1):
+            param = "prompt"  # several prompts, n choices each
+        elif (request.n or 1) > 1:
+            param = "n"
+        else:
+            param = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) else "max_tokens"
+        asked = f"{choices} choices × {wanted} max_tokens = {total} tokens" if wanted is not None else f"{choices} choices"
+        raise APIError(400, f"this request asks for {asked}, above this server's limit of {cap} tokens per "
+                            "request (n × max_tokens)", param=param)
+
+    # ------------------------------------------------------------ token limits
+
+    def request_token_cap(self) -> int | None:
+        """The most tokens one request may generate, all its choices together; None: no cap."""
+        limits = self.config.limits
+        return limits.max_request_tokens if limits.max_request_tokens is not None else limits.max_tokens
+
+    def default_max_tokens(self, route: Route, choices: int) -> int | None:
+        """What each choice of a request without max_tokens may generate: for legacy completions 16 (as
+        OpenAI and vLLM), for chat the room left in the context window (None here: only the engine
+        knows it); never above the configured max_tokens, nor above the choice's share of the
+        per-request cap."""
+        bounds = [COMPLETIONS_DEFAULT_MAX_TOKENS if route == "completions" else None, self.config.limits.max_tokens]
+        cap = self.request_token_cap()
+        if cap is not None:
+            bounds.append(max(1, cap // choices))
+        return min((bound for bound in bounds if bound is not None), default=None)
+
+    def max_request_tokens(self, request: OpenAIRequest) -> int | None:
+        """The most tokens ``request`` (checked) may generate, as the gateway bounds it; None when only
+        the engine knows (chat without max_tokens under no cap)."""
+        route: Route = "completions" if isinstance(request, CompletionRequest) else "chat/completions"
+        wanted = request.token_limit()
+        per_choice = wanted if wanted is not None else self.default_max_tokens(route, request.choices())
+        return None if per_choice is None else per_choice * request.choices()
+
+    def token_defaults(self, route: Route, body: dict[str, Any], kind: str) -> dict[str, Any]:
+        """The fields that bound a request body without max_tokens on an engine of ``kind`` (none when
+        it has one): ``max_tokens_limit`` for builtin engines, which apply it below the room left in
+        the context window (they refuse a max_tokens beyond that room); ``max_tokens`` itself for
+        others, which may then refuse a prompt leaving less room than that."""
+        if body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None:
+            return {}
+        choices = (body.get("n") or 1) * (prompt_count(body.get("prompt")) if route == "completions" else 1)
+        limit = self.default_max_tokens(route, choices)
+        if limit is None:
+            return {}
+        return {"max_tokens_limit": limit} if kind == "builtin" else {"max_tokens": limit}
+
+    def _for_engine(self, route: Route, record: EngineRecord, body: dict[str, Any],
+                    builtin_hints: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The body as ``record``'s engine gets it: bounded (``token_defaults``), and with the fields
+        only builtin engines understand for them alone."""
+        defaults = self.token_defaults(route, body, record.kind)
+        if defaults:
+            body = body | defaults
+        if builtin_hints and record.kind == "builtin":
+            body = body | builtin_hints
+        return body
 
     @staticmethod
     def forwarded_body(raw: bytes) -> dict[str, Any]:
@@ -75,28 +158,30 @@ class Gateway:
 
     async def create(self, route: Route, model: str, body: dict[str, Any],
                      builtin_hints: dict[str, Any] | None = None) -> bytes:
-        """``builtin_hints``: fields only builtin engines understand (scheduling), added for them alone."""
+        """``builtin_hints``: fields only builtin engines understand (scheduling), added for them alone.
+        Failures are retried (gateway/attempts.py): nothing has reached the client yet."""
         started = time.perf_counter()
-        last_error: EngineError | None = None
-        for record in self.registry.candidates(model):
+        attempts = Attempts(self.registry, self.config.routing, model, body)
+        running = self.metrics.model(model).requests_running
+        while (attempt := await attempts.next()) is not None:
+            record, sent = attempt
+            sent = self._for_engine(route, record, sent, builtin_hints)
             record.in_flight += 1
-            self.metrics.model(model).requests_running.inc()
+            running.inc()
             try:
-                sent = body | builtin_hints if builtin_hints and record.kind == "builtin" else body
                 response = await record.engine.create(route, sent)
-            except EngineUnavailable as exc:
-                self.registry.mark_down(record)
-                last_error = exc
-                continue  # nothing reached the client: another engine may take it
             except EngineError as exc:
+                if attempts.failed(record, exc):
+                    continue
                 self.record_failure(model, exc)
                 raise
             finally:
                 record.in_flight -= 1
-                self.metrics.model(model).requests_running.dec()
+                running.dec()
+            record.breaker.succeeded()
             self.record_success(model, response, started)
             return response
-        raise self._no_engine(model, last_error)
+        raise self._no_engine(model, attempts.last_error)
 
     def record_success(self, model: str, response: bytes, started: float) -> None:
         """Metrics for a finished non-streamed request: latency, tokens, finish reasons."""
@@ -119,6 +204,7 @@ class Gateway:
         if decoded.usage is not None:
             self.metrics.model(model).prompt_tokens.inc(decoded.usage.prompt_tokens)
             self.metrics.model(model).generation_tokens.inc(decoded.usage.completion_tokens)
+            count_tokens(decoded.usage.prompt_tokens + decoded.usage.completion_tokens)  # the key's quota
         return [c.finish_reason for c in decoded.choices if c.finish_reason]
 
     def _count_events(self, model: str, events: bytes) -> list[str]:
@@ -146,23 +232,23 @@ class Gateway:
     async def open_stream(self, route: Route, model: str, body: dict[str, Any]) -> OpenedStream:
         """Start a stream and wait for its first chunk, so failures before it still get an HTTP status."""
         started = time.perf_counter()
-        last_error: EngineError | None = None
-        for record in self.registry.candidates(model):
-            rest = record.engine.stream(route, body).__aiter__()
+        attempts = Attempts(self.registry, self.config.routing, model, body)
+        while (attempt := await attempts.next()) is not None:
+            record, sent = attempt
+            rest = record.engine.stream(route, self._for_engine(route, record, sent)).__aiter__()
             try:
                 first = await anext(rest, None)
-            except EngineUnavailable as exc:
-                self.registry.mark_down(record)
-                last_error = exc
-                continue
             except EngineError as exc:
+                if attempts.failed(record, exc):
+                    continue  # before the first chunk: nothing reached the client
                 self.record_failure(model, exc)
                 raise
+            record.breaker.succeeded()
             self.metrics.model(model).ttft.observe(time.perf_counter() - started)
             record.in_flight += 1
             self.metrics.model(model).requests_running.inc()
             return OpenedStream(record=record, first=first, rest=rest, started=started)
-        raise self._no_engine(model, last_error)
+        raise self._no_engine(model, attempts.last_error)
 
     async def sse_events(self, model: str, opened: OpenedStream) -> AsyncIterator[bytes]:
         """SSE events, ``[DONE]`` last (in the engine's last item when it sent one); an engine failure

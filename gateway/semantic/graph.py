@@ -17,6 +17,7 @@ import time
 from typing import Any, Awaitable, Callable, Iterable, Iterator
 
 from engines.base import EngineError
+from gateway.config import QuotaLimits
 from gateway.errors import APIError, engine_error_body
 
 LATENCY_PRIORITY = 1 << 20  # above any app-FIFO rank
@@ -31,6 +32,17 @@ class VariableFailed(Exception):
     pass
 
 
+def utf8_size(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode())  # isascii is O(1) in CPython
+
+
+def quota_exceeded(message: str, code: str) -> APIError:
+    """A count or size quota: waiting does not help, freeing something does (the openai SDK retries a
+    429 unless told not to)."""
+    return APIError(429, message, code=code, error_type="insufficient_quota",
+                    headers={"x-should-retry": "false"})
+
+
 class Variable:
     def __init__(self, session: "Session", name: str | None, value: str | None = None):
         self.id = new_id("var")
@@ -39,6 +51,7 @@ class Variable:
         self.value = value
         self.error: str | None = None
         self.producer: Call | None = None
+        self.size = 0  # UTF-8 bytes of its value, counted in its session's bytes
         self._ready = asyncio.Event()
         if value is not None:
             self._ready.set()
@@ -48,6 +61,8 @@ class Variable:
         return self._ready.is_set()
 
     def set(self, value: str) -> None:
+        """Binds the value (a 413 or 429 instead when it would take the session over its byte quotas)."""
+        self.size = self.session.reserve_bytes(value)
         self.value = value
         self._ready.set()
 
@@ -157,19 +172,25 @@ class Call:
             self.session.calls.pop(self.id, None)  # finished parts of the graph are freed,
             self.work = self.prepare = None  # with the request and response their closures hold
         for name, output in self.outputs.items():
-            output.set(results[name])
+            try:
+                output.set(results[name])
+            except APIError as exc:  # over its session's byte quotas: the output fails, not the gateway
+                output.fail(f"producer {self.id}: {exc.body.message}")
         return results
 
 
 class Session:
     def __init__(self, owner: str, index: dict[str, Variable], *, default: bool = False,
-                 max_variables: int | None = None):
+                 max_variables: int | None = None, limits: QuotaLimits | None = None):
         self.id = new_id("sess")
         self._index = index  # the store's id -> variable map, for lookups without a session id
         self.owner = owner
         self.default = default
-        # A key's default session lives as long as the gateway: it keeps its newest variables only.
+        # A key's default session is not deleted by its client: it keeps its newest variables only.
         self.max_variables = max_variables
+        self.limits = limits or QuotaLimits()  # its owner's: variables, bytes per variable and in all
+        self.bytes = 0  # of its variables' values
+        self.last_used = time.monotonic()  # the last request that touched it, or the sweep that saw it busy
         self.created = int(time.time())
         self.arrival = next(_arrivals)
         self.variables: dict[str, Variable] = {}
@@ -179,21 +200,55 @@ class Session:
         self.cancelled_tasks: list[asyncio.Task] = []  # its calls' tasks, cancelled when it closed
 
     def new_variable(self, name: str | None = None, value: str | None = None) -> Variable:
+        limit = self.limits.variables_per_session
+        if not self.default and limit is not None and len(self.variables) >= limit:
+            raise quota_exceeded(f"session {self.id} already holds {limit} variables, this API key's quota; "
+                                 "delete sessions you no longer need", "variables_quota_exceeded")
+        size = self.reserve_bytes(value) if value is not None else 0
         variable = Variable(self, name, value)
+        variable.size = size
         self.variables[variable.id] = variable
         self._index[variable.id] = variable
         if self.max_variables is not None and len(self.variables) > self.max_variables:
             self._forget_oldest(len(self.variables) - self.max_variables * 9 // 10)
         return variable
 
-    def _forget_oldest(self, count: int) -> None:
-        """Forgets up to ``count`` of the oldest variables that nothing pending needs any more."""
+    def reserve_bytes(self, value: str) -> int:
+        """Counts ``value`` in this session's bytes and returns its size; a 413 (it can never fit) or a
+        429 (the session is full) instead when over quota. A default session forgets old variables."""
+        size = utf8_size(value)
+        limit = self.limits.bytes_per_variable
+        if limit is not None and size > limit:
+            raise APIError(413, f"a variable's value is {size} bytes, above this API key's quota of {limit}",
+                           code="variable_too_large")
+        limit = self.limits.bytes_per_session
+        if limit is not None and self.bytes + size > limit:
+            if self.default:
+                self._forget_oldest(len(self.variables), until_bytes=limit - size)
+            if self.bytes + size > limit:
+                raise quota_exceeded(f"session {self.id} holds {self.bytes} bytes of values; {size} more would "
+                                     f"exceed this API key's quota of {limit}", "session_bytes_quota_exceeded")
+        self.bytes += size
+        return size
+
+    def _forget_oldest(self, count: int, until_bytes: int | None = None) -> None:
+        """Forgets up to ``count`` of the oldest variables that nothing pending needs any more (stopping
+        once the session holds at most ``until_bytes``)."""
         needed = {id(v) for call in self.calls.values() for v in (*call.inputs.values(), *call.outputs.values())}
-        self._forget([v.id for v in self.variables.values() if v.ready and id(v) not in needed][:count])
+        forgettable = [v for v in self.variables.values() if v.ready and id(v) not in needed][:count]
+        if until_bytes is not None:
+            excess, chosen = self.bytes - until_bytes, []
+            for variable in forgettable:
+                if excess <= 0:
+                    break
+                chosen.append(variable)
+                excess -= variable.size
+            forgettable = chosen
+        self._forget([v.id for v in forgettable])
 
     def _forget(self, var_ids: Iterable[str]) -> None:
         for var_id in var_ids:
-            del self.variables[var_id]
+            self.bytes -= self.variables.pop(var_id).size
             self._index.pop(var_id, None)
 
     def variable(self, var_id: str) -> Variable:
@@ -239,8 +294,10 @@ class Session:
         """Forgets those of the variables still known (a default session may have dropped some already)."""
         self._forget([var_id for var_id in var_ids if var_id in self.variables])
 
-    def close(self) -> None:
-        """Cancel running calls, wake whoever waits on a variable, and forget every variable."""
+    def close(self) -> int:
+        """Cancel running calls, wake whoever waits on a variable, and forget every variable; returns
+        how many. Their values are freed now, not at the next cyclic garbage collection: variables
+        point at their session and producer, so the session must let go of them and they of those."""
         self.closed = True
         self.cancelled_tasks = [call.task for call in self.calls.values() if call.task is not None]
         for task in self.cancelled_tasks:
@@ -249,7 +306,12 @@ class Session:
         for var_id, variable in self.variables.items():
             if not variable.ready:
                 variable.fail(f"session {self.id} was deleted")
+            variable.producer = None
             self._index.pop(var_id, None)
+        freed = len(self.variables)
+        self.variables.clear()
+        self.bytes = 0
+        return freed
 
 
 def _reaches(inputs, targets: set[Variable]) -> bool:
@@ -287,29 +349,55 @@ def _consume_exception(task: asyncio.Task) -> None:
 
 
 class SessionStore:
-    """Sessions by id; each belongs to the API key that created it, and other keys see a 404."""
+    """Sessions by id; each belongs to the API key that created it, and other keys see a 404.
 
-    def __init__(self, default_session_max_variables: int | None = None) -> None:
+    Sessions are kept in the order they were last used (a dict, moved to its end on each use), so
+    finding the idle ones reads only the oldest few, never every session."""
+
+    def __init__(self, default_session_max_variables: int | None = None, *,
+                 limits_of: Callable[[str], QuotaLimits] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._default_max_variables = default_session_max_variables
-        self._sessions: dict[str, Session] = {}
+        self._limits_of = limits_of or (lambda owner: QuotaLimits())
+        self._clock = clock
+        self._sessions: dict[str, Session] = {}  # least recently used first
         self._defaults: dict[str, str] = {}
         self._variables: dict[str, Variable] = {}
+        self._counts: dict[str, int] = {}  # owner -> its sessions, its default session not counted
 
     @staticmethod
     def owner_of(api_key: str | None) -> str:
         return hashlib.sha256((api_key or "").encode()).hexdigest()
 
     def create(self, owner: str, *, default: bool = False) -> Session:
-        session = Session(owner, self._variables, default=default,
-                          max_variables=self._default_max_variables if default else None)
+        limits = self._limits_of(owner)
+        count = self._counts.get(owner, 0)
+        if not default and limits.sessions is not None and count >= limits.sessions:
+            raise quota_exceeded(f"this API key already has {count} open sessions, its quota; delete sessions "
+                                 "you no longer need", "sessions_quota_exceeded")
+        max_variables = None
+        if default:  # forgets its oldest beyond the smaller of the two
+            max_variables = min((m for m in (self._default_max_variables, limits.variables_per_session)
+                                 if m is not None), default=None)
+        session = Session(owner, self._variables, default=default, max_variables=max_variables, limits=limits)
+        session.last_used = self._clock()
         self._sessions[session.id] = session
+        if not default:
+            self._counts[owner] = count + 1
         return session
 
     def get(self, session_id: str, owner: str) -> Session:
         session = self._sessions.get(session_id)
         if session is None or session.owner != owner:
             raise APIError(404, f"session {session_id!r} not found", param="session_id", code="session_not_found")
+        self.touch(session)
         return session
+
+    def touch(self, session: Session) -> None:
+        """A use: the session is the most recently used one (and not idle)."""
+        session.last_used = self._clock()
+        if self._sessions.get(session.id) is session:
+            self._sessions[session.id] = self._sessions.pop(session.id)
 
     def resolve(self, session_id: str | None, owner: str) -> Session:
         """The named session, or the key's default session (created on first use)."""
@@ -318,18 +406,43 @@ class SessionStore:
         default_id = self._defaults.get(owner)
         if default_id is None or default_id not in self._sessions:
             default_id = self._defaults[owner] = self.create(owner, default=True).id
-        return self._sessions[default_id]
+        session = self._sessions[default_id]
+        self.touch(session)
+        return session
 
-    def remove(self, session_id: str, owner: str) -> Session:
+    def remove(self, session_id: str, owner: str) -> tuple[Session, int]:
+        """Closes the session; returns it and how many variables it freed."""
         session = self.get(session_id, owner)
         del self._sessions[session_id]
-        session.close()
-        return session
+        if session.default:
+            self._defaults.pop(owner, None)
+        else:
+            self._counts[owner] -= 1
+            if not self._counts[owner]:
+                del self._counts[owner]
+        return session, session.close()
+
+    def idle(self, idle_s: float) -> list[Session]:
+        """Sessions no request has touched for ``idle_s`` and that run no call, oldest use first. One
+        with calls is busy, not idle: it counts as used now."""
+        now, idle, busy = self._clock(), [], []
+        for session in self._sessions.values():
+            if now - session.last_used < idle_s:
+                break  # the rest were used later
+            (busy if session.calls else idle).append(session)
+        for session in busy:
+            self.touch(session)
+        return idle
+
+    def is_idle(self, session: Session, idle_s: float) -> bool:
+        return (not session.closed and not session.calls and self._clock() - session.last_used >= idle_s
+                and self._sessions.get(session.id) is session)
 
     def find_variable(self, var_id: str, owner: str) -> Variable:
         variable = self._variables.get(var_id)
         if variable is None or variable.session.owner != owner:
             raise APIError(404, f"variable {var_id!r} not found", code="variable_not_found")
+        self.touch(variable.session)
         return variable
 
     def all(self) -> list[Session]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, ContextManager
 
 from litestar import Request, delete, get, post, put
 from litestar.datastructures import State
@@ -27,10 +27,9 @@ from gateway.semantic.service import SemanticService, view
 
 
 def owner(request: Request) -> str:
-    """Sessions belong to the key that made them; without configured keys everyone shares one owner
-    (whatever token a client sends then, as the openai SDK always sends one)."""
-    if not request.app.state.gateway.config.auth.api_keys:
-        return SessionStore.owner_of(None)
+    """Sessions belong to the bearer key that made them, on an open gateway (no configured keys) too:
+    there the key authenticates nobody, but clients that present different keys (the openai SDK always
+    sends one) expect not to see each other's sessions. Requests without a key share one owner."""
     scheme, _, key = request.headers.get("authorization", "").partition(" ")
     return SessionStore.owner_of(key.strip() if scheme.lower() == "bearer" else None)
 
@@ -39,9 +38,15 @@ def semantic(state: State) -> SemanticService:
     return state.semantic
 
 
+def admitted(request: Request) -> ContextManager[object]:
+    """A request that makes work, admitted under its key's rate and concurrency quotas (else a 429)."""
+    return request.app.state.quotas.admitted(owner(request))
+
+
 @post("/v1/sessions", status_code=201)
 async def create_session(request: Request, state: State) -> SessionView:
-    session = semantic(state).sessions.create(owner(request))
+    with admitted(request):
+        session = semantic(state).sessions.create(owner(request))
     return SessionView(id=session.id, created=session.created)
 
 
@@ -59,8 +64,9 @@ async def list_session_vars(session_id: FromPath[str], request: Request, state: 
 
 @post("/v1/vars", status_code=201)
 async def create_var(data: JSONBody[VarCreate], request: Request, state: State) -> VarView:
-    session = semantic(state).sessions.resolve(data.session_id, owner(request))
-    return view(session.new_variable(data.name, data.value))
+    with admitted(request):
+        session = semantic(state).sessions.resolve(data.session_id, owner(request))
+        return view(session.new_variable(data.name, data.value))
 
 
 @get("/v1/vars/{var_id:str}")
@@ -84,16 +90,18 @@ async def set_var(var_id: FromPath[str], data: JSONBody[VarSet], request: Reques
                        code="variable_already_bound")
     if (data.value is None) == (data.error is None):
         raise APIError(400, "give exactly one of 'value' and 'error'", param="value")
-    if data.value is not None:
-        variable.set(data.value)
-    else:
-        variable.fail(data.error)
+    with admitted(request):
+        if data.value is not None:
+            variable.set(data.value)
+        else:
+            variable.fail(data.error)
     return view(variable)
 
 
 @post("/v1/semantic_calls", status_code=202)
 async def submit_semantic_call(data: JSONBody[SemanticCall], request: Request, state: State) -> SemanticCallView:
-    session, call = semantic(state).submit_call(data, owner(request))
+    with admitted(request):
+        session, call = semantic(state).submit_call(data, owner(request))
     return SemanticCallView(id=call.id, session_id=session.id,
                             outputs={n: OutputView(id=v.id, name=v.name) for n, v in call.outputs.items()})
 

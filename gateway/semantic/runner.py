@@ -115,7 +115,8 @@ class Runner:
         self._max_rendered = max_rendered
 
     def contexts(self, record: EngineRecord) -> ContextClient:
-        return ContextClient(record.engine.name, f"{record.url}/v1", self.gateway.client)
+        return ContextClient(record.engine.name, f"{record.url}/v1", self.gateway.client,
+                             auth_headers=getattr(record.engine, "auth_headers", None))
 
     def _forkable(self, route: Route, body: dict[str, Any]) -> bool:
         if (body.get("n") or 1) != 1 or any(body.get(k) for k in _PLAIN_ONLY):
@@ -138,8 +139,9 @@ class Runner:
             rest = plan.rest
             for name, value in values.items():
                 rest = rest.replace(_marker(name), value)
+            bounded = hints | self.gateway.token_defaults(route, body, plan.record.kind)  # as a plain request is
             try:
-                generation, prompt_tokens = await self._fork_and_generate(plan, rest, body, hints, session)
+                generation, prompt_tokens = await self._fork_and_generate(plan, rest, body, bounded, session)
             except EngineError as exc:
                 self.gateway.record_failure(model, exc)
                 raise

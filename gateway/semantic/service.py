@@ -4,14 +4,16 @@ run it when its inputs are ready, and answer now (202) or when its output is bou
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import contextlib
+import math
+from typing import Any, Callable
 
 import msgspec
 from litestar import Response
 
 from engines.base import EngineError, Route
 from engines.protocol import SSE_DONE, CompletionRequest, InvalidRequest, sse_event
-from gateway.config import SemanticConfig
+from gateway.config import QuotaLimits, SemanticConfig
 from gateway.errors import APIError, model_not_found
 from gateway.semantic import template
 from gateway.semantic.graph import Call, Session, SessionStore, Variable, VariableFailed
@@ -43,10 +45,12 @@ def view(variable: Variable) -> VarView:
 
 
 class SemanticService:
-    def __init__(self, gateway: Gateway, config: SemanticConfig):
+    def __init__(self, gateway: Gateway, config: SemanticConfig,
+                 limits_of: Callable[[str], QuotaLimits] | None = None):
+        """``limits_of(owner)``: the quotas of an API key's sessions."""
         self.gateway = gateway
         self.config = config
-        self.sessions = SessionStore(config.default_session_max_variables)
+        self.sessions = SessionStore(config.default_session_max_variables, limits_of=limits_of)
         self.prefixes = PrefixCache(config.max_prefixes_per_engine)
         self.runner = Runner(gateway, self.prefixes, config.min_prefix_chars)
 
@@ -142,14 +146,26 @@ class SemanticService:
     # ------------------------------------------------------------ native API
 
     async def close_session(self, session_id: str, owner: str) -> tuple[int, int]:
-        session = self.sessions.remove(session_id, owner)  # cancels its calls
+        session, variables = self.sessions.remove(session_id, owner)  # cancels its calls
         running = [task for task in session.cancelled_tasks if not task.done()]
         try:
             if running:  # as they unwind they let go of their shared prefixes, which can then be freed here
                 await asyncio.wait(running, timeout=_UNWIND_WAIT_S)
         finally:
             contexts = await self.prefixes.drop_session(session.id, session.prefix_keys)
-        return len(session.variables), contexts
+        return variables, contexts
+
+    async def close_idle_sessions(self) -> int:
+        """Closes, as DELETE does, every session idle for the configured TTL; returns how many."""
+        ttl_s = self.config.session_idle_ttl_s
+        closed = 0
+        for session in self.sessions.idle(ttl_s):
+            # Still idle and not deleted: closing an earlier one awaited, and requests ran meanwhile.
+            if self.sessions.is_idle(session, ttl_s):
+                with contextlib.suppress(APIError):
+                    await self.close_session(session.id, session.owner)
+                    closed += 1
+        return closed
 
     async def read(self, variable: Variable, *, wait: bool, timeout_s: float | None, criteria: str | None
                    ) -> VarView:
@@ -157,13 +173,20 @@ class SemanticService:
             variable.producer.mark_latency()
         if wait:
             try:
-                await variable.get(timeout_s if timeout_s is not None else self.config.var_timeout_s)
+                await variable.get(self._wait_s(timeout_s))
             except VariableFailed:
                 pass  # the view carries the error
         if variable.session.closed:  # deleted while we waited
             raise APIError(404, f"variable {variable.id!r} not found: its session was deleted",
                            code="variable_not_found")
         return view(variable)
+
+    def _wait_s(self, timeout_s: float | None) -> float:
+        """A reader's wait: the one asked for (``var_timeout_s`` if none), at most ``max_var_wait_s``, so
+        that no reader holds a connection and its task forever (``timeout=inf``)."""
+        if timeout_s is not None and math.isnan(timeout_s):
+            raise InvalidRequest("timeout must be a number of seconds", "timeout")
+        return min(self.config.var_timeout_s if timeout_s is None else timeout_s, self.config.max_var_wait_s)
 
     def submit_call(self, spec: SemanticCall, owner: str) -> tuple[Session, Call]:
         if not self.gateway.registry.serves(spec.model):

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks import fake_upstream
-from gateway.config import BuiltinConfig, UpstreamConfig
+from gateway.config import EnginesConfig, UpstreamConfig
 
 MODEL = "fake-model"  # what the gateway fixtures serve
 MESSAGES = [{"role": "user", "content": "hello"}]
@@ -34,21 +34,37 @@ def test_load_spreads_over_upstreams_of_one_model(http, start_gateway, serve, fa
 # ---------------------------------------------------------------- registration and heartbeats
 
 
+SECRET = "engine-secret"  # the gateway's [engines] registration_secret
+
+
 @pytest.fixture
 def engine_gateway(start_gateway) -> str:
     """A gateway with no static upstream, where engines register themselves and go stale quickly."""
-    return start_gateway([], builtin=BuiltinConfig(enabled=False, heartbeat_timeout_s=1.0))
+    return start_gateway([], engines=EnginesConfig(registration_secret=SECRET, heartbeat_timeout_s=1.0))
+
+
+class Registered:
+    """An engine's registration: its id, and the token it heartbeats with."""
+
+    def __init__(self, id: str, token: str):
+        self.id, self.token = id, token
 
 
 def register(http: httpx.Client, gateway: str, engine_url: str, models: list[str], name: str = "engine-a"
-             ) -> str:
-    response = http.post(f"{gateway}/v1/engines", json={"name": name, "url": engine_url, "models": models})
+             ) -> Registered:
+    response = http.post(f"{gateway}/v1/engines", json={"name": name, "url": engine_url, "models": models},
+                         headers={"authorization": f"Bearer {SECRET}"})
     assert response.status_code == 201, response.text
-    return response.json()["id"]
+    return Registered(**response.json())
 
 
-def heartbeat(http: httpx.Client, gateway: str, engine_id: str, **stats) -> httpx.Response:
-    return http.post(f"{gateway}/v1/engines/{engine_id}/heartbeat", json=stats)
+def heartbeat(http: httpx.Client, gateway: str, engine: Registered | str, token: str | None = None,
+              **stats) -> httpx.Response:
+    """A heartbeat for ``engine`` (its id, or its registration), with its own token unless ``token``."""
+    engine_id = engine if isinstance(engine, str) else engine.id
+    token = token if token is not None else getattr(engine, "token", "")
+    return http.post(f"{gateway}/v1/engines/{engine_id}/heartbeat", json=stats,
+                     headers={"authorization": f"Bearer {token}"})
 
 
 def engines(http: httpx.Client, gateway: str) -> dict[str, dict]:
@@ -58,13 +74,13 @@ def engines(http: httpx.Client, gateway: str) -> dict[str, dict]:
 def test_registered_engine_serves_its_models(http, engine_gateway, fake_url):
     assert chat(http, engine_gateway, "remote-model").status_code == 404
 
-    engine_id = register(http, engine_gateway, fake_url, ["remote-model"])
+    engine_id = register(http, engine_gateway, fake_url, ["remote-model"]).id
 
     listed = engines(http, engine_gateway)
     assert list(listed) == [engine_id]
     assert listed[engine_id] | {"stats": None} == {
         "id": engine_id, "name": "engine-a", "kind": "builtin", "url": fake_url, "models": ["remote-model"],
-        "healthy": True, "in_flight": 0, "stats": None}
+        "healthy": True, "in_flight": 0, "stats": None, "pid": None}
     assert http.get(f"{engine_gateway}/v1/models").json()["data"][0]["id"] == "remote-model"
     reply = chat(http, engine_gateway, "remote-model")
     assert reply.status_code == 200
@@ -72,52 +88,53 @@ def test_registered_engine_serves_its_models(http, engine_gateway, fake_url):
 
 
 def test_heartbeat_updates_stats_and_unknown_engine_is_404(http, engine_gateway, fake_url):
-    engine_id = register(http, engine_gateway, fake_url, ["remote-model"])
+    engine = register(http, engine_gateway, fake_url, ["remote-model"])
 
-    response = heartbeat(http, engine_gateway, engine_id, running=2, waiting=1, prefix_hit_tokens=7)
-    unknown = heartbeat(http, engine_gateway, "eng-0000000000000000")
+    response = heartbeat(http, engine_gateway, engine, running=2, waiting=1, prefix_hit_tokens=7)
+    unknown = heartbeat(http, engine_gateway, "eng-0000000000000000", engine.token)
 
     assert response.status_code == 200
-    assert response.json() == {"id": engine_id}
-    stats = engines(http, engine_gateway)[engine_id]["stats"]
+    assert response.json() == {"id": engine.id}
+    stats = engines(http, engine_gateway)[engine.id]["stats"]
     assert (stats["running"], stats["waiting"], stats["prefix_hit_tokens"]) == (2, 1, 7)
     assert unknown.status_code == 404
     assert unknown.json()["error"]["code"] == "engine_not_found"
     assert "parrot:prefix_cache_hit_tokens 7.0" in http.get(f"{engine_gateway}/metrics").text
 
 
-def test_silent_engine_is_dropped_from_routing_until_it_heartbeats(http, engine_gateway, fake_url, wait_until):
-    engine_id = register(http, engine_gateway, fake_url, ["remote-model"])
+def test_silent_engine_is_removed_and_may_register_again(http, engine_gateway, fake_url, wait_until):
+    engine = register(http, engine_gateway, fake_url, ["remote-model"])
 
     # Heartbeats keep it routable well past the timeout...
     for _ in range(12):
-        assert heartbeat(http, engine_gateway, engine_id).status_code == 200
+        assert heartbeat(http, engine_gateway, engine).status_code == 200
         assert chat(http, engine_gateway, "remote-model").status_code == 200
         time.sleep(0.1)
-    # ...and silence takes it out of routing, though it stays listed.
-    wait_until(lambda: not engines(http, engine_gateway)[engine_id]["healthy"], timeout_s=5)
-    dropped = chat(http, engine_gateway, "remote-model")
-    assert dropped.status_code == 503
-    assert dropped.json()["error"]["code"] == "no_healthy_engine"
+    # ...and silence removes it: no longer listed, its model no longer served, its URL free again.
+    wait_until(lambda: engine.id not in engines(http, engine_gateway), timeout_s=5)
+    assert chat(http, engine_gateway, "remote-model").status_code == 404
     assert http.get(f"{engine_gateway}/health").status_code == 503
+    late = heartbeat(http, engine_gateway, engine)
+    assert late.status_code == 404 and late.json()["error"]["code"] == "engine_not_found"
 
-    assert heartbeat(http, engine_gateway, engine_id).status_code == 200
+    again = register(http, engine_gateway, fake_url, ["remote-model"])
+    assert again.id != engine.id
     assert chat(http, engine_gateway, "remote-model").status_code == 200
 
 
-def test_reregistering_the_same_url_replaces_the_old_record(http, engine_gateway, fake_url):
-    old_id = register(http, engine_gateway, fake_url, ["remote-model"])
+def test_deregistered_engine_leaves_at_once(http, engine_gateway, fake_url):
+    engine = register(http, engine_gateway, fake_url, ["remote-model"])
 
-    new_id = register(http, engine_gateway, f"{fake_url}/", ["remote-model", "another"], name="engine-a-again")
+    left = http.delete(f"{engine_gateway}/v1/engines/{engine.id}", headers={"authorization": f"Bearer {engine.token}"})
 
-    assert new_id != old_id
-    assert list(engines(http, engine_gateway)) == [new_id]
-    assert heartbeat(http, engine_gateway, old_id).status_code == 404
-    assert [m["id"] for m in http.get(f"{engine_gateway}/v1/models").json()["data"]] == ["another", "remote-model"]
+    assert left.status_code == 200
+    assert engines(http, engine_gateway) == {}
+    assert register(http, engine_gateway, fake_url, ["remote-model"]).id != engine.id  # its URL is free
 
 
 def test_malformed_registration_is_a_400(http, engine_gateway):
-    response = http.post(f"{engine_gateway}/v1/engines", json={"name": "x", "models": ["m"]})
+    response = http.post(f"{engine_gateway}/v1/engines", json={"name": "x", "models": ["m"]},
+                         headers={"authorization": f"Bearer {SECRET}"})
 
     assert response.status_code == 400
     assert set(response.json()["error"]) == {"message", "type", "param", "code"}

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.config import AuthConfig, LimitsConfig, UpstreamConfig
+from gateway.config import AuthConfig, LimitsConfig, RoutingConfig, UpstreamConfig
 
 MODEL = "fake-model"  # what the gateway fixtures serve
 MESSAGES = [{"role": "user", "content": "hello"}]
@@ -222,14 +222,15 @@ def test_health_and_metrics_stay_open_with_auth(http, authed_url):
 
 
 def test_upstream_down(http, start_gateway, unused_tcp_port):
-    url = start_gateway([UpstreamConfig(model=MODEL, base_url=f"http://127.0.0.1:{unused_tcp_port}/v1")])
+    url = start_gateway([UpstreamConfig(model=MODEL, base_url=f"http://127.0.0.1:{unused_tcp_port}/v1")],
+                        routing=RoutingConfig(breaker_failures=1, retry_backoff_s=0.01))
 
     response = http.post(f"{url}/v1/chat/completions", json=CHAT)
     streamed = http.post(f"{url}/v1/chat/completions", json={**CHAT, "stream": True})
 
     assert_openai_error(response, 502, code="upstream_unavailable")
-    # The first failure takes the only engine out of rotation: nothing healthy is left.
-    assert_openai_error(streamed, 503, code="no_healthy_engine")
+    # Its circuit is open, but a sole engine is still tried rather than the request refused unseen.
+    assert_openai_error(streamed, 502, code="upstream_unavailable")
     assert http.get(f"{url}/health").status_code == 503
 
 
@@ -237,7 +238,8 @@ def test_upstream_down(http, start_gateway, unused_tcp_port):
 def test_upstream_down_is_retried_on_a_healthy_one(http, start_gateway, fake_url, unused_tcp_port, stream):
     url = start_gateway([UpstreamConfig(model=MODEL, base_url=f"http://127.0.0.1:{unused_tcp_port}/v1",
                                         name="dead"),
-                         UpstreamConfig(model=MODEL, base_url=f"{fake_url}/v1", name="alive")])
+                         UpstreamConfig(model=MODEL, base_url=f"{fake_url}/v1", name="alive")],
+                        routing=RoutingConfig(breaker_failures=1, health_check_interval_s=0))
 
     # Round-robin starts each request at the next engine, so one of two requests tries the dead one first.
     for _ in range(2):
@@ -249,12 +251,13 @@ def test_upstream_down_is_retried_on_a_healthy_one(http, start_gateway, fake_url
             assert response.json()["choices"][0]["message"]["content"] == "echo: hello"
 
     engines = {e["name"]: e for e in http.get(f"{url}/v1/engines").json()}
-    assert engines["dead"]["healthy"] is False  # it was tried, failed, and is cooling down
+    assert engines["dead"]["healthy"] is False  # it was tried, failed, and its circuit is open
     assert engines["alive"]["healthy"] is True
 
 
 def test_upstream_slower_than_timeout(http, start_gateway):
-    url = start_gateway(limits=LimitsConfig(request_timeout_s=0.3))
+    # Not retried here: that a timeout is retried is tests/gateway/test_resilience.py's.
+    url = start_gateway(limits=LimitsConfig(request_timeout_s=0.3), routing=RoutingConfig(num_retries=0))
 
     response = http.post(f"{url}/v1/chat/completions", json={**CHAT, "fake": {"delay_s": 1.5}})
     streamed = http.post(f"{url}/v1/chat/completions", json={**CHAT, "stream": True, "fake": {"delay_s": 1.5}})

@@ -91,7 +91,10 @@ def test_health_reports_engines(api):
     response = api.get("/health")
 
     assert response.status_code == 200
-    assert response.json() == {"status": "ok", "engines": 1, "healthy_engines": 1}
+    assert response.json() == {"status": "ok", "engines": 1, "healthy_engines": 1, "models_without_engine": [],
+                               "engine_restarts": 0}
+    assert api.get("/health/ready").json() == response.json()
+    assert (api.get("/health/live").status_code, api.get("/health/live").json()) == (200, {"status": "ok"})
 
 
 def test_model_names_with_slashes(http, start_gateway, fake_url, fake_stats):

@@ -36,7 +36,7 @@ def gw(urls) -> httpx.Client:
 
 
 def engine_stats(urls) -> dict:
-    return httpx.get(f"{urls['engine']}/v1/stats").json()
+    return httpx.get(f"{urls['engine']}/v1/stats", headers={"authorization": f"Bearer {urls['secret']}"}).json()
 
 
 def metric(gw, name: str) -> float:

@@ -47,17 +47,17 @@ def test_served_model_names():
 
 @pytest.mark.timeout(120)
 def test_engine_process_serves_and_registers_with_the_gateway(tiny_model_dir, serve, wait_until):
-    registrations, heartbeats, keys = [], [], set()
+    registrations, heartbeats, secrets, tokens = [], [], set(), set()
 
     @post("/v1/engines", status_code=201)
     async def register(request: Request) -> dict:
-        keys.add(request.headers.get("authorization"))
+        secrets.add(request.headers.get("authorization"))
         registrations.append(await request.json())
-        return {"id": "e1"}
+        return {"id": "e1", "token": "token-of-e1"}
 
     @post("/v1/engines/e1/heartbeat", status_code=200)
     async def heartbeat(request: Request) -> dict:
-        keys.add(request.headers.get("authorization"))
+        tokens.add(request.headers.get("authorization"))
         heartbeats.append(await request.json())
         return {}
 
@@ -70,7 +70,7 @@ def test_engine_process_serves_and_registers_with_the_gateway(tiny_model_dir, se
         "--served-model-name", "tiny", "--max-model-len", "128", "--num-blocks", "16",
         "--gateway-url", gateway_url, "--name", "cli-test", "--heartbeat-interval", "0.1", "--log-level", "warning",
     ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PARROT_GATEWAY_API_KEY": "gateway-secret"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PARROT_ENGINE_SECRET": "engine-secret"}
     process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
     log: list[str] = []
     threading.Thread(target=lambda: log.extend(process.stderr), daemon=True).start()
@@ -81,15 +81,15 @@ def test_engine_process_serves_and_registers_with_the_gateway(tiny_model_dir, se
             {"name": "cli-test", "url": f"http://127.0.0.1:{port}", "models": ["tiny"], "kind": "builtin"}
         ]
         assert heartbeats[-1]["blocks_total"] == 16
-        assert keys == {"Bearer gateway-secret"}
-        reply = httpx.post(
-            f"http://127.0.0.1:{port}/v1/completions",
-            json={"model": "tiny", "prompt": "Hello", "max_tokens": 3, "temperature": 0, "ignore_eos": True},
-            timeout=30,
-        ).json()
+        assert secrets == {"Bearer engine-secret"} and tokens == {"Bearer token-of-e1"}
+        request = {"model": "tiny", "prompt": "Hello", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        assert httpx.post(url, json=request, timeout=30).status_code == 401  # only its gateway may use it
+        reply = httpx.post(url, json=request, headers={"authorization": "Bearer engine-secret"}, timeout=30).json()
         assert reply["usage"]["completion_tokens"] == 3
     finally:
         process.terminate()
         process.wait(timeout=30)
     time.sleep(0.1)  # let the reader thread drain
     assert any("ready in" in line for line in log), "".join(log)
+    assert heartbeats and not any("HTTP Request" in line for line in log)  # no line per heartbeat

@@ -430,13 +430,15 @@ class FakeGateway:
                 self.registrations.append(body)
                 engine_id = f"engine-{len(self.registrations)}"
                 self.known.add(engine_id)
-            return Response({"id": engine_id})
+            return Response({"id": engine_id, "token": f"token-{engine_id}"})
 
         @post("/v1/engines/{engine_id:str}/heartbeat", status_code=200)
         async def heartbeat(engine_id: FromPath[str], request: Request) -> Response:
             with self.lock:
                 if engine_id not in self.known:
                     return Response({"error": "unknown engine"}, status_code=404)
+                if request.headers.get("authorization") != f"Bearer token-{engine_id}":
+                    return Response({"error": "not this engine's token"}, status_code=401)
                 self.heartbeats.append((engine_id, await request.json()))
             return Response({"ok": True})
 

@@ -53,6 +53,30 @@ async def test_max_tokens_defaults_to_the_rest_of_the_window(engine):
     assert reply["model"] == "tiny" and reply["object"] == "chat.completion"
 
 
+async def test_max_tokens_limit_bounds_a_request_without_max_tokens_below_the_room_left(engine):
+    limited = json.loads(await engine.create("chat/completions", chat_body(ignore_eos=True, max_tokens_limit=5)))
+    roomy = json.loads(await engine.create("chat/completions", chat_body(ignore_eos=True, max_tokens_limit=10**6)))
+
+    assert limited["usage"]["completion_tokens"] == 5 and limited["choices"][0]["finish_reason"] == "length"
+    assert roomy["usage"]["prompt_tokens"] + roomy["usage"]["completion_tokens"] == WINDOW  # no 400: the room left
+
+
+async def test_legacy_completions_default_to_16_tokens_as_openai(engine):
+    reply = json.loads(await engine.create("completions", {"model": "tiny", "prompt": "Hello", "ignore_eos": True}))
+    limited = json.loads(await engine.create("completions", {"model": "tiny", "prompt": "Hello", "ignore_eos": True,
+                                                             "max_tokens_limit": 3}))
+
+    assert reply["usage"]["completion_tokens"] == 16 and reply["choices"][0]["finish_reason"] == "length"
+    assert limited["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("priority", [2**31, -(2**31) - 1, 10**30])
+async def test_a_priority_beyond_32_bits_is_refused(engine, priority):
+    with pytest.raises(EngineBadRequest) as caught:
+        await engine.create("chat/completions", chat_body(max_tokens=1, priority=priority))
+    assert caught.value.status_code == 400
+
+
 async def test_greedy_choices_match_and_stream_matches_create(engine):
     body = chat_body(max_tokens=10, ignore_eos=True, n=3)
     created = json.loads(await engine.create("chat/completions", body))
@@ -232,3 +256,15 @@ async def test_context_primitives_fill_fork_generate_free(engine):
     assert (await engine.stats()).blocks_free == baseline
     with pytest.raises(EngineNotFound):
         await engine.free_context(child.context_id)
+
+
+async def test_a_fork_without_max_tokens_stops_at_its_max_tokens_limit(engine):
+    from engines.builtin.serving import ContextFillRequest, ContextGenerateRequest
+
+    parent = await engine.fill_context(ContextFillRequest(text="one two three four five six seven eight"))
+    request = ContextGenerateRequest(temperature=0, ignore_eos=True, fork=True, text=" nine", max_tokens_limit=4)
+    try:
+        generation = await asyncio.wait_for(engine.generate_in_context(parent.context_id, request), 20)
+    finally:
+        await engine.free_context(parent.context_id)
+    assert len(generation.token_ids) == 4 and generation.finish_reason == "length"

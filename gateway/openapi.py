@@ -1,0 +1,243 @@
+"""The served OpenAPI document, corrected where litestar cannot see what the gateway really answers.
+
+Litestar documents each typed handler from its signature: its success body, and a 400 with its own
+validation-error shape. It cannot know that every error leaves through one boundary as OpenAI's
+error object (engines/http_errors.py), which statuses the services behind a handler raise, that
+/metrics is Prometheus text, or anything about the two OpenAI routes, which are plain ASGI handlers
+(gateway/openai_endpoints.py). ``document`` fixes the generated document in one place, after the
+app is built, so handlers stay free of response declarations.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import msgspec
+from litestar import Litestar
+from litestar.handlers import ASGIRouteHandler
+from litestar.openapi.spec import (
+    OpenAPI,
+    OpenAPIHeader,
+    OpenAPIMediaType,
+    OpenAPIResponse,
+    OpenAPIType,
+    Operation,
+    PathItem,
+    Reference,
+    RequestBody,
+    Schema,
+    SecurityScheme,
+)
+
+from engines.protocol import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ErrorResponse,
+)
+from gateway.config import GatewayConfig
+from gateway.routes import HealthReport
+from gateway.semantic.schema import Accepted, ParrotExtension
+
+JSON = "application/json"
+_COMPONENTS = "#/components/schemas/{name}"
+_METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
+
+# What each status means here; every one of them carries the OpenAI error object.
+ERROR_MEANINGS = {
+    400: "invalid_request_error: a body, parameter or value the API does not accept (`param` names it)",
+    401: "authentication_error: no valid credential (`code` invalid_api_key for client keys)",
+    403: "permission_error: the credential may not do this",
+    404: "not_found_error: no such model, session, variable or engine for this caller",
+    409: "conflict_error: the resource is in a state that forbids this (e.g. `session_deleted`, "
+         "`variable_already_bound`)",
+    413: "invalid_request_error: the request body, or a variable's value, is larger than the limit",
+    415: "invalid_request_error: the body is not application/json",
+    424: "dependency_failed: a call this request depends on failed (the message names it)",
+    429: "rate_limit_error or insufficient_quota: a rate quota of this API key (retry after Retry-After "
+         "seconds) or its quota of sessions, variables or bytes (free something first)",
+    502: "upstream_error: the engine failed or could not be reached",
+    503: "service_unavailable: no healthy engine serves the model right now",
+    504: "timeout: the engine, or a variable this request waits on, took too long",
+}
+
+# The errors each client route can answer besides 400/413 (derived from its body and parameters) and
+# 401 (when API keys are configured), from the code that raises them: gateway/errors.py,
+# gateway/semantic/ (graph.py, service.py, routes.py) and the engines' EngineError subclasses.
+_ENGINE_FAILURES = (502, 503, 504)
+_SEMANTIC_RUN = (404, 409, 424, 429, *_ENGINE_FAILURES)
+ROUTE_ERRORS: dict[str, tuple[int, ...]] = {
+    "POST /v1/chat/completions": _SEMANTIC_RUN,
+    "POST /v1/completions": _SEMANTIC_RUN,
+    "GET /v1/models/{model_id}": (404,),
+    "POST /v1/sessions": (429,),
+    "DELETE /v1/sessions/{session_id}": (404,),
+    "GET /v1/sessions/{session_id}/vars": (404,),
+    "POST /v1/vars": (404, 429),
+    "GET /v1/vars/{var_id}": (404, 504),
+    "PUT /v1/vars/{var_id}": (404, 409, 429),
+    "POST /v1/semantic_calls": (404, 409, 429),
+}
+# Engines' own routes (registration, heartbeats, deregistration) take engine credentials, not client keys.
+_ENGINE_ROUTES = "/v1/engines"
+_ENGINE_ROUTE_ERRORS = (401, 403, 404, 409)
+# Routes whose 503 is their own report, not an error object.
+_HEALTH_REPORTS = ("/health", "/health/ready")
+_PROMETHEUS = "/metrics"
+
+EXAMPLE_MODEL = "SmolLM2-135M-Instruct"  # the default model of `parrot serve`
+_SSE_DESCRIPTION = ("With `stream: true`: server-sent events, each `data: ` and a chunk as JSON (an OpenAI "
+                    "`{object}`), the last `data: [DONE]`.")
+
+
+def document(app: Litestar, config: GatewayConfig) -> Litestar:
+    """Corrects ``app``'s OpenAPI document in place (litestar serves that same object) and returns ``app``."""
+    spec = app.openapi_schema
+    schemas = _add_schemas(app)
+    _add_openai_routes(spec, schemas)
+    guarded = _client_key_guarded(app) if config.auth.api_keys else set()
+    spec.components.security_schemes = {
+        "engineCredential": SecurityScheme(type="http", scheme="bearer", description=(
+            "engines only: the registration secret to register, then the token registration answered")),
+        **({"apiKey": SecurityScheme(type="http", scheme="bearer")} if guarded else {}),
+    }
+    for path, method, operation in _operations(spec):
+        key = f"{method.upper()} {path}"
+        if key in guarded:
+            operation.security = [{"apiKey": []}]
+        elif _is_engine_route(path, method):
+            operation.security = [{"engineCredential": []}]
+        _document_errors(operation, _statuses(path, method, operation, key in guarded))
+        if path == _PROMETHEUS:
+            operation.responses["200"].content = {"text/plain": OpenAPIMediaType(schema=Schema(
+                type=OpenAPIType.STRING, description="Prometheus text exposition format 0.0.4"))}
+        if path in _HEALTH_REPORTS:
+            operation.responses["200"].content = {JSON: _ref("HealthReport")}
+            operation.responses["503"] = OpenAPIResponse(description="degraded: the same report",
+                                                         content={JSON: _ref("HealthReport")})
+    return app
+
+
+def _operations(spec: OpenAPI) -> Iterator[tuple[str, str, Operation]]:
+    for path, item in (spec.paths or {}).items():
+        for method in _METHODS:
+            operation = getattr(item, method, None)
+            if operation is not None:
+                yield path, method, operation
+
+
+def _statuses(path: str, method: str, operation: Operation, guarded: bool) -> set[int]:
+    statuses = set(ROUTE_ERRORS.get(f"{method.upper()} {path}", ()))
+    takes_body = operation.request_body is not None
+    if takes_body or any(getattr(p, "param_in", "path") != "path" for p in operation.parameters or ()):
+        statuses.add(400)  # the body or a query parameter fails validation
+    if takes_body:
+        statuses.add(413)
+    if _is_engine_route(path, method):
+        statuses.update(_ENGINE_ROUTE_ERRORS)
+        if takes_body:
+            statuses.add(415)
+    if guarded:
+        statuses.add(401)
+    return statuses
+
+
+def _is_engine_route(path: str, method: str) -> bool:
+    return path.startswith(_ENGINE_ROUTES) and method != "get"
+
+
+def _document_errors(operation: Operation, statuses: set[int]) -> None:
+    """Litestar's own 4xx entries describe a shape the gateway never sends: replaced by the error object."""
+    responses = {code: r for code, r in (operation.responses or {}).items() if code.isdigit() and int(code) < 400}
+    responses.update((str(status), _error_response(status)) for status in sorted(statuses))
+    operation.responses = responses
+
+
+def _error_response(status: int) -> OpenAPIResponse:
+    content = {JSON: OpenAPIMediaType(schema=Reference(ref=_COMPONENTS.format(name="ErrorResponse")))}
+    headers = None
+    if status == 429:
+        headers = {"Retry-After": OpenAPIHeader(schema=Schema(type=OpenAPIType.INTEGER),
+                                                description="rate quotas: seconds until this request would be "
+                                                            "admitted")}
+    return OpenAPIResponse(description=ERROR_MEANINGS[status], content=content, headers=headers)
+
+
+def _client_key_guarded(app: Litestar) -> set[str]:
+    """'METHOD /path' of every operation the client API-key guard applies to (all but exclude_from_auth)."""
+    guarded = set()
+    for route in app.routes:
+        handlers = [route.route_handler] if hasattr(route, "route_handler") else route.route_handlers
+        for handler in handlers:
+            if handler.opt.get("exclude_from_auth"):
+                continue
+            methods = {"POST"} if isinstance(handler, ASGIRouteHandler) else handler.http_methods
+            guarded.update(f"{m} {route.path_format}" for m in methods if m != "OPTIONS")
+    return guarded
+
+
+# ---------------------------------------------------------------- the OpenAI routes
+
+
+def _add_schemas(app: Litestar) -> dict[str, Any]:
+    """Components as msgspec decodes and encodes them: the Structs the OpenAI routes take and answer,
+    the health report (a raw Response to litestar), and those of the typed handlers, whose litestar
+    rendering loses what msgspec enforces (``forbid_unknown_fields`` is ``additionalProperties: false``)."""
+    types = [ChatCompletionRequest, CompletionRequest, ChatCompletion, Completion, Accepted, ErrorResponse,
+             ParrotExtension, HealthReport, *_handler_structs(app)]
+    _, components = msgspec.json.schema_components(types, ref_template=_COMPONENTS)
+    extension = {"anyOf": [{"$ref": _COMPONENTS.format(name="ParrotExtension")}, {"type": "null"}]}
+    for request in ("ChatCompletionRequest", "CompletionRequest"):  # decoded as a dict, then as this
+        components[request]["properties"]["parrot"] = extension
+    app.openapi_schema.components.schemas.update(components)
+    return components
+
+
+def _handler_structs(app: Litestar) -> set[type]:
+    """The msgspec Structs the typed handlers decode (``data``) and answer."""
+    structs = set()
+    for route in app.routes:
+        for handler in getattr(route, "route_handlers", ()):
+            signature = handler.parsed_fn_signature
+            data = signature.parameters.get("data")
+            for field in (signature.return_type, data):
+                for annotation in (field.annotation, *field.inner_types) if field is not None else ():
+                    annotation = getattr(annotation, "annotation", annotation)
+                    if isinstance(annotation, type) and issubclass(annotation, msgspec.Struct):
+                        structs.add(annotation)
+    return structs
+
+
+def _add_openai_routes(spec: OpenAPI, schemas: dict[str, Any]) -> None:
+    routes = {
+        "/v1/chat/completions": ("ChatCompletions", "Creates a chat completion (OpenAI API)",
+                                 "ChatCompletionRequest", "ChatCompletion", "chat.completion.chunk",
+                                 {"messages": [{"role": "user", "content": "What is the capital of France?"}]}),
+        "/v1/completions": ("Completions", "Creates a text completion (OpenAI API)",
+                            "CompletionRequest", "Completion", "text_completion",
+                            {"prompt": "The capital of France is"}),
+    }
+    for path, (operation_id, summary, request, response, chunk, example) in routes.items():
+        assert request in schemas and response in schemas
+        example = {"model": EXAMPLE_MODEL, **example, "max_tokens": 16}
+        operation = Operation(
+            operation_id=operation_id, summary=summary,
+            description="OpenAI's request and response. With a `parrot` object the request takes part in a "
+                        "session's DAG of semantic variables; with `parrot.wait: false` it answers 202 at once.",
+            request_body=RequestBody(required=True, content={JSON: OpenAPIMediaType(
+                schema=Reference(ref=_COMPONENTS.format(name=request)), example=example)}),
+            responses={
+                "200": OpenAPIResponse(description="the completion, or its stream", content={
+                    JSON: _ref(response),
+                    "text/event-stream": OpenAPIMediaType(schema=Schema(
+                        type=OpenAPIType.STRING, description=_SSE_DESCRIPTION.format(object=chunk)))}),
+                "202": OpenAPIResponse(description="`parrot.wait: false`: the call is queued; its output "
+                                                   "variable's id", content={JSON: _ref("Accepted")}),
+            },
+        )
+        spec.paths[path] = PathItem(post=operation)
+
+
+def _ref(name: str) -> OpenAPIMediaType:
+    return OpenAPIMediaType(schema=Reference(ref=_COMPONENTS.format(name=name)))

@@ -1,0 +1,122 @@
+"""The gateway supervises the builtin engine process it starts: a real `parrot serve` (tiny model) whose
+engine is killed with SIGKILL mid-stream, then reaped, taken out of routing and restarted."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+
+from tests.conftest import free_port
+
+CLIENT_KEY = "client-key-never-in-an-engine"
+
+
+def bearer(credential: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {credential}"}
+
+
+def environment_of(pid: int) -> dict[str, str]:
+    entries = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+    return dict(entry.split("=", 1) for entry in entries if "=" in entry)
+
+
+def gone(pid: int) -> bool:
+    """Whether the process is gone, reaped too (a zombie still has its /proc entry)."""
+    return not Path(f"/proc/{pid}").exists()
+
+
+class ParrotServe:
+    def __init__(self, model_dir: Path):
+        self.port, self.engine_port = free_port(), free_port()
+        self.model = model_dir.name  # the engine serves a checkpoint directory under its name
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PARROT_API_KEYS": CLIENT_KEY,
+               "PARROT_ENGINE_NUM_BLOCKS": "160", "PARROT_ENGINE_HEARTBEAT_INTERVAL": "0.5"}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "serve", "--port", str(self.port),
+             "--engine-port", str(self.engine_port), "--model", str(model_dir), "--log-level", "warning"], env=env)
+        self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", headers=bearer(CLIENT_KEY), timeout=30)
+
+    def status(self, path: str) -> int | None:
+        try:
+            return self.http.get(path).status_code
+        except httpx.TransportError:
+            return None
+
+    def engine_pid(self) -> int | None:
+        engines = self.http.get("/v1/engines").json()
+        return engines[0]["pid"] if engines else None
+
+    def close(self) -> None:
+        self.http.close()
+        if self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=30)
+
+
+@pytest.fixture
+def parrot_serve(tiny_model_dir) -> Iterator[ParrotServe]:
+    served = ParrotServe(tiny_model_dir)
+    try:
+        yield served
+    finally:
+        served.close()
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_engine_is_reaped_taken_out_and_restarted(parrot_serve, wait_until):
+    gateway = parrot_serve
+    wait_until(lambda: gateway.status("/health/live") == 200, timeout_s=60)
+    loading = gateway.http.get("/health/ready")
+    assert loading.status_code == 503  # the engine is still loading: its model has no engine yet
+    assert loading.json()["models_without_engine"] == [gateway.model]
+    wait_until(lambda: gateway.status("/health/ready") == 200, timeout_s=90)
+    pid = gateway.engine_pid()
+    assert pid
+
+    # The engine process holds its own secret, never a client key; its port refuses anyone without it.
+    environment = environment_of(pid)
+    assert CLIENT_KEY not in "\n".join(environment.values())
+    secret = environment["PARROT_ENGINE_SECRET"]
+    assert secret not in gateway.http.get("/v1/engines").text
+    engine_url = f"http://127.0.0.1:{gateway.engine_port}/v1/models"
+    assert httpx.get(engine_url).status_code == 401
+    assert httpx.get(engine_url, headers=bearer(CLIENT_KEY)).status_code == 401
+    assert httpx.get(engine_url, headers=bearer(secret)).status_code == 200
+
+    # SIGKILL mid-stream: the client's stream ends with an error event, then [DONE].
+    request = {"model": gateway.model, "prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True}
+    with gateway.http.stream("POST", "/v1/completions", json={**request, "stream": True}) as stream:
+        events = (line for line in stream.iter_lines() if line.startswith("data: "))
+        assert '"text"' in next(events)
+        os.kill(pid, signal.SIGKILL)
+        rest = list(events)
+    assert rest[-1] == "data: [DONE]"
+    assert '"error"' in rest[-2]
+
+    # At once: the engine is out of routing and /health says why; requests get a clean 503.
+    wait_until(lambda: gateway.status("/health") == 503, timeout_s=5)
+    report = gateway.http.get("/health").json()
+    assert (report["status"], report["models_without_engine"], report["engine_restarts"]) == (
+        "degraded", [gateway.model], 1)
+    refused = gateway.http.post("/v1/completions", json={**request, "max_tokens": 2})
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "no_healthy_engine"
+    assert gateway.status("/health/live") == 200
+    wait_until(lambda: gone(pid), timeout_s=5)  # reaped, not a zombie
+
+    # Restarted, registered again and answering within 30 s.
+    wait_until(lambda: gateway.status("/health/ready") == 200, timeout_s=30)
+    new_pid = gateway.engine_pid()
+    assert new_pid and new_pid != pid
+    assert gateway.http.post("/v1/completions", json={**request, "max_tokens": 2}).status_code == 200
+
+    # Stopping the gateway stops its engine.
+    gateway.process.send_signal(signal.SIGTERM)
+    gateway.process.wait(timeout=30)
+    wait_until(lambda: gone(new_pid), timeout_s=15)
