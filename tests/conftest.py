@@ -66,6 +66,16 @@ def asgi_app(handler: Callable[[Any, Any, Any], Any]) -> Callable[[Any, Any, Any
     return app
 
 
+async def read_asgi_body(receive: Callable[[], Any]) -> bytes:
+    """The whole request body an ASGI handler receives."""
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            return body
+
+
 def _serve_fixture(scope: str):
     @pytest.fixture(scope=scope)
     def fixture() -> Iterator[Callable[[Any], str]]:

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from engines.http11 import Http11Transport
-from tests.conftest import asgi_app
+from tests.conftest import asgi_app, read_asgi_body
 from tests.engines.conftest import CHAT
 
 def run(test, limits: httpx.Limits = httpx.Limits(), fallback=None, **client_options):
@@ -137,12 +137,7 @@ def test_https_goes_to_the_fallback():
 
 def test_a_request_built_by_hand_gets_its_content_length(serve):
     async def handler(scope, receive, send):
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await read_asgi_body(receive)
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
         await send({"type": "http.response.body", "body": body[::-1]})
 

@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks import fake_upstream
 from gateway.config import GatewayConfig, LimitsConfig, RoutingConfig, UpstreamConfig, load_config
-from tests.conftest import asgi_app, free_port
+from tests.conftest import asgi_app, free_port, read_asgi_body
 
 MODEL = "fake-model"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}]}
@@ -39,12 +39,7 @@ class Scripted:
         if scope["method"] == "GET":
             status = 200 if self.healthy else 503
             return await self._send(send, status, {"object": "list", "data": []})
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await read_asgi_body(receive)
         request = msgspec.json.decode(body)
         self.requests += 1
         step = self.steps.pop(0) if self.steps else 200
