@@ -53,7 +53,10 @@ def engine_error_body(exc: Exception) -> ErrorBody:
 def handle_engine_error(_: Request, exc: EngineError) -> Response:
     if exc.status_code >= 500:
         log.warning("engine error: %s", exc)
-    return error_response(exc.status_code, engine_error_body(exc))
+    # An engine's own pause request (a 429's retry-after) reaches the client, whose SDK honours it.
+    retry_after = getattr(exc, "retry_after_s", None)
+    headers = {"retry-after": str(max(1, round(retry_after)))} if retry_after is not None else None
+    return error_response(exc.status_code, engine_error_body(exc), headers)
 
 
 def _validation_problem(error: dict) -> tuple[str | None, str]:

@@ -106,6 +106,7 @@ def test_429_asking_longer_than_the_cap_is_passed_through(http, start_gateway, u
 
     assert response.status_code == 429
     assert response.json()["error"]["code"] == "scripted"
+    assert response.headers["retry-after"] == "30"  # the engine's own pause request reaches the client
     assert scripted.requests == 1
 
 
