@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from engines.aiohttp_transport import AiohttpTransport
+from http_plumbing.aiohttp_transport import AiohttpTransport
 
 
 def free_port() -> int:

@@ -17,9 +17,9 @@ from litestar.handlers import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
 from litestar.types import Message, Scope
 
-from engines.aiohttp_transport import AiohttpTransport
-from engines.http11 import Http11Transport
-from engines.upstream import NoCookies
+from http_plumbing.aiohttp_transport import AiohttpTransport
+from http_plumbing.http11 import Http11Transport
+from engines.seam.upstream import NoCookies
 from gateway.circuit import CircuitBreaker
 from gateway.config import GatewayConfig
 from gateway.errors import EXCEPTION_HANDLERS, APIError

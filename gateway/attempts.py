@@ -14,7 +14,7 @@ import random
 import time
 from typing import Any
 
-from engines.base import EngineError
+from engines.seam import EngineError
 from gateway.config import RoutingConfig
 from gateway.registry import EngineRecord, EngineRegistry
 

@@ -55,7 +55,7 @@ def serve(argv: list[str]) -> None:
     import uvicorn
 
     from gateway.app import create_app
-    from engines.http_protocol import HttpProtocol
+    from http_plumbing.http_protocol import HttpProtocol
 
     config = config_from_args(_serve_parser().parse_args(argv))
     logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(name)s %(message)s")

@@ -1,11 +1,11 @@
-"""The gateway's own errors on top of the shared OpenAI error boundary (engines/http_errors.py)."""
+"""The gateway's own errors on top of the shared OpenAI error boundary (http_plumbing/http_errors.py)."""
 
 from __future__ import annotations
 
 import msgspec
 from litestar import Request, Response
 
-from engines.http_errors import (
+from http_plumbing.http_errors import (
     ERROR_TYPES,
     MISSING_FIELD,
     OPENAI_EXCEPTION_HANDLERS,
@@ -13,7 +13,7 @@ from engines.http_errors import (
     error_payload,
     error_response,
 )
-from engines.protocol import ErrorBody, InvalidRequest
+from wire.openai import ErrorBody, InvalidRequest
 
 __all__ = ["APIError", "EXCEPTION_HANDLERS", "body_error", "engine_error_body", "error_payload", "model_not_found"]
 

@@ -16,9 +16,9 @@ from litestar.exceptions import MethodNotAllowedException
 from litestar.handlers import ASGIRouteHandler
 from litestar.types import Message, Receive, Scope, Send
 
-from engines.base import Route
-from engines.disconnect import CancelledOnDisconnect
-from engines.protocol import ChatCompletionRequest, CompletionRequest
+from engines.seam import Route
+from http_plumbing.disconnect import CancelledOnDisconnect
+from wire.openai import ChatCompletionRequest, CompletionRequest
 from gateway.errors import APIError, body_error
 from gateway.quotas import Quotas
 from gateway.semantic.routes import owner

@@ -2,7 +2,7 @@
 
 Litestar documents each typed handler from its signature: its success body, and a 400 with its own
 validation-error shape. It cannot know that every error leaves through one boundary as OpenAI's
-error object (engines/http_errors.py), which statuses the services behind a handler raise, that
+error object (http_plumbing/http_errors.py), which statuses the services behind a handler raise, that
 /metrics is Prometheus text, or anything about the two OpenAI routes, which are plain ASGI handlers
 (gateway/openai_endpoints.py). ``document`` fixes the generated document in one place, after the
 app is built, so handlers stay free of response declarations.
@@ -29,7 +29,7 @@ from litestar.openapi.spec import (
     SecurityScheme,
 )
 
-from engines.protocol import (
+from wire.openai import (
     ChatCompletion,
     ChatCompletionRequest,
     Completion,

@@ -10,7 +10,7 @@ from typing import Callable, Iterable, Iterator
 import httpx
 import msgspec
 
-from engines.base import Engine, EngineStats
+from engines.seam import Engine, EngineStats
 from gateway.circuit import CircuitBreaker
 
 

@@ -12,8 +12,8 @@ from litestar.datastructures import State
 from litestar.handlers import BaseRouteHandler
 from litestar.params import FromPath, JSONBody
 
-from engines.base import EngineStats
-from engines.protocol import ModelCard, ModelList
+from engines.seam import EngineStats
+from wire.openai import ModelCard, ModelList
 from gateway.errors import APIError, model_not_found
 from gateway.openai_endpoints import chat_completions, completions
 from gateway.semantic.routes import SEMANTIC_ROUTES

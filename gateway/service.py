@@ -8,8 +8,8 @@ from typing import Any, AsyncIterator
 import httpx
 import msgspec
 
-from engines.base import EngineError, EngineOverloaded, Route
-from engines.protocol import (
+from engines.seam import EngineError, EngineOverloaded, Route
+from wire.openai import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     SSE_DONE,
     ChatCompletionRequest,
@@ -18,7 +18,7 @@ from engines.protocol import (
     sse_event,
     usage_decoder,
 )
-from engines.upstream import UpstreamEngine
+from engines.seam.upstream import UpstreamEngine
 from gateway.attempts import Attempts
 from gateway.config import GatewayConfig
 from gateway.errors import APIError, engine_error_body, error_payload, model_not_found

@@ -15,8 +15,8 @@ from litestar.response import Stream
 from litestar.response.streaming import ASGIStreamingResponse
 from litestar.types import Receive, Send
 
-from engines.disconnect import CancelledOnDisconnect
-from engines.protocol import SSE_DONE
+from http_plumbing.disconnect import CancelledOnDisconnect
+from wire.openai import SSE_DONE
 
 
 async def send_events(events: AsyncIterator[bytes], send: Send, receive: Receive) -> None:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 import pytest
 import uvicorn
 
-from engines.http_protocol import HttpProtocol
+from http_plumbing.http_protocol import HttpProtocol
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

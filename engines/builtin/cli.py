@@ -75,7 +75,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
-    from engines.http_protocol import HttpProtocol
+    from http_plumbing.http_protocol import HttpProtocol
 
     from engines.builtin.server import GatewayRegistration, create_app
 

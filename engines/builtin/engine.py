@@ -19,7 +19,7 @@ from typing import AsyncIterator, Callable
 
 import torch
 
-from engines.base import EngineStats
+from engines.seam import EngineStats
 from engines.builtin.block_manager import BlockManager
 from engines.builtin.config import EngineConfig
 from engines.builtin.grammar import GrammarCompiler

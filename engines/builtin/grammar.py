@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import torch
 
-from engines.protocol import (
+from wire.openai import (
     ChatMessage,
     FunctionCall,
     InvalidRequest,

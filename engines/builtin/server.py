@@ -23,9 +23,9 @@ from litestar.handlers import BaseRouteHandler
 from litestar.params import FromPath, JSONBody
 from litestar.response import Stream
 
-from engines.base import EngineError, EngineStats
-from engines.disconnect import CancelledOnDisconnect
-from engines.http_errors import OPENAI_EXCEPTION_HANDLERS, engine_error_body, error_payload
+from engines.seam import EngineError, EngineStats
+from http_plumbing.disconnect import CancelledOnDisconnect
+from http_plumbing.http_errors import OPENAI_EXCEPTION_HANDLERS, engine_error_body, error_payload
 from engines.builtin.config import DEFAULT_SERVED_MODEL_NAME, EngineConfig, served_model_name
 from engines.builtin.serving import (
     BuiltinEngine,
@@ -35,7 +35,7 @@ from engines.builtin.serving import (
     LLMCore,
 )
 from engines.builtin.types import FillResult
-from engines.protocol import (
+from wire.openai import (
     SSE_DONE,
     sse_event,
     ChatCompletionRequest,

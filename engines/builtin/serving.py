@@ -18,12 +18,12 @@ from typing import Annotated, Any, AsyncIterator, Iterable, Protocol, Sequence, 
 import msgspec
 from msgspec import Meta
 
-from engines.base import EngineError, EngineStats, Route
+from engines.seam import EngineError, EngineStats, Route
 from engines.builtin.grammar import ToolCallReader, output_grammar, read_tool_calls, tool_messages
 from engines.builtin.tokenizer import IncrementalDetokenizer, TokenTexts, chat_prompt_text, chat_prompt_tokens, text_tokens
 from engines.builtin.types import FillResult, SamplingParams, TokenEvent, TokenScore
-from engines.protocol import sse_event
-from engines.protocol import (
+from wire.openai import sse_event
+from wire.openai import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChatChoice,
     ChatChunkChoice,
@@ -284,7 +284,7 @@ class PromptJob:
 
 
 class BuiltinEngine:
-    """The builtin engine as an ``engines.base.Engine``, serving in-process over an ``LLMEngine``."""
+    """The builtin engine as an ``engines.seam.Engine``, serving in-process over an ``LLMEngine``."""
 
     def __init__(self, llm: LLMCore, *, name: str = "builtin-0", model_name: str | None = None):
         self.llm = llm

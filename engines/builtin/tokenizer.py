@@ -13,7 +13,7 @@ import json
 from functools import lru_cache
 from typing import Any, Sequence
 
-from engines.protocol import ChatMessage, Tool
+from wire.openai import ChatMessage, Tool
 
 # How many earlier tokens each incremental decode re-reads, so that merges and leading-space
 # rules see their left context (vLLM uses the same figure).

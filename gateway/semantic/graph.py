@@ -16,7 +16,7 @@ import secrets
 import time
 from typing import Any, Awaitable, Callable, Iterable, Iterator
 
-from engines.base import EngineError
+from engines.seam import EngineError
 from gateway.config import QuotaLimits
 from gateway.errors import APIError, engine_error_body
 

@@ -16,7 +16,7 @@ import hashlib
 import time
 import uuid
 
-from engines.contexts import ContextClient
+from engines.seam.builtin_client import ContextClient
 
 
 class PrefixEntry:

@@ -8,7 +8,7 @@ from litestar import Request, delete, get, post, put
 from litestar.datastructures import State
 from litestar.params import FromPath, FromQuery, JSONBody, QueryParameter
 
-from engines.disconnect import CancelledOnDisconnect
+from http_plumbing.disconnect import CancelledOnDisconnect
 from gateway.semantic.graph import SessionStore
 from gateway.semantic.schema import (
     Criteria,

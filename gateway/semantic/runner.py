@@ -15,9 +15,9 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from engines.base import EngineError, Route
-from engines.contexts import ContextClient, Generation
-from engines.protocol import (
+from engines.seam import EngineError, Route
+from engines.seam.builtin_client import ContextClient, Generation
+from wire.openai import (
     ChatChoice,
     ChatCompletion,
     Completion,

@@ -6,7 +6,7 @@ from typing import Any, Union
 
 import msgspec
 
-from engines.protocol import Criteria
+from wire.openai import Criteria
 
 
 class VarRef(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):

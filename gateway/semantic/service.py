@@ -11,8 +11,8 @@ from typing import Any, Callable
 import msgspec
 from litestar import Response
 
-from engines.base import EngineError, Route
-from engines.protocol import SSE_DONE, CompletionRequest, InvalidRequest, sse_event
+from engines.seam import EngineError, Route
+from wire.openai import SSE_DONE, CompletionRequest, InvalidRequest, sse_event
 from gateway.config import QuotaLimits, SemanticConfig
 from gateway.errors import APIError, model_not_found
 from gateway.semantic import template

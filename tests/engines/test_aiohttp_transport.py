@@ -8,7 +8,7 @@ import asyncio
 import httpx
 from aiohttp.client_proto import ResponseHandler
 
-from engines.aiohttp_transport import AiohttpTransport
+from http_plumbing.aiohttp_transport import AiohttpTransport
 from tests.engines.conftest import CHAT
 
 def run(test, **client_options):

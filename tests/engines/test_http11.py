@@ -10,7 +10,7 @@ import struct
 import httpx
 import pytest
 
-from engines.http11 import Http11Transport
+from http_plumbing.http11 import Http11Transport
 from tests.conftest import asgi_app, read_asgi_body
 from tests.engines.conftest import CHAT
 

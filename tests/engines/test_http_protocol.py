@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from engines.http_protocol import _HeldHeadersTransport
+from http_plumbing.http_protocol import _HeldHeadersTransport
 from tests.conftest import asgi_app, serve_in_thread
 
 

@@ -1,5 +1,5 @@
 """What both client transports under the shared httpx client do alike, against real loopback servers:
-httpx's API and exception types (engines/upstream.py translates only those)."""
+httpx's API and exception types (engines/seam/upstream.py translates only those)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 
 from aiohttp.client_proto import ResponseHandler
 
-from engines import http11
-from engines.aiohttp_transport import AiohttpTransport
-from engines.http11 import Http11Transport
+from http_plumbing import http11
+from http_plumbing.aiohttp_transport import AiohttpTransport
+from http_plumbing.http11 import Http11Transport
 from tests.conftest import asgi_app, free_port
 from tests.engines.conftest import CHAT
 

@@ -7,10 +7,10 @@ import time
 
 import httpx
 
-from engines import upstream
-from engines.aiohttp_transport import AiohttpTransport
-from engines.protocol import SSE_DONE
-from engines.upstream import UpstreamEngine
+from engines.seam import upstream
+from http_plumbing.aiohttp_transport import AiohttpTransport
+from wire.openai import SSE_DONE
+from engines.seam.upstream import UpstreamEngine
 from tests.conftest import asgi_app
 
 FIRST, LAST = b'data: {"n":1}\n\n', b'data: {"n":2}\n\n'

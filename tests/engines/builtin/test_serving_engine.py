@@ -8,12 +8,12 @@ import json
 
 import pytest
 
-from engines.base import Engine
+from engines.seam import Engine
 from engines.builtin.config import EngineConfig
 from engines.builtin.serving import BuiltinEngine, EngineBadRequest
 from engines.builtin.tokenizer import chat_prompt_tokens
 from engines.builtin.types import SamplingParams
-from engines.protocol import ChatMessage
+from wire.openai import ChatMessage
 
 WINDOW = 96
 pytestmark = pytest.mark.timeout(60)

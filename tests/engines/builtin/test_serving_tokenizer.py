@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from engines.builtin.tokenizer import IncrementalDetokenizer, chat_prompt_tokens, text_tokens
-from engines.protocol import ChatMessage, FunctionCall, FunctionDefinition, Tool, ToolCall
+from wire.openai import ChatMessage, FunctionCall, FunctionDefinition, Tool, ToolCall
 
 MULTILINGUAL = "Déjà vu: 日本語のテキスト 🦜🦜 and naïve café — done."
 

@@ -20,7 +20,7 @@ from engines.builtin.grammar import (
     tool_messages,
 )
 from engines.builtin.types import SamplingParams
-from engines.protocol import (
+from wire.openai import (
     ChatMessage,
     FunctionCall,
     FunctionDefinition,

@@ -11,9 +11,9 @@ from typing import Any
 import httpx
 import msgspec
 
-from engines.base import EngineRejected
+from engines.seam import EngineRejected
 from engines.builtin.types import FillResult
-from engines.upstream import translate_errors
+from engines.seam.upstream import translate_errors
 
 
 class Generation(msgspec.Struct):

@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Iterator
 import httpx
 import msgspec
 
-from engines.base import (
+from engines.seam import (
     EngineError,
     EngineRejected,
     EngineStats,
@@ -25,7 +25,7 @@ from engines.base import (
     EngineUnavailable,
     Route,
 )
-from engines.protocol import SSE_DONE, sse_event
+from wire.openai import SSE_DONE, sse_event
 
 _DONE = b"[DONE]"
 _DRAIN_S = 1.0
@@ -185,7 +185,7 @@ class UpstreamEngine:
         self._transport = transport
         self._headers = [(b"content-type", b"application/json")]
         key = api_key or (os.environ.get(api_key_env) if api_key_env else None)
-        # For the engine's other clients (engines/contexts.py), which must authenticate alike.
+        # For the engine's other clients (engines/seam/builtin_client.py), which must authenticate alike.
         self.auth_headers = {"authorization": f"Bearer {key}"} if key else {}
         if key:
             self._headers.append((b"authorization", f"Bearer {key}".encode()))

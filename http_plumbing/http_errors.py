@@ -10,8 +10,8 @@ import msgspec
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 
-from engines.base import EngineError
-from engines.protocol import ErrorBody, ErrorResponse
+from engines.seam import EngineError
+from wire.openai import ErrorBody, ErrorResponse
 
 log = logging.getLogger("parrot.http")
 
