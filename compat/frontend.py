@@ -22,20 +22,15 @@ Semantic functions need a sync ``OpenAI`` client; their Variables can still be a
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
 import functools
 import inspect
 import re
-import threading
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
-import openai
 
-from compat.openai import Session, Variable, current_session
+from compat.openai import Session, Variable, native, session_of  # noqa: F401  (native: re-exported for @native)
+from wire.placeholders import PLACEHOLDER
 
-# {{name}}, {{input:name}}, {{output:name}} — the gateway's placeholder syntax.
-_PLACEHOLDER = re.compile(r"\{\{\s*(?:(input|output)\s*:\s*)?([A-Za-z_][\w.\-]*)\s*\}\}")
 
 
 class Input:
@@ -47,16 +42,6 @@ class Output:
 
     def __init__(self, **sampling: Any):
         self.sampling = sampling
-
-
-def _session(explicit: Session | None, arguments: Iterable[Any]) -> Session:
-    """The session a call runs in: the one given, the current one, or that of its first Variable argument."""
-    session = explicit or current_session()
-    if session is None:
-        session = next((value.session for value in arguments if isinstance(value, Variable)), None)
-    if session is None:
-        raise RuntimeError("no session: pass session=..., call inside `with Session(client):` or pass a Variable")
-    return session
 
 
 def _output_sampling(parameter: inspect.Parameter) -> dict[str, Any] | None:
@@ -102,7 +87,7 @@ class SemanticFunction:
                 raise ValueError(f"template placeholder {{{{{name}}}}} is not a parameter")
             return "{{input:" + name + "}}"
 
-        template = _PLACEHOLDER.sub(rewrite, docstring)
+        template = PLACEHOLDER.sub(rewrite, docstring)
         if not outputs:
             raise ValueError("a semantic function's template needs at least one output placeholder")
         return template, outputs
@@ -111,7 +96,7 @@ class SemanticFunction:
         """Submit; returns the output Variable (or a tuple of them in template order) without waiting."""
         bound = self.signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        session = _session(session, bound.arguments.values())
+        session = session_of(session, bound.arguments.values())
         model = self.model or session.model
         if model is None:
             raise ValueError(f"{self.__name__}: no model (give semantic_function(model=...) or Session(model=...))")
@@ -130,36 +115,3 @@ def semantic_function(fn: Callable[..., Any] | None = None, *, model: str | None
     if fn is None:
         return lambda f: SemanticFunction(f, model=model, criteria=criteria, sampling=sampling)
     return SemanticFunction(fn, model=model, criteria=criteria, sampling=sampling)
-
-
-def native(fn: Callable[..., Any]) -> Callable[..., Variable]:
-    """Decorator: a plain Python function over resolved values, producing a Variable.
-
-    Calling it returns a new Variable at once; a thread waits for the Variable arguments, runs ``fn`` and
-    sets the variable, so gateway calls consuming it start as soon as it is set. If ``fn`` or an input
-    fails, ``get()`` on the returned Variable raises that error (the gateway's consumers of it time out).
-    """
-    @functools.wraps(fn)
-    def call(*args: Any, session: Session | None = None, **kwargs: Any) -> Variable:
-        output = _session(session, (*args, *kwargs.values())).variable(name=getattr(fn, "__name__", None))
-        output.local_producer = concurrent.futures.Future()
-
-        def resolved(value: Any) -> Any:
-            return value.get(criteria=None) if isinstance(value, Variable) else value
-
-        def run() -> None:
-            try:
-                result = fn(*map(resolved, args), **{k: resolved(v) for k, v in kwargs.items()})
-                output.set(str(result))
-            except BaseException as exc:  # handed to whoever reads the output, here and on the gateway
-                output.local_producer.set_exception(exc)
-                with contextlib.suppress(openai.APIError):  # the session may be closed by now: nobody to tell
-                    output.fail(f"{getattr(fn, '__name__', 'native function')} raised {type(exc).__name__}: {exc}")
-            else:
-                output.local_producer.set_result(None)
-
-        threading.Thread(target=run, name=f"native-{output.name}", daemon=True).start()
-        return output
-
-    return call
-

@@ -16,13 +16,16 @@ import asyncio
 import concurrent.futures
 import contextlib
 import contextvars
+import functools
 import inspect
 import re
-from typing import Any, Iterator, Literal, Mapping, Union
+import threading
+from typing import Any, Callable, Iterable, Iterator, Mapping, Union
 
 import openai
 
-Criteria = Literal["latency", "throughput"]
+from wire.sampling import Criteria
+
 
 # The placeholder a Variable formats as. The gateway names it like any {{name}}; names that are variable
 # ids are bound to those variables.
@@ -241,8 +244,6 @@ class Variable:
 
     def map(self, fn: Any) -> "Variable":
         """``fn`` applied to this value once it exists (client-side), as a new Variable."""
-        from compat.frontend import native
-
         return native(fn)(self)
 
     # -- writing (only variables nobody produces; the gateway answers 409 otherwise)
@@ -425,3 +426,49 @@ class Session:
                              criteria: Criteria | None = None) -> dict[str, Variable]:
         body = self._call_body(model, template, inputs or {}, outputs or {}, criteria)
         return self._call_outputs(await _async_request(self.client, "post", "/semantic_calls", body=body))
+
+
+# ---------------------------------------------------------------- native functions
+
+
+def session_of(explicit: Session | None, arguments: Iterable[Any]) -> Session:
+    """The session a call runs in: the one given, the current one, or that of its first Variable argument."""
+    session = explicit or current_session()
+    if session is None:
+        session = next((value.session for value in arguments if isinstance(value, Variable)), None)
+    if session is None:
+        raise RuntimeError("no session: pass session=..., call inside `with Session(client):` or pass a Variable")
+    return session
+
+
+def native(fn: Callable[..., Any]) -> Callable[..., Variable]:
+    """Decorator: a plain Python function over resolved values, producing a Variable.
+
+    Calling it returns a new Variable at once; a thread waits for the Variable arguments, runs ``fn`` and
+    sets the variable, so gateway calls consuming it start as soon as it is set. If ``fn`` or an input
+    fails, ``get()`` on the returned Variable raises that error (the gateway's consumers of it time out).
+    """
+    @functools.wraps(fn)
+    def call(*args: Any, session: Session | None = None, **kwargs: Any) -> Variable:
+        output = session_of(session, (*args, *kwargs.values())).variable(name=getattr(fn, "__name__", None))
+        output.local_producer = concurrent.futures.Future()
+
+        def resolved(value: Any) -> Any:
+            return value.get(criteria=None) if isinstance(value, Variable) else value
+
+        def run() -> None:
+            try:
+                result = fn(*map(resolved, args), **{k: resolved(v) for k, v in kwargs.items()})
+                output.set(str(result))
+            except BaseException as exc:  # handed to whoever reads the output, here and on the gateway
+                output.local_producer.set_exception(exc)
+                with contextlib.suppress(openai.APIError):  # the session may be closed by now: nobody to tell
+                    output.fail(f"{getattr(fn, '__name__', 'native function')} raised {type(exc).__name__}: {exc}")
+            else:
+                output.local_producer.set_result(None)
+
+        threading.Thread(target=run, name=f"native-{output.name}", daemon=True).start()
+        return output
+
+    return call
+

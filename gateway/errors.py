@@ -13,7 +13,8 @@ from http_plumbing.http_errors import (
     error_payload,
     error_response,
 )
-from wire.openai import ErrorBody, InvalidRequest
+from wire.openai import ErrorBody
+from wire.errors import InvalidRequest
 
 __all__ = ["APIError", "EXCEPTION_HANDLERS", "body_error", "engine_error_body", "error_payload", "model_not_found"]
 

@@ -9,15 +9,9 @@ import httpx
 import msgspec
 
 from engines.seam import EngineError, EngineOverloaded, Route
-from wire.openai import (
-    COMPLETIONS_DEFAULT_MAX_TOKENS,
-    SSE_DONE,
-    ChatCompletionRequest,
-    CompletionRequest,
-    prompt_count,
-    sse_event,
-    usage_decoder,
-)
+from wire.openai import COMPLETIONS_DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest, prompt_count
+from wire.sse import SSE_DONE, sse_event
+from wire.usage import usage_decoder
 from engines.seam.upstream import UpstreamEngine
 from gateway.attempts import Attempts
 from gateway.config import GatewayConfig

@@ -16,7 +16,7 @@ from litestar.response.streaming import ASGIStreamingResponse
 from litestar.types import Receive, Send
 
 from http_plumbing.disconnect import CancelledOnDisconnect
-from wire.openai import SSE_DONE
+from wire.sse import SSE_DONE
 
 
 async def send_events(events: AsyncIterator[bytes], send: Send, receive: Receive) -> None:

@@ -15,25 +15,13 @@ from typing import Annotated, Any, Literal, Union
 import msgspec
 from msgspec import Meta, Struct, field
 
-Criteria = Literal["latency", "throughput"]  # what a request's sender needs: fast tokens, or big batches
+from wire.errors import InvalidRequest
+from wire.sampling import check_sampling
+from wire.vllm import VLLMSampling
+
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
-Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
-Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
-PositiveInt = Annotated[int, Meta(ge=1)]
-Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]  # a 64-bit integer, as vLLM takes it
-# A 32-bit integer: room for the gateway's own ranks (about ±2**20, gateway/semantic/graph.py) and
-# any client's, while a huge number cannot ride through the engine's scheduler arithmetic.
-Priority = Annotated[int, Meta(ge=-(2**31), le=2**31 - 1)]
 # Legacy completions without max_tokens generate this many tokens per choice, as OpenAI's and vLLM's do.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-
-
-class InvalidRequest(ValueError):
-    """A request that is well-typed but inconsistent; becomes a 400 naming ``param``."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
 
 
 # ---------------------------------------------------------------- request parts
@@ -120,49 +108,15 @@ class StreamOptions(Struct, omit_defaults=True):
     include_usage: bool = False
 
 
-VLLM_EXTRAS = ("min_tokens", "allowed_token_ids", "bad_words", "include_stop_str_in_output", "prompt_logprobs",
-                "guided_json", "guided_regex", "guided_choice", "guided_grammar")
-
-
-class SamplingFields(Struct, kw_only=True, omit_defaults=True):
-    """Fields shared by chat and text completions, with OpenAI's ranges."""
+class RequestFields(VLLMSampling, kw_only=True, omit_defaults=True):
+    """What chat and text completions share: the sampling fields (wire/sampling.py, with vLLM's extras)
+    and the request's own."""
 
     model: str
-    max_tokens: Annotated[int, Meta(ge=0)] | None = None  # 0 only to score an echoed prompt (completions)
-    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
-    top_p: Probability | None = None
     n: Annotated[int, Meta(ge=1, le=128)] | None = 1
-    stop: Union[str, list[str], None] = None
-    seed: Seed | None = None
-    presence_penalty: Penalty | None = None
-    frequency_penalty: Penalty | None = None
-    logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # Common extras (vLLM / SGLang).
-    top_k: int | None = None
-    min_p: Probability | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
-    ignore_eos: bool | None = False
-    stop_token_ids: list[int] | None = None
-    priority: Priority | None = 0  # as vLLM: larger runs first (Parrot sends it for latency-critical and app-FIFO work)
-    # Parrot's builtin engine: "throughput" work may wait for a bigger batch (see its latency_max_num_seqs).
-    criteria: Criteria | None = None
-    # Parrot's builtin engine, without max_tokens: generate at most this many tokens per choice (fewer
-    # when the context window has less room left). How a gateway's cap bounds a request that names no
-    # max_tokens without the 400 that a max_tokens beyond the room left would get.
-    max_tokens_limit: Annotated[int, Meta(ge=1)] | None = None
-    # vLLM extras the builtin engine does not implement: passed on to upstreams, refused by it (not ignored).
-    min_tokens: Annotated[int, Meta(ge=0)] | None = None
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
-    include_stop_str_in_output: bool | None = None
-    prompt_logprobs: int | None = None
-    guided_json: Any = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
     # Parrot's extension object; interpreted by the gateway, never forwarded upstream.
     parrot: dict[str, Any] | None = None
 
@@ -173,18 +127,6 @@ class SamplingFields(Struct, kw_only=True, omit_defaults=True):
         self.ignore_eos = bool(self.ignore_eos)
         self.priority = self.priority or 0
 
-    def unimplemented_extras(self) -> list[str]:
-        """The vLLM extras above that are set to something that would change the output."""
-        # Empty or false means unset (vLLM's own defaults, as clients dumping a full request send them);
-        # prompt_logprobs 0 still asks for the prompt's own logprobs.
-        return [name for name in VLLM_EXTRAS
-                if (getattr(self, name) is not None if name == "prompt_logprobs" else getattr(self, name))]
-
-    def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
-
     def choices(self) -> int:
         """How many choices the request generates."""
         return self.n or 1
@@ -192,15 +134,10 @@ class SamplingFields(Struct, kw_only=True, omit_defaults=True):
     def _validate_common(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed when stream is true", "stream_options")
-        if self.top_k is not None and self.top_k < -1:
-            raise InvalidRequest("top_k must be -1 (disabled) or a positive integer", "top_k")
-        if self.logit_bias:
-            for key in self.logit_bias:
-                if not key.lstrip("-").isdigit():
-                    raise InvalidRequest(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        check_sampling(self)
 
 
-class ChatCompletionRequest(SamplingFields, kw_only=True, omit_defaults=True):
+class ChatCompletionRequest(RequestFields, kw_only=True, omit_defaults=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
     logprobs: bool | None = False
@@ -246,7 +183,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True, omit_defaults=True):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class CompletionRequest(SamplingFields, kw_only=True, omit_defaults=True):
+class CompletionRequest(RequestFields, kw_only=True, omit_defaults=True):
     # A string, a list of strings, one prompt as token ids, or a list of token-id prompts.
     prompt: Union[str, list[Union[str, int, list[int]]]]
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
@@ -429,28 +366,6 @@ class ErrorResponse(Struct):
 # ---------------------------------------------------------------- codecs
 
 
-def sse_event(payload: bytes) -> bytes:
-    """One server-sent event. Payloads are compact single-line JSON (or ``[DONE]``), so an event is just
-    ``data: PAYLOAD`` and a blank line; framing it here avoids a general encoder's per-event line splitting."""
-    return b"data: " + payload + b"\n\n"
-
-
-SSE_DONE = sse_event(b"[DONE]")
-
 encoder = msgspec.json.Encoder()
 chat_request_decoder = msgspec.json.Decoder(ChatCompletionRequest)
 completion_request_decoder = msgspec.json.Decoder(CompletionRequest)
-
-
-class FinishOnly(Struct):
-    finish_reason: str | None = None
-
-
-class UsageOnly(Struct):
-    """Reads just the usage and finish reasons of a response body, skipping everything else."""
-
-    usage: Usage | None = None
-    choices: list[FinishOnly] = []
-
-
-usage_decoder = msgspec.json.Decoder(UsageOnly)

@@ -22,6 +22,7 @@ import torch
 from engines.seam import EngineStats
 from engines.builtin.block_manager import BlockManager
 from engines.builtin.config import EngineConfig
+from engines.builtin.errors import ContextBusy, ContextNotFound, PromptTooLong
 from engines.builtin.grammar import GrammarCompiler
 from engines.builtin.loader import DTYPES, ModelSource, build_model, load_checkpoint, load_tokenizer
 from engines.builtin.model_runner import ModelRunner, ScheduledBatch, StepResult, kv_block_bytes
@@ -32,18 +33,6 @@ from engines.builtin.sequence import Sequence, Status
 from engines.builtin.types import FillResult, SamplingParams, TokenEvent, TokenScore
 
 log = logging.getLogger(__name__)
-
-
-class ContextNotFound(KeyError):
-    """No context with that id (never created, or freed)."""
-
-
-class PromptTooLong(ValueError):
-    """The context would exceed the model's maximum length."""
-
-
-class ContextBusy(RuntimeError):
-    """A fill or generation is already running on that context."""
 
 
 class LLMEngine:

@@ -24,15 +24,8 @@ from typing import Any, Sequence
 
 import torch
 
-from wire.openai import (
-    ChatMessage,
-    FunctionCall,
-    InvalidRequest,
-    ResponseFormat,
-    Tool,
-    ToolCall,
-    ToolCallDelta,
-)
+from wire.openai import ChatMessage, FunctionCall, ResponseFormat, Tool, ToolCall, ToolCallDelta
+from wire.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
 

@@ -35,9 +35,8 @@ from engines.builtin.serving import (
     LLMCore,
 )
 from engines.builtin.types import FillResult
+from wire.sse import SSE_DONE, sse_event
 from wire.openai import (
-    SSE_DONE,
-    sse_event,
     ChatCompletionRequest,
     ChatMessage,
     Tool,

@@ -19,10 +19,11 @@ import msgspec
 from msgspec import Meta
 
 from engines.seam import EngineError, EngineStats, Route
+from wire.sampling import SamplingWithHints, check_sampling
 from engines.builtin.grammar import ToolCallReader, output_grammar, read_tool_calls, tool_messages
 from engines.builtin.tokenizer import IncrementalDetokenizer, TokenTexts, chat_prompt_text, chat_prompt_tokens, text_tokens
 from engines.builtin.types import FillResult, SamplingParams, TokenEvent, TokenScore
-from wire.openai import sse_event
+from wire.sse import sse_event
 from wire.openai import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChatChoice,
@@ -34,16 +35,10 @@ from wire.openai import (
     ChatMessage,
     ChoiceLogprobs,
     Completion,
-    Criteria,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
-    InvalidRequest,
-    Penalty,
-    Priority,
-    Probability,
     ResponseMessage,
-    Seed,
     TokenLogprob,
     Tool,
     TopLogprob,
@@ -52,6 +47,7 @@ from wire.openai import (
     new_id,
     now,
 )
+from wire.errors import InvalidRequest
 
 T = TypeVar("T")
 
@@ -143,35 +139,6 @@ class LLMCore(Protocol):
 # ---------------------------------------------------------------- primitives' bodies
 
 
-class SamplingBody(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """The OpenAI sampling fields (with OpenAI's ranges), for requests that name a context instead of a prompt."""
-
-    max_tokens: Annotated[int, Meta(ge=1)] | None = None
-    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
-    top_p: Probability | None = None
-    top_k: Annotated[int, Meta(ge=-1)] | None = None
-    min_p: Probability | None = None
-    seed: Seed | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    presence_penalty: Penalty | None = None
-    frequency_penalty: Penalty | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
-    logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
-    priority: Priority = 0
-    criteria: Criteria | None = None
-    max_tokens_limit: Annotated[int, Meta(ge=1)] | None = None  # without max_tokens: at most this many
-
-    def token_limit(self) -> int | None:
-        return self.max_tokens
-
-    def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
-
-
 class ContextFillRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     context_id: str | None = None
     parent_context_id: str | None = None
@@ -182,7 +149,7 @@ class ContextFillRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     if_absent: bool = False
 
 
-class ContextGenerateRequest(SamplingBody, kw_only=True, omit_defaults=True):
+class ContextGenerateRequest(SamplingWithHints, kw_only=True, omit_defaults=True):
     # With fork: generate after the context's tokens plus these, in a temporary child freed at the end
     # (one call instead of fill + generate + free: how a gateway runs a request on a shared prefix).
     text: str | None = None
@@ -195,6 +162,14 @@ class ContextGenerateRequest(SamplingBody, kw_only=True, omit_defaults=True):
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] = 0
     stream: bool = False
+
+    def __post_init__(self) -> None:  # a ValueError here is a msgspec.ValidationError: a 400
+        if self.max_tokens == 0:
+            raise ValueError("max_tokens must be at least 1")
+        check_sampling(self)
+
+    def token_limit(self) -> int | None:
+        return self.max_tokens
 
 
 class ContextGenerationChunk(msgspec.Struct):
@@ -633,10 +608,10 @@ class BuiltinEngine:
             repetition_penalty=_or(request.repetition_penalty, 1.0),
             logit_bias=logit_bias,
             stop_token_ids=stop_token_ids,
-            ignore_eos=request.ignore_eos,
+            ignore_eos=bool(request.ignore_eos),
             logprobs=logprobs,
             top_logprobs=top_logprobs,
-            priority=request.priority,
+            priority=request.priority or 0,
             throughput=request.criteria == "throughput",
         )
 

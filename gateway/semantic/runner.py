@@ -17,20 +17,13 @@ import msgspec
 
 from engines.seam import EngineError, Route
 from engines.seam.builtin_client import ContextClient, Generation
-from wire.openai import (
-    ChatChoice,
-    ChatCompletion,
-    Completion,
-    CompletionChoice,
-    ResponseMessage,
-    Usage,
-    VLLM_EXTRAS,
-)
+from wire.openai import ChatChoice, ChatCompletion, Completion, CompletionChoice, ResponseMessage, Usage
+from wire.vllm import VLLM_EXTRAS
 from gateway.registry import EngineRecord
 from gateway.semantic import template
 from gateway.semantic.graph import Session
 from gateway.semantic.prefix import PrefixCache, PrefixEntry
-from gateway.semantic.schema import completion_sampling
+from wire.sampling import sampling_of
 from gateway.service import Gateway
 
 # Private-use characters: no chat template or tokenizer gives them meaning, and users don't type them.
@@ -216,7 +209,7 @@ class Runner:
         entry, hit = await self._acquire(plan, session)
         record.in_flight += 1
         try:
-            generation = await self.contexts(record).generate(entry.context_id, completion_sampling(body) | hints,
+            generation = await self.contexts(record).generate(entry.context_id, sampling_of(body) | hints,
                                                               fork_with=rest, context_text=plan.prefix)
         finally:
             record.in_flight -= 1

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Annotated, Any, Union
 
 import msgspec
 
-from wire.openai import Criteria
+from wire.sampling import Criteria, Sampling, sampling_of
 
 
 class VarRef(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
@@ -97,38 +97,15 @@ class VarList(msgspec.Struct):
     object: str = "list"
 
 
-class OutputSpec(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
-    """Sampling for one ``{{output:NAME}}`` of a semantic call: the sampling fields of /v1/completions
-    (checked against its ranges when the call is submitted)."""
+class OutputSpec(Sampling, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
+    """Sampling for one ``{{output:NAME}}`` of a semantic call: the sampling fields (wire/sampling.py), and
+    chat's ``max_completion_tokens``, which takes precedence over max_tokens."""
 
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None  # as in chat: takes precedence over max_tokens
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop: Union[str, list[str], None] = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    max_completion_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
 
     def sampling(self) -> dict[str, Any]:
         """The fields as a /v1/completions body would carry them."""
-        return completion_sampling(msgspec.to_builtins(self))
-
-
-def completion_sampling(fields: dict[str, Any]) -> dict[str, Any]:
-    """The sampling fields of /v1/completions set in ``fields`` (a request body), with
-    ``max_completion_tokens`` as ``max_tokens``."""
-    sampling = {k: fields[k] for k in OutputSpec.__struct_fields__ if fields.get(k) is not None}
-    limit = sampling.pop("max_completion_tokens", None)
-    if limit is not None:
-        sampling["max_tokens"] = limit
-    return sampling
+        return sampling_of(msgspec.to_builtins(self))
 
 
 class SemanticCall(msgspec.Struct, forbid_unknown_fields=True):

@@ -12,7 +12,9 @@ import msgspec
 from litestar import Response
 
 from engines.seam import EngineError, Route
-from wire.openai import SSE_DONE, CompletionRequest, InvalidRequest, sse_event
+from wire.sse import SSE_DONE, sse_event
+from wire.openai import CompletionRequest
+from wire.errors import InvalidRequest
 from gateway.config import QuotaLimits, SemanticConfig
 from gateway.errors import APIError, model_not_found
 from gateway.semantic import template

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import re
 from typing import Iterator
 
 import msgspec
 
-# {{name}}, {{input:name}}, {{output:name}}; names are identifiers (dots and dashes allowed).
-PLACEHOLDER = re.compile(r"\{\{\s*(?:(input|output)\s*:\s*)?([A-Za-z_][\w.\-]*)\s*\}\}")
+from wire.placeholders import PLACEHOLDER
 
 
 class Piece(msgspec.Struct, frozen=True):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engines.seam.upstream import SSEFramer
+from wire.sse import SSEFramer
 
 A, B = b'{"choices":[{"delta":{"content":"a"}}]}', b'{"choices":[{"delta":{"content":"[DONE]"}}]}'
 

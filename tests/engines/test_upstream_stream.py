@@ -9,7 +9,7 @@ import httpx
 
 from engines.seam import upstream
 from http_plumbing.aiohttp_transport import AiohttpTransport
-from wire.openai import SSE_DONE
+from wire.sse import SSE_DONE
 from engines.seam.upstream import UpstreamEngine
 from tests.conftest import asgi_app
 

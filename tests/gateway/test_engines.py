@@ -176,7 +176,7 @@ def test_metrics_count_requests_and_tokens(http, start_gateway):
 
 
 def test_streamed_usage_and_finish_reasons_are_counted_wherever_they_sit_in_a_read():
-    from wire.openai import sse_event
+    from wire.sse import sse_event
     from gateway.config import GatewayConfig
     from gateway.metrics import GatewayMetrics
     from gateway.registry import EngineRegistry

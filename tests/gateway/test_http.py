@@ -9,7 +9,7 @@ import re
 import httpx
 import pytest
 
-from wire.openai import SSE_DONE
+from wire.sse import SSE_DONE
 from gateway.config import UpstreamConfig
 from tests.engines.test_upstream_stream import FIRST, LAST, sse_app
 

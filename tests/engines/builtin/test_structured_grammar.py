@@ -24,12 +24,12 @@ from wire.openai import (
     ChatMessage,
     FunctionCall,
     FunctionDefinition,
-    InvalidRequest,
     JsonSchemaFormat,
     ResponseFormat,
     Tool,
     ToolCall,
 )
+from wire.errors import InvalidRequest
 
 pytestmark = pytest.mark.timeout(120)
 PROMPT = list(range(1000, 1023))

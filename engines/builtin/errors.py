@@ -1,0 +1,17 @@
+"""The builtin engine core's domain errors.
+
+Torch-free on purpose: the serving layer translates them (by class) into OpenAI error answers
+without importing the core's heavy dependencies.
+"""
+
+
+class ContextNotFound(KeyError):
+    """No context with that id (never created, or freed)."""
+
+
+class PromptTooLong(ValueError):
+    """The context would exceed the model's maximum length."""
+
+
+class ContextBusy(RuntimeError):
+    """A fill or generation is already running on that context."""
