@@ -344,7 +344,7 @@ class Soak:
             engines = (await client.get("/v1/engines", timeout=5)).json()
         except (httpx.HTTPError, ValueError):
             return None
-        return next((e for e in engines if e.get("kind") == "builtin"), None) if isinstance(engines, list) else None
+        return next((e for e in engines if "contexts" in e.get("capabilities", [])), None) if isinstance(engines, list) else None
 
     async def _monitor(self, client: httpx.AsyncClient) -> None:
         while True:

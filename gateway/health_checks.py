@@ -16,9 +16,14 @@ logger = logging.getLogger(__name__)
 
 
 async def _passes(record: EngineRecord, timeout_s: float) -> bool:
+    """Whether the engine answers its health check; a healthy one's stats are refreshed on the way
+    (what registered engines send with their heartbeats)."""
     try:
         async with asyncio.timeout(timeout_s):
-            return await record.engine.health()
+            if not await record.engine.health():
+                return False
+            record.stats = await record.engine.stats()
+            return True
     except Exception:  # a timeout, or an answer that is no model list: failed either way
         return False
 

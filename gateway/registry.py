@@ -42,7 +42,6 @@ class EngineRecord(msgspec.Struct, kw_only=True):
     id: str
     engine: Engine
     models: list[str]
-    kind: str = "upstream"  # "upstream" or "builtin"
     url: str | None = None
     in_flight: int = 0
     breaker: CircuitBreaker = msgspec.field(default_factory=CircuitBreaker)  # fed by requests and health checks
@@ -81,14 +80,14 @@ class EngineRegistry:
         # Every secret compared, in constant time: the answer's timing tells nothing.
         return sum(secrets.compare_digest(presented_bytes, s) for s in self._secrets) > 0
 
-    def register(self, engine: Engine, models: list[str], *, kind: str, url: str) -> EngineRecord:
+    def register(self, engine: Engine, models: list[str], *, url: str) -> EngineRecord:
         """A heartbeating engine announcing itself; it gets a token of its own for its heartbeats.
         Raises EngineConflict when a live engine holds that URL (ValueError for a malformed one)."""
         key = url_key(url)
         self.prune()
         if self._at(key):
             raise EngineConflict(f"an engine is registered at {url} already")
-        record = self.add(engine, models, kind=kind, url=url, heartbeating=True)
+        record = self.add(engine, models, url=url, heartbeating=True)
         record.token = secrets.token_urlsafe(32)
         return record
 
@@ -124,10 +123,10 @@ class EngineRegistry:
     def expected_models(self) -> list[str]:
         return sorted(self._expected)
 
-    def add(self, engine: Engine, models: list[str], *, kind: str = "upstream", url: str | None = None,
+    def add(self, engine: Engine, models: list[str], *, url: str | None = None,
             heartbeating: bool = False) -> EngineRecord:
         record = EngineRecord(
-            id=f"eng-{secrets.token_hex(8)}", engine=engine, models=list(models), kind=kind, url=url,
+            id=f"eng-{secrets.token_hex(8)}", engine=engine, models=list(models), url=url,
             last_heartbeat=time.monotonic() if heartbeating else None, breaker=self._new_breaker(),
         )
         self._records[record.id] = record

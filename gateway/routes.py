@@ -13,6 +13,7 @@ from litestar.handlers import BaseRouteHandler
 from litestar.params import FromPath, JSONBody
 
 from engines.seam import EngineStats
+from engines.seam.connect import CAPABILITIES, capabilities_of
 from wire.openai import ModelCard, ModelList
 from gateway.errors import APIError, model_not_found
 from gateway.openai_endpoints import chat_completions, completions
@@ -134,13 +135,20 @@ class EngineRegistration(msgspec.Struct):
     name: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
     url: Annotated[str, msgspec.Meta(max_length=2048)]  # the engine's base URL, without /v1
     models: Annotated[list[Annotated[str, msgspec.Meta(min_length=1, max_length=256)]], msgspec.Meta(min_length=1)]
-    kind: Literal["builtin", "upstream"] = "builtin"
+    # What the engine can do beyond OpenAI's API (engines/seam/connect.py CAPABILITIES).
+    capabilities: list[Literal["contexts", "scheduling_hints"]] | None = None
+    kind: Literal["builtin", "upstream"] | None = None  # before capabilities: "builtin" meant all of them
+
+    def announced_capabilities(self) -> list[str]:
+        if self.capabilities is not None:
+            return list(self.capabilities)
+        return list(CAPABILITIES) if self.kind in (None, "builtin") else []
 
 
 class EngineInfo(msgspec.Struct):
     id: str
     name: str
-    kind: str
+    capabilities: list[str]
     url: str | None
     models: list[str]
     healthy: bool
@@ -160,7 +168,8 @@ class Registered(msgspec.Struct):
 
 @post("/v1/engines", status_code=201, exclude_from_auth=True, guards=[_require_engine_secret])
 async def register_engine(request: Request, data: JSONBody[EngineRegistration], state: State) -> Registered:
-    record = state.gateway.register_remote(data.name, data.url, data.models, data.kind, _bearer(request))
+    record = state.gateway.register_remote(data.name, data.url, data.models, data.announced_capabilities(),
+                                           _bearer(request))
     return Registered(id=record.id, token=record.token)
 
 
@@ -183,7 +192,7 @@ async def list_engines(state: State) -> list[EngineInfo]:
     registry = state.gateway.registry
     healthy = {r.id for m in registry.models() for r in registry.candidates(m)}
     supervisor = state.supervisor
-    return [EngineInfo(id=r.id, name=r.engine.name, kind=r.kind, url=r.url, models=r.models,
+    return [EngineInfo(id=r.id, name=r.engine.name, capabilities=capabilities_of(r.engine), url=r.url, models=r.models,
                        healthy=r.id in healthy, in_flight=r.in_flight, stats=r.stats,
                        pid=supervisor.pid_at(r.url) if supervisor else None)
             for r in registry.records()]

@@ -8,7 +8,8 @@ from typing import Any, AsyncIterator
 import httpx
 import msgspec
 
-from engines.seam import EngineError, EngineOverloaded, Route
+from engines.seam import Engine, EngineError, EngineOverloaded, HintedEngine, Route
+from engines.seam.connect import connect, has_capability
 from wire.openai import COMPLETIONS_DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest, prompt_count
 from wire.sse import SSE_DONE, sse_event
 from wire.usage import usage_decoder
@@ -46,14 +47,15 @@ class Gateway:
                                     transport=self.transport)
             self.registry.add(engine, [upstream.model], url=upstream.base_url)
 
-    def register_remote(self, name: str, url: str, models: list[str], kind: str, secret: str) -> EngineRecord:
+    def register_remote(self, name: str, url: str, models: list[str], capabilities: list[str],
+                        secret: str) -> EngineRecord:
         """An engine process announcing itself with the engine secret, which the gateway then presents
         to it on every request (a builtin engine started with a secret requires it). A URL a live
         engine holds is refused: an engine restarted before its old record expired retries."""
         url = url.rstrip("/")
-        engine = UpstreamEngine(name, f"{url}/v1", self.client, api_key=secret, transport=self.transport)
+        engine = connect(name, url, self.client, capabilities=capabilities, api_key=secret, transport=self.transport)
         try:
-            return self.registry.register(engine, models, kind=kind, url=url)
+            return self.registry.register(engine, models, url=url)
         except EngineConflict as exc:
             raise APIError(409, str(exc), param="url", code="engine_url_taken") from exc
         except ValueError as exc:
@@ -117,9 +119,9 @@ class Gateway:
         per_choice = wanted if wanted is not None else self.default_max_tokens(route, request.choices())
         return None if per_choice is None else per_choice * request.choices()
 
-    def token_defaults(self, route: Route, body: dict[str, Any], kind: str) -> dict[str, Any]:
-        """The fields that bound a request body without max_tokens on an engine of ``kind`` (none when
-        it has one): ``max_tokens_limit`` for builtin engines, which apply it below the room left in
+    def token_defaults(self, route: Route, body: dict[str, Any], engine: Engine) -> dict[str, Any]:
+        """The fields that bound a request body without max_tokens on ``engine`` (none when it has one):
+        ``max_tokens_limit`` for engines that take scheduling hints (the builtin one), which apply it below the room left in
         the context window (they refuse a max_tokens beyond that room); ``max_tokens`` itself for
         others, which may then refuse a prompt leaving less room than that."""
         if body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None:
@@ -128,17 +130,17 @@ class Gateway:
         limit = self.default_max_tokens(route, choices)
         if limit is None:
             return {}
-        return {"max_tokens_limit": limit} if kind == "builtin" else {"max_tokens": limit}
+        return {"max_tokens_limit": limit} if has_capability(engine, HintedEngine) else {"max_tokens": limit}
 
     def _for_engine(self, route: Route, record: EngineRecord, body: dict[str, Any],
-                    builtin_hints: dict[str, Any] | None = None) -> dict[str, Any]:
+                    hints: dict[str, Any] | None = None) -> dict[str, Any]:
         """The body as ``record``'s engine gets it: bounded (``token_defaults``), and with the fields
-        only builtin engines understand for them alone."""
-        defaults = self.token_defaults(route, body, record.kind)
+        only engines that take scheduling hints understand (``hints``) for them alone."""
+        defaults = self.token_defaults(route, body, record.engine)
         if defaults:
             body = body | defaults
-        if builtin_hints and record.kind == "builtin":
-            body = body | builtin_hints
+        if hints and has_capability(record.engine, HintedEngine):
+            body = body | hints
         return body
 
     @staticmethod
@@ -151,15 +153,15 @@ class Gateway:
     # ------------------------------------------------------------ non-streaming
 
     async def create(self, route: Route, model: str, body: dict[str, Any],
-                     builtin_hints: dict[str, Any] | None = None) -> bytes:
-        """``builtin_hints``: fields only builtin engines understand (scheduling), added for them alone.
+                     hints: dict[str, Any] | None = None) -> bytes:
+        """``hints``: scheduling fields (wire.sampling.SCHEDULING_FIELDS), added for engines that take them.
         Failures are retried (gateway/attempts.py): nothing has reached the client yet."""
         started = time.perf_counter()
         attempts = Attempts(self.registry, self.config.routing, model, body)
         running = self.metrics.model(model).requests_running
         while (attempt := await attempts.next()) is not None:
             record, sent = attempt
-            sent = self._for_engine(route, record, sent, builtin_hints)
+            sent = self._for_engine(route, record, sent, hints)
             record.in_flight += 1
             running.inc()
             try:

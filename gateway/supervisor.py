@@ -18,8 +18,7 @@ import signal
 import sys
 import time
 
-from engines.builtin.cli import SECRET_ENV, build_parser, engine_config
-from engines.builtin.config import served_model_name
+from engines.seam.launch import SECRET_ENV, build_parser, engine_config, served_model_name
 from gateway.config import GatewayConfig
 from gateway.registry import EngineRegistry, url_key
 

@@ -12,7 +12,6 @@ import logging
 import secrets
 import time
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import httpx
@@ -29,17 +28,19 @@ from http_plumbing.http_errors import OPENAI_EXCEPTION_HANDLERS, engine_error_bo
 from engines.builtin.config import DEFAULT_SERVED_MODEL_NAME, EngineConfig, served_model_name
 from engines.builtin.serving import (
     BuiltinEngine,
+    EngineBadRequest,
     ContextFillRequest,
     ContextGenerateRequest,
     ContextGenerationChunk,
     LLMCore,
 )
+from engines.builtin.membership import GatewayMembership, GatewayRegistration
+from engines.builtin.prompt_split import PromptSplitRequest, split_prompt
 from engines.builtin.types import FillResult
+from engines.seam import PromptSplit
 from wire.sse import SSE_DONE, sse_event
 from wire.openai import (
     ChatCompletionRequest,
-    ChatMessage,
-    Tool,
     CompletionRequest,
     ModelCard,
     ModelList,
@@ -47,19 +48,6 @@ from wire.openai import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class GatewayRegistration:
-    """Where and as what this engine announces itself to a Parrot gateway (with the app's secret)."""
-
-    gateway_url: str
-    advertise_url: str
-    name: str
-    heartbeat_interval_s: float = 2.0
-
-
-# ---------------------------------------------------------------- errors
 
 
 class ModelNotFound(EngineError):
@@ -162,19 +150,13 @@ async def completions(request: Request, data: JSONBody[CompletionRequest]) -> Re
     return await _answer(request, engine.complete(data))
 
 
-class RenderRequest(msgspec.Struct):
-    messages: list[ChatMessage]
-    tools: list[Tool] | None = None
-
-
-class Rendered(msgspec.Struct):
-    prompt: str
-
-
-@post("/v1/render", status_code=200)
-async def render(request: Request, data: JSONBody[RenderRequest]) -> Rendered:
-    """The chat template applied to ``messages``, as text (gateways split it at variable boundaries)."""
-    return Rendered(prompt=_engine(request).render_chat(data.messages, data.tools))
+@post("/v1/prompt_split", status_code=200)
+async def prompt_split(request: Request, data: JSONBody[PromptSplitRequest]) -> PromptSplit:
+    """The prompt cut where its first variable starts: what a gateway shares as a prefix."""
+    try:
+        return split_prompt(data, _engine(request).render_chat)
+    except msgspec.ValidationError as exc:
+        raise EngineBadRequest(f"body: {exc}") from exc
 
 
 @get("/v1/models")
@@ -211,80 +193,6 @@ async def free_context(request: Request, context_id: FromPath[str]) -> dict[str,
 
 
 # ---------------------------------------------------------------- gateway registration
-
-
-class GatewayMembership:
-    """This engine's place at a gateway: registers with the engine secret, heartbeats with the token
-    the gateway answered, registers again whenever the gateway forgets it, and leaves on shutdown.
-
-    An unreachable gateway is normal (it may start after us), so failures are retried quietly; a
-    refusal is logged once (a URL still held by our predecessor's record frees when it expires).
-    """
-
-    def __init__(self, client: httpx.AsyncClient, registration: GatewayRegistration, engine: BuiltinEngine,
-                 secret: str | None, log: Callable[[str], None]):
-        self._client = client
-        self._registration = registration
-        self._gateway = registration.gateway_url.rstrip("/")
-        self._engine = engine
-        self._secret = secret
-        self._log = log
-        self._engine_id: str | None = None
-        self._token: str | None = None
-        self._refusal: int | None = None
-
-    def _announcement(self) -> dict[str, Any]:
-        return {"name": self._registration.name, "url": self._registration.advertise_url,
-                "models": [self._engine.model_name], "kind": "builtin"}
-
-    def _token_headers(self) -> dict[str, str]:
-        return {"authorization": f"Bearer {self._token}", "content-type": "application/json"}
-
-    async def _register(self) -> None:
-        headers = {"authorization": f"Bearer {self._secret}"} if self._secret else {}
-        response = await self._client.post(f"{self._gateway}/v1/engines", json=self._announcement(), headers=headers)
-        if response.is_client_error:
-            if response.status_code != self._refusal:
-                self._log(f"{self._gateway} refused the registration ({response.status_code}): {response.text}")
-            self._refusal = response.status_code
-            return
-        response.raise_for_status()
-        answer = response.json()
-        self._engine_id, self._token, self._refusal = answer["id"], answer["token"], None
-        self._log(f"registered with {self._gateway} as {self._engine_id}")
-
-    async def _heartbeat(self) -> None:
-        stats = msgspec.json.encode(await self._engine.stats())
-        response = await self._client.post(f"{self._gateway}/v1/engines/{self._engine_id}/heartbeat",
-                                           content=stats, headers=self._token_headers())
-        if response.status_code in (401, 404):
-            self._engine_id = None  # the gateway restarted or expired us
-            return
-        response.raise_for_status()
-
-    async def run(self) -> None:
-        while True:
-            try:
-                if self._engine_id is None:
-                    await self._register()
-                if self._engine_id is not None:
-                    await self._heartbeat()
-            except (httpx.HTTPError, ValueError, KeyError):
-                pass
-            await asyncio.sleep(self._registration.heartbeat_interval_s)
-
-    async def leave(self) -> None:
-        """Deregisters (best effort): the gateway stops routing here at once, not after the timeout."""
-        if self._engine_id is None:
-            return
-        try:
-            await self._client.delete(f"{self._gateway}/v1/engines/{self._engine_id}",
-                                      headers=self._token_headers(), timeout=2.0)
-        except httpx.HTTPError:
-            pass
-
-
-# ---------------------------------------------------------------- app
 
 
 def create_app(
@@ -332,7 +240,7 @@ def create_app(
                 await asyncio.to_thread(core.shutdown)
 
     return Litestar(
-        route_handlers=[chat_completions, completions, render, models, health, stats, fill_context, generate_in_context, free_context],
+        route_handlers=[chat_completions, completions, prompt_split, models, health, stats, fill_context, generate_in_context, free_context],
         lifespan=[lifespan],
         exception_handlers=OPENAI_EXCEPTION_HANDLERS,
         guards=[_require_secret(secret)] if secret else None,

@@ -1,19 +1,25 @@
-"""The engine seam: what the gateway knows of an engine, and the clients that reach engines over HTTP.
+"""The engine seam: all the gateway knows of engines, and all it imports from ``engines/``.
 
-``interface``: the ``Engine`` Protocol every engine implements, its errors and stats.
+interface.py     ``Engine`` (create / stream / health / stats / aclose) and the optional capabilities
+                 ``ContextEngine`` (contexts + prompt split) and ``HintedEngine`` (scheduling fields)
+contexts.py      what the context capability answers: FillResult, Generation, PromptSplit
+errors.py        ``EngineError`` and its kinds, each with the HTTP status it becomes
+upstream.py      ``UpstreamEngine``: any OpenAI-compatible server over HTTP
+builtin_client.py  ``BuiltinEngineClient``: the builtin engine's HTTP API, with both capabilities
+connect.py       announced capabilities -> the engine object; an object's capabilities -> names
+launch.py        how a gateway starts a builtin engine process (torch-free)
 """
 
-from engines.seam.interface import (
-    Count,
-    Engine,
+from engines.seam.contexts import FillResult, Generation, PromptSplit, Segment
+from engines.seam.errors import (
     EngineError,
     EngineOverloaded,
     EngineRejected,
-    EngineStats,
     EngineTimeout,
     EngineUnavailable,
-    Route,
 )
+from engines.seam.interface import ContextEngine, Count, Engine, EngineStats, HintedEngine, Route
 
-__all__ = ["Count", "Engine", "EngineError", "EngineOverloaded", "EngineRejected", "EngineStats", "EngineTimeout",
-           "EngineUnavailable", "Route"]
+__all__ = ["ContextEngine", "Count", "Engine", "EngineError", "EngineOverloaded", "EngineRejected", "EngineStats",
+           "EngineTimeout", "EngineUnavailable", "FillResult", "Generation", "HintedEngine", "PromptSplit", "Route",
+           "Segment"]

@@ -1,4 +1,5 @@
-"""The engine seam: the one small interface the gateway routes every request through.
+"""The engine seam: the one small interface the gateway routes every request through, and the optional
+capabilities an engine may add to it (discovered with ``isinstance`` on the engine object).
 
 An engine takes an OpenAI-shaped request body (already validated by the gateway, ``model``
 rewritten to the engine's own model name, the ``parrot`` extension removed) and returns the
@@ -7,8 +8,13 @@ events per item, never ``[DONE]``). Bytes rather than Structs keep upstream pass
 re-encoding and keep fields this project does not know about; several events per item let
 whatever arrived together leave in one write.
 
-Failures are raised as ``EngineError`` subclasses; the gateway turns them into OpenAI error
-objects at one boundary.
+Failures are raised as ``EngineError`` subclasses (errors.py); the gateway turns them into OpenAI
+error objects at one boundary.
+
+Capabilities: ``ContextEngine`` (named KV contexts the gateway fills once and forks per request, and the
+prompt split that finds the constant prefix worth sharing) and ``HintedEngine`` (takes Parrot's
+scheduling fields). The builtin engine's client (builtin_client.py) has both; any other
+OpenAI-compatible server gets plain requests.
 """
 
 from __future__ import annotations
@@ -17,48 +23,9 @@ from typing import Annotated, Any, AsyncIterator, Literal, Protocol, runtime_che
 
 import msgspec
 
+from engines.seam.contexts import FillResult, Generation, PromptSplit
+
 Route = Literal["chat/completions", "completions"]
-
-
-class EngineError(Exception):
-    """Base class of every engine failure; carries the HTTP status the gateway answers with."""
-
-    status_code = 502
-    error_type = "upstream_error"
-    code: str | None = "upstream_error"
-
-    def __init__(self, message: str, *, status_code: int | None = None, body: bytes | None = None,
-                 retry_after_s: float | None = None):
-        super().__init__(message)
-        if status_code is not None:
-            self.status_code = status_code
-        self.body = body  # an upstream's own OpenAI error body, passed through when present
-        self.retry_after_s = retry_after_s  # how long the engine asked to be left alone (its retry-after)
-
-
-class EngineUnavailable(EngineError):
-    """The engine could not be reached (connection refused, reset, DNS)."""
-
-    status_code = 502
-    code = "upstream_unavailable"
-
-
-class EngineOverloaded(EngineError):
-    """No healthy engine can take the request right now."""
-
-    status_code = 503
-    error_type = "service_unavailable"
-    code = "no_healthy_engine"
-
-
-class EngineTimeout(EngineError):
-    status_code = 504
-    error_type = "timeout"
-    code = "upstream_timeout"
-
-
-class EngineRejected(EngineError):
-    """The engine answered with an error status of its own (its body is passed through)."""
 
 
 # Routing sorts engines by reported load: a negative count would draw every request to its reporter.
@@ -97,3 +64,39 @@ class Engine(Protocol):
     async def stats(self) -> EngineStats: ...
 
     async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class HintedEngine(Engine, Protocol):
+    """Takes Parrot's scheduling fields in a request body (``wire.sampling.SCHEDULING_FIELDS``): it orders
+    work by ``priority`` and ``criteria``, and bounds a request without max_tokens by ``max_tokens_limit``
+    below the room its context window has left (an engine without them is sent ``max_tokens`` instead)."""
+
+    takes_scheduling_hints: Literal[True]
+
+
+@runtime_checkable
+class ContextEngine(Engine, Protocol):
+    """Holds named KV contexts: filled once, forked by many requests, freed when asked."""
+
+    async def split_prompt(self, route: Route, body: dict[str, Any]) -> PromptSplit:
+        """The prompt ``body`` renders to, split where its first ``{{variable}}`` starts (or, with none, where
+        its last message starts): the constant prefix, and the rest as text and variable segments."""
+        ...
+
+    async def fill(self, *, text: str | None = None, tokens: list[int] | None = None,
+                   parent_context_id: str | None = None, context_id: str | None = None,
+                   if_absent: bool = False) -> FillResult:
+        """Fills a context; ``if_absent``: creates ``context_id`` unless it exists, not waiting for its fill."""
+        ...
+
+    async def generate_in_context(self, context_id: str, sampling: dict[str, Any], *, fork_with: str | None = None,
+                                  context_text: str | None = None) -> Generation:
+        """Generates after the context (appending to it), or with ``fork_with``: after the context plus that
+        text, in a temporary child the engine frees itself. ``context_text`` (with ``fork_with``): the
+        context's text, to create it from if it does not exist yet."""
+        ...
+
+    async def free_context(self, context_id: str) -> int:
+        """Frees the context; returns the KV blocks released."""
+        ...

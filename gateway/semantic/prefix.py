@@ -16,14 +16,14 @@ import hashlib
 import time
 import uuid
 
-from engines.seam.builtin_client import ContextClient
+from engines.seam import ContextEngine
 
 
 class PrefixEntry:
-    def __init__(self, key: str, engine_id: str, client: ContextClient):
+    def __init__(self, key: str, engine_id: str, engine: ContextEngine):
         self.key = key
         self.engine_id = engine_id
-        self.client = client
+        self.engine = engine
         self.context_id = uuid.uuid4().hex
         self.sessions: set[str] = set()
         self.in_use = 0
@@ -49,7 +49,7 @@ class PrefixCache:
                 return engine_id
         return None
 
-    async def acquire(self, engine_id: str, client: ContextClient, text: str, pin: str | None
+    async def acquire(self, engine_id: str, engine: ContextEngine, text: str, pin: str | None
                       ) -> tuple[PrefixEntry, bool]:
         """The prefix's entry for that engine, pinned for session ``pin``, and whether it is a hit (an
         earlier request named it). The caller must ``release`` it when its request is done."""
@@ -57,7 +57,7 @@ class PrefixCache:
         entry = self._entries.get(key)
         hit = entry is not None
         if entry is None:
-            entry = self._entries[key] = PrefixEntry(key, engine_id, client)
+            entry = self._entries[key] = PrefixEntry(key, engine_id, engine)
         entry.in_use += 1
         pinned = pin is not None and pin not in entry.sessions
         if pinned:
@@ -104,7 +104,7 @@ class PrefixCache:
     async def _free(self, entry: PrefixEntry) -> int:
         self._entries.pop(entry.key, None)
         try:
-            await entry.client.free(entry.context_id)
+            await entry.engine.free_context(entry.context_id)
         except Exception:  # never created (its requests failed), or the engine is gone with its contexts
             # A request cancelled here but still on its way to the engine may create the context again
             # after this; it is then unpinned, as after a gateway restart (the engine's LRU evicts its KV).

@@ -20,7 +20,8 @@ from gateway.errors import APIError, model_not_found
 from gateway.semantic import template
 from gateway.semantic.graph import Call, Session, SessionStore, Variable, VariableFailed
 from gateway.semantic.prefix import PrefixCache
-from gateway.semantic.runner import Runner, output_text, texts
+from gateway.semantic.runner import Runner, output_text
+from wire.placeholders import texts
 from gateway.semantic.schema import (
     Accepted,
     OutputRef,

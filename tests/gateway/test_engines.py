@@ -79,7 +79,7 @@ def test_registered_engine_serves_its_models(http, engine_gateway, fake_url):
     listed = engines(http, engine_gateway)
     assert list(listed) == [engine_id]
     assert listed[engine_id] | {"stats": None} == {
-        "id": engine_id, "name": "engine-a", "kind": "builtin", "url": fake_url, "models": ["remote-model"],
+        "id": engine_id, "name": "engine-a", "capabilities": ["contexts", "scheduling_hints"], "url": fake_url, "models": ["remote-model"],
         "healthy": True, "in_flight": 0, "stats": None, "pid": None}
     assert http.get(f"{engine_gateway}/v1/models").json()["data"][0]["id"] == "remote-model"
     reply = chat(http, engine_gateway, "remote-model")

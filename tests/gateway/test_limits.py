@@ -166,7 +166,7 @@ def builtin_capped(smollm_gateway, serve_module) -> str:
         builtin=BuiltinConfig(enabled=False), limits=LimitsConfig(max_tokens=ENGINE_CAP),
         engines=EnginesConfig(registration_secret=secret, heartbeat_timeout_s=3600.0))))
     registered = httpx.post(f"{url}/v1/engines", headers={"authorization": f"Bearer {secret}"}, json={
-        "name": "smollm", "url": smollm_gateway["engine"], "models": [SMOLLM], "kind": "builtin"})
+        "name": "smollm", "url": smollm_gateway["engine"], "models": [SMOLLM], "capabilities": ["contexts", "scheduling_hints"]})
     assert registered.status_code == 201, registered.text
     return url
 

@@ -1,7 +1,7 @@
 """The gateway's table of shared prefixes pinned on engines: who pins what, and when a context is freed.
 
-The engine is reached through ``ContextClient``; here a recording stand-in takes its one call that
-matters (``free``). The real client against a real engine is exercised in test_semantic_engine.py."""
+The engine is reached through its context capability (engines/seam ``ContextEngine``); here a recording
+stand-in takes its one call that matters (``free_context``). The real client against a real engine is exercised in test_semantic_engine.py."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ class RecordingContexts:
     def __init__(self) -> None:
         self.freed: list[str] = []
 
-    async def free(self, context_id: str) -> None:
+    async def free_context(self, context_id: str) -> None:
         self.freed.append(context_id)
 
 
@@ -50,7 +50,7 @@ async def test_a_prefix_another_session_pins_outlives_one_sessions_deletion():
 
 async def test_an_acquire_cancelled_while_evicting_leaves_nothing_pinned():
     class SlowContexts(RecordingContexts):
-        async def free(self, context_id: str) -> None:
+        async def free_context(self, context_id: str) -> None:
             await asyncio.sleep(10)
 
     cache, engine = PrefixCache(max_per_engine=1), SlowContexts()

@@ -78,7 +78,8 @@ def test_engine_process_serves_and_registers_with_the_gateway(tiny_model_dir, se
         wait_until(lambda: heartbeats or process.poll() is not None, timeout_s=90)
         assert process.poll() is None, "".join(log)
         assert registrations == [
-            {"name": "cli-test", "url": f"http://127.0.0.1:{port}", "models": ["tiny"], "kind": "builtin"}
+            {"name": "cli-test", "url": f"http://127.0.0.1:{port}", "models": ["tiny"],
+             "capabilities": ["contexts", "scheduling_hints"]}
         ]
         assert heartbeats[-1]["blocks_total"] == 16
         assert secrets == {"Bearer engine-secret"} and tokens == {"Bearer token-of-e1"}

@@ -453,7 +453,8 @@ def test_engine_registers_heartbeats_and_reregisters_when_forgotten(llm, serve, 
 
     wait_until(lambda: len(gateway.heartbeats) >= 2)
     assert gateway.registrations == [
-        {"name": "builtin-test", "url": "http://127.0.0.1:9/engine", "models": [MODEL], "kind": "builtin"}
+        {"name": "builtin-test", "url": "http://127.0.0.1:9/engine", "models": [MODEL],
+         "capabilities": ["contexts", "scheduling_hints"]}
     ]
     engine_id, stats = gateway.heartbeats[-1]
     assert engine_id == "engine-1"
@@ -465,19 +466,36 @@ def test_engine_registers_heartbeats_and_reregisters_when_forgotten(llm, serve, 
     assert len(gateway.registrations) == 2
 
 
-def test_render_is_the_prompt_a_chat_request_becomes(http, client, llm):
-    """/v1/render is what a gateway splits into a shared prefix: it must be the engine's own prompt
-    for the same messages, tool descriptions included."""
+def test_prompt_split_is_the_prompt_a_chat_request_becomes(http, client, llm):
+    """/v1/prompt_split is what a gateway shares a prefix by: joined again it must be the engine's own
+    prompt for the same messages, tool descriptions included; without variables it is cut where the last
+    message starts."""
     weather = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.",
                                                 "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
-    plain = http.post("/v1/render", json={"messages": FRANCE}).json()["prompt"]
-    with_tools = http.post("/v1/render", json={"messages": FRANCE, "tools": [weather]}).json()["prompt"]
-    assert "get_weather" in with_tools and "get_weather" not in plain
 
-    for prompt, tools in ((plain, None), (with_tools, [weather])):
+    def split(body: dict) -> dict:
+        return http.post("/v1/prompt_split", json={"route": "chat/completions", "body": body}).json()
+
+    plain, with_tools = split({"messages": FRANCE}), split({"messages": FRANCE, "tools": [weather]})
+    assert "get_weather" in with_tools["prefix"] and "get_weather" not in plain["prefix"]
+    for answer, tools in ((plain, None), (with_tools, [weather])):
+        assert [segment.keys() for segment in answer["rest"]] == [{"text"}]  # no variables
+        assert FRANCE[-1]["content"] in answer["rest"][0]["text"] and FRANCE[-1]["content"] not in answer["prefix"]
+        prompt = answer["prefix"] + answer["rest"][0]["text"]
         reply = client.chat.completions.create(model=MODEL, messages=FRANCE, max_tokens=1,
                                                **({"tools": tools} if tools else {}))
         assert reply.usage.prompt_tokens == len(llm.tokenizer.encode(prompt, add_special_tokens=False))
+
+
+def test_prompt_split_cuts_before_the_first_variable_and_its_whitespace(http):
+    body = {"messages": [{"role": "system", "content": "You answer in one word."},
+                         {"role": "user", "content": "The capital of {{country}} is {{input:what}}?"}]}
+    answer = http.post("/v1/prompt_split", json={"route": "chat/completions", "body": body}).json()
+    assert answer["prefix"].endswith("The capital of")  # the space goes with the value (BPE's rule)
+    assert answer["rest"][:3] == [{"text": " "}, {"variable": "country"}, {"text": " is "}]
+    assert answer["rest"][3] == {"variable": "what"}
+    refused = http.post("/v1/prompt_split", json={"route": "completions", "body": {"prompt": ["a", "b"]}})
+    assert refused.status_code == 400
 
 
 def test_tools_stay_in_the_prompt_with_tool_choice_none(client):

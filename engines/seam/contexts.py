@@ -1,0 +1,39 @@
+"""What the context capability answers (interface.ContextEngine), as the builtin engine's HTTP API sends it."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class FillResult(msgspec.Struct):
+    context_id: str
+    num_tokens: int  # tokens the context holds after the fill, its parent's included
+    cached_tokens: int  # of those, how many were reused (parent or prefix cache) rather than computed
+
+
+class Generation(msgspec.Struct):
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    usage: dict[str, int]  # prompt_tokens: the request's own (a fork's text), not the context's
+    context_tokens: int  # the context's tokens the generation followed
+
+
+class Segment(msgspec.Struct, omit_defaults=True):
+    """A piece of a split prompt's rest: constant text, or where a variable's value goes."""
+
+    text: str = ""
+    variable: str | None = None
+
+
+class PromptSplit(msgspec.Struct):
+    """A rendered prompt cut where its first variable starts: the constant ``prefix`` (empty when there is
+    no place to cut), and the ``rest`` with each variable as its own segment."""
+
+    prefix: str
+    rest: list[Segment]
+
+    def rest_with(self, values: dict[str, str]) -> str:
+        """The rest as text, variables replaced by ``values`` (a variable not in them keeps its placeholder)."""
+        return "".join(s.text if s.variable is None else values.get(s.variable, "{{" + s.variable + "}}")
+                       for s in self.rest)

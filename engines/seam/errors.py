@@ -1,0 +1,45 @@
+"""The seam's errors: every engine failure is one of these, carrying the HTTP status the gateway answers
+with. Each process translates them into OpenAI error objects at one boundary (http_plumbing/http_errors.py)."""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base class of every engine failure; carries the HTTP status the gateway answers with."""
+
+    status_code = 502
+    error_type = "upstream_error"
+    code: str | None = "upstream_error"
+
+    def __init__(self, message: str, *, status_code: int | None = None, body: bytes | None = None,
+                 retry_after_s: float | None = None):
+        super().__init__(message)
+        if status_code is not None:
+            self.status_code = status_code
+        self.body = body  # an upstream's own OpenAI error body, passed through when present
+        self.retry_after_s = retry_after_s  # how long the engine asked to be left alone (its retry-after)
+
+
+class EngineUnavailable(EngineError):
+    """The engine could not be reached (connection refused, reset, DNS)."""
+
+    status_code = 502
+    code = "upstream_unavailable"
+
+
+class EngineOverloaded(EngineError):
+    """No healthy engine can take the request right now."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+    code = "no_healthy_engine"
+
+
+class EngineTimeout(EngineError):
+    status_code = 504
+    error_type = "timeout"
+    code = "upstream_timeout"
+
+
+class EngineRejected(EngineError):
+    """The engine answered with an error status of its own (its body is passed through)."""
