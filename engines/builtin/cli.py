@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from http_plumbing.http_protocol import HttpProtocol
 
-    from engines.builtin.server import GatewayRegistration, create_app
+    from engines.builtin.http_app import GatewayRegistration, create_app
 
     args = build_parser().parse_args(argv)
     config = engine_config(args)

@@ -15,7 +15,7 @@ from litestar import Litestar, Request, post
 
 from engines.builtin.cli import build_parser, engine_config
 from engines.builtin.config import EngineConfig
-from engines.builtin.server import DEFAULT_SERVED_MODEL_NAME, served_model_name
+from engines.builtin.http_app import DEFAULT_SERVED_MODEL_NAME, served_model_name
 
 
 def test_engine_defaults_come_from_engine_config():

@@ -18,7 +18,7 @@ from litestar import Litestar, Request, Response, post
 from litestar.params import FromPath
 
 from engines.builtin.config import EngineConfig
-from engines.builtin.server import DEFAULT_SERVED_MODEL_NAME, GatewayRegistration, create_app
+from engines.builtin.http_app import DEFAULT_SERVED_MODEL_NAME, GatewayRegistration, create_app
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -241,30 +241,30 @@ async def test_context_primitives_fill_fork_generate_free(engine):
     from engines.builtin.serving import ContextFillRequest, ContextGenerateRequest, EngineNotFound
 
     baseline = (await engine.stats()).blocks_free
-    parent = await engine.fill_context(ContextFillRequest(text="one two three four five six seven eight " * 3))
-    child = await engine.fill_context(ContextFillRequest(parent_context_id=parent.context_id, text=" nine ten"))
+    parent = await engine.contexts.fill(ContextFillRequest(text="one two three four five six seven eight " * 3))
+    child = await engine.contexts.fill(ContextFillRequest(parent_context_id=parent.context_id, text=" nine ten"))
     assert child.num_tokens > parent.num_tokens
     assert child.cached_tokens >= parent.num_tokens // 16 * 16  # the parent's full blocks are shared
     request = ContextGenerateRequest(temperature=0, max_tokens=5, ignore_eos=True)
-    first = await asyncio.wait_for(engine.generate_in_context(child.context_id, request), 20)
+    first = await asyncio.wait_for(engine.contexts.generate(child.context_id, request), 20)
     assert len(first.token_ids) == first.usage.completion_tokens == 5 and first.finish_reason == "length"
     # The output was appended to the child: a later fill lands after it.
-    extended = await engine.fill_context(ContextFillRequest(context_id=child.context_id, tokens=[42]))
+    extended = await engine.contexts.fill(ContextFillRequest(context_id=child.context_id, tokens=[42]))
     assert extended.num_tokens == child.num_tokens + 5 + 1
-    assert await engine.free_context(child.context_id) >= 1
-    await engine.free_context(parent.context_id)
+    assert await engine.contexts.free(child.context_id) >= 1
+    await engine.contexts.free(parent.context_id)
     assert (await engine.stats()).blocks_free == baseline
     with pytest.raises(EngineNotFound):
-        await engine.free_context(child.context_id)
+        await engine.contexts.free(child.context_id)
 
 
 async def test_a_fork_without_max_tokens_stops_at_its_max_tokens_limit(engine):
     from engines.builtin.serving import ContextFillRequest, ContextGenerateRequest
 
-    parent = await engine.fill_context(ContextFillRequest(text="one two three four five six seven eight"))
+    parent = await engine.contexts.fill(ContextFillRequest(text="one two three four five six seven eight"))
     request = ContextGenerateRequest(temperature=0, ignore_eos=True, fork=True, text=" nine", max_tokens_limit=4)
     try:
-        generation = await asyncio.wait_for(engine.generate_in_context(parent.context_id, request), 20)
+        generation = await asyncio.wait_for(engine.contexts.generate(parent.context_id, request), 20)
     finally:
-        await engine.free_context(parent.context_id)
+        await engine.contexts.free(parent.context_id)
     assert len(generation.token_ids) == 4 and generation.finish_reason == "length"

@@ -1,6 +1,7 @@
-"""HTTP server for one builtin engine process: the OpenAI routes plus Parrot's context primitives.
+"""The HTTP app of one builtin engine process: the OpenAI routes plus Parrot's context primitives.
 
-Handlers are thin: decode a Struct, call ``BuiltinEngine``, encode. The app's lifespan owns the
+Handlers are thin: litestar decodes the body into its Struct once (the only decode in this process),
+the handler calls a surface of ``BuiltinEngine``, errors are answered by http_plumbing/http_errors.py. The app's lifespan owns the
 ``LLMEngine`` (loaded off the event loop; it computes on its own thread) and, when a gateway
 is configured, the task that registers this engine and keeps it alive with heartbeats.
 """
@@ -12,7 +13,7 @@ import logging
 import secrets
 import time
 from contextlib import aclosing, asynccontextmanager
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
 import httpx
 import msgspec
@@ -32,7 +33,6 @@ from engines.builtin.serving import (
     ContextFillRequest,
     ContextGenerateRequest,
     ContextGenerationChunk,
-    LLMCore,
 )
 from engines.builtin.membership import GatewayMembership, GatewayRegistration
 from engines.builtin.prompt_split import PromptSplitRequest, split_prompt
@@ -46,6 +46,9 @@ from wire.openai import (
     ModelList,
     encoder,
 )
+
+if TYPE_CHECKING:
+    from engines.builtin.engine import LLMEngine as EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +103,7 @@ async def sse(chunks: AsyncIterator[bytes]) -> Stream:
 
 
 async def _generation_chunks(engine: BuiltinEngine, context_id: str, request: ContextGenerateRequest) -> AsyncIterator[bytes]:
-    pieces = engine.generate_in_context_stream(context_id, request)
+    pieces = engine.contexts.generate_stream(context_id, request)
     async with aclosing(pieces):
         async for piece in pieces:
             yield encoder.encode(ContextGenerationChunk(piece.text, piece.token_ids, piece.finish_reason))
@@ -138,16 +141,16 @@ async def _answer(request: Request, work: Awaitable[Any]) -> Response:
 async def chat_completions(request: Request, data: JSONBody[ChatCompletionRequest]) -> Response:
     engine = _engine_serving(request, data.model)
     if data.stream:
-        return await sse(engine.chat_stream(data))
-    return await _answer(request, engine.chat(data))
+        return await sse(engine.chats.stream(data))
+    return await _answer(request, engine.chats.create(data))
 
 
 @post("/v1/completions", status_code=200)
 async def completions(request: Request, data: JSONBody[CompletionRequest]) -> Response:
     engine = _engine_serving(request, data.model)
     if data.stream:
-        return await sse(engine.complete_stream(data))
-    return await _answer(request, engine.complete(data))
+        return await sse(engine.completions.stream(data))
+    return await _answer(request, engine.completions.create(data))
 
 
 @post("/v1/prompt_split", status_code=200)
@@ -176,7 +179,7 @@ async def stats(request: Request) -> EngineStats:
 
 @post("/v1/contexts", status_code=200)
 async def fill_context(request: Request, data: JSONBody[ContextFillRequest]) -> FillResult:
-    return await _engine(request).fill_context(data)
+    return await _engine(request).contexts.fill(data)
 
 
 @post("/v1/contexts/{context_id:str}/generate", status_code=200)
@@ -184,12 +187,12 @@ async def generate_in_context(request: Request, context_id: FromPath[str], data:
     engine = _engine(request)
     if data.stream:
         return await sse(_generation_chunks(engine, context_id, data))
-    return await _answer(request, engine.generate_in_context(context_id, data))
+    return await _answer(request, engine.contexts.generate(context_id, data))
 
 
 @delete("/v1/contexts/{context_id:str}", status_code=200)
 async def free_context(request: Request, context_id: FromPath[str]) -> dict[str, int]:
-    return {"freed_blocks": await _engine(request).free_context(context_id)}
+    return {"freed_blocks": await _engine(request).contexts.free(context_id)}
 
 
 # ---------------------------------------------------------------- gateway registration
@@ -198,7 +201,7 @@ async def free_context(request: Request, context_id: FromPath[str]) -> dict[str,
 def create_app(
     config: EngineConfig | None = None,
     *,
-    llm: LLMCore | None = None,
+    llm: "EngineCore | None" = None,
     model_name: str | None = None,
     registration: GatewayRegistration | None = None,
     secret: str | None = None,

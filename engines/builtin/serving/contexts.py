@@ -1,0 +1,144 @@
+"""Parrot's context primitives on the builtin engine: fill (with fork), generate after a context (or
+forked from it), free; and their request bodies."""
+
+from __future__ import annotations
+
+from contextlib import aclosing
+from typing import Annotated, AsyncIterator
+
+import msgspec
+from msgspec import Meta
+
+from engines.builtin.tokenizer import IncrementalDetokenizer, text_tokens
+from engines.builtin.types import FillResult
+from wire.openai import (
+    Usage,
+)
+from wire.sampling import SamplingWithHints, check_sampling
+from engines.builtin.serving.errors import EngineBadRequest, translate, translated
+from engines.builtin.serving.choices import ChoiceResult, Piece, decode_events, usage_of
+from engines.builtin.serving.model_serving import ModelServing
+
+
+# ---------------------------------------------------------------- primitives' bodies
+
+
+class ContextFillRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+    context_id: str | None = None
+    parent_context_id: str | None = None
+    tokens: list[int] | None = None
+    text: str | None = None
+    # With context_id: create it only if it does not exist and answer at once, its fill queued (how a
+    # gateway pins a shared prefix without waiting for it); an existing context is left as it is.
+    if_absent: bool = False
+
+
+class ContextGenerateRequest(SamplingWithHints, kw_only=True, omit_defaults=True):
+    # With fork: generate after the context's tokens plus these, in a temporary child freed at the end
+    # (one call instead of fill + generate + free: how a gateway runs a request on a shared prefix).
+    text: str | None = None
+    tokens: list[int] | None = None
+    fork: bool = False
+    # With fork: the context's own text, to create it from if it does not exist yet. Requests naming
+    # one new prefix can then all be sent at once: the first creates it, and the step that computes
+    # it (or the prefix cache after) shares its KV with every fork.
+    context_text: str | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] = 0
+    stream: bool = False
+
+    def __post_init__(self) -> None:  # a ValueError here is a msgspec.ValidationError: a 400
+        if self.max_tokens == 0:
+            raise ValueError("max_tokens must be at least 1")
+        check_sampling(self)
+
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+
+class ContextGenerationChunk(msgspec.Struct):
+    """One streamed step of a generation appended to a context."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+class ContextGeneration(ContextGenerationChunk):
+    """A whole generation appended to a context, as ``/v1/contexts/{id}/generate`` answers."""
+
+    usage: Usage  # prompt_tokens: the tokens given with the request (a fork's text), not the context's
+    context_tokens: int  # the context's tokens the generation followed
+
+
+class ContextPrimitives(ModelServing):
+
+    async def fill(self, request: ContextFillRequest) -> FillResult:
+        if (request.tokens is None) == (request.text is None):
+            raise EngineBadRequest("give exactly one of 'tokens' and 'text'", "tokens")
+        if request.if_absent and (request.context_id is None or request.parent_context_id is not None):
+            raise EngineBadRequest("'if_absent' needs a 'context_id' and no 'parent_context_id'", "if_absent")
+        tokens = request.tokens if request.tokens is not None else text_tokens(self.tokenizer, request.text or "")
+        if not tokens:
+            raise EngineBadRequest("nothing to fill: 'tokens'/'text' is empty", "tokens")
+        self.check_token_ids(tokens, "tokens")
+        try:
+            if request.if_absent:
+                created = self.llm.ensure_context(request.context_id, tokens)
+                length = self.llm.context_length(request.context_id)
+                length = len(tokens) if length is None else length  # None: freed meanwhile; it held these
+                return FillResult(request.context_id, length, 0 if created else length)
+            return await self.llm.fill(tokens, context_id=request.context_id, parent_context_id=request.parent_context_id)
+        except Exception as exc:
+            raise translate(exc) from exc
+
+    async def free(self, context_id: str) -> int:
+        try:
+            return await self.llm.free_context(context_id)
+        except Exception as exc:
+            raise translate(exc) from exc
+
+    async def generate(self, context_id: str, request: ContextGenerateRequest) -> ContextGeneration:
+        context_tokens, suffix_tokens, pieces = self._start(context_id, request)
+        result = ChoiceResult()
+        async with aclosing(translated(pieces)) as checked:
+            async for piece in checked:
+                result.add(piece)
+        usage = usage_of(suffix_tokens, len(result.token_ids))
+        return ContextGeneration(result.text, result.token_ids, result.finish_reason, usage, context_tokens)
+
+    async def generate_stream(self, context_id: str, request: ContextGenerateRequest) -> AsyncIterator[Piece]:
+        """Generates after a context's tokens and appends the output to it; with ``fork``, after the
+        context's tokens plus ``text``/``tokens`` in a temporary child, leaving the context as it was."""
+        _, _, pieces = self._start(context_id, request)
+        async with aclosing(translated(pieces)) as checked:
+            async for piece in checked:
+                yield piece
+
+    def _start(self, context_id: str, request: ContextGenerateRequest) -> tuple[int, int, AsyncIterator[Piece]]:
+        """Checks and starts a generation after a context: (the context's tokens, the request's own, pieces)."""
+        suffix = self._suffix_tokens(request)
+        if suffix and not request.fork:
+            raise EngineBadRequest("'text'/'tokens' need 'fork': true (fill a context to append to it)", "fork")
+        if request.fork and not suffix:
+            raise EngineBadRequest("'fork' needs 'text' or 'tokens' to generate from", "text")
+        if request.context_text is not None and not request.fork:
+            raise EngineBadRequest("'context_text' needs 'fork': true", "context_text")
+        params = self.sampling_params(request, len(suffix), logprobs=request.logprobs,
+                                      top_logprobs=request.top_logprobs)
+        detok = IncrementalDetokenizer(self.tokenizer, request.stop_list())
+        length = self.llm.context_length(context_id)
+        # Tokenized only to create the context: requests that find it (most) skip that.
+        context = text_tokens(self.tokenizer, request.context_text) if request.context_text and length is None else None
+        events = (self.llm.generate_from_prompt(suffix, params, parent_context_id=context_id, parent_tokens=context)
+                  if request.fork else self.llm.generate(context_id, params))
+        context_tokens = length if length is not None else len(context or ())  # 0: not found, as the events say
+        return context_tokens, len(suffix), decode_events(events, detok, self.hidden_ids(params))
+
+    def _suffix_tokens(self, request: ContextGenerateRequest) -> list[int]:
+        if request.text is not None and request.tokens is not None:
+            raise EngineBadRequest("give at most one of 'tokens' and 'text'", "tokens")
+        if request.tokens is not None:
+            self.check_token_ids(request.tokens, "tokens")
+            return request.tokens
+        return text_tokens(self.tokenizer, request.text) if request.text else []
