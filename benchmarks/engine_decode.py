@@ -29,7 +29,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from engines.builtin.config import EngineConfig  # noqa: E402
-from engines.builtin.engine import LLMEngine  # noqa: E402
+from engines.builtin.core import EngineCore  # noqa: E402
 from engines.builtin.types import SamplingParams  # noqa: E402
 
 # LlamaConfig keyword sets; geometry of the public models, weights random.
@@ -86,7 +86,7 @@ def random_checkpoint(preset: str) -> str:
     return str(directory)
 
 
-def prefilled_engine(engine: LLMEngine, batch: int, prompt_len: int, seed: int = 0) -> None:
+def prefilled_engine(engine: EngineCore, batch: int, prompt_len: int, seed: int = 0) -> None:
     """Starts `batch` endless greedy generations and steps until each has its first token."""
     generator = torch.Generator().manual_seed(seed)
     vocab = engine.runner.model.config.vocab_size
@@ -97,12 +97,12 @@ def prefilled_engine(engine: LLMEngine, batch: int, prompt_len: int, seed: int =
         engine.step()
 
 
-def synchronize(engine: LLMEngine) -> None:
+def synchronize(engine: EngineCore) -> None:
     if engine.runner.device.type == "cuda":
         torch.cuda.synchronize()
 
 
-def timed_steps(engine: LLMEngine, steps: int) -> float:
+def timed_steps(engine: EngineCore, steps: int) -> float:
     synchronize(engine)
     start = time.perf_counter()
     for _ in range(steps):
@@ -111,12 +111,12 @@ def timed_steps(engine: LLMEngine, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def abort_all(engine: LLMEngine) -> None:
+def abort_all(engine: EngineCore) -> None:
     engine._abort_all()  # the generations are temporary contexts: their blocks go back
 
 
 def bench_decode(config: EngineConfig, args) -> None:
-    engine = LLMEngine(config)
+    engine = EngineCore(config)
     print(f"model {engine.model_name}, device {config.device}, dtype {config.dtype}, "
           f"quantization {config.quantization}, "
           f"torch threads {torch.get_num_threads()}, median of {args.repeats}")
@@ -130,7 +130,7 @@ def bench_decode(config: EngineConfig, args) -> None:
 
 
 def bench_forks(config: EngineConfig, args) -> None:
-    engine = LLMEngine(config)
+    engine = EngineCore(config)
     runner = engine.runner
     print(f"16 forks decoding on {config.device}: step time with the shared-prefix kernel vs paged decode")
     print(f"{'prefix':>7}{'paged ms':>10}{'shared ms':>11}{'shared/paged':>14}")

@@ -27,7 +27,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from engines.builtin.config import EngineConfig  # noqa: E402
-from engines.builtin.engine import LLMEngine  # noqa: E402
+from engines.builtin.core import EngineCore  # noqa: E402
 from engines.builtin.types import SamplingParams  # noqa: E402
 
 TOPICS = ["parrots", "the ocean", "volcanoes", "chess", "bread", "rain", "trains", "music", "bees", "clocks",
@@ -78,7 +78,7 @@ def shared_prefix_length(prompts: list[list[int]]) -> int:
     return n
 
 
-def engine_run(engine: LLMEngine, name: str, prompts: list[list[int]], max_tokens: int):
+def engine_run(engine: EngineCore, name: str, prompts: list[list[int]], max_tokens: int):
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     if name != "shared":
         return lambda: engine.generate_batch(prompts, params)
@@ -105,7 +105,7 @@ def engine_run(engine: LLMEngine, name: str, prompts: list[list[int]], max_token
     return run
 
 
-def bench_engine(engine: LLMEngine, args, loads) -> tuple[dict[str, float], dict[str, str]]:
+def bench_engine(engine: EngineCore, args, loads) -> tuple[dict[str, float], dict[str, str]]:
     engine.generate_batch([loads["single"][0][0]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm-up
     rates, notes = {}, {}
     for name, (prompts, max_tokens) in loads.items():
@@ -199,7 +199,7 @@ def main() -> None:
     notes: dict[str, str] = {}
     for scheme in args.quantization:
         quantization = None if scheme == "none" else scheme
-        engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads,
+        engine = EngineCore(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads,
                                         quantization=quantization))
         tokenizer = engine.tokenizer
         loads = workloads(tokenizer)

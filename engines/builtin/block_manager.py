@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Callable
 
-from engines.builtin.sequence import Sequence
+from engines.builtin.context import Context
 
 NO_HASH = None
 
@@ -68,60 +68,60 @@ class BlockManager:
     def num_cached_tokens(self) -> int:
         return len(self.cached) * self.block_size
 
-    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+    def blocks_needed(self, ctx: Context, num_new_tokens: int) -> int:
         """Blocks to add so that the next ``num_new_tokens`` uncomputed tokens have slots."""
-        needed_slots = seq.num_computed_tokens + num_new_tokens
-        return max(0, -(-needed_slots // self.block_size) - len(seq.block_table))
+        needed_slots = ctx.num_computed_tokens + num_new_tokens
+        return max(0, -(-needed_slots // self.block_size) - len(ctx.block_table))
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
+    def can_allocate(self, ctx: Context, num_new_tokens: int) -> bool:
+        return self.blocks_needed(ctx, num_new_tokens) <= self.num_free_blocks
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+    def allocate(self, ctx: Context, num_new_tokens: int) -> None:
         """Slots for the next ``num_new_tokens`` tokens, which this step computes."""
-        for _ in range(self.blocks_needed(seq, num_new_tokens)):
-            seq.block_table.append(self._take_free_block().block_id)
-        self._publish(seq, seq.num_computed_tokens + num_new_tokens)
+        for _ in range(self.blocks_needed(ctx, num_new_tokens)):
+            ctx.block_table.append(self._take_free_block().block_id)
+        self._publish(ctx, ctx.num_computed_tokens + num_new_tokens)
 
-    def match_prefix(self, seq: Sequence, max_tokens: int) -> int:
-        """Extends ``seq`` with cached blocks holding its next full blocks; returns tokens reused.
+    def match_prefix(self, ctx: Context, max_tokens: int) -> int:
+        """Extends ``ctx`` with cached blocks holding its next full blocks; returns tokens reused.
 
         Only from a block boundary with nothing allocated past the computed tokens, and at most
         ``max_tokens`` (a generation must still compute its last prompt token to get logits).
         """
         size = self.block_size
-        start = seq.num_computed_tokens
-        if not self.prefix_caching or start % size or len(seq.block_table) * size != start:
+        start = ctx.num_computed_tokens
+        if not self.prefix_caching or start % size or len(ctx.block_table) * size != start:
             return 0
         reused = 0
-        previous = self.blocks[seq.block_table[-1]].hash if seq.block_table else None
-        while start + reused + size <= min(len(seq), start + max_tokens):
-            if seq.block_table and previous is NO_HASH:
+        previous = self.blocks[ctx.block_table[-1]].hash if ctx.block_table else None
+        while start + reused + size <= min(len(ctx), start + max_tokens):
+            if ctx.block_table and previous is NO_HASH:
                 break
-            tokens = tuple(seq.token_ids[start + reused : start + reused + size])
+            tokens = tuple(ctx.token_ids[start + reused : start + reused + size])
             block_id = self.cached.get(chain_hash(previous, tokens))
             if block_id is None or self.blocks[block_id].token_ids != tokens:
                 break
             self._reference(block_id)
-            seq.block_table.append(block_id)
+            ctx.block_table.append(block_id)
             previous = self.blocks[block_id].hash
             reused += size
-        seq.num_computed_tokens += reused
+        ctx.num_computed_tokens += reused
         self.prefix_hit_tokens += reused
         return reused
 
-    def _publish(self, seq: Sequence, computed_after: int) -> None:
-        """Publishes the blocks that are full once ``seq`` has ``computed_after`` tokens computed."""
+    def _publish(self, ctx: Context, computed_after: int) -> None:
+        """Publishes the blocks that are full once ``ctx`` has ``computed_after`` tokens computed."""
         if not self.prefix_caching:
             return
         size = self.block_size
-        for index in range(seq.num_computed_tokens // size, computed_after // size):
-            block = self.blocks[seq.block_table[index]]
+        for index in range(ctx.num_computed_tokens // size, computed_after // size):
+            block = self.blocks[ctx.block_table[index]]
             if block.hash is not NO_HASH:
                 continue
-            previous = self.blocks[seq.block_table[index - 1]].hash if index else None
+            previous = self.blocks[ctx.block_table[index - 1]].hash if index else None
             if index and previous is NO_HASH:
                 return  # a chain with a gap names no prefix
-            block.token_ids = tuple(seq.token_ids[index * size : (index + 1) * size])
+            block.token_ids = tuple(ctx.token_ids[index * size : (index + 1) * size])
             block.hash = chain_hash(previous, block.token_ids)
             if block.hash not in self.cached:  # another block with this prefix stays the one found
                 self.cached[block.hash] = block.block_id
@@ -143,7 +143,7 @@ class BlockManager:
         self._in_flight.clear()
         return untrusted
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
+    def fork(self, parent: Context, child: Context) -> None:
         """Gives ``child`` the parent's KV: full computed blocks shared, the remainder copied."""
         size = self.block_size
         num_full = parent.num_computed_tokens // size
@@ -162,37 +162,37 @@ class BlockManager:
         child.num_computed_tokens = num_full * size + remainder
         self.prefix_hit_tokens += child.num_computed_tokens
 
-    def uncompute_last_token(self, seq: Sequence) -> None:
+    def uncompute_last_token(self, ctx: Context) -> None:
         """Marks the last token's KV as not computed, so a generation gets its logits again.
 
         The token is rewritten in place, so a block other sequences share is copied first.
         """
-        assert seq.num_computed_tokens == len(seq) > 0
-        seq.num_computed_tokens -= 1
-        index, rows = divmod(seq.num_computed_tokens, self.block_size)
-        block_id = seq.block_table[index]
+        assert ctx.num_computed_tokens == len(ctx) > 0
+        ctx.num_computed_tokens -= 1
+        index, rows = divmod(ctx.num_computed_tokens, self.block_size)
+        block_id = ctx.block_table[index]
         if self.blocks[block_id].ref_count == 1:
             return
         if not self.free:
-            self.release(seq)  # nowhere to copy to: recompute it all, helped by the prefix cache
+            self.release(ctx)  # nowhere to copy to: recompute it all, helped by the prefix cache
             return
         copy = self._take_free_block()
         self.copy_rows(block_id, copy.block_id, rows)
         self.blocks[block_id].ref_count -= 1  # still shared by others, so never reaches zero here
-        seq.block_table[index] = copy.block_id
+        ctx.block_table[index] = copy.block_id
 
-    def release(self, seq: Sequence) -> int:
-        """Drops ``seq``'s blocks (its KV is then recomputed if needed); returns blocks freed."""
+    def release(self, ctx: Context) -> int:
+        """Drops ``ctx``'s blocks (its KV is then recomputed if needed); returns blocks freed."""
         freed = 0
-        for block_id in reversed(seq.block_table):
+        for block_id in reversed(ctx.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
                 # Tail blocks go in first so that a prefix's head outlives its tail under LRU.
                 self.free[block_id] = None
                 freed += 1
-        seq.block_table = []
-        seq.num_computed_tokens = 0
+        ctx.block_table = []
+        ctx.num_computed_tokens = 0
         return freed
 
     def _reference(self, block_id: int) -> None:

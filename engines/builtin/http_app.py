@@ -2,7 +2,7 @@
 
 Handlers are thin: litestar decodes the body into its Struct once (the only decode in this process),
 the handler calls a surface of ``BuiltinEngine``, errors are answered by http_plumbing/http_errors.py. The app's lifespan owns the
-``LLMEngine`` (loaded off the event loop; it computes on its own thread) and, when a gateway
+``EngineCore`` (loaded off the event loop; it computes on its own thread) and, when a gateway
 is configured, the task that registers this engine and keeps it alive with heartbeats.
 """
 
@@ -48,7 +48,7 @@ from wire.openai import (
 )
 
 if TYPE_CHECKING:
-    from engines.builtin.engine import LLMEngine as EngineCore
+    from engines.builtin.core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -218,10 +218,10 @@ def create_app(
         started = time.perf_counter()
         core = llm
         if core is None:
-            from engines.builtin.engine import LLMEngine
+            from engines.builtin.core import EngineCore
 
             log(f"loading {config.model or 'the default model (' + DEFAULT_SERVED_MODEL_NAME + ')'} ...")
-            core = await asyncio.to_thread(LLMEngine, config)
+            core = await asyncio.to_thread(EngineCore, config)
             core.start()
         app.state.engine = BuiltinEngine(core, model_name=model_name or served_model_name(config))
         log(f"ready in {time.perf_counter() - started:.1f}s")

@@ -10,7 +10,7 @@ import torch
 from engines.builtin.attention import AttentionMetadata, DecodeMetadata, PrefillMetadata, SharedPrefixMetadata
 from engines.builtin.model import LlamaForCausalLM, head_dim_of
 from engines.builtin.sampler import SampleResult, Sampler, score_tokens
-from engines.builtin.sequence import Sequence
+from engines.builtin.context import Context
 from engines.builtin.types import TokenScore
 from kernels import dispatch
 
@@ -31,23 +31,23 @@ class PrefixGroup:
 @dataclass
 class ScheduledBatch:
     # (sequence, tokens to compute this step); single-token entries (decodes) first.
-    entries: list[tuple[Sequence, int]]
+    entries: list[tuple[Context, int]]
     prefix_groups: list[PrefixGroup] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return sum(n for _, n in self.entries)
 
-    def sampled(self) -> list[Sequence]:
+    def sampled(self) -> list[Context]:
         """Sequences that reach the end of their tokens this step and want a next token."""
-        return [seq for seq, n in self.entries if not seq.is_fill and seq.num_computed_tokens + n == len(seq)]
+        return [ctx for ctx, n in self.entries if not ctx.is_fill and ctx.num_computed_tokens + n == len(ctx)]
 
 
 @dataclass
 class StepResult:
     samples: SampleResult | None  # the next token of each of the batch's ``sampled()`` sequences
     # Scoring fills: (sequence, position of its first scored token, scores of this step's positions).
-    scores: list[tuple[Sequence, int, list[TokenScore]]] = field(default_factory=list)
+    scores: list[tuple[Context, int, list[TokenScore]]] = field(default_factory=list)
 
 
 # Score rows go through log-softmax this many at a time: a 1024-token chunk's logits are 200 MB
@@ -89,17 +89,17 @@ class ModelRunner:
         return StepResult(samples, self._scores(logits[len(sampled):], scored) if scored else [])
 
     @staticmethod
-    def _scores(logits: torch.Tensor, scored: list[tuple[Sequence, int, int]]) -> list[tuple[Sequence, int, list[TokenScore]]]:
+    def _scores(logits: torch.Tensor, scored: list[tuple[Context, int, int]]) -> list[tuple[Context, int, list[TokenScore]]]:
         """Scores of each (sequence, first position, end position): row p predicts prompt token p + 1."""
-        targets = [t for seq, first, end in scored for t in seq.token_ids[first + 1 : end + 1]]
-        top_k = [seq.score_top_k for seq, first, end in scored for _ in range(first, end)]
+        targets = [t for ctx, first, end in scored for t in ctx.token_ids[first + 1 : end + 1]]
+        top_k = [ctx.score_top_k for ctx, first, end in scored for _ in range(first, end)]
         flat: list[TokenScore] = []
         for at in range(0, len(targets), SCORE_ROWS_PER_PASS):
             part = slice(at, at + SCORE_ROWS_PER_PASS)
             flat += score_tokens(logits[part].cpu(), targets[part], top_k[part])
         out, at = [], 0
-        for seq, first, end in scored:
-            out.append((seq, first + 1, flat[at : at + end - first]))
+        for ctx, first, end in scored:
+            out.append((ctx, first + 1, flat[at : at + end - first]))
             at += end - first
         return out
 
@@ -109,28 +109,28 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         logit_rows: list[int] = []
-        sampled: list[Sequence] = []
+        sampled: list[Context] = []
         score_rows: list[int] = []
-        scored: list[tuple[Sequence, int, int]] = []  # (sequence, first row position, end position)
-        decodes: list[Sequence] = []
-        prefills: list[tuple[Sequence, int]] = []
-        for seq, n in batch.entries:
-            start = seq.num_computed_tokens
+        scored: list[tuple[Context, int, int]] = []  # (sequence, first row position, end position)
+        decodes: list[Context] = []
+        prefills: list[tuple[Context, int]] = []
+        for ctx, n in batch.entries:
+            start = ctx.num_computed_tokens
             row = len(token_ids)
-            token_ids += seq.token_ids[start : start + n]
+            token_ids += ctx.token_ids[start : start + n]
             positions += range(start, start + n)
-            slots += [seq.block_table[p // size] * size + p % size for p in range(start, start + n)]
+            slots += [ctx.block_table[p // size] * size + p % size for p in range(start, start + n)]
             if n == 1:  # a one-token chunk attends like a decode
-                decodes.append(seq)
+                decodes.append(ctx)
             else:
-                prefills.append((seq, n))
-            if not seq.is_fill and start + n == len(seq):
+                prefills.append((ctx, n))
+            if not ctx.is_fill and start + n == len(ctx):
                 logit_rows.append(row + n - 1)
-                sampled.append(seq)
-            end = min(start + n, len(seq) - 1)  # rows before the last one predict a prompt token
-            if seq.score_top_k is not None and end > start:
+                sampled.append(ctx)
+            end = min(start + n, len(ctx) - 1)  # rows before the last one predict a prompt token
+            if ctx.score_top_k is not None and end > start:
                 score_rows += range(row, row + end - start)
-                scored.append((seq, start, end))
+                scored.append((ctx, start, end))
         meta = AttentionMetadata(slot_mapping=self._tensor(slots, torch.long), num_decodes=len(decodes))
         if decodes and self._worth_sharing(batch.prefix_groups, len(decodes)):
             meta.shared_prefix = self._shared_prefix(decodes, batch.prefix_groups)
@@ -157,20 +157,20 @@ class ModelRunner:
     def _blocks(self, length: int) -> int:
         return -(-length // self.block_size)
 
-    def _decode(self, seqs: list[Sequence]) -> DecodeMetadata:
-        lens = [seq.num_computed_tokens + 1 for seq in seqs]
-        tables = [seq.block_table[: self._blocks(n)] for seq, n in zip(seqs, lens)]
+    def _decode(self, seqs: list[Context]) -> DecodeMetadata:
+        lens = [ctx.num_computed_tokens + 1 for ctx in seqs]
+        tables = [ctx.block_table[: self._blocks(n)] for ctx, n in zip(seqs, lens)]
         return DecodeMetadata(self._tables(tables), self._tensor(lens))
 
-    def _shared_prefix(self, seqs: list[Sequence], groups: list[PrefixGroup]) -> SharedPrefixMetadata:
+    def _shared_prefix(self, seqs: list[Context], groups: list[PrefixGroup]) -> SharedPrefixMetadata:
         prefix_ids = [-1] * len(seqs)
         shared_blocks = [0] * len(seqs)
         for group_id, group in enumerate(groups):
             for i in group.members:
                 prefix_ids[i], shared_blocks[i] = group_id, group.num_blocks
-        lens = [seq.num_computed_tokens + 1 - shared * self.block_size for seq, shared in zip(seqs, shared_blocks)]
+        lens = [ctx.num_computed_tokens + 1 - shared * self.block_size for ctx, shared in zip(seqs, shared_blocks)]
         suffix_tables = [
-            seq.block_table[shared : shared + self._blocks(n)] for seq, shared, n in zip(seqs, shared_blocks, lens)
+            ctx.block_table[shared : shared + self._blocks(n)] for ctx, shared, n in zip(seqs, shared_blocks, lens)
         ]
         prefix_tables = [seqs[g.members[0]].block_table[: g.num_blocks] for g in groups]
         return SharedPrefixMetadata(
@@ -181,12 +181,12 @@ class ModelRunner:
             suffix_lens=self._tensor(lens),
         )
 
-    def _prefill(self, chunks: list[tuple[Sequence, int]]) -> PrefillMetadata:
-        lens = [seq.num_computed_tokens + n for seq, n in chunks]
+    def _prefill(self, chunks: list[tuple[Context, int]]) -> PrefillMetadata:
+        lens = [ctx.num_computed_tokens + n for ctx, n in chunks]
         cu_seqlens = [0]
         for _, n in chunks:
             cu_seqlens.append(cu_seqlens[-1] + n)
-        tables = [seq.block_table[: self._blocks(length)] for (seq, _), length in zip(chunks, lens)]
+        tables = [ctx.block_table[: self._blocks(length)] for (ctx, _), length in zip(chunks, lens)]
         return PrefillMetadata(
             self._tables(tables), self._tensor(cu_seqlens), self._tensor(lens), max(n for _, n in chunks)
         )

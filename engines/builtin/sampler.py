@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from engines.builtin.grammar import mask_logits
-from engines.builtin.sequence import Sequence
+from engines.builtin.context import Context
 from engines.builtin.types import SamplingParams, TokenScore
 
 
@@ -40,15 +40,15 @@ class Sampler:
     def __init__(self, seed: int):
         self.generator = torch.Generator().manual_seed(seed)  # for rows without a seed of their own
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+    def __call__(self, logits: torch.Tensor, seqs: list[Context]) -> SampleResult:
         # logits: [batch, vocab] float32, row i for seqs[i]
-        params = [seq.params for seq in seqs]
+        params = [ctx.params for ctx in seqs]
         if not any(needs_full_path(p) for p in params):
             return SampleResult(logits.argmax(dim=-1).tolist())
         logits = logits.clone()
         apply_logit_bias(logits, params)
         apply_penalties(logits, seqs)
-        grammars = [(i, seq.grammar) for i, seq in enumerate(seqs) if seq.grammar is not None]
+        grammars = [(i, ctx.grammar) for i, ctx in enumerate(seqs) if ctx.grammar is not None]
         if grammars:
             mask_logits(logits, grammars)
         logprobs = torch.log_softmax(logits, dim=-1) if any(p.logprobs for p in params) else None
@@ -59,19 +59,19 @@ class Sampler:
             grammar.advance(result.token_ids[i])
         return result
 
-    def _draw(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> torch.Tensor:
+    def _draw(self, logits: torch.Tensor, seqs: list[Context], params: list[SamplingParams]) -> torch.Tensor:
         temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params]).unsqueeze(1)
         probs = torch.softmax(logits / temperature, dim=-1)
         probs = filter_top_k_top_p_min_p(probs, params)
         # Exponential race (argmax p/q, q ~ Exp(1)) equals a multinomial draw and lets each row
         # use its own generator without a per-row multinomial.
         noise = torch.empty_like(probs)
-        unseeded = [i for i, seq in enumerate(seqs) if seq.generator is None]
+        unseeded = [i for i, ctx in enumerate(seqs) if ctx.generator is None]
         if unseeded:
             noise[unseeded] = torch.empty(len(unseeded), probs.shape[1]).exponential_(generator=self.generator)
-        for i, seq in enumerate(seqs):
-            if seq.generator is not None:
-                noise[i].exponential_(generator=seq.generator)
+        for i, ctx in enumerate(seqs):
+            if ctx.generator is not None:
+                noise[i].exponential_(generator=ctx.generator)
         return (probs / noise).argmax(dim=-1)
 
     @staticmethod
@@ -109,7 +109,7 @@ def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None
             logits[row, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
 
 
-def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+def apply_penalties(logits: torch.Tensor, seqs: list[Context]) -> None:
     """OpenAI presence/frequency penalties over generated tokens; repetition penalty (CTRL-style,
     as in HF and vLLM) over prompt and generated tokens."""
     rows = [
@@ -121,13 +121,13 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
         return
     vocab = logits.shape[1]
     for row in rows:
-        seq, p = seqs[row], seqs[row].params
+        ctx, p = seqs[row], seqs[row].params
         if p.presence_penalty or p.frequency_penalty:
-            generated = seq.generated_token_ids()
+            generated = ctx.generated_token_ids()
             counts = torch.bincount(torch.tensor(generated, dtype=torch.long), minlength=vocab)[:vocab].to(logits.dtype)
             logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long)
+            seen = torch.tensor(sorted(set(ctx.token_ids)), dtype=torch.long)
             values = logits[row, seen]
             logits[row, seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
 

@@ -25,18 +25,18 @@ from typing import Callable
 from engines.builtin.block_manager import BlockManager
 from engines.builtin.config import EngineConfig
 from engines.builtin.model_runner import PrefixGroup, ScheduledBatch
-from engines.builtin.sequence import Sequence, Status, next_arrival
+from engines.builtin.context import Context, Status, next_arrival
 
 
-def service_order(seq: Sequence) -> tuple[int, int]:
-    return (-seq.priority, seq.arrival)
+def service_order(ctx: Context) -> tuple[int, int]:
+    return (-ctx.priority, ctx.arrival)
 
 
-def latency_first_order(seq: Sequence) -> tuple[bool, int, int]:
-    return (not seq.latency_critical, *service_order(seq))
+def latency_first_order(ctx: Context) -> tuple[bool, int, int]:
+    return (not ctx.latency_critical, *service_order(ctx))
 
 
-def prefix_groups(decodes: list[Sequence], block_size: int) -> list[PrefixGroup]:
+def prefix_groups(decodes: list[Context], block_size: int) -> list[PrefixGroup]:
     """Groups of two or more decodes whose block tables start with the same blocks.
 
     The block manager shares only full blocks (by fork or prefix-cache hit), computed at the
@@ -45,9 +45,9 @@ def prefix_groups(decodes: list[Sequence], block_size: int) -> list[PrefixGroup]
     leading blocks.
     """
     by_first_block: dict[int, list[int]] = {}
-    for i, seq in enumerate(decodes):
-        if seq.num_computed_tokens >= block_size:
-            by_first_block.setdefault(seq.block_table[0], []).append(i)
+    for i, ctx in enumerate(decodes):
+        if ctx.num_computed_tokens >= block_size:
+            by_first_block.setdefault(ctx.block_table[0], []).append(i)
     groups = []
     for members in by_first_block.values():
         if len(members) < 2:
@@ -68,24 +68,24 @@ class _Step:
 
     budget: int
     seats: int
-    order: Callable[[Sequence], tuple] = service_order  # who is served first, hence who may preempt whom
-    entries: list[tuple[Sequence, int]] = field(default_factory=list)
+    order: Callable[[Context], tuple] = service_order  # who is served first, hence who may preempt whom
+    entries: list[tuple[Context, int]] = field(default_factory=list)
     generations: int = 0
-    done_fills: list[Sequence] = field(default_factory=list)
+    done_fills: list[Context] = field(default_factory=list)
     out_of_blocks: bool = False  # a waiting sequence found no room: none served after it is admitted
 
-    def has_seat(self, seq: Sequence) -> bool:
-        return seq.is_fill or self.generations < self.seats
+    def has_seat(self, ctx: Context) -> bool:
+        return ctx.is_fill or self.generations < self.seats
 
-    def add(self, seq: Sequence, num_tokens: int, block_manager: BlockManager) -> None:
-        block_manager.allocate(seq, num_tokens)
-        self.entries.append((seq, num_tokens))
-        self.generations += not seq.is_fill
+    def add(self, ctx: Context, num_tokens: int, block_manager: BlockManager) -> None:
+        block_manager.allocate(ctx, num_tokens)
+        self.entries.append((ctx, num_tokens))
+        self.generations += not ctx.is_fill
         self.budget -= num_tokens
 
 
-def _in_pass(seq: Sequence, latency_critical: bool | None) -> bool:
-    return latency_critical is None or seq.latency_critical == latency_critical
+def _in_pass(ctx: Context, latency_critical: bool | None) -> bool:
+    return latency_critical is None or ctx.latency_critical == latency_critical
 
 
 class Scheduler:
@@ -94,117 +94,117 @@ class Scheduler:
         self.latency_max_num_seqs = config.latency_max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.block_manager = block_manager
-        self.waiting: list[Sequence] = []
-        self.running: list[Sequence] = []
-        self.contexts: dict[str, Sequence] = {}  # every live context, idle ones included
+        self.waiting: list[Context] = []
+        self.running: list[Context] = []
+        self.contexts: dict[str, Context] = {}  # every live context, idle ones included
         self.num_preemptions = 0
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def add(self, seq: Sequence) -> None:
-        seq.arrival = next_arrival()
-        seq.status = Status.WAITING
-        self.waiting.append(seq)
+    def add(self, ctx: Context) -> None:
+        ctx.arrival = next_arrival()
+        ctx.status = Status.WAITING
+        self.waiting.append(ctx)
 
-    def remove(self, seq: Sequence) -> None:
-        """Detaches ``seq``'s request; the context itself stays (idle) unless temporary."""
-        if seq in self.running:
-            self.running.remove(seq)
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-        seq.status = Status.IDLE
+    def remove(self, ctx: Context) -> None:
+        """Detaches ``ctx``'s request; the context itself stays (idle) unless temporary."""
+        if ctx in self.running:
+            self.running.remove(ctx)
+        if ctx in self.waiting:
+            self.waiting.remove(ctx)
+        ctx.status = Status.IDLE
 
-    def schedule(self) -> tuple[ScheduledBatch, list[Sequence]]:
+    def schedule(self) -> tuple[ScheduledBatch, list[Context]]:
         """Returns the step's batch and the waiting fills that turned out fully cached (done)."""
         self.running.sort(key=service_order)
         step = _Step(self.max_num_batched_tokens, self.max_num_seqs)
         passes: tuple[bool | None, ...] = (None,)  # None: every sequence in one pass
         if self.latency_max_num_seqs is not None and any(
-                seq.latency_critical for seq in itertools.chain(self.running, self.waiting)):
+                ctx.latency_critical for ctx in itertools.chain(self.running, self.waiting)):
             step.seats, step.order, passes = self.latency_max_num_seqs, latency_first_order, (True, False)
         for latency_critical in passes:
             self._schedule_running(step, latency_critical)
             self._admit_waiting(step, latency_critical)
         entries = sorted(step.entries, key=lambda entry: entry[1] != 1)  # decodes first, as the runner expects
-        decodes = [seq for seq, n in entries if n == 1]
+        decodes = [ctx for ctx, n in entries if n == 1]
         return ScheduledBatch(entries, prefix_groups(decodes, self.block_manager.block_size)), step.done_fills
 
     def _schedule_running(self, step: _Step, latency_critical: bool | None) -> None:
-        for seq in list(self.running):
+        for ctx in list(self.running):
             if step.budget == 0:
                 return
-            if seq.status is not Status.RUNNING or not _in_pass(seq, latency_critical) or not step.has_seat(seq):
+            if ctx.status is not Status.RUNNING or not _in_pass(ctx, latency_critical) or not step.has_seat(ctx):
                 continue  # preempted to make room for a sequence served before it, or not its turn
-            n = min(seq.num_pending_tokens, step.budget)
-            if not self._make_room(seq, n, step.order):
-                self._preempt(seq)
+            n = min(ctx.num_pending_tokens, step.budget)
+            if not self._make_room(ctx, n, step.order):
+                self._preempt(ctx)
                 continue
-            step.add(seq, n, self.block_manager)
+            step.add(ctx, n, self.block_manager)
 
     def _admit_waiting(self, step: _Step, latency_critical: bool | None) -> None:
         # Latency-critical work is admitted even when throughput work fills max_num_seqs: that sits out.
         limited = latency_critical is not True
         self.waiting.sort(key=service_order)  # sequences preempted this step included
-        for seq in list(self.waiting):
+        for ctx in list(self.waiting):
             if step.budget == 0 or step.out_of_blocks or (limited and len(self.running) >= self.max_num_seqs):
                 return
-            if not _in_pass(seq, latency_critical) or not step.has_seat(seq):
+            if not _in_pass(ctx, latency_critical) or not step.has_seat(ctx):
                 continue
-            self.block_manager.match_prefix(seq, self._reusable_tokens(seq))
-            if seq.num_pending_tokens == 0:
-                self.waiting.remove(seq)
-                step.done_fills.append(seq)
+            self.block_manager.match_prefix(ctx, self._reusable_tokens(ctx))
+            if ctx.num_pending_tokens == 0:
+                self.waiting.remove(ctx)
+                step.done_fills.append(ctx)
                 continue
-            n = min(seq.num_pending_tokens, step.budget)
-            if not self._make_room(seq, n, step.order, preempt_running=False):
+            n = min(ctx.num_pending_tokens, step.budget)
+            if not self._make_room(ctx, n, step.order, preempt_running=False):
                 # Give back what matching took (full blocks stay cached): waiting sequences holding
                 # blocks could starve the running ones. Nobody served later may overtake it.
-                self.block_manager.release(seq)
+                self.block_manager.release(ctx)
                 step.out_of_blocks = True
                 return
-            self.waiting.remove(seq)
-            self.running.append(seq)
-            seq.status = Status.RUNNING
-            step.add(seq, n, self.block_manager)
+            self.waiting.remove(ctx)
+            self.running.append(ctx)
+            ctx.status = Status.RUNNING
+            step.add(ctx, n, self.block_manager)
 
     @staticmethod
-    def _reusable_tokens(seq: Sequence) -> int:
-        """How many of ``seq``'s next tokens may come from the prefix cache instead of being computed."""
-        if seq.score_top_k is not None:
+    def _reusable_tokens(ctx: Context) -> int:
+        """How many of ``ctx``'s next tokens may come from the prefix cache instead of being computed."""
+        if ctx.score_top_k is not None:
             # A scoring fill needs every position's logits: only the positions already scored (before
             # it was preempted) may be reused. Scores are keyed by the token they score: p needs row p - 1.
-            return max(seq.scores, default=0) - seq.num_computed_tokens
+            return max(ctx.scores, default=0) - ctx.num_computed_tokens
         # A generation must compute at least its last token to get logits.
-        return seq.num_pending_tokens - (0 if seq.is_fill else 1)
+        return ctx.num_pending_tokens - (0 if ctx.is_fill else 1)
 
-    def _make_room(self, seq: Sequence, num_tokens: int, order: Callable[[Sequence], tuple], *,
+    def _make_room(self, ctx: Context, num_tokens: int, order: Callable[[Context], tuple], *,
                    preempt_running: bool = True) -> bool:
-        while not self.block_manager.can_allocate(seq, num_tokens):
+        while not self.block_manager.can_allocate(ctx, num_tokens):
             victim = self._idle_victim()
             if victim is None and preempt_running:
-                victim = self._running_victim(seq, order)
+                victim = self._running_victim(ctx, order)
             if victim is None:
                 return False
             self._preempt(victim)
         return True
 
-    def _idle_victim(self) -> Sequence | None:
+    def _idle_victim(self) -> Context | None:
         idle = [s for s in self.contexts.values() if s.status is Status.IDLE and s.block_table]
         return min(idle, key=lambda s: s.last_used) if idle else None
 
-    def _running_victim(self, seq: Sequence, order: Callable[[Sequence], tuple]) -> Sequence | None:
-        """The last-served running sequence, if it is served after ``seq`` (so not yet in this step)."""
-        candidates = [s for s in self.running if s.status is Status.RUNNING and s is not seq]
+    def _running_victim(self, ctx: Context, order: Callable[[Context], tuple]) -> Context | None:
+        """The last-served running sequence, if it is served after ``ctx`` (so not yet in this step)."""
+        candidates = [s for s in self.running if s.status is Status.RUNNING and s is not ctx]
         if not candidates:
             return None
         victim = max(candidates, key=order)
-        return victim if order(victim) > order(seq) else None
+        return victim if order(victim) > order(ctx) else None
 
-    def _preempt(self, seq: Sequence) -> None:
-        self.block_manager.release(seq)
-        if seq.status is Status.RUNNING:
+    def _preempt(self, ctx: Context) -> None:
+        self.block_manager.release(ctx)
+        if ctx.status is Status.RUNNING:
             self.num_preemptions += 1
-            self.running.remove(seq)
-            seq.status = Status.WAITING
-            self.waiting.append(seq)
+            self.running.remove(ctx)
+            ctx.status = Status.WAITING
+            self.waiting.append(ctx)

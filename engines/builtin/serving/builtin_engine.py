@@ -26,7 +26,7 @@ from engines.builtin.serving.contexts import ContextPrimitives
 from engines.builtin.serving.model_serving import Shared
 
 if TYPE_CHECKING:
-    from engines.builtin.engine import LLMEngine as EngineCore
+    from engines.builtin.core import EngineCore
 
 T = TypeVar("T")
 

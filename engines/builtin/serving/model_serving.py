@@ -23,7 +23,7 @@ from engines.builtin.serving.sampling import check_token_ids, sampling_params
 from engines.builtin.serving.logprobs import LogprobsWriter
 
 if TYPE_CHECKING:
-    from engines.builtin.engine import LLMEngine as EngineCore
+    from engines.builtin.core import EngineCore
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,12 @@ def tiny_hf_model(tiny_model_dir):
 def make_engine(tiny_model_dir):
     """Builds started LLMEngines on the tiny model (EngineConfig overrides as keywords); shut down after the test."""
     from engines.builtin.config import EngineConfig
-    from engines.builtin.engine import LLMEngine
+    from engines.builtin.core import EngineCore
 
     engines = []
 
     def make(**overrides):
-        engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), **overrides))
+        engine = EngineCore(EngineConfig(model=str(tiny_model_dir), **overrides))
         engine.start()
         engines.append(engine)
         return engine

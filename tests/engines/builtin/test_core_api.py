@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from engines.builtin.engine import ContextBusy, ContextNotFound, PromptTooLong
+from engines.builtin.errors import ContextBusy, ContextNotFound, PromptTooLong
 from engines.builtin.types import SamplingParams
 
 ENDLESS = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)

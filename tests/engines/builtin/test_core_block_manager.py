@@ -4,41 +4,41 @@ LRU eviction, a failed step's blocks unpublished."""
 from __future__ import annotations
 
 from engines.builtin.block_manager import BlockManager
-from engines.builtin.sequence import Sequence
+from engines.builtin.context import Context
 
 SIZE = 4
 
 
-def computed(manager: BlockManager, tokens: list[int], name: str = "s") -> Sequence:
+def computed(manager: BlockManager, tokens: list[int], name: str = "s") -> Context:
     """A sequence whose tokens all got blocks and were computed, as after a prefill step."""
-    seq = Sequence(name, tokens)
-    scheduled(manager, seq)
+    ctx = Context(name, tokens)
+    scheduled(manager, ctx)
     manager.commit()
-    seq.num_computed_tokens = len(tokens)
-    return seq
+    ctx.num_computed_tokens = len(tokens)
+    return ctx
 
 
-def scheduled(manager: BlockManager, seq: Sequence) -> int:
-    """Admits ``seq`` into a step as the scheduler does; returns the tokens it computes there."""
-    manager.match_prefix(seq, len(seq))
-    pending = seq.num_pending_tokens
-    manager.allocate(seq, pending)
+def scheduled(manager: BlockManager, ctx: Context) -> int:
+    """Admits ``ctx`` into a step as the scheduler does; returns the tokens it computes there."""
+    manager.match_prefix(ctx, len(ctx))
+    pending = ctx.num_pending_tokens
+    manager.allocate(ctx, pending)
     return pending
 
 
 def test_allocate_and_release_count_references():
     manager = BlockManager(8, SIZE)
-    seq = computed(manager, list(range(10)))  # 2 full blocks + 2 tokens
-    assert len(seq.block_table) == 3 and manager.num_free_blocks == 5
-    assert all(manager.blocks[b].ref_count == 1 for b in seq.block_table)
-    assert manager.release(seq) == 3
-    assert manager.num_free_blocks == 8 and seq.block_table == [] and seq.num_computed_tokens == 0
+    ctx = computed(manager, list(range(10)))  # 2 full blocks + 2 tokens
+    assert len(ctx.block_table) == 3 and manager.num_free_blocks == 5
+    assert all(manager.blocks[b].ref_count == 1 for b in ctx.block_table)
+    assert manager.release(ctx) == 3
+    assert manager.num_free_blocks == 8 and ctx.block_table == [] and ctx.num_computed_tokens == 0
 
 
 def test_prefix_hit_shares_full_blocks_only():
     manager = BlockManager(8, SIZE)
     first = computed(manager, list(range(10)))
-    second = Sequence("b", list(range(8)) + [99, 98, 97])
+    second = Context("b", list(range(8)) + [99, 98, 97])
     assert manager.match_prefix(second, len(second)) == 8
     assert second.block_table == first.block_table[:2]
     assert [manager.blocks[b].ref_count for b in first.block_table] == [2, 2, 1]
@@ -49,9 +49,9 @@ def test_prefix_hit_shares_full_blocks_only():
 def test_prefix_hit_requires_the_same_prefix_and_respects_the_limit():
     manager = BlockManager(8, SIZE)
     computed(manager, list(range(8)))
-    other_start = Sequence("c", [7, 7, 7, 7] + list(range(4, 8)))
+    other_start = Context("c", [7, 7, 7, 7] + list(range(4, 8)))
     assert manager.match_prefix(other_start, 8) == 0  # same second block, different chain
-    limited = Sequence("d", list(range(8)))
+    limited = Context("d", list(range(8)))
     assert manager.match_prefix(limited, 7) == 4  # a generation keeps its last token to compute
 
 
@@ -64,15 +64,15 @@ def test_released_blocks_stay_cached_until_reused_oldest_first():
     assert manager.num_free_blocks == 4 and manager.num_cached_tokens == 16
     # Two fresh blocks evict the least recently freed: old's, tail first.
     computed(manager, list(range(200, 208)), "new")
-    assert manager.match_prefix(Sequence("x", list(range(8))), 8) == 0
-    assert manager.match_prefix(Sequence("y", list(range(100, 108))), 8) == 8
+    assert manager.match_prefix(Context("x", list(range(8))), 8) == 0
+    assert manager.match_prefix(Context("y", list(range(100, 108))), 8) == 8
 
 
 def test_cached_block_in_use_is_not_evicted():
     manager = BlockManager(3, SIZE)
     keeper = computed(manager, list(range(4)), "keeper")
     manager.release(keeper)
-    user = Sequence("user", list(range(4)))
+    user = Context("user", list(range(4)))
     assert manager.match_prefix(user, 4) == 4  # takes the block back off the free list
     assert manager.num_free_blocks == 2
     computed(manager, list(range(50, 58)), "filler")
@@ -87,7 +87,7 @@ def test_fork_shares_full_blocks_and_copies_the_partial_one():
     copies = []
     manager = BlockManager(8, SIZE, copy_rows=lambda src, dst, n: copies.append((src, dst, n)))
     parent = computed(manager, list(range(10)))
-    child = Sequence("child", parent.token_ids)
+    child = Context("child", parent.token_ids)
     manager.fork(parent, child)
     assert child.block_table[:2] == parent.block_table[:2]
     assert child.block_table[2] != parent.block_table[2]
@@ -104,7 +104,7 @@ def test_uncompute_last_token_copies_a_shared_block():
     copies = []
     manager = BlockManager(8, SIZE, copy_rows=lambda src, dst, n: copies.append((src, dst, n)))
     parent = computed(manager, list(range(8)))
-    child = Sequence("child", parent.token_ids)
+    child = Context("child", parent.token_ids)
     manager.fork(parent, child)
     manager.uncompute_last_token(child)
     assert child.num_computed_tokens == 7
@@ -115,7 +115,7 @@ def test_uncompute_last_token_copies_a_shared_block():
 
 def test_blocks_scheduled_this_step_are_shared_by_a_later_admission_in_it():
     manager = BlockManager(8, SIZE)
-    first, second = Sequence("a", list(range(10))), Sequence("b", list(range(8)) + [99])
+    first, second = Context("a", list(range(10))), Context("b", list(range(8)) + [99])
     assert scheduled(manager, first) == 10
     assert scheduled(manager, second) == 1  # its two full blocks are being computed by the first
     assert second.block_table[:2] == first.block_table[:2]
@@ -126,10 +126,10 @@ def test_blocks_scheduled_this_step_are_shared_by_a_later_admission_in_it():
 def test_a_failed_step_unpublishes_its_blocks_and_keeps_earlier_ones():
     manager = BlockManager(8, SIZE)
     earlier = computed(manager, list(range(4)))
-    seq = Sequence("b", list(range(12)))
-    assert scheduled(manager, seq) == 8
-    assert manager.rollback() == set(seq.block_table[1:])
+    ctx = Context("b", list(range(12)))
+    assert scheduled(manager, ctx) == 8
+    assert manager.rollback() == set(ctx.block_table[1:])
     assert manager.num_cached_tokens == 4
-    assert manager.match_prefix(Sequence("c", list(range(12))), 12) == 4
-    assert all(manager.blocks[b].hash is None for b in seq.block_table[1:])
-    assert earlier.block_table[0] == seq.block_table[0]
+    assert manager.match_prefix(Context("c", list(range(12))), 12) == 4
+    assert all(manager.blocks[b].hash is None for b in ctx.block_table[1:])
+    assert earlier.block_table[0] == ctx.block_table[0]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engines.builtin.config import EngineConfig
-from engines.builtin.engine import LLMEngine
+from engines.builtin.core import EngineCore
 from engines.builtin.types import SamplingParams
 
 MAX_TOKENS = 12
@@ -70,7 +70,7 @@ async def collect(stream) -> list[int]:
     return [event.token_id async for event in stream]
 
 
-def assert_all_blocks_free(engine: LLMEngine) -> None:
+def assert_all_blocks_free(engine: EngineCore) -> None:
     stats = engine.stats()
     assert (stats.running, stats.waiting) == (0, 0)
     assert stats.blocks_free == stats.blocks_total
@@ -124,7 +124,7 @@ def test_preemption_by_recompute_keeps_outputs(tiny_model_dir, references):
     # 10 blocks of 16 slots: the five prompts plus their tokens need 17, so some must be evicted.
     # All five are queued before the first step (no loop thread), so that holds whatever the timing:
     # with the loop running, an early request could finish before the last arrived, and none be evicted.
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_blocks=10, max_num_batched_tokens=64))
+    engine = EngineCore(EngineConfig(model=str(tiny_model_dir), num_blocks=10, max_num_batched_tokens=64))
     prompts = random_prompts(PROMPT_LENGTHS, seed=3)
     outputs = engine.generate_batch(prompts, GREEDY)
     assert engine.scheduler.num_preemptions > 0
@@ -146,7 +146,7 @@ async def test_idle_context_kv_is_evicted_and_recomputed(make_engine, references
 
 
 def test_generate_batch_without_loop_thread(tiny_model_dir, references):
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), max_num_batched_tokens=32))
+    engine = EngineCore(EngineConfig(model=str(tiny_model_dir), max_num_batched_tokens=32))
     prompts = random_prompts(PROMPT_LENGTHS, seed=5)
     outputs = engine.generate_batch(prompts, GREEDY)
     assert all(references(p).accepts(o) for p, o in zip(prompts, outputs))
@@ -159,7 +159,7 @@ def test_prompts_sharing_a_prefix_in_one_step_compute_it_once(tiny_model_dir, re
     computed, hits = {}, {}
     for caching in (True, False):
         # All queued before the first step (no loop thread): one step admits them all.
-        engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), enable_prefix_caching=caching))
+        engine = EngineCore(EngineConfig(model=str(tiny_model_dir), enable_prefix_caching=caching))
         outputs = engine.generate_batch(prompts, GREEDY)
         assert all(references(p).accepts(o) for p, o in zip(prompts, outputs))
         computed[caching], hits[caching] = engine.computed_tokens, engine.stats().prefix_hit_tokens
@@ -169,7 +169,7 @@ def test_prompts_sharing_a_prefix_in_one_step_compute_it_once(tiny_model_dir, re
 
 
 def test_a_fork_of_a_parent_still_filling_matches_its_next_blocks(tiny_model_dir, references):
-    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), max_num_batched_tokens=24))
+    engine = EngineCore(EngineConfig(model=str(tiny_model_dir), max_num_batched_tokens=24))
     prefix, suffix = random_prompts((70, 5), seed=9)  # the parent's fill takes three steps of 24
     engine.ensure_context("parent", prefix)
     engine.step()  # 24 of 70 computed: the fork starts at the block boundary 16, not mid-block

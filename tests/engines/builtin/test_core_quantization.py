@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from engines.builtin.config import EngineConfig
-from engines.builtin.engine import LLMEngine
+from engines.builtin.core import EngineCore
 from engines.builtin.quantization import INT4_GROUP_SIZE, Int4Linear, Int8Linear, quantize_linears
 from engines.builtin.types import SamplingParams
 
@@ -80,7 +80,7 @@ def test_quantization_is_a_cpu_option():
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_quantized_smollm2_still_answers(scheme):
-    engine = LLMEngine(EngineConfig(quantization=scheme))
+    engine = EngineCore(EngineConfig(quantization=scheme))
     prompt = engine.tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=True
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 from engines.builtin.block_manager import BlockManager
 from engines.builtin.config import EngineConfig
 from engines.builtin.scheduler import Scheduler
-from engines.builtin.sequence import Sequence, Status
+from engines.builtin.context import Context, Status
 from engines.builtin.types import SamplingParams
 
 BLOCK_SIZE = 4
@@ -17,25 +17,25 @@ def make_scheduler(latency_max_num_seqs: int | None, num_blocks: int = 64, max_n
     return Scheduler(config, BlockManager(num_blocks, BLOCK_SIZE))
 
 
-def submit(scheduler: Scheduler, *, throughput: bool, priority: int = 0, prompt_len: int = 6) -> Sequence:
+def submit(scheduler: Scheduler, *, throughput: bool, priority: int = 0, prompt_len: int = 6) -> Context:
     first = 3 + 100 * len(scheduler.contexts)  # distinct prompts: no prefix-cache sharing between them
-    seq = Sequence(f"ctx{len(scheduler.contexts)}", list(range(first, first + prompt_len)))
-    seq.params = SamplingParams(max_tokens=8, throughput=throughput, priority=priority)
-    scheduler.contexts[seq.context_id] = seq
-    scheduler.add(seq)
-    return seq
+    ctx = Context(f"ctx{len(scheduler.contexts)}", list(range(first, first + prompt_len)))
+    ctx.params = SamplingParams(max_tokens=8, throughput=throughput, priority=priority)
+    scheduler.contexts[ctx.context_id] = ctx
+    scheduler.add(ctx)
+    return ctx
 
 
-def step(scheduler: Scheduler) -> list[Sequence]:
+def step(scheduler: Scheduler) -> list[Context]:
     """One step as the engine runs it: schedule, then the batch's tokens are computed (and a token
     sampled for each sequence that reached its end)."""
     batch, _ = scheduler.schedule()
     scheduler.block_manager.commit()
-    for seq, n in batch.entries:
-        seq.num_computed_tokens += n
-        if seq.num_computed_tokens == len(seq):
-            seq.token_ids.append(7)
-    return [seq for seq, _ in batch.entries]
+    for ctx, n in batch.entries:
+        ctx.num_computed_tokens += n
+        if ctx.num_computed_tokens == len(ctx):
+            ctx.token_ids.append(7)
+    return [ctx for ctx, _ in batch.entries]
 
 
 def test_latency_critical_work_gets_the_latency_batch_and_waits_its_turn():
@@ -43,7 +43,7 @@ def test_latency_critical_work_gets_the_latency_batch_and_waits_its_turn():
     chats = [submit(scheduler, throughput=False) for _ in range(4)]
     for _ in range(3):
         assert step(scheduler) == chats[:2]  # first come, first served; the others are not even admitted
-    assert [seq.status for seq in chats] == [Status.RUNNING] * 2 + [Status.WAITING] * 2
+    assert [ctx.status for ctx in chats] == [Status.RUNNING] * 2 + [Status.WAITING] * 2
 
 
 def test_throughput_work_alone_is_batched_up_to_max_num_seqs():
@@ -66,7 +66,7 @@ def test_latency_critical_arrival_takes_seats_from_running_throughput_work():
     chat = submit(scheduler, throughput=False, priority=-10)  # even below the maps' priority
     assert set(step(scheduler)) == {chat, maps[0]}
     # The maps left out sit the step out with their KV: nothing is preempted or recomputed.
-    assert all(seq.status is Status.RUNNING and seq.block_table for seq in maps)
+    assert all(ctx.status is Status.RUNNING and ctx.block_table for ctx in maps)
     assert scheduler.num_preemptions == 0
     scheduler.remove(chat)  # the chat is done: the maps get the big batch back
     assert step(scheduler) == maps
@@ -85,7 +85,7 @@ def test_fills_need_no_seat():
     chat = submit(scheduler, throughput=False)
     fills = []
     for i in range(3):
-        fill = Sequence(f"fill{i}", list(range(1000 * (i + 1), 1000 * (i + 1) + 6)))
+        fill = Context(f"fill{i}", list(range(1000 * (i + 1), 1000 * (i + 1) + 6)))
         scheduler.contexts[fill.context_id] = fill
         scheduler.add(fill)
         fills.append(fill)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engines.builtin.config import EngineConfig
-from engines.builtin.engine import LLMEngine
+from engines.builtin.core import EngineCore
 from engines.builtin.types import SamplingParams
 
 QUESTIONS = ["Hi!", "What is the capital of France?", "Count from one to five."]
@@ -17,7 +17,7 @@ MAX_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def engine():
-    return LLMEngine(EngineConfig(max_num_batched_tokens=48))  # the default model; chunked prompts
+    return EngineCore(EngineConfig(max_num_batched_tokens=48))  # the default model; chunked prompts
 
 
 @pytest.fixture(scope="module")

@@ -30,9 +30,9 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module")
 def llm():
-    from engines.builtin.engine import LLMEngine
+    from engines.builtin.core import EngineCore
 
-    engine = LLMEngine(EngineConfig(num_blocks=128))  # 2048-token window
+    engine = EngineCore(EngineConfig(num_blocks=128))  # 2048-token window
     engine.start()
     yield engine
     engine.shutdown()

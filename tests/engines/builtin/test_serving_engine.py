@@ -1,5 +1,5 @@
 """``BuiltinEngine`` through the ``Engine`` seam (dict bodies in, JSON bytes out), in-process,
-over a real ``LLMEngine`` running a tiny random Llama with a 96-token window."""
+over a real ``EngineCore`` running a tiny random Llama with a 96-token window."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ pytestmark = pytest.mark.timeout(60)
 
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir):
-    from engines.builtin.engine import LLMEngine
+    from engines.builtin.core import EngineCore
 
-    core = LLMEngine(EngineConfig(model=str(tiny_model_dir), max_model_len=WINDOW, num_blocks=64))
+    core = EngineCore(EngineConfig(model=str(tiny_model_dir), max_model_len=WINDOW, num_blocks=64))
     core.start()
     yield core
     core.shutdown()

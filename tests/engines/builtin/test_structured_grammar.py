@@ -62,9 +62,9 @@ def schema_format(schema: dict, strict: bool = True) -> ResponseFormat:
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
     from engines.builtin.config import EngineConfig
-    from engines.builtin.engine import LLMEngine
+    from engines.builtin.core import EngineCore
 
-    core = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_blocks=128))
+    core = EngineCore(EngineConfig(model=str(tiny_model_dir), num_blocks=128))
     core.start()
     yield core
     core.shutdown()

@@ -2,7 +2,7 @@
 
 Parrot keeps contexts after a call ends so that later calls (or forked children) reuse their
 KV. At most one request (a fill or a generation) is attached to a context at a time; the
-request's bookkeeping lives on the sequence itself so the scheduler handles one object.
+request's bookkeeping lives on the context itself so the scheduler handles one object.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class Status(Enum):
     RUNNING = auto()
 
 
-class Sequence:
+class Context:
     def __init__(self, context_id: str, token_ids: list[int], *, temporary: bool = False):
         self.context_id = context_id
         self.token_ids = list(token_ids)
@@ -38,6 +38,7 @@ class Sequence:
         self.temporary = temporary  # freed as soon as its one request ends
         self.last_used = 0  # engine step of last activity, to evict idle contexts LRU
         self.num_released_blocks = 0  # set when the context is freed
+        self.on_released: Callable[[int], None] | None = None  # told when it is (engine thread)
         self.clear_request()
 
     def clear_request(self) -> None:

@@ -1,0 +1,292 @@
+"""EngineCore: the builtin engine's compute, loaded from a checkpoint, with its request API: contexts
+(fill, fork, free), generation (after a context, or from a prompt) and scoring. Requests are queued for
+the step loop (step_loop.py) and their results awaited through asyncio futures and queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+from typing import AsyncIterator, Callable
+
+import torch
+
+from engines.seam import EngineStats
+from engines.builtin.block_manager import BlockManager
+from engines.builtin.config import EngineConfig
+from engines.builtin.context import Context, Status
+from engines.builtin.context_registry import ContextRegistry
+from engines.builtin.errors import ContextBusy
+from engines.builtin.grammar import GrammarCompiler
+from engines.builtin.loader import DTYPES, ModelSource, build_model, load_checkpoint, load_tokenizer
+from engines.builtin.model_runner import ModelRunner, kv_block_bytes
+from engines.builtin.quantization import quantize_linears
+from engines.builtin.scheduler import Scheduler
+from engines.builtin.step_loop import StepLoop, resolver
+from engines.builtin.types import FillResult, SamplingParams, TokenEvent, TokenScore
+
+
+class EngineCore(StepLoop):
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        source = ModelSource(config.model)
+        self.model_name = source.name
+        self.tokenizer = load_tokenizer(source)
+        hf_config, hf_state = load_checkpoint(source)
+        num_blocks = config.num_blocks or config.kv_cache_memory // kv_block_bytes(hf_config, config.block_size, DTYPES[config.dtype])
+        # One sequence must always fit in the cache on its own, or preemption could not help it.
+        self.max_model_len = min(config.max_model_len or hf_config.max_position_embeddings, num_blocks * config.block_size)
+        self.eos_token_ids = eos_token_ids(hf_config, self.tokenizer, source)
+        self.grammars = GrammarCompiler(self.tokenizer, self.eos_token_ids)
+        model = build_model(hf_config, hf_state, config.dtype, self.max_model_len)
+        del hf_state
+        if config.quantization:
+            quantize_linears(model, config.quantization)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, config.seed, config.device)
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, self.runner.copy_rows, prefix_caching=config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.registry = ContextRegistry(self.scheduler, self.block_manager, self.max_model_len)
+        super().__init__()
+
+    def fork(self, parent_context_id: str, context_id: str | None = None) -> str:
+        with self._lock:
+            return self.registry.new(context_id, parent_context_id, step=self._step_count).context_id
+
+    def ensure_context(self, context_id: str, tokens: list[int]) -> bool:
+        """Creates ``context_id`` holding ``tokens`` unless it exists, its fill queued with nobody
+        waiting for it. Returns whether it was created."""
+        with self._lock:
+            created = self._ensure_context(context_id, tokens)
+        self._wakeup.set()
+        return created
+
+    def _ensure_context(self, context_id: str, tokens: list[int]) -> bool:
+        if context_id in self.scheduler.contexts:
+            return False
+        self.registry.check_prompt_length(tokens)
+        ctx = self.registry.new(context_id, None, step=self._step_count)
+        ctx.token_ids += tokens
+        self._prompt_tokens += len(tokens)
+        self._submit(ctx, None)
+        return True
+
+    def context_length(self, context_id: str) -> int | None:
+        """Tokens the context holds; None when there is no such context."""
+        with self._lock:
+            ctx = self.scheduler.contexts.get(context_id)
+            return None if ctx is None else len(ctx)
+
+    async def fill(self, tokens: list[int], *, context_id: str | None = None, parent_context_id: str | None = None) -> FillResult:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[FillResult] = loop.create_future()
+        with self._lock:
+            if context_id is not None and context_id in self.scheduler.contexts:
+                if parent_context_id is not None:
+                    raise ValueError(f"context {context_id!r} already exists; it cannot be forked from {parent_context_id!r}")
+                ctx = self.registry.get(context_id)
+                if ctx.status is not Status.IDLE:
+                    raise ContextBusy(f"context {context_id!r} is busy")
+                self.registry.check_length(ctx, len(tokens))
+            else:
+                if parent_context_id is not None:
+                    self.registry.check_length(self.registry.get(parent_context_id), len(tokens))
+                else:
+                    self.registry.check_prompt_length(tokens)
+                ctx = self.registry.new(context_id, parent_context_id, step=self._step_count)
+            ctx.token_ids += tokens
+            self._prompt_tokens += len(tokens)
+            arrival = self._submit(ctx, resolver(loop, future))
+        return await self._outcome(ctx, arrival, future, f"fill of context {ctx.context_id!r} was aborted")
+
+    async def score(self, tokens: list[int], top_logprobs: int = 0, *, priority: int = 0,
+                    counted: bool = True) -> list[TokenScore]:
+        """The logprob of each token after the ones before it (the first has none: ``len - 1`` scores),
+        each with its ``top_logprobs`` most likely alternatives. Computed as a fill of a temporary
+        context whose full blocks stay in the prefix cache, so generating from ``tokens`` next reuses them.
+        ``counted``: whether they count as prompt tokens in stats (not when a generation from the same
+        prompt follows, which counts them)."""
+        self.registry.check_prompt_length(tokens)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[list[TokenScore] | None] = loop.create_future()
+        with self._lock:
+            ctx = self.registry.new(None, None, temporary=True, step=self._step_count)
+            ctx.token_ids += tokens
+            ctx.score_top_k = top_logprobs
+            ctx.fill_priority = priority
+            self._prompt_tokens += len(tokens) if counted else 0
+            arrival = self._submit(ctx, resolver(loop, future))
+        return await self._outcome(ctx, arrival, future, "scoring the prompt was aborted")
+
+    def _submit(self, ctx: Context, deliver: Callable | None) -> int:
+        """Queues ``ctx``'s fill (under the lock); returns its arrival, which names the request for aborts."""
+        ctx.deliver = deliver
+        self.scheduler.add(ctx)
+        return ctx.arrival
+
+    async def _outcome(self, ctx: Context, arrival: int, future: asyncio.Future, aborted: str):
+        """What a queued fill delivers; cancelling the wait aborts the fill."""
+        self._wakeup.set()
+        try:
+            result = await future
+        except asyncio.CancelledError:
+            self._request_abort(ctx, arrival)
+            raise
+        if result is None:
+            raise RuntimeError(aborted)
+        return result
+
+    async def free_context(self, context_id: str) -> int:
+        released: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        with self._lock:
+            ctx = self.registry.get(context_id)
+            if ctx.status is Status.IDLE:
+                return self.registry.drop(ctx)
+            self.scheduler.contexts.pop(context_id)  # finish() drops it once the loop aborts it
+            ctx.on_released = resolver(asyncio.get_running_loop(), released)
+            arrival = ctx.arrival
+            self._aborts.append((ctx, arrival))
+        self._wakeup.set()
+        return await released  # the loop ends the request between steps, then drops the context
+
+    def generate(self, context_id: str, params: SamplingParams) -> AsyncIterator[TokenEvent]:
+        return self._stream(params, context_id=context_id)
+
+    def generate_from_prompt(
+        self, prompt_tokens: list[int], params: SamplingParams, *, parent_context_id: str | None = None,
+        parent_tokens: list[int] | None = None,
+    ) -> AsyncIterator[TokenEvent]:
+        """Generates after ``prompt_tokens``, or after the parent context's tokens plus them. With
+        ``parent_tokens`` the parent is created from them if it does not exist, its fill queued with
+        this generation (under one lock, so that a step takes both): the step that computes the
+        parent's blocks shares them with its forks."""
+        return self._stream(params, prompt_tokens=prompt_tokens, parent_context_id=parent_context_id,
+                            parent_tokens=parent_tokens)
+
+    async def _stream(self, params: SamplingParams, *, context_id=None, prompt_tokens=None, parent_context_id=None,
+                      parent_tokens=None):
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        # Compiling a grammar (the first one also builds llguidance's view of the vocabulary, ~0.5 s)
+        # must not stall the server's event loop.
+        grammar = await asyncio.to_thread(self._grammar_matcher, params) if params.grammar is not None else None
+        ctx, arrival = self._start_generation(
+            params, lambda event: loop.call_soon_threadsafe(queue.put_nowait, event), context_id, prompt_tokens,
+            parent_context_id, grammar, parent_tokens=parent_tokens,
+        )
+        finished = False
+        try:
+            while True:
+                event = await queue.get()
+                finished = event.finish_reason is not None
+                yield event
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._request_abort(ctx, arrival)
+
+    def _grammar_matcher(self, params: SamplingParams):
+        """Built outside the lock: a large grammar takes a while and the step loop needs the lock."""
+        # generate_batch asks for every request; _stream only for constrained ones (no thread hop otherwise).
+        return self.grammars.matcher(params.grammar) if params.grammar is not None else None
+
+    def _start_generation(self, params, deliver, context_id, prompt_tokens, parent_context_id,
+                          grammar, *, parent_tokens=None) -> tuple[Context, int]:
+        with self._lock:
+            if parent_tokens is not None and parent_context_id not in self.scheduler.contexts:
+                if parent_context_id is None:
+                    raise ValueError("parent_tokens need a parent_context_id to create")
+                self.registry.check_prompt_length(parent_tokens + prompt_tokens)  # nothing is created for a refusal
+                self._ensure_context(parent_context_id, parent_tokens)
+            if context_id is not None:
+                ctx = self.registry.get(context_id)
+                if ctx.status is not Status.IDLE:
+                    raise ContextBusy(f"context {context_id!r} is busy")
+            else:
+                if parent_context_id is not None:
+                    self.registry.check_length(self.registry.get(parent_context_id), len(prompt_tokens))
+                else:
+                    self.registry.check_prompt_length(prompt_tokens)
+                ctx = self.registry.new(None, parent_context_id, temporary=True, step=self._step_count)
+                ctx.token_ids += prompt_tokens
+                self._prompt_tokens += len(prompt_tokens)
+            if not ctx.token_ids:
+                raise ValueError("cannot generate from an empty context")
+            self.registry.check_length(ctx, 1)
+            if ctx.num_pending_tokens == 0:
+                self.block_manager.uncompute_last_token(ctx)
+            ctx.params = params
+            ctx.num_prompt_tokens = len(ctx)
+            ctx.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+            ctx.grammar = grammar
+            ctx.deliver = deliver
+            self.scheduler.add(ctx)
+            arrival = ctx.arrival
+        self._wakeup.set()
+        return ctx, arrival
+
+    def generate_batch(self, prompts: list[list[int]], params: SamplingParams, *,
+                       parent_context_id: str | None = None) -> list[list[int]]:
+        """Synchronous one-shot generation for tests and benchmarks (each prompt after the parent
+        context's tokens, if one is named); returns generated token ids.
+
+        Steps on the calling thread when the loop thread is not started.
+        """
+        outputs: list[list[int]] = [[] for _ in prompts]
+        done = [threading.Event() for _ in prompts]
+
+        def collector(i: int) -> Callable:
+            def deliver(event: TokenEvent | None) -> None:
+                if event is not None:
+                    outputs[i].append(event.token_id)
+                if event is None or event.finish_reason is not None:
+                    done[i].set()
+
+            return deliver
+
+        for i, prompt in enumerate(prompts):
+            self._start_generation(params, collector(i), None, prompt, parent_context_id, self._grammar_matcher(params))
+        if self._thread is None:
+            while not all(event.is_set() for event in done):
+                self.step()
+        for event in done:
+            event.wait()
+        return outputs
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            blocks_total=self.block_manager.num_blocks,
+            blocks_free=self.block_manager.num_free_blocks,
+            cached_tokens=self.block_manager.num_cached_tokens,
+            prefix_hit_tokens=self.block_manager.prefix_hit_tokens,
+            prompt_tokens=self._prompt_tokens,
+            generation_tokens=self._generation_tokens,
+        )
+
+    @property
+    def computed_tokens(self) -> int:
+        """Tokens whose KV the model actually computed (prefill and decode), for hit-rate figures."""
+        return self._computed_tokens
+
+
+def eos_token_ids(hf_config, tokenizer, source: ModelSource) -> list[int]:
+    ids: set[int] = set()
+    for value in (getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(value)
+    if (Path(source.directory) / "generation_config.json").exists():
+        from transformers import GenerationConfig
+
+        value = GenerationConfig.from_pretrained(source.directory).eos_token_id
+        ids.update([value] if isinstance(value, int) else value or [])
+    return sorted(ids)

@@ -1,0 +1,171 @@
+"""The engine's step loop on one background thread: ``step()`` = schedule -> run -> postprocess, and the
+bridge that carries results to asyncio.
+
+Threading: the public API (core.py) may be called from an asyncio loop on another thread; every change
+to scheduler or block state happens under ``_lock``, which the loop holds while scheduling and
+post-processing but not while the model runs. Requests only ever *mark* an in-flight context (abort);
+the loop applies the change between steps, so the blocks of the batch being computed never change hands
+mid-step. Results reach asyncio through ``loop.call_soon_threadsafe`` (``resolver``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Callable
+
+from engines.builtin.block_manager import BlockManager
+from engines.builtin.context import Context, Status
+from engines.builtin.context_registry import ContextRegistry
+from engines.builtin.model_runner import ModelRunner, ScheduledBatch, StepResult
+from engines.builtin.sampler import SampleResult
+from engines.builtin.scheduler import Scheduler
+from engines.builtin.types import TokenEvent
+
+log = logging.getLogger(__name__)
+
+
+class StepLoop:
+    """The base of ``EngineCore``: the loop and its bookkeeping, over the parts the core builds."""
+
+    registry: ContextRegistry
+    scheduler: Scheduler
+    block_manager: BlockManager
+    runner: ModelRunner
+    eos_token_ids: list[int]
+    max_model_len: int
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._wakeup = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._aborts: list[tuple[Context, int]] = []
+        self._step_count = 0
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._computed_tokens = 0
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._stopping = False
+            self._thread = threading.Thread(target=self._loop, name="llm-engine-step", daemon=True)
+            self._thread.start()
+
+    def shutdown(self) -> None:
+        """Stops the loop thread; requests still in flight end with finish_reason "abort"."""
+        if self._thread is not None:
+            self._stopping = True
+            self._wakeup.set()
+            self._thread.join()
+            self._thread = None
+        self._abort_all()
+
+    def _discard_step(self, done_fills: list[Context]) -> None:
+        """After a failed step no KV it was to write can be trusted: its blocks leave the prefix cache,
+        every context holding one drops its KV (recomputed if ever used again), and the fills it found
+        fully cached are aborted with the rest."""
+        with self._lock:
+            untrusted = self.block_manager.rollback()
+            for ctx in self.scheduler.contexts.values():
+                if untrusted.intersection(ctx.block_table):
+                    self.block_manager.release(ctx)
+            for fill in done_fills:
+                self.registry.finish(fill, "abort")
+
+    def _abort_all(self) -> None:
+        with self._lock:
+            for ctx in self.scheduler.running + self.scheduler.waiting:
+                self.registry.finish(ctx, "abort")
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            if not self.has_work():
+                self._wakeup.wait()
+                self._wakeup.clear()
+                continue
+            try:
+                self.step()
+            except Exception:  # a bug must not leave every waiter hanging silently
+                log.exception("engine step failed; aborting all requests")
+                self._abort_all()
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self._aborts)
+
+    def step(self) -> None:
+        batch, done_fills = self._schedule()
+        try:
+            result = self.runner.run(batch) if batch.entries else StepResult(None)
+        except Exception:
+            self._discard_step(done_fills)
+            raise
+        self._postprocess(batch, result, done_fills)
+
+    def _schedule(self) -> tuple[ScheduledBatch, list[Context]]:
+        with self._lock:
+            self._apply_aborts()
+            self._step_count += 1
+            return self.scheduler.schedule()
+
+    def _postprocess(self, batch: ScheduledBatch, result: StepResult, done_fills: list[Context]) -> None:
+        with self._lock:
+            sampled = batch.sampled()
+            for ctx, first, scores in result.scores:  # by position: a recomputed (preempted) chunk rewrites its own
+                ctx.scores.update(zip(range(first, first + len(scores)), scores))
+            self.block_manager.commit()
+            for ctx, n in batch.entries:
+                ctx.num_computed_tokens += n
+                ctx.num_computed_by_request += n
+                ctx.last_used = self._step_count
+                if ctx.is_fill and ctx.num_pending_tokens == 0:
+                    done_fills.append(ctx)
+            self._computed_tokens += batch.num_tokens
+            for fill in done_fills:
+                self.registry.finish(fill, None)
+            for i, ctx in enumerate(sampled):
+                self._append_token(ctx, result.samples, i)
+
+    def _append_token(self, ctx: Context, result: SampleResult, i: int) -> None:
+        token = result.token_ids[i]
+        ctx.token_ids.append(token)
+        self._generation_tokens += 1
+        params = ctx.params
+        finish = None
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            finish = "stop"
+        elif ctx.grammar is not None and ctx.grammar.finished:
+            finish = "stop"
+        elif ctx.num_generated_tokens >= params.max_tokens or len(ctx) >= self.max_model_len:
+            finish = "length"
+        event = TokenEvent(
+            token,
+            result.logprobs[i] if result.logprobs else None,
+            result.top_logprobs[i] if result.top_logprobs else None,
+            finish,
+        )
+        deliver = ctx.deliver
+        if finish:  # before delivering, so a caller woken by the last token sees the request gone
+            self.registry.finish(ctx, finish, delivered=True)
+        deliver(event)
+
+    def _apply_aborts(self) -> None:
+        aborts, self._aborts = self._aborts, []
+        for ctx, arrival in aborts:
+            if ctx.arrival == arrival and ctx.status is not Status.IDLE:
+                self.registry.finish(ctx, "abort")
+
+    def _request_abort(self, ctx: Context, arrival: int) -> None:
+        with self._lock:
+            self._aborts.append((ctx, arrival))
+        self._wakeup.set()
+
+
+def resolver(loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> Callable:
+    """A callback for the engine thread that sets ``future``'s result on its own event loop."""
+    def resolve(result) -> None:
+        if not future.done():
+            future.set_result(result)
+
+    return lambda result: loop.call_soon_threadsafe(resolve, result)
