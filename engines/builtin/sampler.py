@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engines.builtin.grammar import mask_logits
+from engines.builtin.grammar_mask import mask_logits
 from engines.builtin.context import Context
 from engines.builtin.types import SamplingParams, TokenScore
 

@@ -6,7 +6,9 @@ from typing import AsyncIterator
 
 import msgspec
 
-from engines.builtin.grammar import ToolCallReader, output_grammar, read_tool_calls, tool_messages
+from engines.builtin.tool_calls import ToolCallReader, read_tool_calls
+from engines.builtin.grammar import output_grammar
+from engines.builtin.tool_prompt import tool_messages
 from engines.builtin.tokenizer import chat_prompt_text, chat_prompt_tokens
 from wire.errors import InvalidRequest
 from wire.openai import (

@@ -11,14 +11,9 @@ from typing import Literal
 import pydantic
 import pytest
 
-from engines.builtin.grammar import (
-    ToolCallReader,
-    call_text,
-    closed,
-    output_grammar,
-    read_tool_calls,
-    tool_messages,
-)
+from engines.builtin.tool_calls import ToolCallReader, read_tool_calls
+from engines.builtin.tool_prompt import call_text, tool_messages
+from engines.builtin.grammar import closed, output_grammar
 from engines.builtin.types import SamplingParams
 from wire.openai import (
     ChatMessage,
