@@ -1,4 +1,6 @@
-"""The gateway's own errors on top of the shared OpenAI error boundary (http_plumbing/http_errors.py)."""
+"""The gateway process's one error boundary: HTTP-level errors (APIError: auth, body too large), the
+domain's errors (gateway/domain_errors.py, by one table of statuses), the wire's InvalidRequest and the
+engines' errors, all answered as OpenAI error objects through http_plumbing/http_errors.py."""
 
 from __future__ import annotations
 
@@ -12,6 +14,18 @@ from http_plumbing.http_errors import (
     engine_error_body,
     error_payload,
     error_response,
+)
+from gateway.domain_errors import (
+    Conflict,
+    DependencyFailed,
+    DomainError,
+    Invalid,
+    NotFound,
+    NotReady,
+    QuotaExceeded,
+    RateLimited,
+    TooLarge,
+    model_not_found,
 )
 from wire.openai import ErrorBody
 from wire.errors import InvalidRequest
@@ -31,13 +45,33 @@ class APIError(Exception):
                               param=param, code=code)
 
 
-def model_not_found(model: str) -> APIError:
-    return APIError(404, f"The model `{model}` does not exist or is not served here.", param="model",
-                    code="model_not_found", error_type="invalid_request_error")
-
-
 def handle_api_error(_: Request, exc: APIError) -> Response:
     return error_response(exc.status_code, exc.body, exc.headers)
+
+
+# The one table of the gateway's domain errors: their HTTP status.
+DOMAIN_STATUS: dict[type[DomainError], int] = {
+    Invalid: 400, NotFound: 404, Conflict: 409, TooLarge: 413, QuotaExceeded: 429, RateLimited: 429,
+    DependencyFailed: 424, NotReady: 504,
+}
+
+
+def domain_status(exc: DomainError) -> int:
+    return next(DOMAIN_STATUS[kind] for kind in type(exc).__mro__ if kind in DOMAIN_STATUS)
+
+
+def domain_error_body(exc: DomainError) -> ErrorBody:
+    return ErrorBody(message=exc.message, type=exc.error_type or ERROR_TYPES.get(domain_status(exc), "api_error"),
+                     param=exc.param, code=exc.code)
+
+
+def handle_domain_error(_: Request, exc: DomainError) -> Response:
+    headers = {}
+    if exc.retry_after_s is not None:
+        headers["retry-after"] = str(exc.retry_after_s)
+    if isinstance(exc, QuotaExceeded):
+        headers["x-should-retry"] = "false"  # the openai SDK retries a 429 unless told not to
+    return error_response(domain_status(exc), domain_error_body(exc), headers or None)
 
 
 def handle_invalid_request(_: Request, exc: InvalidRequest) -> Response:
@@ -63,6 +97,7 @@ def handle_validation(request: Request, exc: msgspec.ValidationError) -> Respons
 EXCEPTION_HANDLERS = {
     **OPENAI_EXCEPTION_HANDLERS,
     APIError: handle_api_error,
+    DomainError: handle_domain_error,
     InvalidRequest: handle_invalid_request,
     msgspec.ValidationError: handle_validation,
 }

@@ -55,25 +55,25 @@ def _start(content_type: bytes, *extra: tuple[bytes, bytes]) -> Message:
     return {"type": "http.response.start", "status": 200, "headers": [(b"content-type", content_type), *extra]}
 
 
-async def _serve(route: Route, data: OpenAIRequest, raw: bytes, scope: Scope, receive: Receive, send: Send) -> None:
+async def _serve(route: Route, data: OpenAIRequest, body: dict, scope: Scope, receive: Receive, send: Send) -> None:
     state = scope["litestar_app"].state
     state.gateway.check(data)
     quotas: Quotas = state.quotas
     if not quotas.enabled:  # no rate or concurrency quotas: nothing to count on the hot path
-        await _respond(route, data, raw, scope, receive, send)
+        await _respond(route, data, body, scope, receive, send)
         return
     # Charged when no usage is reported (a stream without include_usage); a semantic request's usage
     # is reported by its call, which may outlive this response.
     estimate = 0 if data.parrot is not None else state.gateway.max_request_tokens(data) or 0
     with quotas.admitted(owner(Request(scope, receive)), estimate):  # a seat until the response has ended
-        await _respond(route, data, raw, scope, receive, send)
+        await _respond(route, data, body, scope, receive, send)
 
 
-async def _respond(route: Route, data: OpenAIRequest, raw: bytes, scope: Scope, receive: Receive, send: Send
+async def _respond(route: Route, data: OpenAIRequest, body: dict, scope: Scope, receive: Receive, send: Send
                    ) -> None:
+    """``body``: the client's body as sent (unknown fields kept for the engine), less Parrot's extension."""
     state = scope["litestar_app"].state
     gateway: Gateway = state.gateway
-    body = gateway.forwarded_body(raw)
     if data.parrot is not None:
         request = Request(scope, receive)
         response = await state.semantic.serve(route, data.parrot, body, owner(request), data.stream)
@@ -96,8 +96,19 @@ async def _respond(route: Route, data: OpenAIRequest, raw: bytes, scope: Scope, 
         await send_events(gateway.sse_events(data.model, opened), send, receive)
 
 
+def parse(raw: bytes, schema: type[OpenAIRequest]) -> tuple[OpenAIRequest, dict]:
+    """The body decoded once: as a dict (forwarded with the fields this gateway does not know) and
+    validated into its Struct from that dict (as fast as decoding twice, without the second parse)."""
+    try:
+        body = msgspec.json.decode(raw)
+        data = msgspec.convert(body, schema)
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # not JSON, invalid UTF-8, or the wrong shape
+        raise body_error(exc) from None
+    body.pop("parrot", None)
+    return data, body
+
+
 def openai_endpoint(path: str, route: Route, schema: type[OpenAIRequest]) -> ASGIRouteHandler:
-    decode = msgspec.json.Decoder(schema).decode
 
     async def endpoint(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] == "OPTIONS":
@@ -108,11 +119,8 @@ def openai_endpoint(path: str, route: Route, schema: type[OpenAIRequest]) -> ASG
             raise MethodNotAllowedException(f"{scope['method']} is not allowed on {path}; use POST",
                                             headers={"allow": _ALLOW.decode()})
         raw = await read_body(scope, receive, scope["litestar_app"].state.gateway.config.limits.max_body_bytes)
-        try:
-            data = decode(raw)
-        except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # not JSON, invalid UTF-8, or the wrong shape
-            raise body_error(exc) from None
-        await _serve(route, data, raw, scope, receive, send)
+        data, body = parse(raw, schema)
+        await _serve(route, data, body, scope, receive, send)
 
     endpoint.__name__ = route.replace("/", "_")
     return asgi(path, copy_scope=False)(endpoint)

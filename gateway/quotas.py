@@ -18,7 +18,7 @@ from contextvars import ContextVar
 from typing import Callable, Iterator
 
 from gateway.config import QuotaLimits, QuotasConfig
-from gateway.errors import APIError
+from gateway.domain_errors import RateLimited
 from gateway.semantic.graph import SessionStore
 
 Clock = Callable[[], float]
@@ -50,10 +50,9 @@ class TokenBucket:
         return self.refill(now) >= self.capacity
 
 
-def rate_limited(message: str, kind: str, retry_after_s: int) -> APIError:
+def rate_limited(message: str, kind: str, retry_after_s: int) -> RateLimited:
     """429 as OpenAI answers it: type "requests" or "tokens", code rate_limit_exceeded, a retry-after."""
-    return APIError(429, message, code="rate_limit_exceeded", error_type=kind,
-                    headers={"retry-after": str(retry_after_s)})
+    return RateLimited(message, code="rate_limit_exceeded", error_type=kind, retry_after_s=retry_after_s)
 
 
 class KeyUsage:

@@ -16,7 +16,8 @@ from wire.usage import usage_decoder
 from engines.seam.upstream import UpstreamEngine
 from gateway.attempts import Attempts
 from gateway.config import GatewayConfig
-from gateway.errors import APIError, engine_error_body, error_payload, model_not_found
+from gateway.domain_errors import Conflict, Invalid, model_not_found
+from gateway.errors import engine_error_body, error_payload
 from gateway.metrics import GatewayMetrics
 from gateway.quotas import count_tokens
 from gateway.registry import EngineConflict, EngineRecord, EngineRegistry
@@ -57,9 +58,9 @@ class Gateway:
         try:
             return self.registry.register(engine, models, url=url)
         except EngineConflict as exc:
-            raise APIError(409, str(exc), param="url", code="engine_url_taken") from exc
+            raise Conflict(str(exc), param="url", code="engine_url_taken") from exc
         except ValueError as exc:
-            raise APIError(400, str(exc), param="url") from exc
+            raise Invalid(str(exc), param="url") from exc
 
     # ------------------------------------------------------------ validation
 
@@ -69,8 +70,8 @@ class Gateway:
         limit = self.config.limits.max_tokens
         wanted = request.token_limit()
         if limit is not None and wanted is not None and wanted > limit:
-            raise APIError(400, f"max_tokens is {wanted}, above this server's limit of {limit}",
-                           param="max_tokens")
+            raise Invalid(f"max_tokens is {wanted}, above this server's limit of {limit}",
+                          param="max_tokens")
         self._check_request_tokens(request, wanted)
         if not self.registry.serves(request.model):
             raise model_not_found(request.model)
@@ -90,8 +91,8 @@ class Gateway:
         else:
             param = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) else "max_tokens"
         asked = f"{choices} choices × {wanted} max_tokens = {total} tokens" if wanted is not None else f"{choices} choices"
-        raise APIError(400, f"this request asks for {asked}, above this server's limit of {cap} tokens per "
-                            "request (n × max_tokens)", param=param)
+        raise Invalid(f"this request asks for {asked}, above this server's limit of {cap} tokens per "
+                           "request (n × max_tokens)", param=param)
 
     # ------------------------------------------------------------ token limits
 
@@ -141,13 +142,6 @@ class Gateway:
             body = body | defaults
         if hints and has_capability(record.engine, HintedEngine):
             body = body | hints
-        return body
-
-    @staticmethod
-    def forwarded_body(raw: bytes) -> dict[str, Any]:
-        """The client's body as sent (unknown fields kept for the engine), less Parrot's extension."""
-        body = msgspec.json.decode(raw)
-        body.pop("parrot", None)
         return body
 
     # ------------------------------------------------------------ non-streaming

@@ -18,7 +18,8 @@ from typing import Any, Awaitable, Callable, Iterable, Iterator
 
 from engines.seam import EngineError
 from gateway.config import QuotaLimits
-from gateway.errors import APIError, engine_error_body
+from gateway.domain_errors import Conflict, DomainError, Invalid, NotFound, NotReady, QuotaExceeded, TooLarge
+from gateway.errors import engine_error_body
 
 LATENCY_PRIORITY = 1 << 20  # above any app-FIFO rank
 _arrivals = itertools.count()
@@ -34,13 +35,6 @@ class VariableFailed(Exception):
 
 def utf8_size(text: str) -> int:
     return len(text) if text.isascii() else len(text.encode())  # isascii is O(1) in CPython
-
-
-def quota_exceeded(message: str, code: str) -> APIError:
-    """A count or size quota: waiting does not help, freeing something does (the openai SDK retries a
-    429 unless told not to)."""
-    return APIError(429, message, code=code, error_type="insufficient_quota",
-                    headers={"x-should-retry": "false"})
 
 
 class Variable:
@@ -76,7 +70,7 @@ class Variable:
                 await asyncio.wait_for(self._ready.wait(), timeout_s)
         except asyncio.TimeoutError:
             who = f"its producer {self.producer.id} has not finished" if self.producer else "nothing produces it"
-            raise APIError(504, f"variable {self.label} was not ready within {timeout_s:g}s: {who}",
+            raise NotReady(f"variable {self.label} was not ready within {timeout_s:g}s: {who}",
                            code="variable_timeout", error_type="timeout") from None
         if self.error is not None:
             raise VariableFailed(self.error)
@@ -174,8 +168,8 @@ class Call:
         for name, output in self.outputs.items():
             try:
                 output.set(results[name])
-            except APIError as exc:  # over its session's byte quotas: the output fails, not the gateway
-                output.fail(f"producer {self.id}: {exc.body.message}")
+            except (TooLarge, QuotaExceeded) as exc:  # over its session's byte quotas: the output fails, not the gateway
+                output.fail(f"producer {self.id}: {exc.message}")
         return results
 
 
@@ -202,8 +196,8 @@ class Session:
     def new_variable(self, name: str | None = None, value: str | None = None) -> Variable:
         limit = self.limits.variables_per_session
         if not self.default and limit is not None and len(self.variables) >= limit:
-            raise quota_exceeded(f"session {self.id} already holds {limit} variables, this API key's quota; "
-                                 "delete sessions you no longer need", "variables_quota_exceeded")
+            raise QuotaExceeded(f"session {self.id} already holds {limit} variables, this API key's quota; "
+                                "delete sessions you no longer need", code="variables_quota_exceeded")
         size = self.reserve_bytes(value) if value is not None else 0
         variable = Variable(self, name, value)
         variable.size = size
@@ -219,15 +213,15 @@ class Session:
         size = utf8_size(value)
         limit = self.limits.bytes_per_variable
         if limit is not None and size > limit:
-            raise APIError(413, f"a variable's value is {size} bytes, above this API key's quota of {limit}",
+            raise TooLarge(f"a variable's value is {size} bytes, above this API key's quota of {limit}",
                            code="variable_too_large")
         limit = self.limits.bytes_per_session
         if limit is not None and self.bytes + size > limit:
             if self.default:
                 self._forget_oldest(len(self.variables), until_bytes=limit - size)
             if self.bytes + size > limit:
-                raise quota_exceeded(f"session {self.id} holds {self.bytes} bytes of values; {size} more would "
-                                     f"exceed this API key's quota of {limit}", "session_bytes_quota_exceeded")
+                raise QuotaExceeded(f"session {self.id} holds {self.bytes} bytes of values; {size} more would "
+                                    f"exceed this API key's quota of {limit}", code="session_bytes_quota_exceeded")
         self.bytes += size
         return size
 
@@ -254,7 +248,7 @@ class Session:
     def variable(self, var_id: str) -> Variable:
         variable = self.variables.get(var_id)
         if variable is None:
-            raise APIError(404, f"variable {var_id!r} not found in session {self.id}", code="variable_not_found")
+            raise NotFound(f"variable {var_id!r} not found in session {self.id}", code="variable_not_found")
         return variable
 
     def consumers_of(self, variable: Variable) -> list[Call]:
@@ -264,11 +258,11 @@ class Session:
         """Link the call into the graph (rejecting cycles and double producers) and start it."""
         for output in call.outputs.values():
             if output.producer is not None or output.ready:
-                raise APIError(409, f"variable {output.label} already has a value or a producer",
+                raise Conflict(f"variable {output.label} already has a value or a producer",
                                param="parrot.output", code="variable_already_bound")
         if _reaches(call.inputs.values(), set(call.outputs.values())):
-            raise APIError(400, f"call {call.id} would close a cycle: one of its outputs is among its own "
-                           "transitive inputs", param="parrot.vars", code="cycle")
+            raise Invalid(f"call {call.id} would close a cycle: one of its outputs is among its own "
+                          "transitive inputs", param="parrot.vars", code="cycle")
         if call.latency or any(consumer.latency for consumer in call.consumers()):
             call.latency = False  # someone waits on it, or on what it feeds: it and its producers are urgent
             call.mark_latency()
@@ -334,8 +328,8 @@ def _clipped(message: str, limit: int = 2000) -> str:
 
 
 def _describe(exc: BaseException) -> str:
-    if isinstance(exc, APIError):
-        return exc.body.message
+    if isinstance(exc, DomainError):
+        return exc.message
     if isinstance(exc, EngineError):
         return f"{exc} ({engine_error_body(exc).message})" if exc.body else str(exc)
     if isinstance(exc, asyncio.CancelledError):
@@ -373,8 +367,8 @@ class SessionStore:
         limits = self._limits_of(owner)
         count = self._counts.get(owner, 0)
         if not default and limits.sessions is not None and count >= limits.sessions:
-            raise quota_exceeded(f"this API key already has {count} open sessions, its quota; delete sessions "
-                                 "you no longer need", "sessions_quota_exceeded")
+            raise QuotaExceeded(f"this API key already has {count} open sessions, its quota; delete sessions "
+                                 "you no longer need", code="sessions_quota_exceeded")
         max_variables = None
         if default:  # forgets its oldest beyond the smaller of the two
             max_variables = min((m for m in (self._default_max_variables, limits.variables_per_session)
@@ -389,7 +383,7 @@ class SessionStore:
     def get(self, session_id: str, owner: str) -> Session:
         session = self._sessions.get(session_id)
         if session is None or session.owner != owner:
-            raise APIError(404, f"session {session_id!r} not found", param="session_id", code="session_not_found")
+            raise NotFound(f"session {session_id!r} not found", param="session_id", code="session_not_found")
         self.touch(session)
         return session
 
@@ -441,7 +435,7 @@ class SessionStore:
     def find_variable(self, var_id: str, owner: str) -> Variable:
         variable = self._variables.get(var_id)
         if variable is None or variable.session.owner != owner:
-            raise APIError(404, f"variable {var_id!r} not found", code="variable_not_found")
+            raise NotFound(f"variable {var_id!r} not found", code="variable_not_found")
         self.touch(variable.session)
         return variable
 

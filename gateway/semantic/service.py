@@ -16,7 +16,7 @@ from wire.sse import SSE_DONE, sse_event
 from wire.openai import CompletionRequest
 from wire.errors import InvalidRequest
 from gateway.config import QuotaLimits, SemanticConfig
-from gateway.errors import APIError, model_not_found
+from gateway.domain_errors import Conflict, DependencyFailed, DomainError, NotFound, model_not_found
 from gateway.semantic import template
 from gateway.semantic.graph import Call, Session, SessionStore, Variable, VariableFailed
 from gateway.semantic.prefix import PrefixCache
@@ -138,12 +138,11 @@ class SemanticService:
         try:
             await asyncio.shield(call.task)
         except VariableFailed as exc:
-            raise APIError(424, f"call {call.id} could not run: {exc}", code="dependency_failed",
-                           error_type="dependency_failed") from None
+            raise DependencyFailed(f"call {call.id} could not run: {exc}", code="dependency_failed") from None
         except asyncio.CancelledError:
             if not call.task.cancelled() or asyncio.current_task().cancelling():
                 raise  # this request itself is being cancelled
-            raise APIError(409, f"call {call.id} was cancelled: its session {call.session.id} was deleted",
+            raise Conflict(f"call {call.id} was cancelled: its session {call.session.id} was deleted",
                            code="session_deleted") from None
 
     # ------------------------------------------------------------ native API
@@ -165,7 +164,7 @@ class SemanticService:
         for session in self.sessions.idle(ttl_s):
             # Still idle and not deleted: closing an earlier one awaited, and requests ran meanwhile.
             if self.sessions.is_idle(session, ttl_s):
-                with contextlib.suppress(APIError):
+                with contextlib.suppress(DomainError):
                     await self.close_session(session.id, session.owner)
                     closed += 1
         return closed
@@ -180,8 +179,7 @@ class SemanticService:
             except VariableFailed:
                 pass  # the view carries the error
         if variable.session.closed:  # deleted while we waited
-            raise APIError(404, f"variable {variable.id!r} not found: its session was deleted",
-                           code="variable_not_found")
+            raise NotFound(f"variable {variable.id!r} not found: its session was deleted", code="variable_not_found")
         return view(variable)
 
     def _wait_s(self, timeout_s: float | None) -> float:
@@ -230,8 +228,8 @@ class SemanticService:
             raise InvalidRequest(f"outputs.{name}: {exc}", f"outputs.{name}") from None
         except InvalidRequest as exc:
             raise InvalidRequest(f"outputs.{name}: {exc}", _within(f"outputs.{name}", exc.param)) from None
-        except APIError as exc:  # a configured limit
-            exc.body.param = _within(f"outputs.{name}", exc.body.param)
+        except DomainError as exc:  # a configured limit
+            exc.param = _within(f"outputs.{name}", exc.param)
             raise
 
     async def _run_template(self, spec: SemanticCall, pieces: list[template.Piece], values: dict[str, str],

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from gateway.config import AuthConfig, QuotaLimits, QuotasConfig, SemanticConfig
-from gateway.errors import APIError
+from gateway.domain_errors import RateLimited
 from gateway.quotas import Quotas, count_tokens
 from gateway.semantic.graph import Session, SessionStore
 from tests.conftest import free_port, wait_until
@@ -62,11 +62,11 @@ def test_requests_per_minute_refuse_with_a_retry_after_then_admit_once_it_has_pa
     owner = SessionStore.owner_of(ALICE)
     for _ in range(2):
         quotas.admit(owner).release()
-    with pytest.raises(APIError) as refused:
+    with pytest.raises(RateLimited) as refused:
         quotas.admit(owner)
-    assert refused.value.status_code == 429 and refused.value.headers == {"retry-after": "30"}
+    assert refused.value.retry_after_s == 30 and refused.value.code == "rate_limit_exceeded"
     clock.now += 29
-    with pytest.raises(APIError):
+    with pytest.raises(RateLimited):
         quotas.admit(owner)
     clock.now += 1
     quotas.admit(owner).release()
@@ -79,13 +79,13 @@ def test_tokens_per_minute_charge_reported_usage_else_the_estimate():
     owner = SessionStore.owner_of(ALICE)
     with quotas.admitted(owner, estimate_tokens=50):
         count_tokens(700)  # what the gateway's usage decoder reports: the estimate is not charged on top
-    with pytest.raises(APIError) as refused:
+    with pytest.raises(RateLimited) as refused:
         quotas.admit(owner)
-    assert refused.value.body.type == "tokens" and refused.value.headers == {"retry-after": "11"}
+    assert refused.value.error_type == "tokens" and refused.value.retry_after_s == 11
     clock.now += 11  # 100 in debt, then 1 to spend
     with quotas.admitted(owner, estimate_tokens=600):
         pass  # no usage reported: the estimate is charged
-    with pytest.raises(APIError):
+    with pytest.raises(RateLimited):
         quotas.admit(owner)
     count_tokens(10**6)  # outside an admitted request: charged to nobody
 
