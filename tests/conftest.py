@@ -4,6 +4,8 @@ tokenizer beside it)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import contextlib
 import os
 import socket
@@ -103,6 +105,16 @@ def wait_until(condition: Callable[[], Any], *, timeout_s: float = 10.0, interva
             pytest.fail(f"condition not met within {timeout_s}s")
 
         time.sleep(interval_s)
+
+
+async def eventually(condition: Callable[[], Any], *, timeout_s: float = 10.0, interval_s: float = 0.005) -> Any:
+    """``wait_until`` inside an event loop: polls without blocking it (the engine's thread does the work)."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"condition not met within {timeout_s}s")
+        await asyncio.sleep(interval_s)
+    return value
 
 
 @pytest.fixture(name="wait_until")

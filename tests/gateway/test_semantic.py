@@ -16,6 +16,7 @@ import pytest
 
 from gateway.config import UpstreamConfig
 from gateway.semantic.graph import LATENCY_PRIORITY, Call, Session, VariableFailed
+from tests.conftest import wait_until
 from tests.gateway.conftest import MODEL
 
 
@@ -384,11 +385,12 @@ def test_put_error_fails_the_variable_and_its_consumers(gw, session):
 # ---------------------------------------------------------------- sessions deleted under running work
 
 
-def test_deleting_a_session_under_a_waiting_request_answers_409(gw):
+def test_deleting_a_session_under_a_waiting_request_answers_409(gw, fake_stats):
     session = gw.post("/v1/sessions").json()["id"]
+    seen = fake_stats()["requests"]
 
     def delete_soon():
-        time.sleep(0.5)
+        wait_until(lambda: fake_stats()["requests"] > seen)  # the request is waiting on the engine
         gw.delete(f"/v1/sessions/{session}")
 
     deleter = threading.Thread(target=delete_soon)

@@ -1,12 +1,7 @@
-"""Kernel tests run the Triton kernels on CPU through Triton's interpreter.
+"""Kernel tests run the Triton kernels compiled on a CUDA GPU when there is one, else on CPU through
+Triton's interpreter (tests/triton_mode.py); the tensors they make are created where the kernels run."""
 
-triton.jit picks interpreted or compiled when a kernel is decorated, i.e. when its module is
-imported, so TRITON_INTERPRET must be set before any kernels.* Triton module is imported.
-"""
-
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"
+from tests.triton_mode import DEVICE, GPU
 
 import sys  # noqa: E402
 
@@ -16,7 +11,7 @@ import torch  # noqa: E402
 _TRITON_MODULES = ("kernels.paged_decode", "kernels.paged_prefill", "kernels.shared_prefix_decode",
                    "kernels.kv_write", "kernels.split_merge", "kernels.triton_helpers")
 _early = [name for name in _TRITON_MODULES if name in sys.modules]
-assert not _early, f"{_early} imported before tests/kernels/conftest.py set TRITON_INTERPRET=1; kernels would compile for CUDA"
+assert GPU or not _early, f"{_early} imported before tests/triton_mode.py set TRITON_INTERPRET=1; kernels would compile for CUDA"
 
 pytest.importorskip("triton")
 
@@ -35,10 +30,10 @@ class PagedKV:
     def __init__(self, block_size: int, dtype: torch.dtype, num_blocks: int = 96, seed: int = 0):
         self.block_size = block_size
         self.generator = torch.Generator().manual_seed(seed)
-        shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
-        self.k_cache = torch.randn(shape, generator=self.generator).to(dtype)
-        self.v_cache = torch.randn(shape, generator=self.generator).to(dtype)
-        self.free_blocks = torch.randperm(num_blocks, generator=self.generator).tolist()
+        shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)  # drawn on CPU (the generator's), then moved
+        self.k_cache = torch.randn(shape, generator=self.generator, device="cpu").to(DEVICE, dtype)
+        self.v_cache = torch.randn(shape, generator=self.generator, device="cpu").to(DEVICE, dtype)
+        self.free_blocks = torch.randperm(num_blocks, generator=self.generator, device="cpu").tolist()
 
     def block_tables(self, lengths: list[int], width: int | None = None) -> torch.Tensor:
         """[len(lengths), width] int32; padding entries are -1 so a stray read would fault."""
@@ -50,7 +45,14 @@ class PagedKV:
         return table
 
     def queries(self, rows: int) -> torch.Tensor:
-        return torch.randn(rows, NUM_HEADS, HEAD_DIM, generator=self.generator).to(self.k_cache.dtype)
+        return torch.randn(rows, NUM_HEADS, HEAD_DIM, generator=self.generator, device="cpu").to(DEVICE, self.k_cache.dtype)
+
+
+@pytest.fixture(autouse=True)
+def on_kernel_device():
+    """Tensors a test makes land where the kernels run."""
+    with torch.device(DEVICE):
+        yield
 
 
 @pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -8,15 +8,13 @@ import pytest
 
 from engines.builtin.errors import ContextBusy, ContextNotFound, PromptTooLong
 from engines.builtin.types import SamplingParams
+from tests.conftest import eventually
 
 ENDLESS = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
 
 
 async def wait_until(condition, timeout=10.0):
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
-        await asyncio.sleep(0.005)
+    await eventually(condition, timeout_s=timeout)
 
 
 def all_free(engine) -> bool:

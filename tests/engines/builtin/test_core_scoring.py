@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engines.builtin.types import SamplingParams
+from tests.conftest import eventually
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -95,14 +96,12 @@ def test_a_cancelled_scoring_fill_frees_its_blocks(make_engine):
 
     async def cancel_midway():
         scoring = asyncio.create_task(engine.score(prompt(500, seed=7), 1))
-        await asyncio.sleep(0.3)
+        # Midway: some of its 500 tokens computed (16 a step), not all.
+        await eventually(lambda: any(0 < c.num_computed_tokens < 500 for c in list(engine.scheduler.contexts.values())))
         scoring.cancel()
         with pytest.raises(asyncio.CancelledError):
             await scoring
-        for _ in range(100):  # the abort is applied by the engine's next step
-            if not engine.scheduler.contexts:
-                break
-            await asyncio.sleep(0.05)
+        await eventually(lambda: not engine.scheduler.contexts)  # the abort is applied by the engine's next step
 
     asyncio.run(cancel_midway())
 

@@ -1,15 +1,12 @@
-"""The engine over kernels.dispatch: the Triton kernels (interpreted on CPU) give the same greedy
+"""The engine over kernels.dispatch: the Triton kernels (compiled on a GPU, else interpreted) give the same greedy
 tokens as the torch path, forked contexts decode through the shared-prefix kernel, and prefix
 caching can be switched off."""
 
 from __future__ import annotations
 
 import asyncio
-import os
 
-# Triton picks interpreted or compiled when a kernel module is imported; nothing imports them
-# before the engine's first Triton call, which comes after this line.
-os.environ["TRITON_INTERPRET"] = "1"
+from tests.triton_mode import DEVICE
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -25,6 +22,12 @@ TRITON_LAUNCHERS = {
     "decode": ("kernels.paged_decode", "paged_decode"),
     "shared_prefix": ("kernels.shared_prefix_decode", "shared_prefix_decode"),
 }
+
+
+@pytest.fixture
+def make_engine(make_engine):
+    """The conftest's, with the engine on the device the kernels run on."""
+    return lambda **overrides: make_engine(**{"device": str(DEVICE), **overrides})
 
 
 def random_tokens(lengths, seed) -> list[list[int]]:

@@ -7,7 +7,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import pytest
@@ -73,7 +72,8 @@ def test_engine_process_serves_and_registers_with_the_gateway(tiny_model_dir, se
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PARROT_ENGINE_SECRET": "engine-secret"}
     process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
     log: list[str] = []
-    threading.Thread(target=lambda: log.extend(process.stderr), daemon=True).start()
+    reader = threading.Thread(target=lambda: log.extend(process.stderr), daemon=True)
+    reader.start()
     try:
         wait_until(lambda: heartbeats or process.poll() is not None, timeout_s=90)
         assert process.poll() is None, "".join(log)
@@ -91,6 +91,6 @@ def test_engine_process_serves_and_registers_with_the_gateway(tiny_model_dir, se
     finally:
         process.terminate()
         process.wait(timeout=30)
-    time.sleep(0.1)  # let the reader thread drain
+    reader.join(timeout=10)  # stderr ends with the process: the reader has it all
     assert any("ready in" in line for line in log), "".join(log)
     assert heartbeats and not any("HTTP Request" in line for line in log)  # no line per heartbeat
