@@ -11,7 +11,7 @@ import pytest
 
 from wire.sse import SSE_DONE
 from gateway.config import UpstreamConfig
-from tests.engines.test_upstream_stream import FIRST, LAST, sse_app
+from tests.engines.seam.test_upstream_stream import FIRST, LAST, sse_app
 
 MODEL = "fake-model"  # what the gateway fixtures serve
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi there"}]}

@@ -15,7 +15,7 @@ from http_plumbing import http11
 from http_plumbing.aiohttp_transport import AiohttpTransport
 from http_plumbing.http11 import Http11Transport
 from tests.conftest import asgi_app, free_port
-from tests.engines.conftest import CHAT
+from tests.http_plumbing.conftest import CHAT
 
 def run_over(transport: type[httpx.AsyncBaseTransport], test, **client_options):
     """``await test(client)`` with a client over a new ``transport``."""

@@ -12,7 +12,7 @@ import pytest
 
 from http_plumbing.http11 import Http11Transport
 from tests.conftest import asgi_app, read_asgi_body
-from tests.engines.conftest import CHAT
+from tests.http_plumbing.conftest import CHAT
 
 def run(test, limits: httpx.Limits = httpx.Limits(), fallback=None, **client_options):
     async def with_client():

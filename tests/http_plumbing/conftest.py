@@ -1,4 +1,4 @@
-"""Fixtures of the client-transport tests: the fake OpenAI upstream on loopback."""
+"""Fixtures of the HTTP plumbing tests: the fake OpenAI upstream on loopback."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ import httpx
 from aiohttp.client_proto import ResponseHandler
 
 from http_plumbing.aiohttp_transport import AiohttpTransport
-from tests.engines.conftest import CHAT
+from tests.http_plumbing.conftest import CHAT
 
 def run(test, **client_options):
     async def with_client():
