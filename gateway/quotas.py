@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 
 from gateway.config import QuotaLimits, QuotasConfig
 from gateway.domain_errors import RateLimited
-from gateway.semantic.graph import SessionStore
+from gateway.semantic.sessions import SessionStore
 
 Clock = Callable[[], float]
 

@@ -9,7 +9,7 @@ from litestar.datastructures import State
 from litestar.params import FromPath, FromQuery, JSONBody, QueryParameter
 
 from http_plumbing.disconnect import CancelledOnDisconnect
-from gateway.semantic.graph import SessionStore
+from gateway.semantic.sessions import SessionStore
 from gateway.semantic.schema import (
     Criteria,
     OutputView,

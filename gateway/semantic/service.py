@@ -18,7 +18,8 @@ from wire.errors import InvalidRequest
 from gateway.config import QuotaLimits, SemanticConfig
 from gateway.domain_errors import Conflict, DependencyFailed, DomainError, NotFound, model_not_found
 from gateway.semantic import template
-from gateway.semantic.graph import Call, Session, SessionStore, Variable, VariableFailed
+from gateway.semantic.graph import Call, Session, Variable, VariableFailed
+from gateway.semantic.sessions import SessionStore
 from gateway.semantic.prefix import PrefixCache
 from gateway.semantic.runner import Runner, output_text
 from wire.placeholders import texts

@@ -14,7 +14,8 @@ import pytest
 from gateway.config import AuthConfig, QuotaLimits, QuotasConfig, SemanticConfig
 from gateway.domain_errors import RateLimited
 from gateway.quotas import Quotas, count_tokens
-from gateway.semantic.graph import Session, SessionStore
+from gateway.semantic.graph import Session
+from gateway.semantic.sessions import SessionStore
 from tests.conftest import free_port, wait_until
 from tests.gateway.conftest import MODEL
 
