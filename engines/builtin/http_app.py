@@ -36,6 +36,8 @@ from engines.builtin.serving import (
 )
 from engines.builtin.membership import GatewayMembership, GatewayRegistration
 from engines.builtin.prompt_split import PromptSplitRequest, split_prompt
+from engines.builtin.serving.chat import ChatCompletions
+from engines.builtin.serving.completions import Completions
 from engines.builtin.types import FillResult
 from engines.seam import PromptSplit
 from wire.sse import SSE_DONE, sse_event
@@ -137,20 +139,21 @@ async def _answer(request: Request, work: Awaitable[Any]) -> Response:
         return Response(b"", status_code=499)  # nginx's "client closed request": nobody reads it
 
 
+async def _respond(request: Request, surface: ChatCompletions | Completions,
+                   data: ChatCompletionRequest | CompletionRequest) -> Response:
+    if data.stream:
+        return await sse(surface.stream(data))
+    return await _answer(request, surface.create(data))
+
+
 @post("/v1/chat/completions", status_code=200)
 async def chat_completions(request: Request, data: JSONBody[ChatCompletionRequest]) -> Response:
-    engine = _engine_serving(request, data.model)
-    if data.stream:
-        return await sse(engine.chats.stream(data))
-    return await _answer(request, engine.chats.create(data))
+    return await _respond(request, _engine_serving(request, data.model).chats, data)
 
 
 @post("/v1/completions", status_code=200)
 async def completions(request: Request, data: JSONBody[CompletionRequest]) -> Response:
-    engine = _engine_serving(request, data.model)
-    if data.stream:
-        return await sse(engine.completions.stream(data))
-    return await _answer(request, engine.completions.create(data))
+    return await _respond(request, _engine_serving(request, data.model).completions, data)
 
 
 @post("/v1/prompt_split", status_code=200)

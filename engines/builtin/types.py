@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from engines.seam.contexts import FillResult  # noqa: F401  (the core answers fills with the seam's Struct)
+
 
 class SamplingParams(msgspec.Struct, kw_only=True):
     """Per-sequence sampling settings, already normalised (no OpenAI optionals left)."""
@@ -45,12 +47,6 @@ class TokenEvent(msgspec.Struct):
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     finish_reason: str | None = None
-
-
-class FillResult(msgspec.Struct):
-    context_id: str
-    num_tokens: int  # tokens the context holds after the fill, its parent's included
-    cached_tokens: int  # of those, how many were reused (parent or prefix cache) rather than computed
 
 
 class TokenScore(msgspec.Struct):

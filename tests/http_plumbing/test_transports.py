@@ -50,8 +50,10 @@ def test_streams_arrive_in_pieces_and_close_early_without_reading_the_rest(run, 
         body = {**CHAT, "stream": True, "fake": {"words": 50, "chunk_delay_s": 0.01}}
         async with client.stream("POST", f"{upstream}/v1/chat/completions", json=body) as response:
             first = await anext(response.aiter_raw())
-        await asyncio.sleep(0.2)
-        return first, (await client.get(f"{upstream}/fake/stats")).json()
+        async with asyncio.timeout(10):  # a safety net: the upstream notices the connection go
+            while (stats := (await client.get(f"{upstream}/fake/stats")).json())["streams_cancelled"] < 1:
+                await asyncio.sleep(0.01)
+        return first, stats
 
     first, stats = run(test)
 

@@ -19,6 +19,7 @@ from litestar.params import FromPath
 
 from engines.builtin.config import EngineConfig
 from engines.builtin.http_app import DEFAULT_SERVED_MODEL_NAME, GatewayRegistration, create_app
+from tests.conftest import wait_until
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -52,6 +53,13 @@ def client(base_url) -> openai.OpenAI:
 def http(base_url):
     with httpx.Client(base_url=base_url, timeout=30) as c:
         yield c
+
+
+def settled_stats(http) -> dict:
+    """The engine's stats once no request is in flight. A request ended by a stop string or a client leaving
+    is aborted by the engine's next step, after its reply went out: until then an earlier test's request still
+    holds blocks, and a baseline read then would count them as used."""
+    return wait_until(lambda: (stats := http.get("/v1/stats").json())["running"] == stats["waiting"] == 0 and stats)
 
 
 @pytest.fixture(scope="module")
@@ -212,7 +220,7 @@ def test_models_health_and_stats(http):
 
 
 def test_client_disconnect_aborts_the_generation(http, wait_until):
-    baseline = http.get("/v1/stats").json()["blocks_free"]
+    baseline = settled_stats(http)["blocks_free"]
     body = {"model": MODEL, "messages": FRANCE, "max_tokens": 500, "ignore_eos": True, "stream": True, "n": 2}
     with http.stream("POST", "/v1/chat/completions", json=body) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
@@ -225,7 +233,7 @@ def test_client_disconnect_aborts_the_generation(http, wait_until):
 
 
 def test_client_leaving_a_non_streaming_request_aborts_the_generation(http, wait_until):
-    baseline = http.get("/v1/stats").json()["blocks_free"]
+    baseline = settled_stats(http)["blocks_free"]
     body = {"model": MODEL, "messages": FRANCE, "max_tokens": 500, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         http.post("/v1/chat/completions", json=body, timeout=1.0)
@@ -294,7 +302,7 @@ def test_asking_for_more_tokens_than_the_window_holds_is_a_400(http, field):
 
 
 def test_fill_fork_generate_free_returns_blocks_to_baseline(http):
-    baseline = http.get("/v1/stats").json()["blocks_free"]
+    baseline = settled_stats(http)["blocks_free"]
     system = "You are a geography expert. Answer in one short sentence. " * 3
     parent = http.post("/v1/contexts", json={"text": system}).json()
     assert parent["num_tokens"] > 16 and parent["cached_tokens"] <= parent["num_tokens"]
@@ -326,7 +334,7 @@ def test_fill_fork_generate_free_returns_blocks_to_baseline(http):
 
 
 def test_forked_generation_leaves_the_parent_as_it_was(http):
-    baseline = http.get("/v1/stats").json()["blocks_free"]
+    baseline = settled_stats(http)["blocks_free"]
     system = "You are a geography expert. Answer in one short sentence. " * 3
     parent = http.post("/v1/contexts", json={"text": system}).json()
     question = "Q: What is the capital of France?\nA:"
@@ -344,7 +352,7 @@ def test_forked_generation_leaves_the_parent_as_it_was(http):
 
 
 async def test_forks_sent_at_once_create_their_context_and_share_its_kv(http, base_url):
-    baseline = http.get("/v1/stats").json()
+    baseline = settled_stats(http)
     system = "You are a geography expert. Answer in one short sentence. " * 3
     context_id = f"prefix-{os.urandom(8).hex()}"
     body = {"temperature": 0, "max_tokens": 8, "fork": True, "text": "Q: What is the capital of France?\nA:",
@@ -363,7 +371,7 @@ async def test_forks_sent_at_once_create_their_context_and_share_its_kv(http, ba
 
 
 def test_an_if_absent_fill_creates_once_and_needs_a_context_id(http):
-    baseline = http.get("/v1/stats").json()["blocks_free"]
+    baseline = settled_stats(http)["blocks_free"]
     context_id = f"pin-{os.urandom(8).hex()}"
     body = {"context_id": context_id, "text": "Hello there", "if_absent": True}
     created, again = http.post("/v1/contexts", json=body).json(), http.post("/v1/contexts", json=body).json()

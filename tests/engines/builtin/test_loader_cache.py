@@ -114,6 +114,25 @@ def test_a_reinstalled_copy_reuses_the_cache_and_another_file_gets_its_own(tiny_
     assert other != same
 
 
+def take_turns_in_transformers(monkeypatch) -> None:
+    """Threads stand in for engine processes, but transformers' loading is not thread-safe: while it loads it
+    swaps process-wide functions (PreTrainedModel.tie_weights, torch.nn.init's, torch.linspace) and then puts
+    back what it found, so two overlapping loads can leave the stand-ins in place for every later model (an
+    untied head in another test's reference model), and two first imports of its lazy modules can collide.
+    The loads take turns; both staging directories exist before either starts."""
+    import transformers
+
+    one_at_a_time = threading.Lock()
+    for name in ("AutoTokenizer", "AutoModelForCausalLM"):
+        load = getattr(transformers, name).from_pretrained
+
+        def in_turn(*args, _load=load, **kwargs):
+            with one_at_a_time:
+                return _load(*args, **kwargs)
+
+        monkeypatch.setattr(f"transformers.{name}.from_pretrained", in_turn)
+
+
 def test_concurrent_first_loads_share_one_complete_cache(tiny_gguf, monkeypatch):
     # Both start converting before either finishes: each writes its own staging directory.
     barrier = threading.Barrier(2)
@@ -125,6 +144,7 @@ def test_concurrent_first_loads_share_one_complete_cache(tiny_gguf, monkeypatch)
         return path
 
     monkeypatch.setattr(loader.tempfile, "mkdtemp", mkdtemp_together)
+    take_turns_in_transformers(monkeypatch)
     results, errors = [], []
 
     def load() -> None:

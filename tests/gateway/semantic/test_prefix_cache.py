@@ -49,15 +49,18 @@ async def test_a_prefix_another_session_pins_outlives_one_sessions_deletion():
 
 
 async def test_an_acquire_cancelled_while_evicting_leaves_nothing_pinned():
-    class SlowContexts(RecordingContexts):
-        async def free_context(self, context_id: str) -> None:
-            await asyncio.sleep(10)
+    evicting = asyncio.Event()
 
-    cache, engine = PrefixCache(max_per_engine=1), SlowContexts()
+    class StuckContexts(RecordingContexts):
+        async def free_context(self, context_id: str) -> None:
+            evicting.set()
+            await asyncio.Event().wait()  # never freed: the acquire is cancelled in here
+
+    cache, engine = PrefixCache(max_per_engine=1), StuckContexts()
     old, _ = await cache.acquire("e1", engine, "old prefix", pin=None)
     await cache.release(old)
     acquiring = asyncio.ensure_future(cache.acquire("e1", engine, "new prefix", pin="sess_a"))
-    await asyncio.sleep(0.01)  # inside the eviction of the old prefix
+    await asyncio.wait_for(evicting.wait(), 10)  # inside the eviction of the old prefix
     acquiring.cancel()
     with pytest.raises(asyncio.CancelledError):
         await acquiring
