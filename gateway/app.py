@@ -32,7 +32,7 @@ from gateway.registry import EngineRegistry
 from gateway.routes import ROUTES
 from gateway.semantic.service import SemanticService
 from gateway.service import Gateway
-from gateway.supervisor import EngineSupervisor
+from gateway.supervisor import EngineSupervisors
 
 log = logging.getLogger("parrot.gateway")
 
@@ -116,7 +116,7 @@ def create_app(config: GatewayConfig | None = None) -> Litestar:
             app.state.gateway = gateway
             app.state.quotas = quotas = Quotas(config.quotas)
             app.state.semantic = SemanticService(gateway, config.semantic, limits_of=quotas.limits)
-            app.state.supervisor = EngineSupervisor(config, registry) if config.builtin_enabled() else None
+            app.state.supervisor = EngineSupervisors(config, registry) if config.builtin_enabled() else None
             if app.state.supervisor is not None:
                 app.state.supervisor.start()
             sweeper = asyncio.create_task(_sweep(app.state.semantic, quotas, config.semantic.session_idle_ttl_s))

@@ -12,11 +12,12 @@ import asyncio
 import logging
 import random
 import time
-from typing import Any
+from typing import Any, Callable
 
 from engines.seam import EngineError
 from gateway.config import RoutingConfig
 from gateway.registry import EngineRecord, EngineRegistry
+from gateway.scheduler import Scheduler, Work
 
 logger = logging.getLogger(__name__)
 
@@ -31,11 +32,16 @@ class Attempts:
     """Used as ``while (attempt := await attempts.next()) is not None``, reporting each failure to
     ``failed``, each success to the engine's breaker."""
 
-    __slots__ = ("_registry", "_routing", "_models", "_at", "_body", "_tries", "_tried", "_skipped",
-                 "_waits", "_deadline", "last_error")
+    __slots__ = ("_registry", "_scheduler", "_describe", "_work", "_routing", "_models", "_at", "_body", "_tries",
+                 "_tried", "_skipped", "_waits", "_deadline", "last_error")
 
-    def __init__(self, registry: EngineRegistry, routing: RoutingConfig, model: str, body: dict[str, Any]):
+    def __init__(self, registry: EngineRegistry, scheduler: Scheduler, routing: RoutingConfig, model: str,
+                 body: dict[str, Any], describe: Callable[[], Work]):
+        """``describe()``: the request as the scheduler sees it, made when there is a choice to make."""
         self._registry = registry
+        self._scheduler = scheduler
+        self._describe = describe
+        self._work: Work | None = None
         self._routing = routing
         self._models = [model, *routing.fallbacks[model]] if model in routing.fallbacks else [model]
         self._at = 0  # the model tried now: an index into _models
@@ -80,17 +86,20 @@ class Attempts:
         return True
 
     def _choose(self) -> EngineRecord | None:
-        """An engine of the model not tried yet by this request, else one tried (least loaded first);
-        on the last model, one whose circuit is open rather than none."""
+        """The scheduler's pick among the model's engines this request has not tried yet, else among
+        those it tried; on the last model, one whose circuit is open rather than none."""
         records = self._registry.routable(self._models[self._at], last_resort=self._at == len(self._models) - 1)
-        again = None
-        for record in records:
-            if record.id in self._skipped:
-                continue
-            if record.id not in self._tried:
-                return record
-            again = again or record
-        return again
+        usable = [r for r in records if r.id not in self._skipped] if self._skipped else records
+        fresh = [r for r in usable if r.id not in self._tried] if self._tried else usable
+        choice = fresh or usable
+        if len(choice) <= 1:
+            return choice[0] if choice else None
+        if self._work is None:
+            self._work = self._describe()
+        record = self._scheduler.best(self._work, choice)
+        assert record is not None
+        self._scheduler.placed(self._work, record)
+        return record
 
     def _next_model(self) -> None:
         self._at += 1

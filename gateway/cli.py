@@ -26,7 +26,9 @@ def _serve_parser() -> argparse.ArgumentParser:
     builtin.add_argument("--builtin", dest="builtin_enabled", action="store_true", default=None,
                          help="start the builtin engine (default: only when no upstream is configured)")
     builtin.add_argument("--no-builtin", dest="builtin_enabled", action="store_false")
-    parser.add_argument("--engine-port", type=int, help="port of the builtin engine process")
+    parser.add_argument("--engine-port", type=int, help="port of the builtin engine process (the first of them)")
+    parser.add_argument("--engines", type=int, dest="replicas",
+                        help="builtin engine processes to start, on consecutive ports (also PARROT_ENGINES)")
     return parser
 
 
@@ -41,7 +43,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return load_config(args.config, overrides={
         "server": {"host": args.host, "port": args.port, "log_level": args.log_level},
         "auth": {"api_keys": args.api_keys},
-        "builtin": {"enabled": args.builtin_enabled, "model": args.builtin_model, "port": args.engine_port},
+        "builtin": {"enabled": args.builtin_enabled, "model": args.builtin_model, "port": args.engine_port,
+                    "replicas": args.replicas},
         "upstreams": [_upstream(s) for s in args.upstream],
     })
 

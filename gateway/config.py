@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -45,6 +45,10 @@ class UpstreamConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     upstream_model: str | None = None  # the name sent upstream; defaults to ``model``
     api_key_env: str | None = None  # name of the environment variable holding the key (never the key itself)
     name: str | None = None
+    # A vLLM (--scheduling-policy priority: "lower_first") or SGLang (--enable-priority-scheduling:
+    # "higher_first", or "lower_first" with --schedule-low-priority-values-first) server is sent each
+    # request's criteria as its `priority`: latency-critical work first. "off": no priority field.
+    priority_scheduling: Literal["off", "lower_first", "higher_first"] = "off"
 
     def served_model(self) -> str:
         return self.upstream_model or self.model
@@ -58,12 +62,17 @@ class BuiltinConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     served_model_name: str | None = None
     host: str = "127.0.0.1"
     port: int = 8001
+    replicas: int = 1  # engine processes, on ports port, port + 1, ...; the global scheduler places work over them
     extra_args: list[str] = []  # passed to `parrot engine` as they are
     # The gateway restarts the process when it exits: after restart_backoff_s, doubling per quick
     # failure up to restart_backoff_max_s (back to the start once it ran that long).
     restart_backoff_s: float = 1.0
     restart_backoff_max_s: float = 30.0
     stop_grace_s: float = 10.0  # on gateway shutdown: SIGTERM, then SIGKILL after this long
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError("builtin.replicas must be at least 1")
 
 
 class EnginesConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -146,6 +155,28 @@ class RoutingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError("routing.breaker_failures must be at least 1")
 
 
+class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """How the global scheduler (gateway/scheduler.py) weighs a held prefix against a queue."""
+
+    # What one request ahead in an engine's queue costs a latency-critical newcomer, in prompt tokens
+    # computed: a held prefix of more tokens than this outweighs one more request in line.
+    queue_tokens_per_request: float = 256.0
+    throughput_queue_weight: float = 0.25  # throughput work minds the queue this much less: it packs
+    # Balance: an engine this many requests above the least loaded one, and balance_ratio times its load,
+    # is passed over whatever it holds (sglang-router's cache_aware thresholds, by request count).
+    balance_abs_threshold: int = 8
+    balance_ratio: float = 1.5
+    kv_full: float = 0.95  # an engine whose KV cache is this full would preempt to fit more: it pays for it
+    # Prefix memory per engine that does not report its KV capacity, in tokens.
+    default_capacity_tokens: int = 65_536
+
+    def __post_init__(self) -> None:
+        for name in ("queue_tokens_per_request", "throughput_queue_weight", "balance_abs_threshold",
+                     "balance_ratio", "kv_full", "default_capacity_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"scheduler.{name} must not be negative")
+
+
 class GatewayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
@@ -155,6 +186,7 @@ class GatewayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     semantic: SemanticConfig = msgspec.field(default_factory=SemanticConfig)
     quotas: QuotasConfig = msgspec.field(default_factory=QuotasConfig)
     routing: RoutingConfig = msgspec.field(default_factory=RoutingConfig)
+    scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     upstreams: list[UpstreamConfig] = []
 
     def builtin_enabled(self) -> bool:
@@ -181,6 +213,7 @@ ENV_OVERRIDES: dict[str, tuple[str, str]] = {
     "PARROT_BUILTIN": ("builtin", "enabled"),
     "PARROT_BUILTIN_MODEL": ("builtin", "model"),
     "PARROT_BUILTIN_PORT": ("builtin", "port"),
+    "PARROT_ENGINES": ("builtin", "replicas"),
     "PARROT_ENGINE_SECRET": ("engines", "registration_secret"),  # `parrot engine` reads it too
     "PARROT_HEARTBEAT_TIMEOUT_S": ("engines", "heartbeat_timeout_s"),
 }

@@ -22,11 +22,12 @@ from wire.openai import ChatCompletionRequest, CompletionRequest
 from gateway.errors import APIError, body_error
 from gateway.quotas import Quotas
 from gateway.semantic.routes import owner
-from gateway.service import Gateway, OpenAIRequest
+from gateway.service import ENGINE_HEADER, Gateway, OpenAIRequest
 from gateway.streaming import send_events
 
 
 _ALLOW = b"OPTIONS, POST"
+_ENGINE = ENGINE_HEADER.encode()
 
 
 def _too_large(limit: int) -> APIError:
@@ -79,20 +80,22 @@ async def _respond(route: Route, data: OpenAIRequest, body: dict, scope: Scope, 
         response = await state.semantic.serve(route, data.parrot, body, owner(request), data.stream)
         await response.to_asgi_response(None, request)(scope, receive, send)
     elif not data.stream:
-        payload = None
+        answer = None
         async with CancelledOnDisconnect(receive):  # a client that leaves cancels the engine's work
-            payload = await gateway.create(route, data.model, body)
-        if payload is None:
+            answer = await gateway.create(route, data.model, body)
+        if answer is None:
             return
-        await send(_start(b"application/json", (b"content-length", str(len(payload)).encode())))
-        await send({"type": "http.response.body", "body": payload})
+        await send(_start(b"application/json", (b"content-length", str(len(answer.body)).encode()),
+                          (_ENGINE, answer.engine_id.encode())))
+        await send({"type": "http.response.body", "body": answer.body})
     else:
         opened = None
         async with CancelledOnDisconnect(receive):  # a client that leaves during a long prefill, too
             opened = await gateway.open_stream(route, data.model, body)
         if opened is None:
             return
-        await send(_start(b"text/event-stream", (b"cache-control", b"no-cache")))
+        await send(_start(b"text/event-stream", (b"cache-control", b"no-cache"),
+                          (_ENGINE, opened.record.id.encode())))
         await send_events(gateway.sse_events(data.model, opened), send, receive)
 
 

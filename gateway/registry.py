@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import secrets
 import time
 from typing import Callable, Iterable, Iterator
@@ -12,6 +11,7 @@ import msgspec
 
 from engines.seam import Engine, EngineStats
 from gateway.circuit import CircuitBreaker
+from gateway.engine_view import EngineView
 
 
 class EngineConflict(Exception):
@@ -38,15 +38,13 @@ def _key_or_none(url: str) -> tuple[str, str, int, str] | None:
         return None
 
 
-class EngineRecord(msgspec.Struct, kw_only=True):
-    id: str
+class EngineRecord(EngineView, kw_only=True):
+    """An engine as the gateway holds it: the scheduler's view of it, the engine itself, its health."""
+
     engine: Engine
-    models: list[str]
     url: str | None = None
-    in_flight: int = 0
     breaker: CircuitBreaker = msgspec.field(default_factory=CircuitBreaker)  # fed by requests and health checks
     last_heartbeat: float | None = None  # None: not heartbeating (static upstreams)
-    stats: EngineStats = msgspec.field(default_factory=EngineStats)
     token: str | None = None  # a registered engine's proof of identity for heartbeats (never listed)
 
     def healthy(self, now: float, heartbeat_timeout_s: float) -> bool:
@@ -62,9 +60,18 @@ class EngineRegistry:
         self._new_breaker = new_breaker  # each engine's own, with the configured thresholds
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._records: dict[str, EngineRecord] = {}
-        self._tiebreak = itertools.count()
         self._secrets = [s.encode() for s in registration_secrets if s]  # what registering engines present
         self._expected: set[str] = set()  # models of engines being started (not registered yet)
+        self._on_removed: list[Callable[[str], None]] = []
+
+    def on_removed(self, forget: Callable[[str], None]) -> None:
+        """``forget(engine_id)`` is called for every engine removed, however (the scheduler's memory of it)."""
+        self._on_removed.append(forget)
+
+    def _removed(self, record: EngineRecord) -> None:
+        del self._records[record.id]
+        for forget in self._on_removed:
+            forget(record.id)
 
     # ------------------------------------------------------------ engine trust
 
@@ -104,7 +111,7 @@ class EngineRegistry:
         """Removes the engines registered at ``url`` (one known to have died)."""
         gone = self._at(url_key(url))
         for record in gone:
-            del self._records[record.id]
+            self._removed(record)
         return gone
 
     def _at(self, key: tuple[str, str, int, str]) -> list[EngineRecord]:
@@ -114,7 +121,7 @@ class EngineRegistry:
         """Forgets engines silent past the heartbeat timeout (a restarted one registers again)."""
         now = time.monotonic()
         for record in [r for r in self._records.values() if r.expired(now, self.heartbeat_timeout_s)]:
-            del self._records[record.id]
+            self._removed(record)
 
     def expect(self, models: Iterable[str]) -> None:
         """Models an engine being started will serve: known (503 rather than 404) before it registers."""
@@ -133,7 +140,10 @@ class EngineRegistry:
         return record
 
     def remove(self, engine_id: str) -> EngineRecord | None:
-        return self._records.pop(engine_id, None)
+        record = self._records.get(engine_id)
+        if record is not None:
+            self._removed(record)
+        return record
 
     def get(self, engine_id: str) -> EngineRecord | None:
         return self._records.get(engine_id)
@@ -159,20 +169,16 @@ class EngineRegistry:
         return True
 
     def candidates(self, model: str) -> Iterator[EngineRecord]:
-        """Healthy engines for ``model`` (live, circuit not open), least loaded first."""
+        """Healthy engines for ``model`` (live, circuit not open)."""
         return iter(self.routable(model))
 
     def routable(self, model: str, *, last_resort: bool = False) -> list[EngineRecord]:
-        """Healthy engines for ``model``, least loaded first (round-robin among equals). With
-        ``last_resort``, when every live one's circuit is open: the one open longest, so that a
-        request is tried (as a probe) rather than refused unseen."""
+        """Healthy engines for ``model`` (the scheduler picks among them). With ``last_resort``, when
+        every live one's circuit is open: the one open longest, so that a request is tried (as a
+        probe) rather than refused unseen."""
         now = time.monotonic()
         healthy = [r for r in self._records.values()
                    if model in r.models and r.healthy(now, self.heartbeat_timeout_s)]
-        if len(healthy) > 1:
-            turn = next(self._tiebreak) % len(healthy)
-            healthy = healthy[turn:] + healthy[:turn]  # rotate, then a stable sort keeps equals fair
-            healthy.sort(key=lambda r: r.in_flight + r.stats.waiting)
         if healthy or not last_resort:
             return healthy
         live = [r for r in self._records.values()

@@ -14,6 +14,7 @@ from litestar.params import FromPath, JSONBody
 
 from engines.seam import EngineStats
 from engines.seam.connect import CAPABILITIES, capabilities_of
+from gateway.prompt_prefix import TOKENS_PER_CHUNK
 from wire.openai import ModelCard, ModelList
 from gateway.errors import APIError, model_not_found
 from gateway.openai_endpoints import chat_completions, completions
@@ -153,6 +154,9 @@ class EngineInfo(msgspec.Struct):
     models: list[str]
     healthy: bool
     in_flight: int
+    load: int  # what the scheduler counts: requests on it now, ours and (when reported) other clients'
+    kv_use: float  # the fraction of its KV cache in use, as it reported
+    held_prefix_tokens: int  # the prompt prefixes the scheduler placed there and counts on it holding
     stats: EngineStats
     pid: int | None  # the process, for engines the gateway started itself
 
@@ -193,7 +197,8 @@ async def list_engines(state: State) -> list[EngineInfo]:
     healthy = {r.id for m in registry.models() for r in registry.candidates(m)}
     supervisor = state.supervisor
     return [EngineInfo(id=r.id, name=r.engine.name, capabilities=capabilities_of(r.engine), url=r.url, models=r.models,
-                       healthy=r.id in healthy, in_flight=r.in_flight, stats=r.stats,
+                       healthy=r.id in healthy, in_flight=r.in_flight, load=r.load(), kv_use=r.stats.kv_use(),
+                       held_prefix_tokens=state.gateway.scheduler.held_chunks(r.id) * TOKENS_PER_CHUNK, stats=r.stats,
                        pid=supervisor.pid_at(r.url) if supervisor else None)
             for r in registry.records()]
 

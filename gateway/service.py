@@ -3,26 +3,34 @@
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, NamedTuple
 
 import httpx
 import msgspec
 
-from engines.seam import Engine, EngineError, EngineOverloaded, HintedEngine, Route
+from engines.seam import Engine, EngineError, EngineOverloaded, HintedEngine, PrioritizedEngine, Route
 from engines.seam.connect import connect, has_capability
 from wire.openai import COMPLETIONS_DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest, prompt_count
 from wire.sse import SSE_DONE, sse_event
 from wire.usage import usage_decoder
-from engines.seam.upstream import UpstreamEngine
+from engines.seam.upstream import PrioritizedUpstreamEngine, UpstreamEngine
 from gateway.attempts import Attempts
 from gateway.config import GatewayConfig
 from gateway.domain_errors import Conflict, Invalid, model_not_found
 from gateway.errors import engine_error_body, error_payload
 from gateway.metrics import GatewayMetrics
 from gateway.quotas import count_tokens
+from gateway.prompt_prefix import prompt_prefix
 from gateway.registry import EngineConflict, EngineRecord, EngineRegistry
+from gateway.scheduler import Placement, Scheduler, Work
 
 OpenAIRequest = ChatCompletionRequest | CompletionRequest
+ENGINE_HEADER = "x-parrot-engine"  # on every proxied response: the engine it came from (its id in GET /v1/engines)
+
+
+class Answer(NamedTuple):
+    body: bytes
+    engine_id: str  # where it ran (the x-parrot-engine header)
 
 
 class OpenedStream(msgspec.Struct):
@@ -37,15 +45,21 @@ class Gateway:
                  client: httpx.AsyncClient, transport: httpx.AsyncBaseTransport | None = None):
         self.config = config
         self.registry = registry
+        self.scheduler = Scheduler(config.scheduler)
+        registry.on_removed(self.scheduler.forget)
         self.metrics = metrics
         self.client = client
         self.transport = transport  # the client's, for the engines' hot path
 
     def add_upstreams(self) -> None:
         for i, upstream in enumerate(self.config.upstreams):
-            engine = UpstreamEngine(upstream.name or f"upstream-{i}", upstream.base_url, self.client,
-                                    upstream_model=upstream.served_model(), api_key_env=upstream.api_key_env,
-                                    transport=self.transport)
+            options: dict[str, Any] = dict(upstream_model=upstream.served_model(), api_key_env=upstream.api_key_env,
+                                           transport=self.transport)
+            if upstream.priority_scheduling == "off":
+                engine = UpstreamEngine(upstream.name or f"upstream-{i}", upstream.base_url, self.client, **options)
+            else:
+                engine = PrioritizedUpstreamEngine(upstream.name or f"upstream-{i}", upstream.base_url, self.client,
+                                                   lower_first=upstream.priority_scheduling == "lower_first", **options)
             self.registry.add(engine, [upstream.model], url=upstream.base_url)
 
     def register_remote(self, name: str, url: str, models: list[str], capabilities: list[str],
@@ -134,28 +148,38 @@ class Gateway:
         return {"max_tokens_limit": limit} if has_capability(engine, HintedEngine) else {"max_tokens": limit}
 
     def _for_engine(self, route: Route, record: EngineRecord, body: dict[str, Any],
-                    hints: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The body as ``record``'s engine gets it: bounded (``token_defaults``), and with the fields
-        only engines that take scheduling hints understand (``hints``) for them alone."""
+                    hints: dict[str, Any] | None = None, placement: Placement = Placement()) -> dict[str, Any]:
+        """The body as ``record``'s engine gets it: bounded (``token_defaults``), with the fields only
+        engines that take scheduling hints understand (``hints``) for them alone, and the criteria as
+        the ``priority`` of an engine that orders its queue by one."""
         defaults = self.token_defaults(route, body, record.engine)
         if defaults:
             body = body | defaults
         if hints and has_capability(record.engine, HintedEngine):
             body = body | hints
+        elif has_capability(record.engine, PrioritizedEngine) and "priority" not in body:
+            body = body | {"priority": record.engine.priority_of(placement.latency)}  # type: ignore[attr-defined]
         return body
 
     # ------------------------------------------------------------ non-streaming
 
+    def _attempts(self, route: Route, model: str, body: dict[str, Any], placement: Placement) -> Attempts:
+        def describe() -> Work:
+            prefix, tokens = prompt_prefix(route, body)
+            return Work(prefix, tokens, placement.latency, placement.group, placement.held_by)
+
+        return Attempts(self.registry, self.scheduler, self.config.routing, model, body, describe)
+
     async def create(self, route: Route, model: str, body: dict[str, Any],
-                     hints: dict[str, Any] | None = None) -> bytes:
+                     hints: dict[str, Any] | None = None, placement: Placement = Placement()) -> Answer:
         """``hints``: scheduling fields (wire.sampling.SCHEDULING_FIELDS), added for engines that take them.
         Failures are retried (gateway/attempts.py): nothing has reached the client yet."""
         started = time.perf_counter()
-        attempts = Attempts(self.registry, self.config.routing, model, body)
+        attempts = self._attempts(route, model, body, placement)
         running = self.metrics.model(model).requests_running
         while (attempt := await attempts.next()) is not None:
             record, sent = attempt
-            sent = self._for_engine(route, record, sent, hints)
+            sent = self._for_engine(route, record, sent, hints, placement)
             record.in_flight += 1
             running.inc()
             try:
@@ -170,7 +194,7 @@ class Gateway:
                 running.dec()
             record.breaker.succeeded()
             self.record_success(model, response, started)
-            return response
+            return Answer(response, record.id)
         raise self._no_engine(model, attempts.last_error)
 
     def record_success(self, model: str, response: bytes, started: float) -> None:
@@ -222,7 +246,7 @@ class Gateway:
     async def open_stream(self, route: Route, model: str, body: dict[str, Any]) -> OpenedStream:
         """Start a stream and wait for its first chunk, so failures before it still get an HTTP status."""
         started = time.perf_counter()
-        attempts = Attempts(self.registry, self.config.routing, model, body)
+        attempts = self._attempts(route, model, body, Placement())
         while (attempt := await attempts.next()) is not None:
             record, sent = attempt
             rest = record.engine.stream(route, self._for_engine(route, record, sent)).__aiter__()

@@ -39,15 +39,17 @@ def _die_with_parent() -> None:
 
 
 class EngineSupervisor:
-    def __init__(self, config: GatewayConfig, registry: EngineRegistry):
+    def __init__(self, config: GatewayConfig, registry: EngineRegistry, replica: int = 0):
+        """``replica``: which of ``[builtin] replicas`` processes this is; it listens on ``port + replica``."""
         builtin, server = config.builtin, config.server
         self._builtin = builtin
         self._registry = registry
         self.secret = secrets.token_urlsafe(32)
-        self.url = f"http://{builtin.host}:{builtin.port}"
+        port = builtin.port + replica
+        self.url = f"http://{builtin.host}:{port}"
         gateway_host = "127.0.0.1" if server.host in ("0.0.0.0", "::") else server.host
         self._command = [sys.executable, "-m", "gateway.cli", "engine", "--host", builtin.host,
-                         "--port", str(builtin.port), "--gateway-url", f"http://{gateway_host}:{server.port}",
+                         "--port", str(port), "--gateway-url", f"http://{gateway_host}:{server.port}",
                          "--advertise-url", self.url]
         if builtin.model:
             self._command += ["--model", builtin.model]
@@ -67,7 +69,7 @@ class EngineSupervisor:
     def start(self) -> None:
         self._registry.allow_secret(self.secret)
         self._registry.expect([self.model])
-        self._task = asyncio.create_task(self._run(), name="engine-supervisor")
+        self._task = asyncio.create_task(self._run(), name=f"engine-supervisor-{self.url}")
 
     def pid_at(self, url: str | None) -> int | None:
         """The pid of the live engine process registered at ``url``, if it is ours."""
@@ -119,3 +121,25 @@ class EngineSupervisor:
         except TimeoutError:
             process.kill()
             await process.wait()
+
+
+class EngineSupervisors:
+    """The ``[builtin] replicas`` engine processes (``parrot serve --engines N``), each supervised alone, on
+    consecutive ports from ``[builtin] port``."""
+
+    def __init__(self, config: GatewayConfig, registry: EngineRegistry):
+        self.each = [EngineSupervisor(config, registry, replica) for replica in range(config.builtin.replicas)]
+
+    def start(self) -> None:
+        for supervisor in self.each:
+            supervisor.start()
+
+    @property
+    def exits(self) -> int:
+        return sum(supervisor.exits for supervisor in self.each)
+
+    def pid_at(self, url: str | None) -> int | None:
+        return next((pid for s in self.each if (pid := s.pid_at(url)) is not None), None)
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(supervisor.aclose() for supervisor in self.each))

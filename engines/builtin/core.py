@@ -265,6 +265,7 @@ class EngineCore(StepLoop):
             waiting=len(self.scheduler.waiting),
             blocks_total=self.block_manager.num_blocks,
             blocks_free=self.block_manager.num_free_blocks,
+            block_size=self.block_manager.block_size,
             cached_tokens=self.block_manager.num_cached_tokens,
             prefix_hit_tokens=self.block_manager.prefix_hit_tokens,
             prompt_tokens=self._prompt_tokens,

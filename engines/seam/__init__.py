@@ -1,10 +1,13 @@
 """The engine seam: all the gateway knows of engines, and all it imports from ``engines/``.
 
 interface.py     ``Engine`` (create / stream / health / stats / aclose) and the optional capabilities
-                 ``ContextEngine`` (contexts + prompt split) and ``HintedEngine`` (scheduling fields)
+                 ``ContextEngine`` (contexts + prompt split), ``HintedEngine`` (scheduling fields) and
+                 ``PrioritizedEngine`` (criteria as vLLM's / SGLang's ``priority``)
 contexts.py      what the context capability answers: FillResult, Generation, PromptSplit
 errors.py        ``EngineError`` and its kinds, each with the HTTP status it becomes
-upstream.py      ``UpstreamEngine``: any OpenAI-compatible server over HTTP
+upstream.py      ``UpstreamEngine``: any OpenAI-compatible server over HTTP (``PrioritizedUpstreamEngine``:
+                 one with priority scheduling)
+prometheus_stats.py  a vLLM or SGLang server's load and KV capacity from its /metrics
 builtin_client.py  ``BuiltinEngineClient``: the builtin engine's HTTP API, with both capabilities
 connect.py       announced capabilities -> the engine object; an object's capabilities -> names
 launch.py        how a gateway starts a builtin engine process (torch-free)
@@ -18,8 +21,17 @@ from engines.seam.errors import (
     EngineTimeout,
     EngineUnavailable,
 )
-from engines.seam.interface import ContextEngine, Count, Engine, EngineStats, HintedEngine, Route
+from engines.seam.interface import (
+    ContextEngine,
+    Count,
+    Engine,
+    EngineStats,
+    HintedEngine,
+    PrioritizedEngine,
+    Route,
+)
 
 __all__ = ["ContextEngine", "Count", "Engine", "EngineError", "EngineOverloaded", "EngineRejected", "EngineStats",
-           "EngineTimeout", "EngineUnavailable", "FillResult", "Generation", "HintedEngine", "PromptSplit", "Route",
+           "EngineTimeout", "EngineUnavailable", "FillResult", "Generation", "HintedEngine", "PrioritizedEngine",
+           "PromptSplit", "Route",
            "Segment"]

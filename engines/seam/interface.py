@@ -12,8 +12,9 @@ Failures are raised as ``EngineError`` subclasses (errors.py); the gateway turns
 error objects at one boundary.
 
 Capabilities: ``ContextEngine`` (named KV contexts the gateway fills once and forks per request, and the
-prompt split that finds the constant prefix worth sharing) and ``HintedEngine`` (takes Parrot's
-scheduling fields). The builtin engine's client (builtin_client.py) has both; any other
+prompt split that finds the constant prefix worth sharing), ``HintedEngine`` (takes Parrot's
+scheduling fields) and ``PrioritizedEngine`` (a vLLM or SGLang server with priority scheduling: takes
+criteria as its own ``priority`` number). The builtin engine's client (builtin_client.py) has both; any other
 OpenAI-compatible server gets plain requests.
 """
 
@@ -39,10 +40,19 @@ class EngineStats(msgspec.Struct, kw_only=True):
     waiting: Count = 0
     blocks_total: Count = 0
     blocks_free: Count = 0
+    block_size: Count = 0  # tokens per KV block: blocks_total × block_size is what the engine can hold
     cached_tokens: Count = 0
     prefix_hit_tokens: Count = 0
     prompt_tokens: Count = 0
     generation_tokens: Count = 0
+
+    def kv_capacity_tokens(self) -> int:
+        """Tokens of KV the engine holds at most; 0: it did not say."""
+        return self.blocks_total * self.block_size
+
+    def kv_use(self) -> float:
+        """The fraction of its KV blocks in use (0 when it did not say)."""
+        return 1 - self.blocks_free / self.blocks_total if self.blocks_total else 0.0
 
 
 @runtime_checkable
@@ -73,6 +83,16 @@ class HintedEngine(Engine, Protocol):
     below the room its context window has left (an engine without them is sent ``max_tokens`` instead)."""
 
     takes_scheduling_hints: Literal[True]
+
+
+@runtime_checkable
+class PrioritizedEngine(Engine, Protocol):
+    """Orders its queue by a request's ``priority`` field (vLLM ``--scheduling-policy priority``, SGLang
+    ``--enable-priority-scheduling``): the gateway sends Parrot's criteria as that number."""
+
+    def priority_of(self, latency: bool) -> int:
+        """The ``priority`` this engine reads as "sooner" for latency-critical work, "later" for throughput."""
+        ...
 
 
 @runtime_checkable

@@ -25,6 +25,7 @@ from engines.seam import (
     EngineUnavailable,
     Route,
 )
+from engines.seam.prometheus_stats import stats_from_metrics
 from wire.sse import SSE_DONE, SSEFramer
 
 _DRAIN_S = 1.0
@@ -124,6 +125,7 @@ class UpstreamEngine:
         # ~0.1 ms of the ~0.6 ms of CPU the gateway spends on a proxied request.
         self._transport = transport
         self._headers = [(b"content-type", b"application/json")]
+        self._serves_metrics = True  # until its /metrics answered 404: most hosted APIs have none
         key = api_key or (os.environ.get(api_key_env) if api_key_env else None)
         # For the engine's other clients (engines/seam/builtin_client.py), which must authenticate alike.
         self.auth_headers = {"authorization": f"Bearer {key}"} if key else {}
@@ -208,7 +210,33 @@ class UpstreamEngine:
         return True
 
     async def stats(self) -> EngineStats:
-        return EngineStats()
+        """Its load and KV capacity from its own ``/metrics`` (vLLM, SGLang: engines/seam/prometheus_stats.py);
+        nothing known when it has none."""
+        if not self._serves_metrics:
+            return EngineStats()
+        root = self.base_url.removesuffix("/v1")
+        with translate_errors(self.name):
+            response = await self._client.get(f"{root}/metrics", headers=self.auth_headers)
+        if response.status_code == 404:
+            self._serves_metrics = False
+        if response.status_code >= 400:
+            return EngineStats()
+        try:
+            return stats_from_metrics(response.text)
+        except ValueError:  # not Prometheus text
+            return EngineStats()
 
     async def aclose(self) -> None:
         """The shared client belongs to the app; nothing of our own to close."""
+
+
+class PrioritizedUpstreamEngine(UpstreamEngine):
+    """A vLLM or SGLang server run with priority scheduling (interface.PrioritizedEngine). vLLM serves lower
+    ``priority`` values first; SGLang higher ones, unless started with ``--schedule-low-priority-values-first``."""
+
+    def __init__(self, *args: Any, lower_first: bool = True, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._lower_first = lower_first
+
+    def priority_of(self, latency: bool) -> int:
+        return int(latency != self._lower_first)  # lower first: latency 0, throughput 1

@@ -19,6 +19,7 @@ from engines.seam import EngineError
 from gateway.config import QuotaLimits
 from gateway.domain_errors import Conflict, DomainError, Invalid, NotFound, NotReady, QuotaExceeded, TooLarge
 from gateway.errors import engine_error_body
+from gateway.scheduler import Placement
 
 LATENCY_PRIORITY = 1 << 20  # above any app-FIFO rank
 _arrivals = itertools.count()
@@ -99,6 +100,7 @@ class Call:
         self.work = work
         self.latency = latency
         self.grouped = False  # a member of task groups only: finishing before its peers gains nothing
+        self.group: str | None = None  # when grouped: its task group (named by its first consumer)
         self.task: asyncio.Task[dict[str, str]] | None = None
 
     @property
@@ -112,6 +114,10 @@ class Call:
         consumer waits for the last of them, so they must finish together, not one after another."""
         throughput = not self.latency or self.grouped
         return {"priority": self.priority, "criteria": "throughput" if throughput else "latency"}
+
+    def placement(self) -> Placement:
+        """How the global scheduler should place this call's requests (engine_hints: the engine's part)."""
+        return Placement(latency=self.latency and not self.grouped, group=self.group)
 
     def mark_latency(self) -> None:
         """Someone waits on this call's result: it and everything it transitively needs become urgent.
@@ -153,6 +159,7 @@ class Call:
                     raise VariableFailed(f"input {variable.label} failed: {_clipped(str(exc))}") from None
             consumers = self.consumers()
             self.grouped = self._feeds_only_task_groups(consumers)
+            self.group = consumers[0].id if self.grouped else None
             if any(peer.latency for peer in self.group_peers(consumers)):
                 self.latency = True  # a task group runs at the pace of its most urgent member
             results = await self.work(self, values)

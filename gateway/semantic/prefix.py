@@ -41,13 +41,10 @@ class PrefixCache:
     def key(engine_id: str, text: str) -> str:
         return hashlib.sha256(f"{engine_id}\0{text}".encode()).hexdigest()
 
-    def engine_holding(self, texts: list[tuple[str, str]]) -> str | None:
-        """Of candidate (engine_id, prefix) pairs, the engine a request already pinned its prefix on, if any
-        (it holds the context unless every request on it failed; the next one creates it then)."""
-        for engine_id, text in texts:
-            if self.key(engine_id, text) in self._entries:
-                return engine_id
-        return None
+    def holds(self, engine_id: str, text: str) -> bool:
+        """Whether a request pinned this prefix on that engine (it holds the context unless every request
+        on it failed; the next one creates it then)."""
+        return self.key(engine_id, text) in self._entries
 
     async def acquire(self, engine_id: str, engine: ContextEngine, text: str, pin: str | None
                       ) -> tuple[PrefixEntry, bool]:

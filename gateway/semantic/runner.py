@@ -2,7 +2,9 @@
 
 On an engine with contexts (engines/seam ``ContextEngine``) a prompt is split where its first variable
 starts (by the engine, which owns the tokenizer's rules); the constant text before it is the shared
-prefix, pinned once per engine and forked by every request that starts with it. A call still waiting
+prefix, pinned once per engine and forked by every request that starts with it. The global scheduler
+(gateway/scheduler.py) places every call: by its prefix (held exactly where it is pinned), its criteria
+and its task group. A call still waiting
 for its inputs is warmed: its prompt split and its prefix filled while its producers run, so only the
 fork is left on the critical path. Other engines get plain text substitution.
 """
@@ -16,11 +18,14 @@ import msgspec
 
 from engines.seam import ContextEngine, EngineError, Generation, PromptSplit, Route
 from engines.seam.connect import has_capability
+from gateway.attempts import retryable
+from gateway.prompt_prefix import chain, tokens_in
 from gateway.registry import EngineRecord
+from gateway.scheduler import Placement, Work
 from gateway.semantic import template
-from gateway.semantic.graph import Session
+from gateway.semantic.graph import Call, Session
 from gateway.semantic.prefix import PrefixCache, PrefixEntry
-from gateway.service import Gateway
+from gateway.service import Answer, Gateway
 from wire.openai import ChatChoice, ChatCompletion, Completion, CompletionChoice, ResponseMessage, Usage
 from wire.placeholders import map_texts
 from wire.sampling import sampling_of
@@ -80,27 +85,37 @@ class Runner:
     def _with_contexts(self, model: str) -> list[EngineRecord]:
         return [r for r in self.gateway.registry.candidates(model) if has_capability(r.engine, ContextEngine)]
 
-    async def run(self, route: Route, body: dict[str, Any], values: dict[str, str], *, hints: dict[str, Any],
-                  session: Session) -> bytes:
-        """``hints``: the call's scheduling fields, for engines that take them (``Call.engine_hints``)."""
+    async def run(self, route: Route, body: dict[str, Any], values: dict[str, str], *, call: Call,
+                  session: Session) -> Answer:
+        """Runs ``call``'s request with its inputs' ``values``, placed by the global scheduler; a forked
+        request that fails on one engine is run again on another (nothing of it reached anyone yet)."""
         model = body["model"]
+        hints, placement = call.engine_hints(), call.placement()
         started = time.perf_counter()
         records = self._with_contexts(model)
-        plan = await self._plan(route, body, records) if records and self._forkable(route, body) else None
-        if plan is None:
-            return await self.gateway.create(route, model, substitute(route, body, values), hints=hints)
-        bounded = hints | self.gateway.token_defaults(route, body, plan.engine)  # as a plain request is
-        try:
-            generation, prompt_tokens = await self._fork_and_generate(plan, plan.split.rest_with(values), body,
-                                                                      bounded, session)
-        except EngineError as exc:
-            self.gateway.record_failure(model, exc)
-            raise
+        split = await self._split(route, body, records) if records and self._forkable(route, body) else None
+        if split is None:
+            return await self.gateway.create(route, model, substitute(route, body, values), hints=hints,
+                                             placement=placement)
+        bounded = hints | self.gateway.token_defaults(route, body, records[0].engine)  # as a plain request is
+        rest = split.rest_with(values)
+        tried: set[str] = set()
+        while True:
+            plan = self._place(model, split, rest, records, placement)
+            try:
+                generation, prompt_tokens = await self._fork_and_generate(plan, rest, body, bounded, session)
+                break
+            except EngineError as exc:
+                tried.add(plan.record.id)
+                records = [r for r in self._with_contexts(model) if r.id not in tried]
+                if not retryable(exc) or not records or len(tried) > self.gateway.config.routing.num_retries:
+                    self.gateway.record_failure(model, exc)
+                    raise
         response = _response(route, model, generation, prompt_tokens)
         self.gateway.record_success(model, response, started)  # as a plain request through the gateway is
-        return response
+        return Answer(response, plan.record.id)
 
-    async def warm(self, route: Route, body: dict[str, Any], session: Session) -> None:
+    async def warm(self, route: Route, body: dict[str, Any], call: Call, session: Session) -> None:
         """Before a call's inputs are ready: split its prompt and fill its constant prefix on the engine
         that will run it, so that when they are ready only the fork is left. Errors are left for the
         run itself to meet and report."""
@@ -108,9 +123,10 @@ class Runner:
         if not records or not self._forkable(route, body):
             return
         try:
-            plan = await self._plan(route, body, records)
-            if plan is None:
+            split = await self._split(route, body, records)
+            if split is None:
                 return
+            plan = self._place(body["model"], split, "", records, call.placement())
             entry, _ = await self._acquire(plan, session)
             try:
                 await plan.engine.fill(text=plan.split.prefix, context_id=entry.context_id, if_absent=True)
@@ -119,13 +135,22 @@ class Runner:
         except EngineError:
             pass
 
-    async def _plan(self, route: Route, body: dict[str, Any], records: list[EngineRecord]) -> Plan | None:
-        """None when the constant prefix is too short to be worth pinning."""
+    async def _split(self, route: Route, body: dict[str, Any], records: list[EngineRecord]) -> PromptSplit | None:
+        """The prompt split at its shared prefix; None when that prefix is too short to be worth pinning."""
         split = await records[0].engine.split_prompt(route, body)  # type: ignore[attr-defined]
-        if len(split.prefix) < self.min_prefix_chars:
-            return None
-        holder = self.prefixes.engine_holding([(r.id, split.prefix) for r in records])
-        return Plan(next((r for r in records if r.id == holder), records[0]), split)
+        return split if len(split.prefix) >= self.min_prefix_chars else None
+
+    def _place(self, model: str, split: PromptSplit, rest: str, records: list[EngineRecord],
+               placement: Placement) -> Plan:
+        """The engine the global scheduler picks for a fork of ``split``'s prefix (known exactly where pinned)."""
+        prefix = split.prefix.encode()
+        held_by = frozenset(r.id for r in records if self.prefixes.holds(r.id, split.prefix))
+        work = Work(chain(model, prefix), tokens_in(len(prefix) + len(rest.encode())), placement.latency,
+                    placement.group, held_by, prefix_tokens=tokens_in(len(prefix)))
+        record = self.gateway.scheduler.best(work, records)
+        assert record is not None
+        self.gateway.scheduler.placed(work, record)
+        return Plan(record, split)
 
     async def _acquire(self, plan: Plan, session: Session) -> tuple[PrefixEntry, bool]:
         entry, hit = await self.prefixes.acquire(plan.record.id, plan.engine, plan.split.prefix,

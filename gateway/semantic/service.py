@@ -34,7 +34,7 @@ from gateway.semantic.schema import (
     VarRef,
     VarView,
 )
-from gateway.service import Gateway
+from gateway.service import ENGINE_HEADER, Answer, Gateway
 from gateway.streaming import EventStream
 
 JSON = "application/json"
@@ -56,6 +56,7 @@ class SemanticService:
         self.config = config
         self.sessions = SessionStore(config.default_session_max_variables, limits_of=limits_of)
         self.prefixes = PrefixCache(config.max_prefixes_per_engine)
+        gateway.registry.on_removed(self.prefixes.forget_engine)  # its contexts went with it
         self.runner = Runner(gateway, self.prefixes, config.min_prefix_chars)
 
     # ------------------------------------------------------------ binding
@@ -100,20 +101,20 @@ class SemanticService:
                                  "call's variable id; read its value with GET /v1/vars/{id}", "parrot.wait")
         session = self.sessions.resolve(ext.session_id, owner)
         placeholders = {name for text in texts(route, body) for name in template.names(text)}
-        responses: dict[str, bytes] = {}
+        responses: dict[str, Answer] = {}
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}  # runs whole, server-side
 
         async def work(call: Call, values: dict[str, str]) -> dict[str, str]:
-            responses["body"] = await self.runner.run(route, body, values, hints=call.engine_hints(), session=session)
-            return {"output": output_text(route, responses["body"])}
+            responses["answer"] = await self.runner.run(route, body, values, call=call, session=session)
+            return {"output": output_text(route, responses["answer"].body)}
 
         latency = ext.criteria == "latency" or (ext.criteria is None and ext.wait)
         with session.undo_on_error() as made:
             inputs = self._bind(session, placeholders, ext.vars, "parrot.vars")
             output = self._output(session, ext.output)
             call = Call(session, inputs, {"output": output}, work, latency=latency,
-                        prepare=lambda: self.runner.warm(route, body, session))
+                        prepare=lambda: self.runner.warm(route, body, call, session))
             self._start(session, call)
         result = ParrotResult(session_id=session.id, output=OutputView(id=output.id, name=output.name),
                               call_id=call.id)
@@ -126,11 +127,12 @@ class SemanticService:
             if exc.status_code < 500:  # the engine refused the request itself: as for a 400 here, nothing stays
                 session.forget(made)
             raise
-        answer = msgspec.json.decode(responses["body"])
+        answer = msgspec.json.decode(responses["answer"].body)
         answer["parrot"] = msgspec.to_builtins(result)
+        where = {ENGINE_HEADER: responses["answer"].engine_id}
         if stream:
-            return _as_stream(route, answer, include_usage)
-        return Response(msgspec.json.encode(answer), media_type=JSON)
+            return _as_stream(route, answer, include_usage, where)
+        return Response(msgspec.json.encode(answer), media_type=JSON, headers=where)
 
     @staticmethod
     async def _finish(call: Call) -> None:
@@ -211,7 +213,7 @@ class SemanticService:
         placeholders = {p.name for p in pieces if p.kind == "input"}
 
         async def work(call: Call, values: dict[str, str]) -> dict[str, str]:
-            return await self._run_template(spec, pieces, values, call.engine_hints(), session)
+            return await self._run_template(spec, pieces, values, call, session)
 
         with session.undo_on_error():
             inputs = self._bind(session, placeholders, spec.inputs, "inputs")
@@ -234,7 +236,7 @@ class SemanticService:
             raise
 
     async def _run_template(self, spec: SemanticCall, pieces: list[template.Piece], values: dict[str, str],
-                            hints: dict[str, Any], session: Session) -> dict[str, str]:
+                            call: Call, session: Session) -> dict[str, str]:
         """Generate each output in order, each seeing the text and outputs before it."""
         results: dict[str, str] = {}
         known = dict(values)
@@ -246,8 +248,8 @@ class SemanticService:
             if piece.kind == "output":
                 output = spec.outputs.get(piece.name)
                 body = {"model": spec.model, "prompt": prompt, **(output.sampling() if output else {})}
-                response = await self.runner.run("completions", body, known, hints=hints, session=session)
-                known[piece.name] = results[piece.name] = output_text("completions", response)
+                answer = await self.runner.run("completions", body, known, call=call, session=session)
+                known[piece.name] = results[piece.name] = output_text("completions", answer.body)
             prompt += "{{" + piece.name + "}}"
         return results
 
@@ -256,7 +258,7 @@ def _within(prefix: str, param: str | None) -> str:
     return f"{prefix}.{param}" if param else prefix
 
 
-def _as_stream(route: Route, answer: dict[str, Any], include_usage: bool) -> Response:
+def _as_stream(route: Route, answer: dict[str, Any], include_usage: bool, headers: dict[str, str]) -> Response:
     """A finished semantic request as an OpenAI stream (one chunk per choice), for clients that asked to stream."""
     chunk_object = "text_completion" if route == "completions" else "chat.completion.chunk"
 
@@ -274,7 +276,7 @@ def _as_stream(route: Route, answer: dict[str, Any], include_usage: bool) -> Res
             yield sse_event(msgspec.json.encode({**base, "choices": [], "usage": answer["usage"]}))
         yield SSE_DONE
 
-    return EventStream(events(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
+    return EventStream(events(), media_type="text/event-stream", headers={"cache-control": "no-cache", **headers})
 
 
 def _delta(message: dict[str, Any]) -> dict[str, Any]:

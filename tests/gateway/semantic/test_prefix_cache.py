@@ -32,7 +32,7 @@ async def test_a_prefix_dropped_while_in_use_is_freed_once_by_its_last_release()
     await cache.release(shared)
 
     assert engine.freed == [pinned.context_id]
-    assert cache.engine_holding([("e1", "You are a helpful assistant.")]) is None
+    assert not cache.holds("e1", "You are a helpful assistant.")
 
 
 async def test_a_prefix_another_session_pins_outlives_one_sessions_deletion():

@@ -1,0 +1,135 @@
+"""The global scheduler: which engine runs a request, plain or semantic, chosen from what Parrot knows of it
+(its prompt's prefix, its criteria, its task group) and of the engines (their load, what they hold).
+
+Pure: work and engine views in, a placement out. It remembers only what it placed: which prefix chunks each
+engine holds (an LRU mirror per engine, sized from the KV capacity it reports) and where each task group
+went. No I/O, no clock, no awaits: the simulator (benchmarks/scheduler_sim.py) runs this same code.
+
+Each engine is scored by what the work would cost there, in prompt tokens computed:
+
+    queue   = load × queue_tokens_per_request × (1, or throughput_queue_weight for throughput work)
+    prefill = the prompt's tokens − the tokens of its prefix the engine holds
+    score   = queue + prefill  (+ the prompt again when the engine's KV cache is nearly full: it would preempt)
+
+and the lowest score wins. So a request goes where its prefix is, unless that engine's queue costs more than
+computing the prefix again elsewhere; then the prefix is replicated to a second engine, which holds it from
+then on: a hot prefix spreads over as many engines as its traffic needs and no more (cache-aware routers
+instead switch to the shortest queue past a fixed imbalance and lose the prefix). Throughput work minds the
+queue less: it packs onto engines that hold its prefix, where it batches. An engine far above the least
+loaded one (``balance_abs_threshold`` requests and ``balance_ratio`` times) is passed over whatever it
+holds. A task group's members share the engine the first of them went to when it scores as well as any (so
+they batch and finish together); without a shared prefix they spread like any work. Ties go round-robin.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import NamedTuple, Sequence, TypeVar
+
+from gateway.config import SchedulerConfig
+from gateway.engine_view import EngineView
+from gateway.prompt_prefix import TOKENS_PER_CHUNK
+
+View = TypeVar("View", bound=EngineView)
+_PASSED_OVER = 1e18  # added to the score of an engine past the balance thresholds: ranked, but last
+_MAX_GROUPS = 100_000  # task groups remembered (the oldest forgotten first)
+
+
+class Placement(NamedTuple):
+    """What a caller knows of a request's scheduling beyond its prompt."""
+
+    latency: bool = True  # latency-critical (wants a seat now) or throughput (may wait for a big batch)
+    group: str | None = None  # its task group: calls one consumer waits for, all of them
+    held_by: frozenset[str] = frozenset()  # engines known to hold its whole prefix (a pinned context)
+
+
+class Work(NamedTuple):
+    """What the scheduler knows of one request before it runs."""
+
+    prefix: tuple[int, ...] = ()  # chain hashes of its prompt's full chunks (gateway/prompt_prefix.py)
+    prompt_tokens: int = 0
+    latency: bool = True  # latency-critical (wants a seat now) or throughput (may wait for a big batch)
+    group: str | None = None  # its task group: calls one consumer waits for, all of them
+    held_by: frozenset[str] = frozenset()  # engines known to hold its whole prefix (a pinned context)
+    prefix_tokens: int = 0  # what those hold: its whole prefix, in tokens (0: as many as its full chunks)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig | None = None):
+        self.config = config or SchedulerConfig()
+        self._held: dict[str, OrderedDict[int, None]] = {}  # engine → the prefix chunks it holds, LRU first
+        self._holders: dict[int, set[str]] = {}  # prefix chunk → the engines holding it
+        self._groups: OrderedDict[str, str] = OrderedDict()  # task group → the engine its first member went to
+        self._turn = 0  # round-robin among equal scores
+
+    def best(self, work: Work, views: Sequence[View]) -> View | None:
+        """Of ``views`` (healthy engines of the request's model), where ``work`` should run; None if none."""
+        if len(views) <= 1:
+            return views[0] if views else None
+        scores = self._scores(work, views, self.held_tokens(work))
+        low = min(scores)
+        ties = [i for i, score in enumerate(scores) if score == low]
+        self._turn += 1
+        return views[ties[self._turn % len(ties)]]
+
+    def _scores(self, work: Work, views: Sequence[View], held: dict[str, int]) -> list[float]:
+        config = self.config
+        loads = [view.load() for view in views]
+        floor = min(loads)
+        queue_cost = config.queue_tokens_per_request * (1.0 if work.latency else config.throughput_queue_weight)
+        group_engine = self._groups.get(work.group) if work.group is not None else None
+        scores = []
+        for view, load in zip(views, loads):
+            score = load * queue_cost + max(0, work.prompt_tokens - held.get(view.id, 0))
+            if view.stats.kv_use() >= config.kv_full:
+                score += work.prompt_tokens + config.queue_tokens_per_request
+            if load - floor > config.balance_abs_threshold and load > floor * config.balance_ratio:
+                score += _PASSED_OVER
+            if view.id == group_engine:
+                score -= 0.5  # wins ties: members batch together
+            scores.append(score)
+        return scores
+
+    def held_tokens(self, work: Work) -> dict[str, int]:
+        """Engine → tokens of the work's prefix it holds (its longest run of the chain)."""
+        exact = work.prefix_tokens or len(work.prefix) * TOKENS_PER_CHUNK
+        held = {engine: exact for engine in work.held_by}
+        for i in range(len(work.prefix) - 1, -1, -1):
+            for engine in self._holders.get(work.prefix[i], ()):
+                if engine not in held:
+                    held[engine] = (i + 1) * TOKENS_PER_CHUNK
+        return held
+
+    def placed(self, work: Work, view: EngineView) -> None:
+        """``work`` went to ``view``'s engine: it holds the work's prefix from now on."""
+        held = self._held.setdefault(view.id, OrderedDict())
+        for chunk in work.prefix:
+            if chunk in held:
+                held.move_to_end(chunk)
+            else:
+                held[chunk] = None
+                self._holders.setdefault(chunk, set()).add(view.id)
+        capacity = view.stats.kv_capacity_tokens() or self.config.default_capacity_tokens
+        while len(held) * TOKENS_PER_CHUNK > capacity:
+            self._drop(view.id, held.popitem(last=False)[0])
+        if work.group is not None and work.group not in self._groups:
+            self._groups[work.group] = view.id
+            if len(self._groups) > _MAX_GROUPS:
+                self._groups.popitem(last=False)
+
+    def forget(self, engine_id: str) -> None:
+        """An engine gone: nothing is held there any more."""
+        for chunk in self._held.pop(engine_id, {}):
+            self._drop(engine_id, chunk)
+        for group in [g for g, engine in self._groups.items() if engine == engine_id]:
+            del self._groups[group]
+
+    def held_chunks(self, engine_id: str) -> int:
+        return len(self._held.get(engine_id, ()))
+
+    def _drop(self, engine_id: str, chunk: int) -> None:
+        holders = self._holders.get(chunk)
+        if holders is not None:
+            holders.discard(engine_id)
+            if not holders:
+                del self._holders[chunk]

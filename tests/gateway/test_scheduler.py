@@ -1,0 +1,141 @@
+"""The global scheduler on hand-made engine views: prefix, load, criteria, task groups, capacity, removal."""
+
+from __future__ import annotations
+
+from engines.seam import EngineStats
+from gateway.config import SchedulerConfig
+from gateway.engine_view import EngineView
+from gateway.prompt_prefix import CHUNK_BYTES, TOKENS_PER_CHUNK, chain, prompt_prefix
+from gateway.scheduler import Scheduler, Work
+
+SYSTEM_A = "You are the travel agent of Parrot Airways. " * 40  # ~1,760 bytes: 6 full chunks
+SYSTEM_B = "You are the librarian of the Parrot Library. " * 40
+
+
+def views(count: int = 3) -> list[EngineView]:
+    return [EngineView(id=f"e{i}", models=["m"]) for i in range(count)]
+
+
+def work(system: str, user: str = "Hello?", **placement) -> Work:
+    body = {"model": "m", "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
+    prefix, tokens = prompt_prefix("chat/completions", body)
+    return Work(prefix, tokens, **placement)
+
+
+def place(scheduler: Scheduler, item: Work, engines: list[EngineView]) -> EngineView:
+    chosen = scheduler.best(item, engines)
+    assert chosen is not None
+    scheduler.placed(item, chosen)
+    return chosen
+
+
+def test_requests_sharing_a_system_prompt_go_where_it_is_held():
+    scheduler, engines = Scheduler(), views()
+    first = place(scheduler, work(SYSTEM_A, "first question"), engines)
+    first.in_flight += 1  # still running: the holder is busier than the others, and still wins
+    assert {place(scheduler, work(SYSTEM_A, f"question {i}"), engines).id for i in range(3)} == {first.id}
+
+
+def test_prompts_that_share_nothing_spread_over_idle_engines():
+    scheduler, engines = Scheduler(), views()
+    chosen = {place(scheduler, work(f"system prompt number {i}. " * 30), engines).id for i in range(3)}
+    assert chosen == {"e0", "e1", "e2"}
+
+
+def test_the_chain_matches_a_shared_head_and_not_what_follows():
+    head = "x" * (3 * CHUNK_BYTES)
+    same_head = chain("m", (head + "a" * CHUNK_BYTES).encode())
+    other_tail = chain("m", (head + "b" * CHUNK_BYTES).encode())
+    assert same_head[:3] == other_tail[:3] and same_head[3] != other_tail[3]
+    assert chain("other-model", head.encode())[0] != same_head[0]  # engines key their caches by model too
+
+
+def test_a_hot_prefix_is_replicated_once_its_holders_queue_costs_more_than_a_prefill():
+    scheduler, engines = Scheduler(), views()
+    holder = place(scheduler, work(SYSTEM_A), engines)
+    item = work(SYSTEM_A, "next")
+    queue_worth_a_prefill = item.prompt_tokens / scheduler.config.queue_tokens_per_request
+    holder.in_flight = int(queue_worth_a_prefill) + 1
+    second = place(scheduler, item, engines)
+    assert second.id != holder.id
+    # From now on both hold it: the next request goes to the less busy holder, not a third engine.
+    second.in_flight = 1
+    third = scheduler.best(work(SYSTEM_A, "again"), engines)
+    assert third is not None and third.id == second.id
+
+
+def test_throughput_work_packs_where_latency_work_spreads():
+    engines = views()
+    for latency, expected_same in ((False, True), (True, False)):
+        scheduler = Scheduler()
+        holder = place(scheduler, work(SYSTEM_A), engines)
+        holder.in_flight = 3
+        chosen = scheduler.best(work(SYSTEM_A, "more", latency=latency), engines)
+        assert (chosen is holder) == expected_same, latency
+        holder.in_flight = 0
+
+
+def test_an_engine_far_above_the_least_loaded_is_passed_over_whatever_it_holds():
+    config = SchedulerConfig(balance_abs_threshold=4, balance_ratio=1.5, throughput_queue_weight=0.0)
+    scheduler, engines = Scheduler(config), views()
+    holder = place(scheduler, work(SYSTEM_A), engines)
+    holder.in_flight = 4  # at the threshold: throughput work (queue weight 0) still packs there
+    assert scheduler.best(work(SYSTEM_A, latency=False), engines) is holder
+    holder.in_flight = 5
+    assert scheduler.best(work(SYSTEM_A, latency=False), engines) is not holder
+
+
+def test_load_reported_by_the_engine_counts_as_well_as_the_gateways_own():
+    scheduler, engines = Scheduler(), views(2)
+    engines[0].stats = EngineStats(running=6, waiting=4)  # other clients' work, seen in its /metrics
+    assert scheduler.best(work("a prompt nobody holds " * 30), engines) is engines[1]
+
+
+def test_a_nearly_full_kv_cache_is_avoided():
+    scheduler, engines = Scheduler(), views(2)
+    engines[0].stats = EngineStats(blocks_total=100, blocks_free=2, block_size=16)
+    assert {scheduler.best(work(f"prompt {i} " * 60), engines).id for i in range(4)} == {"e1"}
+
+
+def test_a_task_group_shares_an_engine_when_it_shares_a_prefix_and_spreads_when_not():
+    scheduler, engines = Scheduler(), views()
+    members = []
+    for i in range(4):  # placed in one burst: each still running when the next comes
+        chosen = place(scheduler, work(SYSTEM_A, f"chunk {i}", latency=False, group="reduce-1"), engines)
+        chosen.in_flight += 1
+        members.append(chosen.id)
+    assert len(set(members)) == 1
+
+    for engine in engines:
+        engine.in_flight = 0
+    spread = []
+    for i in range(3):
+        chosen = place(scheduler, work(f"unrelated document {i}. " * 30, latency=False, group="reduce-2"), engines)
+        chosen.in_flight += 1
+        spread.append(chosen.id)
+    assert len(set(spread)) == 3
+
+
+def test_a_pinned_context_counts_as_held_whatever_the_mirror_says():
+    scheduler, engines = Scheduler(), views()
+    item = work(SYSTEM_B)._replace(held_by=frozenset({"e2"}))
+    assert scheduler.best(item, engines) is engines[2]
+
+
+def test_what_an_engine_holds_is_bounded_by_its_kv_capacity():
+    scheduler, engines = Scheduler(), views(2)
+    engines[0].stats = EngineStats(blocks_total=8 * TOKENS_PER_CHUNK // 16, block_size=16)  # room for 8 chunks
+    for i in range(5):
+        scheduler.placed(work(f"prompt {i} " * 100), engines[0])
+    assert scheduler.held_chunks("e0") == 8
+    assert scheduler.held_tokens(work("prompt 0 " * 100)) == {}  # the oldest went first
+    assert scheduler.held_tokens(work("prompt 4 " * 100))["e0"] > 0
+
+
+def test_a_forgotten_engine_holds_nothing_and_leads_no_group():
+    scheduler, engines = Scheduler(), views(2)
+    place(scheduler, work(SYSTEM_A, group="g"), engines)
+    scheduler.forget("e0")
+    scheduler.forget("e1")
+    assert scheduler.held_tokens(work(SYSTEM_A)) == {}
+    assert scheduler.held_chunks("e0") == scheduler.held_chunks("e1") == 0
