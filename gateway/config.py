@@ -158,6 +158,10 @@ class RoutingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """How the global scheduler (gateway/scheduler.py) weighs a held prefix against a queue."""
 
+    # "parrot": by prefix, load, criteria and task group. The others ignore all that and are kept as the
+    # baselines benchmarks/multi_engine.py compares against through this same gateway.
+    policy: Literal["parrot", "least_loaded", "round_robin"] = "parrot"
+
     # What one request ahead in an engine's queue costs a latency-critical newcomer, in prompt tokens
     # computed: a held prefix of more tokens than this outweighs one more request in line.
     queue_tokens_per_request: float = 256.0
@@ -216,6 +220,7 @@ ENV_OVERRIDES: dict[str, tuple[str, str]] = {
     "PARROT_ENGINES": ("builtin", "replicas"),
     "PARROT_ENGINE_SECRET": ("engines", "registration_secret"),  # `parrot engine` reads it too
     "PARROT_HEARTBEAT_TIMEOUT_S": ("engines", "heartbeat_timeout_s"),
+    "PARROT_SCHEDULER_POLICY": ("scheduler", "policy"),
 }
 
 

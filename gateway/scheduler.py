@@ -66,10 +66,15 @@ class Scheduler:
         """Of ``views`` (healthy engines of the request's model), where ``work`` should run; None if none."""
         if len(views) <= 1:
             return views[0] if views else None
-        scores = self._scores(work, views, self.held_tokens(work))
+        self._turn += 1
+        if self.config.policy == "round_robin":
+            return views[self._turn % len(views)]
+        if self.config.policy == "least_loaded":
+            scores = [view.load() for view in views]
+        else:
+            scores = self._scores(work, views, self.held_tokens(work))
         low = min(scores)
         ties = [i for i, score in enumerate(scores) if score == low]
-        self._turn += 1
         return views[ties[self._turn % len(ties)]]
 
     def _scores(self, work: Work, views: Sequence[View], held: dict[str, int]) -> list[float]:

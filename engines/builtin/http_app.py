@@ -22,6 +22,7 @@ from litestar.connection import ASGIConnection
 from litestar.handlers import BaseRouteHandler
 from litestar.params import FromPath, JSONBody
 from litestar.response import Stream
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from engines.seam import EngineError, EngineStats
 from http_plumbing.disconnect import CancelledOnDisconnect
@@ -35,6 +36,7 @@ from engines.builtin.serving import (
     ContextGenerationChunk,
 )
 from engines.builtin.membership import GatewayMembership, GatewayRegistration
+from engines.builtin.prometheus_metrics import metrics_text
 from engines.builtin.prompt_split import PromptSplitRequest, split_prompt
 from engines.builtin.serving.chat import ChatCompletions
 from engines.builtin.serving.completions import Completions
@@ -180,6 +182,12 @@ async def stats(request: Request) -> EngineStats:
     return await _engine(request).stats()
 
 
+@get("/metrics")
+async def metrics(request: Request) -> Response:
+    engine = _engine(request)
+    return Response(metrics_text(await engine.stats(), engine.model_name), media_type=CONTENT_TYPE_LATEST)
+
+
 @post("/v1/contexts", status_code=200)
 async def fill_context(request: Request, data: JSONBody[ContextFillRequest]) -> FillResult:
     return await _engine(request).contexts.fill(data)
@@ -246,7 +254,8 @@ def create_app(
                 await asyncio.to_thread(core.shutdown)
 
     return Litestar(
-        route_handlers=[chat_completions, completions, prompt_split, models, health, stats, fill_context, generate_in_context, free_context],
+        route_handlers=[chat_completions, completions, prompt_split, models, health, stats, metrics,
+                        fill_context, generate_in_context, free_context],
         lifespan=[lifespan],
         exception_handlers=OPENAI_EXCEPTION_HANDLERS,
         guards=[_require_secret(secret)] if secret else None,

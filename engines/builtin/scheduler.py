@@ -151,7 +151,7 @@ class Scheduler:
                 return
             if not _in_pass(ctx, latency_critical) or not step.has_seat(ctx):
                 continue
-            self.block_manager.match_prefix(ctx, self._reusable_tokens(ctx))
+            reused = self.block_manager.match_prefix(ctx, self._reusable_tokens(ctx))
             if ctx.num_pending_tokens == 0:
                 self.waiting.remove(ctx)
                 step.done_fills.append(ctx)
@@ -161,6 +161,7 @@ class Scheduler:
                 # Give back what matching took (full blocks stay cached): waiting sequences holding
                 # blocks could starve the running ones. Nobody served later may overtake it.
                 self.block_manager.release(ctx)
+                self.block_manager.prefix_hit_tokens -= reused  # matched again when it is seated: counted then
                 step.out_of_blocks = True
                 return
             self.waiting.remove(ctx)

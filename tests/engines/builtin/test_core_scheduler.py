@@ -113,3 +113,20 @@ def test_a_latency_critical_request_blocked_on_memory_is_not_overtaken_by_throug
     later = submit(scheduler, throughput=True, prompt_len=2)  # would fit in that one block
     assert step(scheduler) == [hog]
     assert (chat.status, later.status) == (Status.WAITING, Status.WAITING)
+
+
+def test_a_prefix_hit_is_counted_once_however_long_its_sequence_waits_for_room():
+    scheduler = make_scheduler(latency_max_num_seqs=None, num_blocks=6)
+    shared = list(range(3, 3 + 4 * BLOCK_SIZE))  # four full blocks, cached by the first sequence
+    first = Context("first", [*shared, 90])
+    first.params = SamplingParams(max_tokens=8)
+    scheduler.contexts["first"] = first
+    scheduler.add(first)
+    step(scheduler)
+    second = Context("second", [*shared, 91, 92, 93, 94, 95])  # needs its own tail blocks: no room while first runs
+    second.params = SamplingParams(max_tokens=8)
+    scheduler.contexts["second"] = second
+    scheduler.add(second)
+    for _ in range(3):
+        assert second not in step(scheduler)  # matched, no room, given back: each step
+    assert scheduler.block_manager.prefix_hit_tokens == 0
