@@ -103,12 +103,13 @@ def start_front(policy: str, fleet: Fleet, args: argparse.Namespace) -> tuple[su
         ready = f"http://127.0.0.1:{port}/health/ready"
     elif policy == "vllm-router":
         process = start([args.vllm_router, "--worker-urls", *fleet.urls, "--policy", "cache_aware",
-                         "--port", str(port), "--prometheus-port", str(free_port()), "--log-level", "error"])
+                         "--port", str(port), "--prometheus-port", str(free_port()), "--log-level", "error",
+                         *args.vllm_router_args.split()])
         ready = f"http://127.0.0.1:{port}/v1/models"
     else:
         process = start([args.sglang_router, "-m", "sglang_router.launch_router", "--worker-urls", *fleet.urls,
                          "--policy", "cache_aware", "--port", str(port), "--prometheus-port", str(free_port()),
-                         "--log-level", "error"])
+                         "--log-level", "error", *args.sglang_router_args.split()])
         ready = f"http://127.0.0.1:{port}/v1/models"
     wait_ready(ready, timeout_s=60)
     return process, f"http://127.0.0.1:{port}/v1"
@@ -236,6 +237,8 @@ def main() -> None:
     parser.add_argument("--policies", nargs="+", default=[*GATEWAY_POLICIES, "vllm-router", "sglang-router"])
     parser.add_argument("--vllm-router", default="vllm-router", help="the vllm-router binary (its own venv)")
     parser.add_argument("--sglang-router", default="python", help="a Python with sglang-router installed")
+    parser.add_argument("--vllm-router-args", default="", help="more vllm-router options")
+    parser.add_argument("--sglang-router-args", default="", help="more sglang-router options, e.g. '--model-path DIR'")
     parser.add_argument("--out", default="benchmarks/results/multi_engine.json")
     args = parser.parse_args()
 
