@@ -2,7 +2,7 @@
 (its prompt's prefix, its criteria, its task group) and of the engines (their load, what they hold).
 
 Pure: work and engine views in, a placement out. It remembers only what it placed: which prefix chunks each
-engine holds (an LRU mirror per engine, sized from the KV capacity it reports) and where each task group
+engine holds (a segmented LRU mirror per engine, sized from the KV capacity it reports) and where each task group
 went. No I/O, no clock, no awaits: the simulator (benchmarks/scheduler_sim.py) runs this same code.
 
 Each engine is scored by what the work would cost there, in prompt tokens computed:
@@ -57,7 +57,11 @@ class Work(NamedTuple):
 class Scheduler:
     def __init__(self, config: SchedulerConfig | None = None):
         self.config = config or SchedulerConfig()
-        self._held: dict[str, OrderedDict[int, None]] = {}  # engine → the prefix chunks it holds, LRU first
+        # engine → the prefix chunks it holds, LRU first, in two segments: chunks placed there once (mostly a
+        # request's own tail) and chunks placed again (shared prefixes). The first are forgotten first, so
+        # that a stream of one-off tails does not push a shared system prompt out of the mirror.
+        self._once: dict[str, OrderedDict[int, None]] = {}
+        self._again: dict[str, OrderedDict[int, None]] = {}
         self._holders: dict[int, set[str]] = {}  # prefix chunk → the engines holding it
         self._groups: OrderedDict[str, str] = OrderedDict()  # task group → the engine its first member went to
         self._turn = 0  # round-robin among equal scores
@@ -107,16 +111,20 @@ class Scheduler:
 
     def placed(self, work: Work, view: EngineView) -> None:
         """``work`` went to ``view``'s engine: it holds the work's prefix from now on."""
-        held = self._held.setdefault(view.id, OrderedDict())
+        once = self._once.setdefault(view.id, OrderedDict())
+        again = self._again.setdefault(view.id, OrderedDict())
         for chunk in work.prefix:
-            if chunk in held:
-                held.move_to_end(chunk)
+            if chunk in again:
+                again.move_to_end(chunk)
+            elif chunk in once:
+                del once[chunk]
+                again[chunk] = None
             else:
-                held[chunk] = None
+                once[chunk] = None
                 self._holders.setdefault(chunk, set()).add(view.id)
         capacity = view.stats.kv_capacity_tokens() or self.config.default_capacity_tokens
-        while len(held) * TOKENS_PER_CHUNK > capacity:
-            self._drop(view.id, held.popitem(last=False)[0])
+        while (len(once) + len(again)) * TOKENS_PER_CHUNK > capacity:
+            self._drop(view.id, (once or again).popitem(last=False)[0])
         if work.group is not None and work.group not in self._groups:
             self._groups[work.group] = view.id
             if len(self._groups) > _MAX_GROUPS:
@@ -124,13 +132,14 @@ class Scheduler:
 
     def forget(self, engine_id: str) -> None:
         """An engine gone: nothing is held there any more."""
-        for chunk in self._held.pop(engine_id, {}):
-            self._drop(engine_id, chunk)
+        for segment in (self._once, self._again):
+            for chunk in segment.pop(engine_id, {}):
+                self._drop(engine_id, chunk)
         for group in [g for g, engine in self._groups.items() if engine == engine_id]:
             del self._groups[group]
 
     def held_chunks(self, engine_id: str) -> int:
-        return len(self._held.get(engine_id, ()))
+        return len(self._once.get(engine_id, ())) + len(self._again.get(engine_id, ()))
 
     def _drop(self, engine_id: str, chunk: int) -> None:
         holders = self._holders.get(chunk)

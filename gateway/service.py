@@ -53,12 +53,13 @@ class Gateway:
 
     def add_upstreams(self) -> None:
         for i, upstream in enumerate(self.config.upstreams):
+            name = upstream.name or f"upstream-{i}"
             options: dict[str, Any] = dict(upstream_model=upstream.served_model(), api_key_env=upstream.api_key_env,
                                            transport=self.transport)
             if upstream.priority_scheduling == "off":
-                engine = UpstreamEngine(upstream.name or f"upstream-{i}", upstream.base_url, self.client, **options)
-            else:
-                engine = PrioritizedUpstreamEngine(upstream.name or f"upstream-{i}", upstream.base_url, self.client,
+                engine = UpstreamEngine(name, upstream.base_url, self.client, **options)
+            else:  # vLLM / SGLang with priority scheduling: criteria become their `priority`
+                engine = PrioritizedUpstreamEngine(name, upstream.base_url, self.client,
                                                    lower_first=upstream.priority_scheduling == "lower_first", **options)
             self.registry.add(engine, [upstream.model], url=upstream.base_url)
 

@@ -139,3 +139,14 @@ def test_a_forgotten_engine_holds_nothing_and_leads_no_group():
     scheduler.forget("e1")
     assert scheduler.held_tokens(work(SYSTEM_A)) == {}
     assert scheduler.held_chunks("e0") == scheduler.held_chunks("e1") == 0
+
+
+def test_one_off_prompts_do_not_push_a_shared_prompt_out_of_the_mirror():
+    scheduler, engines = Scheduler(), views(1)
+    engines[0].stats = EngineStats(blocks_total=30 * TOKENS_PER_CHUNK // 16, block_size=16)  # room for 30 chunks
+    for i in range(2):  # a shared system prompt, used twice
+        scheduler.placed(work(SYSTEM_A, f"question {i}"), engines[0])
+    for i in range(20):  # then 20 prompts used once, 60 chunks in all: twice what the engine holds
+        scheduler.placed(work(f"a one-off document {i}. " * 40), engines[0])
+    assert scheduler.held_chunks("e0") == 30
+    assert scheduler.held_tokens(work(SYSTEM_A))["e0"] >= 6 * TOKENS_PER_CHUNK
