@@ -91,8 +91,7 @@ def parrot_policy(trace: Trace, decision_s: list[float]) -> Policy:
     def place(app: int, engines: list[SimEngine]) -> SimEngine:
         work = Work(trace.chains[app], trace.prompt_tokens[app] + USER_TOKENS)
         started = time.perf_counter()
-        chosen = scheduler.best(work, engines)
-        scheduler.placed(work, chosen)
+        chosen = scheduler.place(work, engines)
         decision_s.append(time.perf_counter() - started)
         return chosen
 
@@ -113,7 +112,8 @@ def cache_aware_policy(trace: Trace, cache_threshold: float = 0.5, balance_abs: 
             chosen = engines[loads.index(low)]
         else:
             holders = [e for e in engines if app in trees[e.id]]
-            if holders and 1.0 > cache_threshold:  # the whole prompt matches: rate 1.0
+            match_rate = 1.0 if holders else 0.0  # prompts are whole: a holder's tree matches all of it
+            if match_rate > cache_threshold:
                 chosen = holders[0]
             else:
                 chosen = min(engines, key=lambda e: tree_tokens[e.id])

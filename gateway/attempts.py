@@ -96,10 +96,7 @@ class Attempts:
             return choice[0] if choice else None
         if self._work is None:
             self._work = self._describe()
-        record = self._scheduler.best(self._work, choice)
-        assert record is not None
-        self._scheduler.placed(self._work, record)
-        return record
+        return self._scheduler.place(self._work, choice)
 
     def _next_model(self) -> None:
         self._at += 1

@@ -14,7 +14,6 @@ from litestar.params import FromPath, JSONBody
 
 from engines.seam import EngineStats
 from engines.seam.connect import CAPABILITIES, capabilities_of
-from gateway.prompt_prefix import TOKENS_PER_CHUNK
 from wire.openai import ModelCard, ModelList
 from gateway.errors import APIError, model_not_found
 from gateway.openai_endpoints import chat_completions, completions
@@ -198,7 +197,7 @@ async def list_engines(state: State) -> list[EngineInfo]:
     supervisor = state.supervisor
     return [EngineInfo(id=r.id, name=r.engine.name, capabilities=capabilities_of(r.engine), url=r.url, models=r.models,
                        healthy=r.id in healthy, in_flight=r.in_flight, load=r.load(), kv_use=r.stats.kv_use(),
-                       held_prefix_tokens=state.gateway.scheduler.held_chunks(r.id) * TOKENS_PER_CHUNK, stats=r.stats,
+                       held_prefix_tokens=state.gateway.scheduler.held_prefix_tokens(r.id), stats=r.stats,
                        pid=supervisor.pid_at(r.url) if supervisor else None)
             for r in registry.records()]
 

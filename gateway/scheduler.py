@@ -48,10 +48,8 @@ class Work(NamedTuple):
 
     prefix: tuple[int, ...] = ()  # chain hashes of its prompt's full chunks (gateway/prompt_prefix.py)
     prompt_tokens: int = 0
-    latency: bool = True  # latency-critical (wants a seat now) or throughput (may wait for a big batch)
-    group: str | None = None  # its task group: calls one consumer waits for, all of them
-    held_by: frozenset[str] = frozenset()  # engines known to hold its whole prefix (a pinned context)
-    prefix_tokens: int = 0  # what those hold: its whole prefix, in tokens (0: as many as its full chunks)
+    placement: Placement = Placement()
+    prefix_tokens: int = 0  # what placement.held_by hold: its whole prefix, in tokens (0: its full chunks)
 
 
 class Scheduler:
@@ -65,6 +63,13 @@ class Scheduler:
         self._holders: dict[int, set[str]] = {}  # prefix chunk → the engines holding it
         self._groups: OrderedDict[str, str] = OrderedDict()  # task group → the engine its first member went to
         self._turn = 0  # round-robin among equal scores
+
+    def place(self, work: Work, views: Sequence[View]) -> View | None:
+        """``best``, remembered as placed there; None if there is no view."""
+        chosen = self.best(work, views)
+        if chosen is not None:
+            self.placed(work, chosen)
+        return chosen
 
     def best(self, work: Work, views: Sequence[View]) -> View | None:
         """Of ``views`` (healthy engines of the request's model), where ``work`` should run; None if none."""
@@ -85,8 +90,9 @@ class Scheduler:
         config = self.config
         loads = [view.load() for view in views]
         floor = min(loads)
-        queue_cost = config.queue_tokens_per_request * (1.0 if work.latency else config.throughput_queue_weight)
-        group_engine = self._groups.get(work.group) if work.group is not None else None
+        placement = work.placement
+        queue_cost = config.queue_tokens_per_request * (1.0 if placement.latency else config.throughput_queue_weight)
+        group_engine = self._groups.get(placement.group) if placement.group is not None else None
         scores = []
         for view, load in zip(views, loads):
             score = load * queue_cost + max(0, work.prompt_tokens - held.get(view.id, 0))
@@ -102,7 +108,7 @@ class Scheduler:
     def held_tokens(self, work: Work) -> dict[str, int]:
         """Engine → tokens of the work's prefix it holds (its longest run of the chain)."""
         exact = work.prefix_tokens or len(work.prefix) * TOKENS_PER_CHUNK
-        held = {engine: exact for engine in work.held_by}
+        held = {engine: exact for engine in work.placement.held_by}
         for i in range(len(work.prefix) - 1, -1, -1):
             for engine in self._holders.get(work.prefix[i], ()):
                 if engine not in held:
@@ -125,8 +131,9 @@ class Scheduler:
         capacity = view.stats.kv_capacity_tokens() or self.config.default_capacity_tokens
         while (len(once) + len(again)) * TOKENS_PER_CHUNK > capacity:
             self._drop(view.id, (once or again).popitem(last=False)[0])
-        if work.group is not None and work.group not in self._groups:
-            self._groups[work.group] = view.id
+        group = work.placement.group
+        if group is not None and group not in self._groups:
+            self._groups[group] = view.id
             if len(self._groups) > _MAX_GROUPS:
                 self._groups.popitem(last=False)
 
@@ -138,8 +145,9 @@ class Scheduler:
         for group in [g for g, engine in self._groups.items() if engine == engine_id]:
             del self._groups[group]
 
-    def held_chunks(self, engine_id: str) -> int:
-        return len(self._once.get(engine_id, ())) + len(self._again.get(engine_id, ()))
+    def held_prefix_tokens(self, engine_id: str) -> int:
+        """The prompt-prefix tokens the scheduler counts on that engine holding."""
+        return (len(self._once.get(engine_id, ())) + len(self._again.get(engine_id, ()))) * TOKENS_PER_CHUNK
 
     def _drop(self, engine_id: str, chunk: int) -> None:
         holders = self._holders.get(chunk)

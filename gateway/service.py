@@ -167,7 +167,7 @@ class Gateway:
     def _attempts(self, route: Route, model: str, body: dict[str, Any], placement: Placement) -> Attempts:
         def describe() -> Work:
             prefix, tokens = prompt_prefix(route, body)
-            return Work(prefix, tokens, placement.latency, placement.group, placement.held_by)
+            return Work(prefix, tokens, placement)
 
         return Attempts(self.registry, self.scheduler, self.config.routing, model, body, describe)
 

@@ -29,6 +29,23 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def free_port_run(count: int) -> int:
+    """The first of ``count`` consecutive loopback ports nothing listens on (engines on port, port + 1, ...)."""
+    while True:
+        first = free_port()
+        if all(_bindable(first + i) for i in range(1, count)):
+            return first
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 @contextlib.contextmanager
 def serve_in_thread(app: Any, *, port: int | None = None, startup_timeout_s: float = 20.0) -> Iterator[str]:
     """Runs ``app`` under uvicorn on 127.0.0.1 (on ``port``, else a free one) until the block ends; yields

@@ -9,7 +9,8 @@ from engines.builtin.block_manager import BlockManager
 from engines.builtin.context import Context
 from engines.builtin.errors import ContextNotFound, PromptTooLong
 from engines.builtin.scheduler import Scheduler
-from engines.builtin.types import FillResult, TokenEvent
+from engines.builtin.types import TokenEvent
+from engines.seam.contexts import FillResult
 
 
 class ContextRegistry:

@@ -24,7 +24,8 @@ from engines.builtin.model_runner import ModelRunner, kv_block_bytes
 from engines.builtin.quantization import quantize_linears
 from engines.builtin.scheduler import Scheduler
 from engines.builtin.step_loop import StepLoop, resolver
-from engines.builtin.types import FillResult, SamplingParams, TokenEvent, TokenScore
+from engines.builtin.types import SamplingParams, TokenEvent, TokenScore
+from engines.seam.contexts import FillResult
 
 
 class EngineCore(StepLoop):

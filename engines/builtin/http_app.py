@@ -40,7 +40,7 @@ from engines.builtin.prometheus_metrics import metrics_text
 from engines.builtin.prompt_split import PromptSplitRequest, split_prompt
 from engines.builtin.serving.chat import ChatCompletions
 from engines.builtin.serving.completions import Completions
-from engines.builtin.types import FillResult
+from engines.seam.contexts import FillResult
 from engines.seam import PromptSplit
 from wire.sse import SSE_DONE, sse_event
 from wire.openai import (

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import msgspec
 
-from engines.seam.contexts import FillResult  # noqa: F401  (the core answers fills with the seam's Struct)
-
 
 class SamplingParams(msgspec.Struct, kw_only=True):
     """Per-sequence sampling settings, already normalised (no OpenAI optionals left)."""

@@ -112,12 +112,16 @@ class Call:
         """How a builtin engine should schedule this call's requests: its place in line, and whether it
         may wait for a big batch. A task group's members are batched together even when urgent: their
         consumer waits for the last of them, so they must finish together, not one after another."""
-        throughput = not self.latency or self.grouped
-        return {"priority": self.priority, "criteria": "throughput" if throughput else "latency"}
+        return {"priority": self.priority, "criteria": "latency" if self.latency_critical else "throughput"}
 
     def placement(self) -> Placement:
         """How the global scheduler should place this call's requests (engine_hints: the engine's part)."""
-        return Placement(latency=self.latency and not self.grouped, group=self.group)
+        return Placement(latency=self.latency_critical, group=self.group)
+
+    @property
+    def latency_critical(self) -> bool:
+        """Someone waits on it and it is no task-group member (whose consumer waits for its peers too)."""
+        return self.latency and not self.grouped
 
     def mark_latency(self) -> None:
         """Someone waits on this call's result: it and everything it transitively needs become urgent.

@@ -145,11 +145,10 @@ class Runner:
         """The engine the global scheduler picks for a fork of ``split``'s prefix (known exactly where pinned)."""
         prefix = split.prefix.encode()
         held_by = frozenset(r.id for r in records if self.prefixes.holds(r.id, split.prefix))
-        work = Work(chain(model, prefix), tokens_in(len(prefix) + len(rest.encode())), placement.latency,
-                    placement.group, held_by, prefix_tokens=tokens_in(len(prefix)))
-        record = self.gateway.scheduler.best(work, records)
-        assert record is not None
-        self.gateway.scheduler.placed(work, record)
+        work = Work(chain(model, prefix), tokens_in(len(prefix) + len(rest.encode())),
+                    placement._replace(held_by=held_by), prefix_tokens=tokens_in(len(prefix)))
+        record = self.gateway.scheduler.place(work, records)
+        assert record is not None  # records is never empty here
         return Plan(record, split)
 
     async def _acquire(self, plan: Plan, session: Session) -> tuple[PrefixEntry, bool]:

@@ -16,7 +16,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import free_port, free_port_run
 
 SYSTEM = "You are the booking assistant of Parrot Airways; answer in one short sentence. " * 24
 
@@ -53,25 +53,6 @@ class ParrotFleet:
             self.process.wait(timeout=60)
 
 
-def free_port_run(count: int) -> int:
-    """The first of ``count`` consecutive free ports."""
-    while True:
-        first = free_port()
-        if all(_free(first + i) for i in range(1, count)):
-            return first
-
-
-def _free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 @pytest.fixture(scope="module")
 def fleet(tiny_model_dir) -> Iterator[ParrotFleet]:
     served = ParrotFleet(tiny_model_dir, engines=3)
@@ -89,7 +70,7 @@ def healthy(fleet: ParrotFleet) -> list[dict]:
 def test_one_system_prompt_stays_on_one_engine_and_others_spread(fleet, wait_until):
     wait_until(lambda: len(healthy(fleet)) == 3, timeout_s=180)
     listed = healthy(fleet)
-    assert {e["name"] for e in listed} and len({e["url"] for e in listed}) == 3  # three processes, three ports
+    assert len({e["url"] for e in listed}) == 3  # three processes, three ports
 
     where = [fleet.chat(SYSTEM, f"Question {i}?").headers["x-parrot-engine"] for i in range(6)]
     assert len(set(where)) == 1, where

@@ -6,7 +6,7 @@ from engines.seam import EngineStats
 from gateway.config import SchedulerConfig
 from gateway.engine_view import EngineView
 from gateway.prompt_prefix import CHUNK_BYTES, TOKENS_PER_CHUNK, chain, prompt_prefix
-from gateway.scheduler import Scheduler, Work
+from gateway.scheduler import Placement, Scheduler, Work
 
 SYSTEM_A = "You are the travel agent of Parrot Airways. " * 40  # ~1,760 bytes: 6 full chunks
 SYSTEM_B = "You are the librarian of the Parrot Library. " * 40
@@ -19,13 +19,12 @@ def views(count: int = 3) -> list[EngineView]:
 def work(system: str, user: str = "Hello?", **placement) -> Work:
     body = {"model": "m", "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
     prefix, tokens = prompt_prefix("chat/completions", body)
-    return Work(prefix, tokens, **placement)
+    return Work(prefix, tokens, Placement(**placement))
 
 
 def place(scheduler: Scheduler, item: Work, engines: list[EngineView]) -> EngineView:
-    chosen = scheduler.best(item, engines)
+    chosen = scheduler.place(item, engines)
     assert chosen is not None
-    scheduler.placed(item, chosen)
     return chosen
 
 
@@ -118,7 +117,7 @@ def test_a_task_group_shares_an_engine_when_it_shares_a_prefix_and_spreads_when_
 
 def test_a_pinned_context_counts_as_held_whatever_the_mirror_says():
     scheduler, engines = Scheduler(), views()
-    item = work(SYSTEM_B)._replace(held_by=frozenset({"e2"}))
+    item = work(SYSTEM_B, held_by=frozenset({"e2"}))
     assert scheduler.best(item, engines) is engines[2]
 
 
@@ -127,18 +126,21 @@ def test_what_an_engine_holds_is_bounded_by_its_kv_capacity():
     engines[0].stats = EngineStats(blocks_total=8 * TOKENS_PER_CHUNK // 16, block_size=16)  # room for 8 chunks
     for i in range(5):
         scheduler.placed(work(f"prompt {i} " * 100), engines[0])
-    assert scheduler.held_chunks("e0") == 8
+    assert scheduler.held_prefix_tokens("e0") == 8 * TOKENS_PER_CHUNK
     assert scheduler.held_tokens(work("prompt 0 " * 100)) == {}  # the oldest went first
     assert scheduler.held_tokens(work("prompt 4 " * 100))["e0"] > 0
 
 
 def test_a_forgotten_engine_holds_nothing_and_leads_no_group():
     scheduler, engines = Scheduler(), views(2)
-    place(scheduler, work(SYSTEM_A, group="g"), engines)
+    scheduler.placed(work(SYSTEM_A, group="g"), engines[0])
+    led = {scheduler.best(work(f"member {i} " * 60, group="g"), engines).id for i in range(4)}
+    assert led == {"e0"}  # equal scores: the group's engine wins the tie
     scheduler.forget("e0")
-    scheduler.forget("e1")
     assert scheduler.held_tokens(work(SYSTEM_A)) == {}
-    assert scheduler.held_chunks("e0") == scheduler.held_chunks("e1") == 0
+    assert scheduler.held_prefix_tokens("e0") == 0
+    spread = {scheduler.best(work(f"member {i} " * 60, group="g"), engines).id for i in range(4)}
+    assert spread == {"e0", "e1"}  # no group engine any more: ties go round-robin
 
 
 def test_one_off_prompts_do_not_push_a_shared_prompt_out_of_the_mirror():
@@ -148,5 +150,5 @@ def test_one_off_prompts_do_not_push_a_shared_prompt_out_of_the_mirror():
         scheduler.placed(work(SYSTEM_A, f"question {i}"), engines[0])
     for i in range(20):  # then 20 prompts used once, 60 chunks in all: twice what the engine holds
         scheduler.placed(work(f"a one-off document {i}. " * 40), engines[0])
-    assert scheduler.held_chunks("e0") == 30
+    assert scheduler.held_prefix_tokens("e0") == 30 * TOKENS_PER_CHUNK
     assert scheduler.held_tokens(work(SYSTEM_A))["e0"] >= 6 * TOKENS_PER_CHUNK

@@ -10,7 +10,7 @@ import msgspec
 from msgspec import Meta
 
 from engines.builtin.tokenizer import IncrementalDetokenizer, text_tokens
-from engines.builtin.types import FillResult
+from engines.seam.contexts import FillResult
 from wire.openai import (
     Usage,
 )
