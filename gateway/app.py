@@ -5,9 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import itertools
 import logging
-import secrets
 from typing import AsyncIterator
 
 import httpx
@@ -15,7 +13,6 @@ from litestar import Litestar
 from litestar.connection import ASGIConnection
 from litestar.handlers import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
-from litestar.types import Message, Scope
 
 from http_plumbing.aiohttp_transport import AiohttpTransport
 from http_plumbing.http11 import Http11Transport
@@ -33,6 +30,8 @@ from gateway.routes import ROUTES
 from gateway.semantic.service import SemanticService
 from gateway.service import Gateway
 from gateway.supervisor import EngineSupervisors
+from gateway.tracing import Tracing
+from http_plumbing.request_context import RequestContext
 
 log = logging.getLogger("parrot.gateway")
 
@@ -70,23 +69,6 @@ def _require_api_key(api_keys: frozenset[str]):
     return guard
 
 
-# Request ids only need to be unique, not secret: a random per-process prefix and a counter
-# (urandom per request was ~1% of the gateway's CPU for a proxied stream).
-_REQUEST_ID_PREFIX = secrets.token_hex(8).encode()
-_request_numbers = itertools.count()
-
-
-async def _add_request_id(message: Message, scope: Scope) -> None:
-    """Every response carries x-request-id: the client's own if it sent one."""
-    if message["type"] != "http.response.start":
-        return
-    request_id = next((v for k, v in scope.get("headers", ()) if k == b"x-request-id"), None)
-    if not request_id:
-        request_id = b"%s%016x" % (_REQUEST_ID_PREFIX, next(_request_numbers))
-    # A new list: responses may share theirs.
-    message["headers"] = [*message.get("headers", ()), (b"x-request-id", request_id)]
-
-
 async def _sweep(semantic: SemanticService, quotas: Quotas, session_idle_ttl_s: float) -> None:
     """Closes idle sessions and forgets the rate state of idle keys, every TTL / 4 (at least once a minute)."""
     while True:
@@ -102,6 +84,7 @@ def create_app(config: GatewayConfig | None = None) -> Litestar:
     config = config or GatewayConfig()
     map_large_blocks_separately()  # so the memory of deleted sessions' values goes back to the OS
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a log line per proxied request costs real time
+    tracing = Tracing(config.tracing)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -115,7 +98,8 @@ def create_app(config: GatewayConfig | None = None) -> Litestar:
             gateway.add_upstreams()
             app.state.gateway = gateway
             app.state.quotas = quotas = Quotas(config.quotas)
-            app.state.semantic = SemanticService(gateway, config.semantic, limits_of=quotas.limits)
+            app.state.semantic = SemanticService(gateway, config.semantic, limits_of=quotas.limits, tracing=tracing)
+            gateway.metrics.mirror(registry.records, app.state.semantic.sessions.all)
             app.state.supervisor = EngineSupervisors(config, registry) if config.builtin_enabled() else None
             if app.state.supervisor is not None:
                 app.state.supervisor.start()
@@ -127,19 +111,23 @@ def create_app(config: GatewayConfig | None = None) -> Litestar:
                 if app.state.supervisor is not None:
                     await app.state.supervisor.aclose()
                 await registry.aclose()
+                tracing.shutdown()
 
     def upstream_health_checks(app: Litestar) -> contextlib.AbstractAsyncContextManager[None]:
         """Entered after ``lifespan`` (which made the registry), left before it."""
         return health_checks(app.state.gateway.registry, config.routing.health_check_interval_s)
 
     api_keys = frozenset(config.auth.api_keys)
-    return document(Litestar(
+    app = document(Litestar(
         route_handlers=ROUTES,
         lifespan=[lifespan, upstream_health_checks],
         exception_handlers=EXCEPTION_HANDLERS,
         guards=[_require_api_key(api_keys)] if api_keys else None,
-        before_send=[_add_request_id],
         request_max_body_size=config.limits.max_body_bytes,
         openapi_config=OpenAPIConfig(title="Parrot gateway", version="0.1.0", path="/docs"),
         debug=False,
     ), config)
+    # In front of routing (where litestar puts its own CORS and OpenTelemetry middleware), so that every
+    # response, a 404 too, carries x-request-id, and everything a request does knows its id.
+    app.asgi_handler = RequestContext(tracing.wrap(app.asgi_handler), access=config.server.access_log)
+    return app

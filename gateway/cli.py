@@ -17,6 +17,11 @@ def _serve_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host")
     parser.add_argument("--port", type=int)
     parser.add_argument("--log-level")
+    parser.add_argument("--log-format", choices=["text", "json"], help="json: one JSON object per line (also PARROT_LOG_FORMAT)")
+    parser.add_argument("--access-log", action="store_true", default=None,
+                        help="log a line per request (also PARROT_ACCESS_LOG)")
+    parser.add_argument("--tracing-exporter", choices=["otlp", "console"],
+                        help="send OpenTelemetry spans there (needs the tracing extra; also PARROT_TRACING_EXPORTER)")
     parser.add_argument("--api-key", action="append", dest="api_keys",
                         help="accepted client key; repeat for several (also PARROT_API_KEYS)")
     parser.add_argument("--upstream", action="append", default=[], metavar="MODEL=BASE_URL",
@@ -41,7 +46,9 @@ def _upstream(spec: str) -> dict[str, str]:
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return load_config(args.config, overrides={
-        "server": {"host": args.host, "port": args.port, "log_level": args.log_level},
+        "server": {"host": args.host, "port": args.port, "log_level": args.log_level, "log_format": args.log_format,
+                   "access_log": args.access_log},
+        "tracing": {"exporter": args.tracing_exporter, "enabled": True if args.tracing_exporter else None},
         "auth": {"api_keys": args.api_keys},
         "builtin": {"enabled": args.builtin_enabled, "model": args.builtin_model, "port": args.engine_port,
                     "replicas": args.replicas},
@@ -59,9 +66,10 @@ def serve(argv: list[str]) -> None:
 
     from gateway.app import create_app
     from http_plumbing.http_protocol import HttpProtocol
+    from http_plumbing.logs import configure_logging
 
     config = config_from_args(_serve_parser().parse_args(argv))
-    logging.basicConfig(level=config.server.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    configure_logging(config.server.log_level, config.server.log_format)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     started = time.monotonic()
     try:
@@ -69,7 +77,7 @@ def serve(argv: list[str]) -> None:
         print(f"Parrot gateway on http://{config.server.host}:{config.server.port}/v1"
               f"{' (builtin engine loading…)' if config.builtin_enabled() else ''}", flush=True)
         uvicorn.run(create_app(config), host=config.server.host, port=config.server.port,
-                    log_level=config.server.log_level, access_log=False, loop="uvloop", http=HttpProtocol,
+                    log_level=config.server.log_level, log_config=None, access_log=False, loop="uvloop", http=HttpProtocol,
                     timeout_graceful_shutdown=config.server.shutdown_grace_s,
                     proxy_headers=False)  # no proxy in front by default; its per-request middleware costs
     finally:

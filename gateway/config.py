@@ -17,6 +17,8 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     host: str = "127.0.0.1"
     port: int = 8000
     log_level: str = "info"
+    log_format: Literal["text", "json"] = "text"  # json: one JSON object per line, with the request id
+    access_log: bool = False  # a line per request (probes, scrapes and heartbeats at debug level only)
     shutdown_grace_s: float = 30.0  # on SIGTERM, requests still open after this long are cancelled
 
 
@@ -181,6 +183,20 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise ValueError(f"scheduler.{name} must not be negative")
 
 
+class TracingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """OpenTelemetry spans (gateway/tracing.py): one per request and one per semantic call, parented by
+    the request that submitted it. Needs the ``tracing`` extra; without it, off at no cost."""
+
+    # None: on when the standard OTEL_* variables name an exporter (OTEL_TRACES_EXPORTER other than
+    # "none", OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT), or when the process already set a tracer provider.
+    enabled: bool | None = None
+    # Where spans go when the process has no tracer provider of its own: "otlp" (OTLP over HTTP, to
+    # OTEL_EXPORTER_OTLP_ENDPOINT; needs opentelemetry-exporter-otlp-proto-http) or "console".
+    # None: OTEL_TRACES_EXPORTER's choice, else otlp.
+    exporter: Literal["otlp", "console"] | None = None
+    service_name: str = "parrot-gateway"
+
+
 class GatewayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
@@ -191,6 +207,7 @@ class GatewayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     quotas: QuotasConfig = msgspec.field(default_factory=QuotasConfig)
     routing: RoutingConfig = msgspec.field(default_factory=RoutingConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+    tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
     upstreams: list[UpstreamConfig] = []
 
     def builtin_enabled(self) -> bool:
@@ -202,6 +219,8 @@ ENV_OVERRIDES: dict[str, tuple[str, str]] = {
     "PARROT_HOST": ("server", "host"),
     "PARROT_PORT": ("server", "port"),
     "PARROT_LOG_LEVEL": ("server", "log_level"),
+    "PARROT_LOG_FORMAT": ("server", "log_format"),
+    "PARROT_ACCESS_LOG": ("server", "access_log"),
     "PARROT_API_KEYS": ("auth", "api_keys"),  # comma-separated
     "PARROT_MAX_BODY_BYTES": ("limits", "max_body_bytes"),
     "PARROT_MAX_TOKENS": ("limits", "max_tokens"),
@@ -221,6 +240,8 @@ ENV_OVERRIDES: dict[str, tuple[str, str]] = {
     "PARROT_ENGINE_SECRET": ("engines", "registration_secret"),  # `parrot engine` reads it too
     "PARROT_HEARTBEAT_TIMEOUT_S": ("engines", "heartbeat_timeout_s"),
     "PARROT_SCHEDULER_POLICY": ("scheduler", "policy"),
+    "PARROT_TRACING": ("tracing", "enabled"),
+    "PARROT_TRACING_EXPORTER": ("tracing", "exporter"),
 }
 
 
@@ -231,7 +252,7 @@ def _set(raw: dict[str, Any], section: str, key: str, value: Any) -> None:
 def _env_value(key: str, text: str) -> Any:
     if key == "api_keys":
         return [k.strip() for k in text.split(",") if k.strip()]
-    if key == "enabled":
+    if key in ("enabled", "access_log"):
         return text.strip().lower() not in ("0", "false", "no", "off")
     return text  # msgspec.convert(strict=False) turns "8000" into 8000
 

@@ -18,7 +18,7 @@ from gateway.attempts import Attempts
 from gateway.config import GatewayConfig
 from gateway.domain_errors import Conflict, Invalid, model_not_found
 from gateway.errors import engine_error_body, error_payload
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import GatewayMetrics, RouteMetrics, carries_token
 from gateway.quotas import count_tokens
 from gateway.prompt_prefix import prompt_prefix
 from gateway.registry import EngineConflict, EngineRecord, EngineRegistry
@@ -38,6 +38,7 @@ class OpenedStream(msgspec.Struct):
     first: bytes | None
     rest: AsyncIterator[bytes]
     started: float
+    measured: RouteMetrics  # the model's metrics on the engine it runs on
 
 
 class Gateway:
@@ -177,12 +178,13 @@ class Gateway:
         Failures are retried (gateway/attempts.py): nothing has reached the client yet."""
         started = time.perf_counter()
         attempts = self._attempts(route, model, body, placement)
-        running = self.metrics.model(model).requests_running
         while (attempt := await attempts.next()) is not None:
             record, sent = attempt
             sent = self._for_engine(route, record, sent, hints, placement)
+            measured = self.metrics.on(model, record.engine.name)
             record.in_flight += 1
-            running.inc()
+            measured.requests_running.inc()
+            dispatched = time.perf_counter()
             try:
                 response = await record.engine.create(route, sent)
             except EngineError as exc:
@@ -192,16 +194,18 @@ class Gateway:
                 raise
             finally:
                 record.in_flight -= 1
-                running.dec()
+                measured.requests_running.dec()
             record.breaker.succeeded()
-            self.record_success(model, response, started)
+            measured.queue_time.observe(dispatched - started)
+            self.record_success(model, record.engine.name, response, started)
             return Answer(response, record.id)
         raise self._no_engine(model, attempts.last_error)
 
-    def record_success(self, model: str, response: bytes, started: float) -> None:
-        """Metrics for a finished non-streamed request: latency, tokens, finish reasons."""
-        self.metrics.model(model).e2e_latency.observe(time.perf_counter() - started)
-        self._count_success(model, self._count_usage(model, response))
+    def record_success(self, model: str, engine: str, response: bytes, started: float) -> None:
+        """Metrics for a finished non-streamed request on ``engine`` (its name): latency, tokens, finish reasons."""
+        measured = self.metrics.on(model, engine)
+        measured.e2e_latency.observe(time.perf_counter() - started)
+        self._count_success(model, self._count_usage(measured, response))
 
     def _count_success(self, model: str, reasons: list[str]) -> None:
         for reason in reasons or ["stop"]:
@@ -210,19 +214,20 @@ class Gateway:
     def record_failure(self, model: str, exc: EngineError) -> None:
         self.metrics.model(model).error(exc.status_code).inc()
 
-    def _count_usage(self, model: str, payload: bytes) -> list[str]:
+    @staticmethod
+    def _count_usage(measured: RouteMetrics, payload: bytes) -> list[str]:
         """Counts the tokens a body reports; returns its choices' finish reasons."""
         try:
             decoded = usage_decoder.decode(payload)
         except msgspec.DecodeError:
             return []
         if decoded.usage is not None:
-            self.metrics.model(model).prompt_tokens.inc(decoded.usage.prompt_tokens)
-            self.metrics.model(model).generation_tokens.inc(decoded.usage.completion_tokens)
+            measured.prompt_tokens.inc(decoded.usage.prompt_tokens)
+            measured.generation_tokens.inc(decoded.usage.completion_tokens)
             count_tokens(decoded.usage.prompt_tokens + decoded.usage.completion_tokens)  # the key's quota
         return [c.finish_reason for c in decoded.choices if c.finish_reason]
 
-    def _count_events(self, model: str, events: bytes) -> list[str]:
+    def _count_events(self, measured: RouteMetrics, events: bytes) -> list[str]:
         """Token usage and finish reasons in a run of SSE events (most carry neither: skipped unparsed)."""
         marks = [at for at in (events.find(b'"usage"'), events.find(b'"finish_reason":"')) if at >= 0]
         if not marks:
@@ -232,7 +237,7 @@ class Gateway:
         tail = events[start + 2:] if start >= 0 else events  # from the first marked event on
         for event in tail.split(b"\n\n"):
             if event.startswith(b"data: ") and (b'"usage"' in event or b'"finish_reason":"' in event):
-                reasons += self._count_usage(model, event[6:])
+                reasons += self._count_usage(measured, event[6:])
         return reasons
 
     def _no_engine(self, model: str, last_error: EngineError | None) -> EngineError:
@@ -250,6 +255,7 @@ class Gateway:
         attempts = self._attempts(route, model, body, Placement())
         while (attempt := await attempts.next()) is not None:
             record, sent = attempt
+            dispatched = time.perf_counter()
             rest = record.engine.stream(route, self._for_engine(route, record, sent)).__aiter__()
             try:
                 first = await anext(rest, None)
@@ -259,21 +265,32 @@ class Gateway:
                 self.record_failure(model, exc)
                 raise
             record.breaker.succeeded()
-            self.metrics.model(model).ttft.observe(time.perf_counter() - started)
+            measured = self.metrics.on(model, record.engine.name)
+            measured.queue_time.observe(dispatched - started)
             record.in_flight += 1
-            self.metrics.model(model).requests_running.inc()
-            return OpenedStream(record=record, first=first, rest=rest, started=started)
+            measured.requests_running.inc()
+            return OpenedStream(record=record, first=first, rest=rest, started=started, measured=measured)
         raise self._no_engine(model, attempts.last_error)
 
     async def sse_events(self, model: str, opened: OpenedStream) -> AsyncIterator[bytes]:
         """SSE events, ``[DONE]`` last (in the engine's last item when it sent one); an engine failure
-        mid-stream becomes an SSE error object."""
+        mid-stream becomes an SSE error object. Times the first generated token (a chat stream's first
+        event, its role, carries none) and the gaps between events that carry tokens."""
         reasons: list[str] = []
         done = False
+        measured = opened.measured
+        last_token_at = None
         try:
             events = opened.first
             while events is not None:
-                reasons += self._count_events(model, events)
+                if carries_token(events):
+                    now = time.perf_counter()
+                    if last_token_at is None:
+                        measured.ttft.observe(now - opened.started)
+                    else:
+                        measured.itl.observe(now - last_token_at)
+                    last_token_at = now
+                reasons += self._count_events(measured, events)
                 if events.endswith(SSE_DONE):  # the client has the whole answer, whatever follows
                     done = True
                     self._count_success(model, reasons)
@@ -287,7 +304,7 @@ class Gateway:
         finally:
             await opened.rest.aclose()  # closes the engine's stream, also when the client went away
             opened.record.in_flight -= 1
-            self.metrics.model(model).requests_running.dec()
-            self.metrics.model(model).e2e_latency.observe(time.perf_counter() - opened.started)
+            measured.requests_running.dec()
+            measured.e2e_latency.observe(time.perf_counter() - opened.started)
         if not done:
             yield SSE_DONE

@@ -50,7 +50,9 @@ class EngineSupervisor:
         gateway_host = "127.0.0.1" if server.host in ("0.0.0.0", "::") else server.host
         self._command = [sys.executable, "-m", "gateway.cli", "engine", "--host", builtin.host,
                          "--port", str(port), "--gateway-url", f"http://{gateway_host}:{server.port}",
-                         "--advertise-url", self.url]
+                         "--advertise-url", self.url, "--log-format", server.log_format]
+        if server.access_log:
+            self._command.append("--access-log")
         if builtin.model:
             self._command += ["--model", builtin.model]
         if builtin.served_model_name:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 from typing import Any
 
 import msgspec
@@ -26,6 +25,10 @@ def _env_default(dest: str, default: Any) -> Any:
     return os.environ.get(ENV_PREFIX + dest.upper(), default)
 
 
+def _env_flag(dest: str) -> bool:
+    return os.environ.get(ENV_PREFIX + dest.upper(), "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="parrot engine",
@@ -38,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--served-model-name", default=_env_default("served_model_name", None),
                         help="model name clients ask for; None: SmolLM2-135M-Instruct for the default model, else its file/dir stem")
     server.add_argument("--log-level", default=_env_default("log_level", "info"))
+    server.add_argument("--log-format", choices=["text", "json"], default=_env_default("log_format", "text"),
+                        help="json: one JSON object per line, with the request id")
+    server.add_argument("--access-log", action="store_true", default=_env_flag("access_log"),
+                        help="log a line per request (probes at debug level only)")
 
     gateway = parser.add_argument_group("gateway registration")
     gateway.add_argument("--gateway-url", default=_env_default("gateway_url", None),
@@ -76,13 +83,15 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     from http_plumbing.http_protocol import HttpProtocol
+    from http_plumbing.logs import configure_logging
 
     from engines.builtin.http_app import GatewayRegistration, create_app
 
     args = build_parser().parse_args(argv)
     config = engine_config(args)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the loader reports progress via logging
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per heartbeat
+    configure_logging(args.log_level, args.log_format)  # the loader reports progress via logging too
+    # Its few lifecycle lines (loading, ready, registered) show at any level, as they always did.
+    logging.getLogger("parrot.engine").setLevel(logging.INFO)
     registration = None
     if args.gateway_url:
         registration = GatewayRegistration(
@@ -92,13 +101,11 @@ def main(argv: list[str] | None = None) -> None:
             heartbeat_interval_s=float(args.heartbeat_interval),
         )
 
-    def log(message: str) -> None:
-        print(f"parrot engine: {message}", file=sys.stderr, flush=True)
-
     app = create_app(config, model_name=args.served_model_name, registration=registration,
-                     secret=args.gateway_secret or os.environ.get(SECRET_ENV) or None, log=log)
-    uvicorn.run(app, host=args.host, port=int(args.port), log_level=args.log_level, access_log=False,
-                loop="uvloop", http=HttpProtocol)
+                     secret=args.gateway_secret or os.environ.get(SECRET_ENV) or None,
+                     log=logging.getLogger("parrot.engine").info, access_log=args.access_log)
+    uvicorn.run(app, host=args.host, port=int(args.port), log_level=args.log_level, log_config=None,
+                access_log=False, loop="uvloop", http=HttpProtocol)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     num_threads: int | None = None  # None: leave torch's default
     seed: int = 0
+    # /health answers 503 when requests wait and no step has ended for this long (a hung step: a stuck
+    # kernel, a deadlock), or when the step loop's thread is gone. Above the longest step expected.
+    step_stall_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.latency_max_num_seqs is not None and not 1 <= self.latency_max_num_seqs <= self.max_num_seqs:

@@ -56,6 +56,10 @@ class Context:
         self.score_top_k: int | None = None
         self.scores: dict[int, TokenScore] = {}
         self.fill_priority = 0  # a fill's place in line (a generation's is in its params)
+        # Its latencies (time.perf_counter()): queued, first scheduled, last token generated.
+        self.arrived_at = 0.0
+        self.scheduled_at: float | None = None
+        self.last_token_at = 0.0
 
     def __len__(self) -> int:
         return len(self.token_ids)

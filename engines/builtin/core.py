@@ -14,13 +14,14 @@ import torch
 
 from engines.seam import EngineStats
 from engines.builtin.block_manager import BlockManager
-from engines.builtin.config import EngineConfig
+from engines.builtin.config import EngineConfig, served_model_name
 from engines.builtin.context import Context, Status
 from engines.builtin.context_registry import ContextRegistry
 from engines.builtin.errors import ContextBusy
 from engines.builtin.grammar import GrammarCompiler
 from engines.builtin.loader import DTYPES, ModelSource, build_model, load_checkpoint, load_tokenizer
 from engines.builtin.model_runner import ModelRunner, kv_block_bytes
+from engines.builtin.prometheus_metrics import EngineMetrics
 from engines.builtin.quantization import quantize_linears
 from engines.builtin.scheduler import Scheduler
 from engines.builtin.step_loop import StepLoop, resolver
@@ -53,6 +54,8 @@ class EngineCore(StepLoop):
         )
         self.scheduler = Scheduler(config, self.block_manager)
         self.registry = ContextRegistry(self.scheduler, self.block_manager, self.max_model_len)
+        self.metrics = EngineMetrics(served_model_name(config), self.stats)
+        self.step_stall_timeout_s = config.step_stall_timeout_s
         super().__init__()
 
     def fork(self, parent_context_id: str, context_id: str | None = None) -> str:
@@ -271,6 +274,9 @@ class EngineCore(StepLoop):
             prefix_hit_tokens=self.block_manager.prefix_hit_tokens,
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
+            prefix_cache_queries=self.scheduler.prefix_cache_queries,
+            prefix_cache_hits=self.scheduler.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
         )
 
     @property

@@ -27,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from engines.seam import EngineError, EngineStats
 from http_plumbing.disconnect import CancelledOnDisconnect
 from http_plumbing.http_errors import OPENAI_EXCEPTION_HANDLERS, engine_error_body, error_payload
+from http_plumbing.request_context import RequestContext
 from engines.builtin.config import DEFAULT_SERVED_MODEL_NAME, EngineConfig, served_model_name
 from engines.builtin.serving import (
     BuiltinEngine,
@@ -36,7 +37,6 @@ from engines.builtin.serving import (
     ContextGenerationChunk,
 )
 from engines.builtin.membership import GatewayMembership, GatewayRegistration
-from engines.builtin.prometheus_metrics import metrics_text
 from engines.builtin.prompt_split import PromptSplitRequest, split_prompt
 from engines.builtin.serving.chat import ChatCompletions
 from engines.builtin.serving.completions import Completions
@@ -172,9 +172,20 @@ async def models(request: Request) -> ModelList:
     return ModelList(data=[ModelCard(id=_engine(request).model_name)])
 
 
+class EngineHealth(msgspec.Struct, omit_defaults=True):
+    status: str  # "ok", or "unhealthy" (HTTP 503) with the reason
+    reason: str | None = None
+
+
 @get("/health", public=True)
-async def health(request: Request) -> dict[str, str]:
-    return {"status": "ok" if await _engine(request).health() else "unhealthy"}
+async def health(request: Request) -> Response:
+    """200 while the step loop serves; 503 when its thread died or it stalled with requests waiting."""
+    problem = _engine(request).problem()
+    if problem is None:
+        return _json(EngineHealth("ok"))
+    logger.warning("unhealthy: %s", problem)
+    return Response(encoder.encode(EngineHealth("unhealthy", problem)), media_type="application/json",
+                    status_code=503)
 
 
 @get("/v1/stats")
@@ -184,8 +195,8 @@ async def stats(request: Request) -> EngineStats:
 
 @get("/metrics")
 async def metrics(request: Request) -> Response:
-    engine = _engine(request)
-    return Response(metrics_text(await engine.stats(), engine.model_name), media_type=CONTENT_TYPE_LATEST)
+    """vLLM's metrics (engines/builtin/prometheus_metrics.py)."""
+    return Response(_engine(request).llm.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 @post("/v1/contexts", status_code=200)
@@ -217,11 +228,13 @@ def create_app(
     registration: GatewayRegistration | None = None,
     secret: str | None = None,
     log: Callable[[str], None] = lambda message: None,
+    access_log: bool = False,
 ) -> Litestar:
     """The engine's app. Given ``llm``, serves that (already started) core and leaves its lifetime to
     the caller; otherwise loads one from ``config`` at startup and shuts it down at exit.
     ``secret``: the engine secret shared with the gateway; every route but /health then requires it,
-    and the engine registers with it."""
+    and the engine registers with it. ``access_log``: a log line per request (with its x-request-id, as
+    every line logged for a request)."""
     config = config or getattr(llm, "config", None) or EngineConfig()
 
     @asynccontextmanager
@@ -253,10 +266,12 @@ def create_app(
             if llm is None:
                 await asyncio.to_thread(core.shutdown)
 
-    return Litestar(
+    app = Litestar(
         route_handlers=[chat_completions, completions, prompt_split, models, health, stats, metrics,
                         fill_context, generate_in_context, free_context],
         lifespan=[lifespan],
         exception_handlers=OPENAI_EXCEPTION_HANDLERS,
         guards=[_require_secret(secret)] if secret else None,
     )
+    app.asgi_handler = RequestContext(app.asgi_handler, access=access_log)  # in front of routing, as the gateway's
+    return app

@@ -69,6 +69,8 @@ class GatewayMembership:
         self._log(f"registered with {self._gateway} as {self._engine_id}")
 
     async def _heartbeat(self) -> None:
+        if not await self._engine.health():
+            return  # a stalled step loop stops heartbeating: the gateway routes elsewhere once it expires us
         stats = msgspec.json.encode(await self._engine.stats())
         response = await self._client.post(f"{self._gateway}/v1/engines/{self._engine_id}/heartbeat",
                                            content=stats, headers=self._token_headers())

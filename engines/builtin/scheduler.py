@@ -19,6 +19,7 @@ hits on one system prompt), so attention can read each shared prefix once for it
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -98,12 +99,15 @@ class Scheduler:
         self.running: list[Context] = []
         self.contexts: dict[str, Context] = {}  # every live context, idle ones included
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # as vLLM counts them: tokens looked up at admission, and found
+        self.prefix_cache_hits = 0
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def add(self, ctx: Context) -> None:
         ctx.arrival = next_arrival()
+        ctx.arrived_at = time.perf_counter()
         ctx.status = Status.WAITING
         self.waiting.append(ctx)
 
@@ -151,10 +155,12 @@ class Scheduler:
                 return
             if not _in_pass(ctx, latency_critical) or not step.has_seat(ctx):
                 continue
+            looked_up = ctx.num_pending_tokens
             reused = self.block_manager.match_prefix(ctx, self._reusable_tokens(ctx))
             if ctx.num_pending_tokens == 0:
                 self.waiting.remove(ctx)
                 step.done_fills.append(ctx)
+                self._count_lookup(looked_up, reused)
                 continue
             n = min(ctx.num_pending_tokens, step.budget)
             if not self._make_room(ctx, n, step.order, preempt_running=False):
@@ -168,6 +174,13 @@ class Scheduler:
             self.running.append(ctx)
             ctx.status = Status.RUNNING
             step.add(ctx, n, self.block_manager)
+            self._count_lookup(looked_up, reused)
+
+    def _count_lookup(self, looked_up: int, found: int) -> None:
+        """A prefix-cache lookup of an admitted request (one sent back for lack of room is counted when
+        it is admitted)."""
+        self.prefix_cache_queries += looked_up
+        self.prefix_cache_hits += found
 
     @staticmethod
     def _reusable_tokens(ctx: Context) -> int:

@@ -13,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from typing import Callable
 
 from engines.builtin.block_manager import BlockManager
 from engines.builtin.context import Context, Status
 from engines.builtin.context_registry import ContextRegistry
 from engines.builtin.model_runner import ModelRunner, ScheduledBatch, StepResult
+from engines.builtin.prometheus_metrics import EngineMetrics
 from engines.builtin.sampler import SampleResult
 from engines.builtin.scheduler import Scheduler
 from engines.builtin.types import TokenEvent
@@ -35,6 +37,8 @@ class StepLoop:
     runner: ModelRunner
     eos_token_ids: list[int]
     max_model_len: int
+    metrics: EngineMetrics
+    step_stall_timeout_s: float
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -46,6 +50,8 @@ class StepLoop:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._computed_tokens = 0
+        self._progress_at = time.monotonic()  # the loop's last sign of life: a step ended, or it woke
+        self._idle = False  # waiting for work (not stalled, however long ago it last stepped)
 
     def start(self) -> None:
         if self._thread is None:
@@ -82,14 +88,30 @@ class StepLoop:
     def _loop(self) -> None:
         while not self._stopping:
             if not self.has_work():
+                self._idle = True
                 self._wakeup.wait()
                 self._wakeup.clear()
+                self._progress_at = time.monotonic()
+                self._idle = False
                 continue
             try:
                 self.step()
             except Exception:  # a bug must not leave every waiter hanging silently
                 log.exception("engine step failed; aborting all requests")
                 self._abort_all()
+            self._progress_at = time.monotonic()
+
+    def step_loop_problem(self) -> str | None:
+        """Why the step loop cannot serve (its thread is gone, or work waits and no step has ended for
+        ``step_stall_timeout_s``); None when it serves."""
+        if self._thread is None:
+            return "the step loop is not running"
+        if not self._thread.is_alive():
+            return "the step loop's thread died"
+        silent_s = time.monotonic() - self._progress_at
+        if not self._idle and silent_s > self.step_stall_timeout_s and self.has_work():
+            return f"no step has ended for {silent_s:.0f}s while requests wait"
+        return None
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._aborts)
@@ -107,7 +129,14 @@ class StepLoop:
         with self._lock:
             self._apply_aborts()
             self._step_count += 1
-            return self.scheduler.schedule()
+            batch, done_fills = self.scheduler.schedule()
+            now = time.perf_counter()
+            for ctx, _ in batch.entries:
+                if ctx.scheduled_at is None:
+                    ctx.scheduled_at = now
+                    if not ctx.is_fill:
+                        self.metrics.queue_time.observe(now - ctx.arrived_at)
+            return batch, done_fills
 
     def _postprocess(self, batch: ScheduledBatch, result: StepResult, done_fills: list[Context]) -> None:
         with self._lock:
@@ -124,13 +153,20 @@ class StepLoop:
             self._computed_tokens += batch.num_tokens
             for fill in done_fills:
                 self.registry.finish(fill, None)
+            now = time.perf_counter()
             for i, ctx in enumerate(sampled):
-                self._append_token(ctx, result.samples, i)
+                self._append_token(ctx, result.samples, i, now)
 
-    def _append_token(self, ctx: Context, result: SampleResult, i: int) -> None:
+    def _append_token(self, ctx: Context, result: SampleResult, i: int, now: float) -> None:
         token = result.token_ids[i]
         ctx.token_ids.append(token)
         self._generation_tokens += 1
+        metrics = self.metrics
+        if ctx.num_generated_tokens == 1:
+            metrics.ttft.observe(now - ctx.arrived_at)
+        else:
+            metrics.itl.observe(now - ctx.last_token_at)
+        ctx.last_token_at = now
         params = ctx.params
         finish = None
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
@@ -147,6 +183,8 @@ class StepLoop:
         )
         deliver = ctx.deliver
         if finish:  # before delivering, so a caller woken by the last token sees the request gone
+            metrics.e2e.observe(now - ctx.arrived_at)
+            metrics.finished(finish).inc()
             self.registry.finish(ctx, finish, delivered=True)
         deliver(event)
 

@@ -19,6 +19,7 @@ from engines.seam.contexts import FillResult, Generation, PromptSplit
 from engines.seam.errors import EngineRejected
 from engines.seam.interface import Route
 from engines.seam.upstream import UpstreamEngine, translate_errors
+from http_plumbing.request_context import forwarded_headers
 
 
 class BuiltinEngineClient(UpstreamEngine):
@@ -37,7 +38,7 @@ class BuiltinEngineClient(UpstreamEngine):
         content = encoded if encoded is not None else None if body is None else msgspec.json.encode(body)
         with translate_errors(self.name):
             response = await self._client.request(method, f"{self.base_url}/{path}", content=content,
-                                                  headers=self._context_headers)
+                                                  headers=[*self._context_headers.items(), *forwarded_headers()])
         if response.status_code >= 400:
             raise EngineRejected(f"engine {self.name!r} answered HTTP {response.status_code} to {path}",
                                  status_code=response.status_code, body=response.content)

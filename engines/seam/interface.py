@@ -45,6 +45,11 @@ class EngineStats(msgspec.Struct, kw_only=True):
     prefix_hit_tokens: Count = 0
     prompt_tokens: Count = 0
     generation_tokens: Count = 0
+    # As vLLM counts them: prompt tokens looked up in the prefix cache when a request was scheduled, and
+    # of those the tokens found (a fork's tokens shared from its parent are neither).
+    prefix_cache_queries: Count = 0
+    prefix_cache_hits: Count = 0
+    num_preemptions: Count = 0
 
     def kv_capacity_tokens(self) -> int:
         """Tokens of KV the engine holds at most; 0: it did not say."""

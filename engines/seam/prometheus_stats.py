@@ -2,7 +2,8 @@
 agent beside it for the scheduler to see how busy each server is.
 
 vLLM: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` (before
-v0.10: ``vllm:gpu_cache_usage_perc``) and ``vllm:cache_config_info`` (labels ``num_gpu_blocks``, ``block_size``).
+v0.10: ``vllm:gpu_cache_usage_perc``) and ``vllm:cache_config_info`` (labels ``num_gpu_blocks``, ``block_size``);
+for the gateway's /metrics also ``vllm:prefix_cache_queries_total``, ``…_hits_total`` and ``vllm:num_preemptions_total``.
 SGLang: ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``, ``sglang:token_usage`` and
 ``sglang:max_total_num_tokens``. A server serving several models reports a sample per model: they are summed.
 """
@@ -16,6 +17,9 @@ from engines.seam.interface import EngineStats
 _RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
 _WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 _KV_USE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
+_PREFIX_QUERIES = ("vllm:prefix_cache_queries_total",)
+_PREFIX_HITS = ("vllm:prefix_cache_hits_total",)
+_PREEMPTIONS = ("vllm:num_preemptions_total",)
 # Without a capacity, the fraction in use is kept over this many notional blocks (of size 0: capacity unknown).
 _NOTIONAL_BLOCKS = 10_000
 
@@ -58,4 +62,7 @@ def stats_from_metrics(text: str) -> EngineStats:
         blocks_total=total,
         blocks_free=round(total * (1 - min(1.0, max(0.0, use or 0.0)))),
         block_size=block_size,
+        prefix_cache_queries=int(_total(samples, _PREFIX_QUERIES) or 0),
+        prefix_cache_hits=int(_total(samples, _PREFIX_HITS) or 0),
+        num_preemptions=int(_total(samples, _PREEMPTIONS) or 0),
     )

@@ -112,7 +112,7 @@ class Runner:
                     self.gateway.record_failure(model, exc)
                     raise
         response = _response(route, model, generation, prompt_tokens)
-        self.gateway.record_success(model, response, started)  # as a plain request through the gateway is
+        self.gateway.record_success(model, plan.record.engine.name, response, started)  # as a plain request is
         return Answer(response, plan.record.id)
 
     async def warm(self, route: Route, body: dict[str, Any], call: Call, session: Session) -> None:
@@ -169,6 +169,7 @@ class Runner:
         finally:
             record.in_flight -= 1
             await self.prefixes.release(entry)
+        self.gateway.metrics.on(body["model"], record.engine.name).forks.inc()
         if hit:
             self.prefixes.hit_tokens += generation.context_tokens
         return generation, generation.context_tokens + generation.usage["prompt_tokens"]

@@ -15,7 +15,7 @@ from engines.seam import EngineError, Route
 from wire.sse import SSE_DONE, sse_event
 from wire.openai import CompletionRequest
 from wire.errors import InvalidRequest
-from gateway.config import QuotaLimits, SemanticConfig
+from gateway.config import QuotaLimits, SemanticConfig, TracingConfig
 from gateway.domain_errors import Conflict, DependencyFailed, DomainError, NotFound, model_not_found
 from gateway.semantic import template
 from gateway.semantic.graph import Call, Session, Variable, VariableFailed
@@ -36,6 +36,7 @@ from gateway.semantic.schema import (
 )
 from gateway.service import ENGINE_HEADER, Answer, Gateway
 from gateway.streaming import EventStream
+from gateway.tracing import Tracing
 
 JSON = "application/json"
 # How long deleting a session waits for its cancelled calls to unwind (they do at their next await).
@@ -50,10 +51,11 @@ def view(variable: Variable) -> VarView:
 
 class SemanticService:
     def __init__(self, gateway: Gateway, config: SemanticConfig,
-                 limits_of: Callable[[str], QuotaLimits] | None = None):
-        """``limits_of(owner)``: the quotas of an API key's sessions."""
+                 limits_of: Callable[[str], QuotaLimits] | None = None, tracing: Tracing | None = None):
+        """``limits_of(owner)``: the quotas of an API key's sessions; ``tracing``: spans for calls."""
         self.gateway = gateway
         self.config = config
+        self.tracing = tracing or Tracing(TracingConfig(enabled=False))
         self.sessions = SessionStore(config.default_session_max_variables, limits_of=limits_of)
         self.prefixes = PrefixCache(config.max_prefixes_per_engine)
         gateway.registry.on_removed(self.prefixes.forget_engine)  # its contexts went with it
@@ -106,7 +108,8 @@ class SemanticService:
         body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}  # runs whole, server-side
 
         async def work(call: Call, values: dict[str, str]) -> dict[str, str]:
-            responses["answer"] = await self.runner.run(route, body, values, call=call, session=session)
+            with self.tracing.call(call, _producers(call)):
+                responses["answer"] = await self.runner.run(route, body, values, call=call, session=session)
             return {"output": output_text(route, responses["answer"].body)}
 
         latency = ext.criteria == "latency" or (ext.criteria is None and ext.wait)
@@ -213,7 +216,8 @@ class SemanticService:
         placeholders = {p.name for p in pieces if p.kind == "input"}
 
         async def work(call: Call, values: dict[str, str]) -> dict[str, str]:
-            return await self._run_template(spec, pieces, values, call, session)
+            with self.tracing.call(call, _producers(call)):
+                return await self._run_template(spec, pieces, values, call, session)
 
         with session.undo_on_error():
             inputs = self._bind(session, placeholders, spec.inputs, "inputs")
@@ -252,6 +256,10 @@ class SemanticService:
                 known[piece.name] = results[piece.name] = output_text("completions", answer.body)
             prompt += "{{" + piece.name + "}}"
         return results
+
+
+def _producers(call: Call) -> list[Call]:
+    return [v.producer for v in call.inputs.values() if v.producer is not None]
 
 
 def _within(prefix: str, param: str | None) -> str:

@@ -154,6 +154,7 @@ def scrape(http: httpx.Client, gateway: str) -> dict[tuple[str, tuple], float]:
 def test_metrics_count_requests_and_tokens(http, start_gateway):
     url = start_gateway()
     label = (("model_name", MODEL),)
+    on_engine = (("engine", "upstream-0"), *label)  # the engine's name: configured upstreams are upstream-N
 
     longer = [{"role": "user", "content": "a longer prompt here"}]
     replies = [chat(http, url).json(), chat(http, url, messages=longer).json()]
@@ -166,13 +167,14 @@ def test_metrics_count_requests_and_tokens(http, start_gateway):
 
     streamed_usage = fake_upstream.chunks({"messages": MESSAGES, "stream_options": {"include_usage": True}})[-1]
     usages = [r["usage"] for r in replies] + [streamed_usage["usage"]]
-    assert metrics[("parrot:prompt_tokens_total", label)] == sum(u["prompt_tokens"] for u in usages) > 0
-    assert metrics[("parrot:generation_tokens_total", label)] == sum(u["completion_tokens"] for u in usages) > 0
+    assert metrics[("parrot:prompt_tokens_total", on_engine)] == sum(u["prompt_tokens"] for u in usages) > 0
+    assert metrics[("parrot:generation_tokens_total", on_engine)] == sum(u["completion_tokens"] for u in usages) > 0
     assert metrics[("parrot:request_success_total", (("finished_reason", "stop"), *label))] == 3
     assert metrics[("parrot:request_errors_total", (("model_name", MODEL), ("status", "429")))] == 1
-    assert metrics[("parrot:e2e_request_latency_seconds_count", label)] == 3
-    assert metrics[("parrot:time_to_first_token_seconds_count", label)] == 1
-    assert metrics[("parrot:num_requests_running", label)] == 0
+    assert metrics[("parrot:e2e_request_latency_seconds_count", on_engine)] == 3
+    assert metrics[("parrot:request_queue_time_seconds_count", on_engine)] == 3
+    assert metrics[("parrot:time_to_first_token_seconds_count", on_engine)] == 1
+    assert metrics[("parrot:num_requests_running", on_engine)] == 0
     assert metrics[("parrot:engines_healthy", label)] == 1
 
 
@@ -184,13 +186,14 @@ def test_streamed_usage_and_finish_reasons_are_counted_wherever_they_sit_in_a_re
     from gateway.service import Gateway
 
     gateway = Gateway(GatewayConfig(), EngineRegistry(), GatewayMetrics(), client=None)
+    measured = gateway.metrics.on(MODEL, "engine-a")
     delta = b'{"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}]}'
     stop = b'{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}'
     usage = b'{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2,"total_tokens":7}}'
 
-    assert gateway._count_events(MODEL, sse_event(delta) * 3) == []
-    assert gateway._count_events(MODEL, sse_event(stop)) == ["stop"]  # the marked event opens the read
-    assert gateway._count_events(MODEL, sse_event(delta) * 2 + sse_event(stop) + sse_event(usage)) == ["stop"]
+    assert gateway._count_events(measured, sse_event(delta) * 3) == []
+    assert gateway._count_events(measured, sse_event(stop)) == ["stop"]  # the marked event opens the read
+    assert gateway._count_events(measured, sse_event(delta) * 2 + sse_event(stop) + sse_event(usage)) == ["stop"]
     families = {s.name: s.value for f in text_string_to_metric_families(gateway.metrics.render().decode())
                 for s in f.samples}
     assert families["parrot:prompt_tokens_total"] == 5 and families["parrot:generation_tokens_total"] == 2

@@ -39,6 +39,7 @@ class BuiltinEngine:
         self.llm = llm
         self.name = name
         self.model_name = model_name or llm.model_name
+        llm.metrics.name_model(self.model_name)
         self.tokenizer = llm.tokenizer
         shared = Shared.of(llm, self.model_name)
         self.chats = ChatCompletions(shared)
@@ -69,7 +70,11 @@ class BuiltinEngine:
                 yield sse_event(chunk)
 
     async def health(self) -> bool:
-        return True
+        return self.problem() is None
+
+    def problem(self) -> str | None:
+        """Why the engine cannot serve now (its step loop is dead or stalled); None when it can."""
+        return self.llm.step_loop_problem()
 
     async def stats(self) -> EngineStats:
         return self.llm.stats()
