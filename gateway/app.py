@@ -126,6 +126,7 @@ def create_app(config: GatewayConfig | None = None) -> Litestar:
         request_max_body_size=config.limits.max_body_bytes,
         openapi_config=OpenAPIConfig(title="Parrot gateway", version="0.1.0", path="/docs"),
         debug=False,
+        logging_config=None,  # the process's logging is configured once, by http_plumbing/logs.py
     ), config)
     # In front of routing (where litestar puts its own CORS and OpenTelemetry middleware), so that every
     # response, a 404 too, carries x-request-id, and everything a request does knows its id.

@@ -272,6 +272,7 @@ def create_app(
         lifespan=[lifespan],
         exception_handlers=OPENAI_EXCEPTION_HANDLERS,
         guards=[_require_secret(secret)] if secret else None,
+        logging_config=None,  # the process's logging is configured once, by http_plumbing/logs.py
     )
     app.asgi_handler = RequestContext(app.asgi_handler, access=access_log)  # in front of routing, as the gateway's
     return app
