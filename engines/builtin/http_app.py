@@ -183,7 +183,6 @@ async def health(request: Request) -> Response:
     problem = _engine(request).problem()
     if problem is None:
         return _json(EngineHealth("ok"))
-    logger.warning("unhealthy: %s", problem)
     return Response(encoder.encode(EngineHealth("unhealthy", problem)), media_type="application/json",
                     status_code=503)
 

@@ -87,6 +87,32 @@ def test_time_to_first_token_is_the_first_generated_token_not_the_role_chunk(ser
     assert upstream.request_ids == ["ttft-req-1", plain.headers["x-request-id"]]
 
 
+def test_dag_state_on_metrics_while_a_map_reduce_runs(start_gateway):
+    url = start_gateway()
+
+    def state() -> dict[tuple[str, str], float]:
+        families = text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
+        return {(s.name, s.labels.get("state", "")): s.value for f in families for s in f.samples
+                if s.name in ("parrot:dag_calls", "parrot:variables", "parrot:task_groups", "parrot:sessions")}
+
+    with httpx.Client(base_url=url, timeout=30) as http:
+        session = http.post("/v1/sessions").json()["id"]
+        parts = [http.post("/v1/vars", json={"session_id": session, "name": f"part{i}"}).json()["id"] for i in range(2)]
+        reduce = http.post("/v1/chat/completions", json={
+            "model": "fake-model", "messages": [{"role": "user", "content": "{{a}} {{b}}"}],
+            "parrot": {"session_id": session, "wait": False, "vars": {"a": {"id": parts[0]}, "b": {"id": parts[1]}}}})
+        assert reduce.status_code == 202
+        assert state()[("parrot:dag_calls", "pending")] == 1 and state()[("parrot:variables", "")] == 3
+        for part in parts:  # the maps: slow on the engine, so they are seen running, as one task group
+            http.post("/v1/chat/completions", json={
+                "model": "fake-model", "messages": [{"role": "user", "content": "map"}], "fake": {"delay_s": 1.0},
+                "parrot": {"session_id": session, "wait": False, "output": {"id": part}}})
+        running = wait_until(lambda: (now := state())[("parrot:dag_calls", "running")] == 2 and now)
+        assert running[("parrot:dag_calls", "pending")] == 1 and running[("parrot:task_groups", "")] == 1
+        wait_until(lambda: state()[("parrot:dag_calls", "running")] + state()[("parrot:dag_calls", "pending")] == 0)
+        assert state()[("parrot:task_groups", "")] == 0 and state()[("parrot:sessions", "")] >= 1
+
+
 # ---------------------------------------------------------------- logs of a real gateway process
 
 

@@ -5,6 +5,7 @@ exposes it; its parts are the three surfaces chat.py, completions.py and context
 from __future__ import annotations
 
 import asyncio
+import logging
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any, AsyncIterator, TypeVar
 
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from engines.builtin.core import EngineCore
 
 T = TypeVar("T")
+log = logging.getLogger("parrot.engine")
 
 
 class BuiltinEngine:
@@ -45,6 +47,7 @@ class BuiltinEngine:
         self.chats = ChatCompletions(shared)
         self.completions = Completions(shared)
         self.contexts = ContextPrimitives(shared)
+        self._problem: str | None = None
 
     def render_chat(self, messages: list[ChatMessage], tools: list[Tool] | None = None) -> str:
         return self.chats.render_chat(messages, tools)
@@ -73,8 +76,16 @@ class BuiltinEngine:
         return self.problem() is None
 
     def problem(self) -> str | None:
-        """Why the engine cannot serve now (its step loop is dead or stalled); None when it can."""
-        return self.llm.step_loop_problem()
+        """Why the engine cannot serve now (its step loop is dead or stalled); None when it can. Logged
+        when it changes, not on every probe."""
+        problem = self.llm.step_loop_problem()
+        if problem != self._problem:
+            if problem is None:
+                log.info("healthy again")
+            else:
+                log.error("unhealthy: %s", problem)
+            self._problem = problem
+        return problem
 
     async def stats(self) -> EngineStats:
         return self.llm.stats()

@@ -158,6 +158,9 @@ def test_the_clients_request_id_is_on_the_engines_json_log_lines(engine, gateway
         return [record for record in map(json.loads, engine.log_lines()) if record.get("request_id") == request_id]
 
     wait_until(lambda: lines_of("dag-req-7"))
+    forks = [s.value for f in text_string_to_metric_families(httpx.get(f"{gateway_url}/metrics").text)
+             for s in f.samples if s.name == "parrot:forks_total" and s.labels.get("engine") == "tiny-engine"]
+    assert forks == [1.0]  # the semantic call forked its shared system prompt
     chat_lines = lines_of("client-req-42")
     assert [line["message"].split()[:3] for line in chat_lines] == [["POST", "/v1/chat/completions", "200"]]
     assert {line["logger"] for line in chat_lines} == {"parrot.access"}
