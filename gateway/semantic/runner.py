@@ -6,11 +6,13 @@ prefix, pinned once per engine and forked by every request that starts with it. 
 (gateway/scheduler.py) places every call: by its prefix (held exactly where it is pinned), its criteria
 and its task group. A call still waiting
 for its inputs is warmed: its prompt split and its prefix filled while its producers run, so only the
-fork is left on the critical path. Other engines get plain text substitution.
+fork is left on the critical path; the prefix is held for the call until it ends, so no other prefix
+evicts it meanwhile. Other engines get plain text substitution.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any, NamedTuple
 
@@ -117,8 +119,8 @@ class Runner:
 
     async def warm(self, route: Route, body: dict[str, Any], call: Call, session: Session) -> None:
         """Before a call's inputs are ready: split its prompt and fill its constant prefix on the engine
-        that will run it, so that when they are ready only the fork is left. Errors are left for the
-        run itself to meet and report."""
+        that will run it, so that when they are ready only the fork is left; the prefix is held there until
+        the call ends. Errors are left for the run itself to meet and report."""
         records = self._with_contexts(body["model"])
         if not records or not self._forkable(route, body):
             return
@@ -128,12 +130,17 @@ class Runner:
                 return
             plan = self._place(body["model"], split, "", records, call.placement())
             entry, _ = await self._acquire(plan, session)
-            try:
-                await plan.engine.fill(text=plan.split.prefix, context_id=entry.context_id, if_absent=True)
-            finally:
-                await self.prefixes.release(entry)
+            self._reserve_until_done(entry)
+            await plan.engine.fill(text=plan.split.prefix, context_id=entry.context_id, if_absent=True)
         except EngineError:
             pass
+
+    def _reserve_until_done(self, entry: PrefixEntry) -> None:
+        """Holds the prefix a waiting call will fork until that call ends (it runs, fails or is cancelled),
+        so that the engine keeps it ahead of prefixes nobody is waiting for (DAG-aware retention)."""
+        task = asyncio.current_task()  # the call's own task: warm runs inside Call.run
+        assert task is not None
+        task.add_done_callback(lambda _: self.prefixes.release_soon(entry))
 
     async def _split(self, route: Route, body: dict[str, Any], records: list[EngineRecord]) -> PromptSplit | None:
         """The prompt split at its shared prefix; None when that prefix is too short to be worth pinning."""
