@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, NamedTuple
+from contextlib import aclosing
+from typing import Any, AsyncIterator, NamedTuple
 
 import msgspec
 
-from engines.seam import ContextEngine, EngineError, Generation, PromptSplit, Route
+from engines.seam import ContextEngine, EngineError, Generation, GenerationChunk, PromptSplit, Route
 from engines.seam.connect import has_capability
 from gateway.attempts import retryable
 from gateway.prompt_prefix import chain, tokens_in
@@ -27,12 +28,14 @@ from gateway.scheduler import Placement, Work
 from gateway.semantic import template
 from gateway.semantic.graph import Call, Session
 from gateway.semantic.prefix import PrefixCache, PrefixEntry
+from gateway.semantic.streaming import TextSink
 from gateway.service import Answer, Gateway
 from wire.openai import ChatChoice, ChatCompletion, Completion, CompletionChoice, ResponseMessage, Usage
 from wire.placeholders import map_texts
 from wire.sampling import sampling_of
 from wire.vllm import VLLM_EXTRAS
 
+_WHOLE_ONLY = ("tools", "logprobs", "echo")  # answers a semantic stream gets whole, in one chunk
 _PLAIN_ONLY = ("tools", "response_format", "logprobs", "top_logprobs", "echo", "suffix", "best_of", *VLLM_EXTRAS)
 
 
@@ -88,34 +91,57 @@ class Runner:
         return [r for r in self.gateway.registry.candidates(model) if has_capability(r.engine, ContextEngine)]
 
     async def run(self, route: Route, body: dict[str, Any], values: dict[str, str], *, call: Call,
-                  session: Session) -> Answer:
+                  session: Session, sink: TextSink | None = None) -> Answer:
         """Runs ``call``'s request with its inputs' ``values``, placed by the global scheduler; a forked
-        request that fails on one engine is run again on another (nothing of it reached anyone yet)."""
+        request that fails on one engine is run again on another while nothing of it reached anyone.
+        With a ``sink``, its text goes there as it is generated."""
         model = body["model"]
         hints, placement = call.engine_hints(), call.placement()
         started = time.perf_counter()
         records = self._with_contexts(model)
         split = await self._split(route, body, records) if records and self._forkable(route, body) else None
         if split is None:
-            return await self.gateway.create(route, model, substitute(route, body, values), hints=hints,
-                                             placement=placement)
+            return await self._run_plain(route, substitute(route, body, values), hints, placement, sink)
         bounded = hints | self.gateway.token_defaults(route, body, records[0].engine)  # as a plain request is
         rest = split.rest_with(values)
         tried: set[str] = set()
         while True:
             plan = self._place(model, split, rest, records, placement)
             try:
-                generation, prompt_tokens = await self._fork_and_generate(plan, rest, body, bounded, session)
+                generation, prompt_tokens = await self._fork_and_generate(plan, rest, body, bounded, session, sink)
                 break
             except EngineError as exc:
                 tried.add(plan.record.id)
                 records = [r for r in self._with_contexts(model) if r.id not in tried]
-                if not retryable(exc) or not records or len(tried) > self.gateway.config.routing.num_retries:
+                if (not retryable(exc) or not records or len(tried) > self.gateway.config.routing.num_retries
+                        or (sink is not None and sink.started)):
                     self.gateway.record_failure(model, exc)
                     raise
-        response = _response(route, model, generation, prompt_tokens)
+        response = _response(route, model, generation.text, generation.finish_reason, prompt_tokens,
+                             len(generation.token_ids))
         self.gateway.record_success(model, response, started)  # as a plain request through the gateway is
         return Answer(response, plan.record.id)
+
+    async def _run_plain(self, route: Route, body: dict[str, Any], hints: dict[str, Any], placement: Placement,
+                         sink: TextSink | None) -> Answer:
+        """The request as any OpenAI request runs; with a ``sink``, streamed from the engine when its text is
+        one choice's plain text (tool calls, logprobs and several choices arrive whole, at the end)."""
+        model = body["model"]
+        if sink is None or (body.get("n") or 1) != 1 or any(body.get(k) for k in _WHOLE_ONLY):
+            answer = await self.gateway.create(route, model, body, hints=hints, placement=placement)
+            if sink is not None:
+                sink.engine_id = answer.engine_id
+            return answer
+        opened = await self.gateway.open_stream(route, model, body | {"stream": True, "stream_options": {
+            "include_usage": True}}, hints=hints, placement=placement)
+        sink.engine_id = opened.record.id
+        whole = _Gathered(route)
+        async for events in self.gateway.sse_events(model, opened):
+            for event in events.split(b"\n\n"):
+                if event.startswith(b"data: {"):
+                    sink.put(whole.add(msgspec.json.decode(event[6:])))
+        return Answer(_response(route, model, whole.text(), whole.finish_reason, whole.prompt_tokens,
+                                whole.completion_tokens), opened.record.id)
 
     async def warm(self, route: Route, body: dict[str, Any], call: Call, session: Session) -> None:
         """Before a call's inputs are ready: split its prompt and fill its constant prefix on the engine
@@ -166,13 +192,19 @@ class Runner:
         return entry, hit
 
     async def _fork_and_generate(self, plan: Plan, rest: str, body: dict[str, Any], hints: dict[str, Any],
-                                 session: Session) -> tuple[Generation, int]:
+                                 session: Session, sink: TextSink | None) -> tuple[Generation, int]:
         record = plan.record
         entry, hit = await self._acquire(plan, session)
         record.in_flight += 1
+        sampling = sampling_of(body) | hints
         try:
-            generation = await plan.engine.generate_in_context(entry.context_id, sampling_of(body) | hints,
-                                                               fork_with=rest, context_text=plan.split.prefix)
+            if sink is None:
+                generation = await plan.engine.generate_in_context(entry.context_id, sampling, fork_with=rest,
+                                                                   context_text=plan.split.prefix)
+            else:
+                sink.engine_id = record.id
+                generation = await _gathered(plan.engine.stream_in_context(
+                    entry.context_id, sampling, fork_with=rest, context_text=plan.split.prefix), sink)
         finally:
             record.in_flight -= 1
             await self.prefixes.release(entry)
@@ -181,12 +213,56 @@ class Runner:
         return generation, generation.context_tokens + generation.usage["prompt_tokens"]
 
 
-def _response(route: Route, model: str, generation: Generation, prompt_tokens: int) -> bytes:
-    usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=len(generation.token_ids),
-                  total_tokens=prompt_tokens + len(generation.token_ids))
+async def _gathered(chunks: AsyncIterator[GenerationChunk], sink: TextSink) -> Generation:
+    """A generation streamed from a context: its text handed to ``sink`` as it comes, and the whole."""
+    texts: list[str] = []
+    token_ids: list[int] = []
+    last = None
+    async with aclosing(chunks):
+        async for last in chunks:
+            sink.put(last.text)
+            texts.append(last.text)
+            token_ids += last.token_ids
+    if last is None or last.usage is None:
+        raise EngineError("the engine's context stream ended before its last chunk")
+    return Generation("".join(texts), token_ids, last.finish_reason, last.usage, last.context_tokens or 0)
+
+
+class _Gathered:
+    """One choice of an OpenAI stream gathered into its whole: text, finish reason, usage."""
+
+    def __init__(self, route: Route):
+        self.route = route
+        self._texts: list[str] = []
+        self.finish_reason: str | None = None
+        self.prompt_tokens = self.completion_tokens = 0
+
+    def add(self, chunk: dict[str, Any]) -> str:
+        """Takes one chunk; returns the text it adds. An error object (the engine failed mid-stream) is raised."""
+        if "error" in chunk:
+            raise EngineError(f"the engine failed mid-stream: {str(chunk['error'])[:500]}",
+                              body=msgspec.json.encode(chunk))
+        if chunk.get("usage"):
+            self.prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
+            self.completion_tokens = chunk["usage"].get("completion_tokens", 0)
+        text = ""
+        for choice in chunk.get("choices") or ():
+            text += (choice.get("text") if self.route == "completions" else
+                     (choice.get("delta") or {}).get("content")) or ""
+            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        self._texts.append(text)
+        return text
+
+    def text(self) -> str:
+        return "".join(self._texts)
+
+
+def _response(route: Route, model: str, text: str, finish_reason: str | None, prompt_tokens: int,
+              completion_tokens: int) -> bytes:
+    usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                  total_tokens=prompt_tokens + completion_tokens)
     if route == "completions":
         return msgspec.json.encode(Completion(model=model, usage=usage, choices=[
-            CompletionChoice(index=0, text=generation.text, finish_reason=generation.finish_reason)]))
+            CompletionChoice(index=0, text=text, finish_reason=finish_reason)]))
     return msgspec.json.encode(ChatCompletion(model=model, usage=usage, choices=[
-        ChatChoice(index=0, message=ResponseMessage(content=generation.text),
-                   finish_reason=generation.finish_reason)]))
+        ChatChoice(index=0, message=ResponseMessage(content=text), finish_reason=finish_reason)]))
