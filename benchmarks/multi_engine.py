@@ -37,6 +37,7 @@ from typing import Any
 import httpx
 
 from benchmarks.gateway_overhead import free_port, wait_ready
+from benchmarks.results_file import TRACKED, write_results
 from benchmarks.workloads.text import questions, system_prompt
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -239,7 +240,7 @@ def main() -> None:
     parser.add_argument("--sglang-router", default="python", help="a Python with sglang-router installed")
     parser.add_argument("--vllm-router-args", default="", help="more vllm-router options")
     parser.add_argument("--sglang-router-args", default="", help="more sglang-router options, e.g. '--model-path DIR'")
-    parser.add_argument("--out", default="benchmarks/results/multi_engine.json")
+    parser.add_argument("--out", default=str(TRACKED / "multi_engine.json"))
     args = parser.parse_args()
 
     fleet, apps = Fleet(args), Apps(args)
@@ -263,9 +264,7 @@ def main() -> None:
               f"TTFT {figures['mean_ttft_s']:.2f} s")
     if routers and max(routers) > 0:
         print(f"  parrot / best cache-aware router: {summary['parrot']['sustained_rps'] / max(routers):.2f}x")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "rows": rows, "summary": summary}, indent=2))
+    out = write_results(args.out, {"args": vars(args), "rows": rows, "summary": summary})
     plot(rows, args.policies, args.slo_s, out.with_suffix(".png"))
     print(f"saved {out} and {out.with_suffix('.png')}")
 

@@ -14,7 +14,7 @@ tree does not know what the engine evicted), ``least_loaded``, ``round_robin``.
 Reported per engine count: hit rate (prompt tokens served from cache), mean and p90 latency, and the parrot
 scheduler's decision time per request (p50 / p99; target p99 < 1 ms at 1,000 engines).
 
-    python -m benchmarks.scheduler_sim                  # 10, 100, 1,000 engines; JSON + PNG in benchmarks/results/
+    python -m benchmarks.scheduler_sim                  # 10, 100, 1,000 engines; JSON + PNG in docs/benchmarks/
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import argparse
 import bisect
 import collections
 import itertools
-import json
 import random
 import statistics
 import time
@@ -32,6 +31,7 @@ from typing import Callable
 
 import msgspec
 
+from benchmarks.results_file import TRACKED, write_results
 from engines.seam import EngineStats
 from gateway.config import SchedulerConfig
 from gateway.engine_view import EngineView
@@ -221,7 +221,7 @@ def main() -> None:
     parser.add_argument("--decode-tps", type=float, default=1_000.0)
     parser.add_argument("--kv-tokens", type=int, default=25_000, help="each engine's KV cache (~20 prompts)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="benchmarks/results/scheduler_sim.json")
+    parser.add_argument("--out", default=str(TRACKED / "scheduler_sim.json"))
     args = parser.parse_args()
 
     trace = Trace(args.apps, args.seed)
@@ -236,9 +236,7 @@ def main() -> None:
                   f"{row['p90_latency_s']:>8.3f}{timing}")
         ratio = figures[count]["cache_aware"]["mean_latency_s"] / figures[count]["parrot"]["mean_latency_s"]
         print(f"{'':>8} cache_aware mean latency / parrot's: {ratio:.2f}x")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "figures": figures}, indent=2))
+    out = write_results(args.out, {"args": vars(args), "figures": figures})
     plot(figures, out.with_suffix(".png"))
     print(f"saved {out} and {out.with_suffix('.png')}")
 

@@ -93,7 +93,7 @@ class SemanticConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     var_timeout_s: float = 60.0  # default wait of GET /v1/vars/{id}?wait=true
     max_var_wait_s: Annotated[float, msgspec.Meta(ge=0)] = 600.0  # the longest wait a reader may ask for (timeout=inf included)
     min_prefix_chars: int = 64  # shorter constant prefixes are left to the engine's block-level prefix cache
-    max_prefixes_per_engine: int = 32  # unpinned shared-prefix contexts kept per engine (LRU beyond)
+    max_prefixes_per_engine: int = 32  # idle shared-prefix contexts kept per engine; beyond, one-off ones go first
     default_session_max_variables: int = 10_000  # a key's default session forgets its oldest finished ones beyond
     # A session no request touched and no call ran in for this long is closed as DELETE closes it
     # (a key's default session too: it is made anew on next use). Checked every ttl / 4 (at most 60 s).

@@ -249,14 +249,16 @@ class Gateway:
 
     # ------------------------------------------------------------ streaming
 
-    async def open_stream(self, route: Route, model: str, body: dict[str, Any]) -> OpenedStream:
-        """Start a stream and wait for its first chunk, so failures before it still get an HTTP status."""
+    async def open_stream(self, route: Route, model: str, body: dict[str, Any], hints: dict[str, Any] | None = None,
+                          placement: Placement = Placement()) -> OpenedStream:
+        """Start a stream and wait for its first chunk, so failures before it still get an HTTP status.
+        ``hints`` and ``placement`` as for ``create``."""
         started = time.perf_counter()
-        attempts = self._attempts(route, model, body, Placement())
+        attempts = self._attempts(route, model, body, placement)
         while (attempt := await attempts.next()) is not None:
             record, sent = attempt
             dispatched = time.perf_counter()
-            rest = record.engine.stream(route, self._for_engine(route, record, sent)).__aiter__()
+            rest = record.engine.stream(route, self._for_engine(route, record, sent, hints, placement)).__aiter__()
             try:
                 first = await anext(rest, None)
             except EngineError as exc:

@@ -34,7 +34,6 @@ from engines.builtin.serving import (
     EngineBadRequest,
     ContextFillRequest,
     ContextGenerateRequest,
-    ContextGenerationChunk,
 )
 from engines.builtin.membership import GatewayMembership, GatewayRegistration
 from engines.builtin.prompt_split import PromptSplitRequest, split_prompt
@@ -107,10 +106,10 @@ async def sse(chunks: AsyncIterator[bytes]) -> Stream:
 
 
 async def _generation_chunks(engine: BuiltinEngine, context_id: str, request: ContextGenerateRequest) -> AsyncIterator[bytes]:
-    pieces = engine.contexts.generate_stream(context_id, request)
-    async with aclosing(pieces):
-        async for piece in pieces:
-            yield encoder.encode(ContextGenerationChunk(piece.text, piece.token_ids, piece.finish_reason))
+    chunks = engine.contexts.generate_stream(context_id, request)
+    async with aclosing(chunks):
+        async for chunk in chunks:
+            yield encoder.encode(chunk)
 
 
 # ---------------------------------------------------------------- routes

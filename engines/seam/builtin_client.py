@@ -10,16 +10,17 @@ skip the engine round trip.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Literal
+from typing import Any, AsyncIterator, Literal
 
 import httpx
 import msgspec
 
-from engines.seam.contexts import FillResult, Generation, PromptSplit
-from engines.seam.errors import EngineRejected
+from engines.seam.contexts import FillResult, Generation, GenerationChunk, PromptSplit
+from engines.seam.errors import EngineError, EngineRejected
 from engines.seam.interface import Route
 from engines.seam.upstream import UpstreamEngine, translate_errors
 from http_plumbing.request_context import forwarded_headers
+from wire.sse import SSEFramer
 
 
 class BuiltinEngineClient(UpstreamEngine):
@@ -34,11 +35,15 @@ class BuiltinEngineClient(UpstreamEngine):
     def __repr__(self) -> str:  # never shows the key
         return f"BuiltinEngineClient(name={self.name!r}, base_url={self.base_url!r})"
 
+    def _headers_now(self) -> list[tuple[str, str] | tuple[bytes, bytes]]:
+        """Its headers, with the x-request-id of the request this call is made for."""
+        return [*self._context_headers.items(), *forwarded_headers()]
+
     async def _call(self, method: str, path: str, body: Any = None, *, encoded: bytes | None = None) -> bytes:
         content = encoded if encoded is not None else None if body is None else msgspec.json.encode(body)
         with translate_errors(self.name):
             response = await self._client.request(method, f"{self.base_url}/{path}", content=content,
-                                                  headers=[*self._context_headers.items(), *forwarded_headers()])
+                                                  headers=self._headers_now())
         if response.status_code >= 400:
             raise EngineRejected(f"engine {self.name!r} answered HTTP {response.status_code} to {path}",
                                  status_code=response.status_code, body=response.content)
@@ -65,13 +70,46 @@ class BuiltinEngineClient(UpstreamEngine):
 
     async def generate_in_context(self, context_id: str, sampling: dict[str, Any], *, fork_with: str | None = None,
                                   context_text: str | None = None) -> Generation:
-        body = {**sampling, "stream": False}
-        if fork_with is not None:
-            body |= {"text": fork_with, "fork": True}
-            if context_text is not None:
-                body["context_text"] = context_text
+        body = _generate_body(sampling, False, fork_with, context_text)
         return msgspec.json.decode(await self._call("POST", f"contexts/{context_id}/generate", body),
                                    type=Generation)
 
+    async def stream_in_context(self, context_id: str, sampling: dict[str, Any], *, fork_with: str | None = None,
+                                context_text: str | None = None) -> AsyncIterator[GenerationChunk]:
+        body = msgspec.json.encode(_generate_body(sampling, True, fork_with, context_text))
+        path = f"contexts/{context_id}/generate"
+        with translate_errors(self.name):
+            async with self._client.stream("POST", f"{self.base_url}/{path}", content=body,
+                                           headers=self._headers_now()) as response:
+                if response.status_code >= 400:
+                    raise EngineRejected(f"engine {self.name!r} answered HTTP {response.status_code} to {path}",
+                                         status_code=response.status_code, body=await response.aread())
+                framer = SSEFramer()
+                async for read in response.aiter_bytes():
+                    for event in framer.feed(read).split(b"\n\n"):
+                        if event.startswith(b"data: "):
+                            yield _chunk(self.name, event[6:])
+                    if framer.done:
+                        return
+        raise EngineError(f"engine {self.name!r} ended a context stream without [DONE]")
+
     async def free_context(self, context_id: str) -> int:
         return msgspec.json.decode(await self._call("DELETE", f"contexts/{context_id}"))["freed_blocks"]
+
+
+def _generate_body(sampling: dict[str, Any], stream: bool, fork_with: str | None,
+                   context_text: str | None) -> dict[str, Any]:
+    body = {**sampling, "stream": stream}
+    if fork_with is not None:
+        body |= {"text": fork_with, "fork": True}
+        if context_text is not None:
+            body["context_text"] = context_text
+    return body
+
+
+def _chunk(name: str, payload: bytes) -> GenerationChunk:
+    """One event of a context stream; an error event (the engine failed after answering 200) is raised."""
+    if payload.startswith(b'{"error"'):
+        raise EngineError(f"engine {name!r} failed mid-stream: {payload[:500].decode(errors='replace')}",
+                          body=payload)
+    return msgspec.json.decode(payload, type=GenerationChunk)

@@ -19,6 +19,17 @@ class Generation(msgspec.Struct):
     context_tokens: int  # the context's tokens the generation followed
 
 
+class GenerationChunk(msgspec.Struct):
+    """One streamed step of a generation after a context; the last (with its finish reason) also carries
+    the whole generation's ``usage`` and ``context_tokens``, as ``Generation`` has them."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    usage: dict[str, int] | None = None
+    context_tokens: int | None = None
+
+
 class Segment(msgspec.Struct, omit_defaults=True):
     """A piece of a split prompt's rest: constant text, or where a variable's value goes."""
 

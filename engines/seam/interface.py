@@ -24,7 +24,7 @@ from typing import Annotated, Any, AsyncIterator, Literal, Protocol, runtime_che
 
 import msgspec
 
-from engines.seam.contexts import FillResult, Generation, PromptSplit
+from engines.seam.contexts import FillResult, Generation, GenerationChunk, PromptSplit
 
 Route = Literal["chat/completions", "completions"]
 
@@ -120,6 +120,11 @@ class ContextEngine(Engine, Protocol):
         """Generates after the context (appending to it), or with ``fork_with``: after the context plus that
         text, in a temporary child the engine frees itself. ``context_text`` (with ``fork_with``): the
         context's text, to create it from if it does not exist yet."""
+        ...
+
+    def stream_in_context(self, context_id: str, sampling: dict[str, Any], *, fork_with: str | None = None,
+                          context_text: str | None = None) -> AsyncIterator[GenerationChunk]:
+        """``generate_in_context``, its tokens yielded as they are generated. Closing it cancels the generation."""
         ...
 
     async def free_context(self, context_id: str) -> int:

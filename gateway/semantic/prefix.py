@@ -5,13 +5,19 @@ few-shot examples, a shared document). Its context id is chosen here; every requ
 sends the prefix's text along, and the engine creates the context from the first one to arrive.
 So nobody waits for a fill: the engine computes the prefix once, in the step where the first of
 them is scheduled, and shares its KV with the rest. Requests are routed to the engine that holds
-a prefix. Sessions pin the prefixes they used; deleting the last session that pinned one frees its
-context (once its last request ends, if some still use it). Unpinned prefixes beyond
-``max_per_engine`` are evicted LRU.
+a prefix.
+
+Retention follows the DAG: a prefix in use, or reserved by a call still waiting for its inputs (the
+runner fills it ahead and holds it until the call ends), is never evicted. Sessions pin the prefixes
+they used; deleting the last session that pinned one frees its context (once its last request ends,
+if some still use it). Beyond ``max_per_engine`` prefixes on an engine, idle ones are evicted in the
+order nobody is likely to use them again: first those no session pins (one-off requests), then
+those only sessions pin, each group least recently used first.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
 import uuid
@@ -36,6 +42,7 @@ class PrefixCache:
         self.max_per_engine = max_per_engine
         self._entries: dict[str, PrefixEntry] = {}
         self.hit_tokens = 0  # prompt tokens forked from a pinned prefix instead of recomputed
+        self._freeing: set[asyncio.Task] = set()  # frees started by release_soon (held so they finish)
 
     @staticmethod
     def key(engine_id: str, text: str) -> str:
@@ -71,10 +78,21 @@ class PrefixCache:
         return entry, hit
 
     async def release(self, entry: PrefixEntry) -> None:
+        if self._released(entry):
+            await self._free(entry)
+
+    def release_soon(self, entry: PrefixEntry) -> None:
+        """``release`` from a done-callback: a context to free is freed by a task of its own."""
+        if self._released(entry):
+            task = asyncio.ensure_future(self._free(entry))
+            self._freeing.add(task)
+            task.add_done_callback(self._freeing.discard)
+
+    def _released(self, entry: PrefixEntry) -> bool:
+        """One use of ``entry`` ended; whether its context is now to be freed."""
         entry.in_use -= 1
         entry.last_used = time.monotonic()
-        if entry.in_use == 0 and entry.free_when_idle and not entry.sessions:
-            await self._free(entry)
+        return entry.in_use == 0 and entry.free_when_idle and not entry.sessions
 
     async def drop_session(self, session_id: str, keys: set[str]) -> int:
         """Unpin a deleted session's prefixes; free those nobody else pins. Returns contexts freed."""
@@ -94,7 +112,7 @@ class PrefixCache:
 
     async def _evict(self, engine_id: str) -> None:
         mine = [e for e in self._entries.values() if e.engine_id == engine_id]
-        idle = sorted((e for e in mine if e.in_use == 0 and not e.sessions), key=lambda e: e.last_used)
+        idle = sorted((e for e in mine if e.in_use == 0), key=lambda e: (bool(e.sessions), e.last_used))
         for entry in idle[: max(0, len(mine) - self.max_per_engine)]:
             await self._free(entry)
 

@@ -6,17 +6,20 @@ prefix, pinned once per engine and forked by every request that starts with it. 
 (gateway/scheduler.py) places every call: by its prefix (held exactly where it is pinned), its criteria
 and its task group. A call still waiting
 for its inputs is warmed: its prompt split and its prefix filled while its producers run, so only the
-fork is left on the critical path. Other engines get plain text substitution.
+fork is left on the critical path; the prefix is held for the call until it ends, so no other prefix
+evicts it meanwhile. Other engines get plain text substitution.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from typing import Any, NamedTuple
+from contextlib import aclosing
+from typing import Any, AsyncIterator, NamedTuple
 
 import msgspec
 
-from engines.seam import ContextEngine, EngineError, Generation, PromptSplit, Route
+from engines.seam import ContextEngine, EngineError, Generation, GenerationChunk, PromptSplit, Route
 from engines.seam.connect import has_capability
 from gateway.attempts import retryable
 from gateway.prompt_prefix import chain, tokens_in
@@ -25,12 +28,14 @@ from gateway.scheduler import Placement, Work
 from gateway.semantic import template
 from gateway.semantic.graph import Call, Session
 from gateway.semantic.prefix import PrefixCache, PrefixEntry
+from gateway.semantic.streaming import TextSink
 from gateway.service import Answer, Gateway
 from wire.openai import ChatChoice, ChatCompletion, Completion, CompletionChoice, ResponseMessage, Usage
 from wire.placeholders import map_texts
 from wire.sampling import sampling_of
 from wire.vllm import VLLM_EXTRAS
 
+_WHOLE_ONLY = ("tools", "logprobs", "echo")  # answers a semantic stream gets whole, in one chunk
 _PLAIN_ONLY = ("tools", "response_format", "logprobs", "top_logprobs", "echo", "suffix", "best_of", *VLLM_EXTRAS)
 
 
@@ -86,39 +91,62 @@ class Runner:
         return [r for r in self.gateway.registry.candidates(model) if has_capability(r.engine, ContextEngine)]
 
     async def run(self, route: Route, body: dict[str, Any], values: dict[str, str], *, call: Call,
-                  session: Session) -> Answer:
+                  session: Session, sink: TextSink | None = None) -> Answer:
         """Runs ``call``'s request with its inputs' ``values``, placed by the global scheduler; a forked
-        request that fails on one engine is run again on another (nothing of it reached anyone yet)."""
+        request that fails on one engine is run again on another while nothing of it reached anyone.
+        With a ``sink``, its text goes there as it is generated."""
         model = body["model"]
         hints, placement = call.engine_hints(), call.placement()
         started = time.perf_counter()
         records = self._with_contexts(model)
         split = await self._split(route, body, records) if records and self._forkable(route, body) else None
         if split is None:
-            return await self.gateway.create(route, model, substitute(route, body, values), hints=hints,
-                                             placement=placement)
+            return await self._run_plain(route, substitute(route, body, values), hints, placement, sink)
         bounded = hints | self.gateway.token_defaults(route, body, records[0].engine)  # as a plain request is
         rest = split.rest_with(values)
         tried: set[str] = set()
         while True:
             plan = self._place(model, split, rest, records, placement)
             try:
-                generation, prompt_tokens = await self._fork_and_generate(plan, rest, body, bounded, session)
+                generation, prompt_tokens = await self._fork_and_generate(plan, rest, body, bounded, session, sink)
                 break
             except EngineError as exc:
                 tried.add(plan.record.id)
                 records = [r for r in self._with_contexts(model) if r.id not in tried]
-                if not retryable(exc) or not records or len(tried) > self.gateway.config.routing.num_retries:
+                if (not retryable(exc) or not records or len(tried) > self.gateway.config.routing.num_retries
+                        or (sink is not None and sink.started)):
                     self.gateway.record_failure(model, exc)
                     raise
-        response = _response(route, model, generation, prompt_tokens)
+        response = _response(route, model, generation.text, generation.finish_reason, prompt_tokens,
+                             len(generation.token_ids))
         self.gateway.record_success(model, plan.record.engine.name, response, started)  # as a plain request is
         return Answer(response, plan.record.id)
 
+    async def _run_plain(self, route: Route, body: dict[str, Any], hints: dict[str, Any], placement: Placement,
+                         sink: TextSink | None) -> Answer:
+        """The request as any OpenAI request runs; with a ``sink``, streamed from the engine when its text is
+        one choice's plain text (tool calls, logprobs and several choices arrive whole, at the end)."""
+        model = body["model"]
+        if sink is None or (body.get("n") or 1) != 1 or any(body.get(k) for k in _WHOLE_ONLY):
+            answer = await self.gateway.create(route, model, body, hints=hints, placement=placement)
+            if sink is not None:
+                sink.engine_id = answer.engine_id
+            return answer
+        opened = await self.gateway.open_stream(route, model, body | {"stream": True, "stream_options": {
+            "include_usage": True}}, hints=hints, placement=placement)
+        sink.engine_id = opened.record.id
+        whole = _Gathered(route)
+        async for events in self.gateway.sse_events(model, opened):
+            for event in events.split(b"\n\n"):
+                if event.startswith(b"data: {"):
+                    sink.put(whole.add(msgspec.json.decode(event[6:])))
+        return Answer(_response(route, model, whole.text(), whole.finish_reason, whole.prompt_tokens,
+                                whole.completion_tokens), opened.record.id)
+
     async def warm(self, route: Route, body: dict[str, Any], call: Call, session: Session) -> None:
         """Before a call's inputs are ready: split its prompt and fill its constant prefix on the engine
-        that will run it, so that when they are ready only the fork is left. Errors are left for the
-        run itself to meet and report."""
+        that will run it, so that when they are ready only the fork is left; the prefix is held there until
+        the call ends. Errors are left for the run itself to meet and report."""
         records = self._with_contexts(body["model"])
         if not records or not self._forkable(route, body):
             return
@@ -128,12 +156,17 @@ class Runner:
                 return
             plan = self._place(body["model"], split, "", records, call.placement())
             entry, _ = await self._acquire(plan, session)
-            try:
-                await plan.engine.fill(text=plan.split.prefix, context_id=entry.context_id, if_absent=True)
-            finally:
-                await self.prefixes.release(entry)
+            self._reserve_until_done(entry)
+            await plan.engine.fill(text=plan.split.prefix, context_id=entry.context_id, if_absent=True)
         except EngineError:
             pass
+
+    def _reserve_until_done(self, entry: PrefixEntry) -> None:
+        """Holds the prefix a waiting call will fork until that call ends (it runs, fails or is cancelled),
+        so that the engine keeps it ahead of prefixes nobody is waiting for (DAG-aware retention)."""
+        task = asyncio.current_task()  # the call's own task: warm runs inside Call.run
+        assert task is not None
+        task.add_done_callback(lambda _: self.prefixes.release_soon(entry))
 
     async def _split(self, route: Route, body: dict[str, Any], records: list[EngineRecord]) -> PromptSplit | None:
         """The prompt split at its shared prefix; None when that prefix is too short to be worth pinning."""
@@ -159,13 +192,19 @@ class Runner:
         return entry, hit
 
     async def _fork_and_generate(self, plan: Plan, rest: str, body: dict[str, Any], hints: dict[str, Any],
-                                 session: Session) -> tuple[Generation, int]:
+                                 session: Session, sink: TextSink | None) -> tuple[Generation, int]:
         record = plan.record
         entry, hit = await self._acquire(plan, session)
         record.in_flight += 1
+        sampling = sampling_of(body) | hints
         try:
-            generation = await plan.engine.generate_in_context(entry.context_id, sampling_of(body) | hints,
-                                                               fork_with=rest, context_text=plan.split.prefix)
+            if sink is None:
+                generation = await plan.engine.generate_in_context(entry.context_id, sampling, fork_with=rest,
+                                                                   context_text=plan.split.prefix)
+            else:
+                sink.engine_id = record.id
+                generation = await _gathered(plan.engine.stream_in_context(
+                    entry.context_id, sampling, fork_with=rest, context_text=plan.split.prefix), sink)
         finally:
             record.in_flight -= 1
             await self.prefixes.release(entry)
@@ -175,12 +214,56 @@ class Runner:
         return generation, generation.context_tokens + generation.usage["prompt_tokens"]
 
 
-def _response(route: Route, model: str, generation: Generation, prompt_tokens: int) -> bytes:
-    usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=len(generation.token_ids),
-                  total_tokens=prompt_tokens + len(generation.token_ids))
+async def _gathered(chunks: AsyncIterator[GenerationChunk], sink: TextSink) -> Generation:
+    """A generation streamed from a context: its text handed to ``sink`` as it comes, and the whole."""
+    texts: list[str] = []
+    token_ids: list[int] = []
+    last = None
+    async with aclosing(chunks):
+        async for last in chunks:
+            sink.put(last.text)
+            texts.append(last.text)
+            token_ids += last.token_ids
+    if last is None or last.usage is None:
+        raise EngineError("the engine's context stream ended before its last chunk")
+    return Generation("".join(texts), token_ids, last.finish_reason, last.usage, last.context_tokens or 0)
+
+
+class _Gathered:
+    """One choice of an OpenAI stream gathered into its whole: text, finish reason, usage."""
+
+    def __init__(self, route: Route):
+        self.route = route
+        self._texts: list[str] = []
+        self.finish_reason: str | None = None
+        self.prompt_tokens = self.completion_tokens = 0
+
+    def add(self, chunk: dict[str, Any]) -> str:
+        """Takes one chunk; returns the text it adds. An error object (the engine failed mid-stream) is raised."""
+        if "error" in chunk:
+            raise EngineError(f"the engine failed mid-stream: {str(chunk['error'])[:500]}",
+                              body=msgspec.json.encode(chunk))
+        if chunk.get("usage"):
+            self.prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
+            self.completion_tokens = chunk["usage"].get("completion_tokens", 0)
+        text = ""
+        for choice in chunk.get("choices") or ():
+            text += (choice.get("text") if self.route == "completions" else
+                     (choice.get("delta") or {}).get("content")) or ""
+            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        self._texts.append(text)
+        return text
+
+    def text(self) -> str:
+        return "".join(self._texts)
+
+
+def _response(route: Route, model: str, text: str, finish_reason: str | None, prompt_tokens: int,
+              completion_tokens: int) -> bytes:
+    usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                  total_tokens=prompt_tokens + completion_tokens)
     if route == "completions":
         return msgspec.json.encode(Completion(model=model, usage=usage, choices=[
-            CompletionChoice(index=0, text=generation.text, finish_reason=generation.finish_reason)]))
+            CompletionChoice(index=0, text=text, finish_reason=finish_reason)]))
     return msgspec.json.encode(ChatCompletion(model=model, usage=usage, choices=[
-        ChatChoice(index=0, message=ResponseMessage(content=generation.text),
-                   finish_reason=generation.finish_reason)]))
+        ChatChoice(index=0, message=ResponseMessage(content=text), finish_reason=finish_reason)]))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 import msgspec
 from litestar import Response
@@ -22,6 +22,7 @@ from gateway.semantic.graph import Call, Session, Variable, VariableFailed
 from gateway.semantic.sessions import SessionStore
 from gateway.semantic.prefix import PrefixCache
 from gateway.semantic.runner import Runner, output_text
+from gateway.semantic.streaming import StreamedAnswer, TextSink
 from wire.placeholders import texts
 from gateway.semantic.schema import (
     Accepted,
@@ -107,9 +108,12 @@ class SemanticService:
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}  # runs whole, server-side
 
+        sink = TextSink() if stream else None
+
         async def work(call: Call, values: dict[str, str]) -> dict[str, str]:
             with self.tracing.call(call, _producers(call)):
-                responses["answer"] = await self.runner.run(route, body, values, call=call, session=session)
+                responses["answer"] = await self.runner.run(route, body, values, call=call, session=session,
+                                                             sink=sink)
             return {"output": output_text(route, responses["answer"].body)}
 
         latency = ext.criteria == "latency" or (ext.criteria is None and ext.wait)
@@ -124,18 +128,46 @@ class SemanticService:
         if not ext.wait:
             result.status = "queued"
             return Response(msgspec.json.encode(Accepted(parrot=result)), status_code=202, media_type=JSON)
+        parrot = msgspec.to_builtins(result)
+        if sink is not None:
+            assert call.task is not None
+            sink.follow(call.task)
+            first = await sink.first()
+            if first is not None:
+                return self._stream(call, sink, first, StreamedAnswer(route, body["model"], parrot, include_usage),
+                                    lambda: responses["answer"].body)
+        await self._finish_request(call, made)
+        answer = msgspec.json.decode(responses["answer"].body)
+        answer["parrot"] = parrot
+        where = {ENGINE_HEADER: responses["answer"].engine_id}
+        if stream:  # ended without text: its one chunk
+            return _as_stream(route, answer, include_usage, where)
+        return Response(msgspec.json.encode(answer), media_type=JSON, headers=where)
+
+    async def _finish_request(self, call: Call, made: set[str]) -> None:
+        """``_finish``; a request the engine refused leaves nothing behind in its session, as a 400 here."""
         try:
             await self._finish(call)
         except EngineError as exc:
-            if exc.status_code < 500:  # the engine refused the request itself: as for a 400 here, nothing stays
-                session.forget(made)
+            if exc.status_code < 500:
+                call.session.forget(made)
             raise
-        answer = msgspec.json.decode(responses["answer"].body)
-        answer["parrot"] = msgspec.to_builtins(result)
-        where = {ENGINE_HEADER: responses["answer"].engine_id}
-        if stream:
-            return _as_stream(route, answer, include_usage, where)
-        return Response(msgspec.json.encode(answer), media_type=JSON, headers=where)
+
+    def _stream(self, call: Call, sink: TextSink, first: str, answer: StreamedAnswer,
+                body_of: Callable[[], bytes]) -> Response:
+        async def events() -> AsyncIterator[bytes]:
+            yield answer.opening(first)
+            async for piece in sink.rest():
+                yield answer.piece(piece)
+            try:
+                await self._finish(call)
+            except Exception as exc:  # headers are gone: in-band, as a failing engine stream reports it
+                yield answer.failed(exc)
+                return
+            yield answer.closing(msgspec.json.decode(body_of()))
+
+        where = {ENGINE_HEADER: sink.engine_id} if sink.engine_id else {}
+        return EventStream(events(), media_type="text/event-stream", headers={"cache-control": "no-cache", **where})
 
     @staticmethod
     async def _finish(call: Call) -> None:

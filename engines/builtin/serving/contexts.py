@@ -56,19 +56,25 @@ class ContextGenerateRequest(SamplingWithHints, kw_only=True, omit_defaults=True
         return self.max_tokens
 
 
-class ContextGenerationChunk(msgspec.Struct):
-    """One streamed step of a generation appended to a context."""
+class ContextGeneration(msgspec.Struct):
+    """A whole generation appended to a context, as ``/v1/contexts/{id}/generate`` answers."""
 
     text: str
     token_ids: list[int]
     finish_reason: str | None
-
-
-class ContextGeneration(ContextGenerationChunk):
-    """A whole generation appended to a context, as ``/v1/contexts/{id}/generate`` answers."""
-
     usage: Usage  # prompt_tokens: the tokens given with the request (a fork's text), not the context's
     context_tokens: int  # the context's tokens the generation followed
+
+
+class ContextGenerationChunk(msgspec.Struct, omit_defaults=True):
+    """One streamed step of a generation appended to a context. The last one (with its finish reason)
+    also carries the whole generation's ``usage`` and ``context_tokens``, as ``ContextGeneration`` has them."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    context_tokens: int | None = None
 
 
 class ContextPrimitives(ModelServing):
@@ -107,13 +113,19 @@ class ContextPrimitives(ModelServing):
         usage = usage_of(suffix_tokens, len(result.token_ids))
         return ContextGeneration(result.text, result.token_ids, result.finish_reason, usage, context_tokens)
 
-    async def generate_stream(self, context_id: str, request: ContextGenerateRequest) -> AsyncIterator[Piece]:
+    async def generate_stream(self, context_id: str, request: ContextGenerateRequest
+                              ) -> AsyncIterator[ContextGenerationChunk]:
         """Generates after a context's tokens and appends the output to it; with ``fork``, after the
         context's tokens plus ``text``/``tokens`` in a temporary child, leaving the context as it was."""
-        _, _, pieces = self._start(context_id, request)
+        context_tokens, suffix_tokens, pieces = self._start(context_id, request)
+        generated = 0
         async with aclosing(translated(pieces)) as checked:
             async for piece in checked:
-                yield piece
+                generated += len(piece.token_ids)
+                chunk = ContextGenerationChunk(piece.text, piece.token_ids, piece.finish_reason)
+                if piece.finish_reason is not None:
+                    chunk.usage, chunk.context_tokens = usage_of(suffix_tokens, generated), context_tokens
+                yield chunk
 
     def _start(self, context_id: str, request: ContextGenerateRequest) -> tuple[int, int, AsyncIterator[Piece]]:
         """Checks and starts a generation after a context: (the context's tokens, the request's own, pieces)."""

@@ -326,6 +326,10 @@ def test_fill_fork_generate_free_returns_blocks_to_baseline(http):
     chunks = [json.loads(e) for e in events[:-1]]
     assert chunks[-1]["finish_reason"] == "length"
     assert sum(len(c["token_ids"]) for c in chunks) == 3
+    # The last chunk counts the whole generation, as the non-streamed answer does; no other chunk does.
+    assert chunks[-1]["usage"]["completion_tokens"] == 3
+    assert chunks[-1]["context_tokens"] == child["num_tokens"] + len(generated["token_ids"])
+    assert not any("usage" in c or "context_tokens" in c for c in chunks[:-1])
 
     freed = http.delete(f"/v1/contexts/{child['context_id']}").json()["freed_blocks"]
     assert freed >= 1

@@ -67,3 +67,29 @@ async def test_an_acquire_cancelled_while_evicting_leaves_nothing_pinned():
 
     entry = cache._entries[cache.key("e1", "new prefix")]
     assert entry.in_use == 0 and entry.sessions == set()
+
+
+async def test_eviction_keeps_prefixes_in_use_and_frees_one_off_prefixes_before_session_pinned_ones():
+    cache, engine = PrefixCache(max_per_engine=3), RecordingContexts()
+    reserved, _ = await cache.acquire("e1", engine, "a prefix a waiting call will fork", pin=None)  # held
+    pinned, _ = await cache.acquire("e1", engine, "a prefix its session may use again", pin="sess_a")
+    await cache.release(pinned)
+    one_off, _ = await cache.acquire("e1", engine, "a prefix of one request", pin=None)
+    await cache.release(one_off)
+    assert engine.freed == [] and cache.holds("e1", "a prefix a waiting call will fork")
+
+    await cache.acquire("e1", engine, "the newest prefix", pin=None)  # over by one
+    assert engine.freed == [one_off.context_id]  # newer than the session's, but nobody will use it again
+    await cache.acquire("e1", engine, "one more prefix", pin=None)  # over by one again
+    assert engine.freed == [one_off.context_id, pinned.context_id]  # the only idle one left
+    assert cache.holds("e1", "a prefix a waiting call will fork")  # in use: never evicted
+    assert reserved.in_use == 1
+
+
+async def test_release_soon_frees_a_dropped_prefix_from_a_done_callback():
+    cache, engine = PrefixCache(), RecordingContexts()
+    entry, _ = await cache.acquire("e1", engine, "Shared document.", pin="sess_a")
+    await cache.drop_session("sess_a", {entry.key})  # in use: freed when its last use ends
+    cache.release_soon(entry)
+    await asyncio.wait_for(asyncio.gather(*cache._freeing), 10)
+    assert engine.freed == [entry.context_id]

@@ -209,3 +209,63 @@ def test_an_image_in_a_semantic_request_is_refused_not_dropped(gw):
                                       {"type": "image_url", "image_url": {"url": "https://example.com/fossil.png"}}]
     response = gw.post("/v1/chat/completions", json=body)
     assert response.status_code == 400 and response.json()["error"]["param"] == "messages[1].content[1]"
+
+
+def test_a_waiting_calls_warmed_prefix_outlives_evictions_until_the_call_runs(gw, urls):
+    """DAG-aware retention: a prefix filled for a call still waiting for its input is held for that call,
+    so a stream of other prefixes (more than ``max_prefixes_per_engine``) does not evict it meanwhile."""
+    system = "You name the capital city of a country in one word, for a geography quiz read out on the radio."
+    question = gw.post("/v1/vars", json={"name": "country"}).json()["id"]  # the key's default session
+    baseline = engine_stats(urls)["blocks_free"]
+    body = ask("{{country}}", {"wait": False, "vars": {"country": {"id": question}}})
+    body["messages"][0]["content"] = system
+    answer = gw.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 202, answer.text
+    deadline = time.monotonic() + 30
+    while engine_stats(urls)["blocks_free"] >= baseline and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert engine_stats(urls)["blocks_free"] < baseline  # warmed
+
+    for i in range(33):  # one more than the gateway keeps per engine: an idle, unreserved prefix would go
+        other = ask("{{x}}", {"vars": {"x": {"value": "Hi."}}}, max_tokens=1)
+        other["messages"][0]["content"] = f"Prompt number {i}: you reply with one word only, politely, to anything."
+        assert gw.post("/v1/chat/completions", json=other).status_code == 200
+    forked_before = metric(gw, "parrot:shared_prefix_fork_tokens")
+
+    assert gw.put(f"/v1/vars/{question}", json={"value": "France"}).status_code == 200
+    output = answer.json()["parrot"]["output"]["id"]
+    result = gw.get(f"/v1/vars/{output}", params={"wait": "true", "timeout": 120}).json()
+    assert result["ready"] and result["error"] is None
+    assert metric(gw, "parrot:shared_prefix_fork_tokens") > forked_before  # forked the prefix warmed for it
+
+
+@pytest.mark.parametrize("system", [SYSTEM, None], ids=["forked-prefix", "plain"])
+def test_a_streamed_semantic_request_streams_tokens_as_they_are_generated(urls, system):
+    """``stream: true`` with the extension: several content chunks, the same text as the request not streamed
+    (greedy), the output variable bound to it, and the usage chunk when asked for."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{urls['gateway']}/v1", api_key="none", max_retries=0)
+    messages = [{"role": "user", "content": "Tell me about {{animal}} in two sentences."}]
+    if system is not None:
+        messages.insert(0, {"role": "system", "content": system})
+    parrot = {"vars": {"animal": {"value": "elephants"}}, "output": "about"}
+    whole = client.chat.completions.create(model=SMOLLM, messages=messages, temperature=0, max_tokens=24,
+                                           extra_body={"parrot": parrot})
+    raw = client.chat.completions.with_raw_response.create(
+        model=SMOLLM, messages=messages, temperature=0, max_tokens=24, stream=True,
+        stream_options={"include_usage": True}, extra_body={"parrot": parrot})
+    assert raw.headers["x-parrot-engine"]
+    chunks = list(raw.parse())
+
+    content = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(content) > 1  # tokens as they came, not one replayed chunk
+    assert "".join(content) == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 24
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    output = chunks[0].model_extra["parrot"]["output"]["id"]
+    value = httpx.get(f"{urls['gateway']}/v1/vars/{output}", params={"wait": "true", "timeout": 60},
+                      headers={"authorization": "Bearer none"}).json()["value"]  # the default session of its key
+    assert value == whole.choices[0].message.content
