@@ -135,3 +135,31 @@ def test_parrot_without_a_command_prints_usage():
 
     assert result.returncode == 2
     assert "usage: parrot" in result.stderr
+
+
+def test_log_and_tracing_settings_from_file_env_and_flags(tmp_path):
+    path = tmp_path / "parrot.toml"
+    path.write_text('[server]\nlog_format = "json"\n[tracing]\nexporter = "console"\n')
+    from_file = load_config(path, env={})
+    assert (from_file.server.log_format, from_file.server.access_log, from_file.tracing.exporter) == ("json", False,
+                                                                                                      "console")
+    from_env = load_config(env={"PARROT_LOG_FORMAT": "json", "PARROT_ACCESS_LOG": "1", "PARROT_TRACING": "true"})
+    assert (from_env.server.log_format, from_env.server.access_log, from_env.tracing.enabled) == ("json", True, True)
+    from_flags = config_from_args(_serve_parser().parse_args(["--log-format", "json", "--access-log",
+                                                              "--tracing-exporter", "otlp"]))
+    assert (from_flags.server.log_format, from_flags.server.access_log) == ("json", True)
+    assert (from_flags.tracing.enabled, from_flags.tracing.exporter) == (True, "otlp")
+    assert GatewayConfig().server.log_format == "text" and not GatewayConfig().server.access_log
+    with pytest.raises(msgspec.ValidationError):
+        load_config(env={"PARROT_LOG_FORMAT": "xml"})
+
+
+def test_engine_log_flags_from_env_and_command_line(monkeypatch):
+    from engines.builtin.cli import build_parser
+
+    assert (build_parser().parse_args([]).log_format, build_parser().parse_args([]).access_log) == ("text", False)
+    monkeypatch.setenv("PARROT_ENGINE_LOG_FORMAT", "json")
+    monkeypatch.setenv("PARROT_ENGINE_ACCESS_LOG", "true")
+    args = build_parser().parse_args([])
+    assert (args.log_format, args.access_log) == ("json", True)
+    assert build_parser().parse_args(["--log-format", "text"]).log_format == "text"
