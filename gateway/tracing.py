@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, ContextManager, Iterator, Mapping
 
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -27,7 +27,8 @@ if TYPE_CHECKING:
     from gateway.semantic.graph import Call
 
 log = logging.getLogger(__name__)
-_NOT_TRACED = ("/v1/engines",)  # heartbeats and registrations: machine chatter, not application work
+_NOT_TRACED = ("/v1/engines",)
+_OFF = contextlib.nullcontext()  # heartbeats and registrations: machine chatter, not application work
 
 
 def _exporter_named(env: Mapping[str, str]) -> bool:
@@ -101,15 +102,16 @@ class Tracing:
         """``app`` with a server span around each request (continuing the client's ``traceparent``)."""
         return app if self.tracer is None else _RequestSpans(app, self.tracer)
 
+    def call(self, call: "Call") -> ContextManager[None]:
+        """A semantic call's span, from its inputs being ready to its outputs being bound (nothing when off).
+        Its parent is the current span: the request that submitted the call (its task copied that request's
+        context). It links to the spans of the calls whose outputs it read (ended before it started)."""
+        return _OFF if self.tracer is None else self._call_span(call)
+
     @contextlib.contextmanager
-    def call(self, call: "Call", producers: list["Call"]) -> Iterator[None]:
-        """A semantic call's span, from its inputs being ready to its outputs being bound. Its parent is
-        the current span: the request that submitted the call (its task copied that request's context).
-        ``producers``: the calls whose outputs it read, linked (their spans end before this one starts)."""
-        if self.tracer is None:
-            yield
-            return
-        links = [trace.Link(p.span_context) for p in producers if getattr(p, "span_context", None) is not None]
+    def _call_span(self, call: "Call") -> Iterator[None]:
+        producers = [v.producer for v in call.inputs.values() if v.producer is not None]
+        links = [trace.Link(p.span_context) for p in producers if p.span_context is not None]
         attributes = {"parrot.call_id": call.id, "parrot.session_id": call.session.id,
                       "parrot.latency_critical": call.latency_critical}
         if call.group is not None:

@@ -111,7 +111,7 @@ class SemanticService:
         sink = TextSink() if stream else None
 
         async def work(call: Call, values: dict[str, str]) -> dict[str, str]:
-            with self.tracing.call(call, _producers(call)):
+            with self.tracing.call(call):
                 responses["answer"] = await self.runner.run(route, body, values, call=call, session=session,
                                                              sink=sink)
             return {"output": output_text(route, responses["answer"].body)}
@@ -248,7 +248,7 @@ class SemanticService:
         placeholders = {p.name for p in pieces if p.kind == "input"}
 
         async def work(call: Call, values: dict[str, str]) -> dict[str, str]:
-            with self.tracing.call(call, _producers(call)):
+            with self.tracing.call(call):
                 return await self._run_template(spec, pieces, values, call, session)
 
         with session.undo_on_error():
@@ -288,10 +288,6 @@ class SemanticService:
                 known[piece.name] = results[piece.name] = output_text("completions", answer.body)
             prompt += "{{" + piece.name + "}}"
         return results
-
-
-def _producers(call: Call) -> list[Call]:
-    return [v.producer for v in call.inputs.values() if v.producer is not None]
 
 
 def _within(prefix: str, param: str | None) -> str:
