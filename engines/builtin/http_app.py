@@ -193,8 +193,7 @@ async def stats(request: Request) -> EngineStats:
 
 @get("/metrics")
 async def metrics(request: Request) -> Response:
-    """vLLM's metrics (engines/builtin/prometheus_metrics.py)."""
-    return Response(_engine(request).llm.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    return Response(_engine(request).metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
 
 @post("/v1/contexts", status_code=200)

@@ -108,9 +108,9 @@ class StepLoop:
             return "the step loop is not running"
         if not self._thread.is_alive():
             return "the step loop's thread died"
-        silent_s = time.monotonic() - self._progress_at
-        if not self._idle and silent_s > self.step_stall_timeout_s and self.has_work():
-            return f"no step has ended for {silent_s:.0f}s while requests wait"
+        silent = time.monotonic() - self._progress_at > self.step_stall_timeout_s
+        if silent and not self._idle and self.has_work():
+            return f"no step has ended for over {self.step_stall_timeout_s:g}s while requests wait"
         return None
 
     def has_work(self) -> bool:

@@ -87,6 +87,10 @@ class BuiltinEngine:
             self._problem = problem
         return problem
 
+    def metrics_text(self) -> bytes:
+        """Its Prometheus metrics, under vLLM's names (engines/builtin/prometheus_metrics.py)."""
+        return self.llm.metrics.render()
+
     async def stats(self) -> EngineStats:
         return self.llm.stats()
 
