@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engines.builtin.config import EngineConfig
-from engines.builtin.http_app import create_app as create_engine_app
+from engines.builtin.http_app import GatewayRegistration, create_app as create_engine_app
 from gateway.app import create_app as create_gateway_app
 from gateway.config import BuiltinConfig, EnginesConfig, GatewayConfig
 from tests.conftest import free_port, wait_until
@@ -200,9 +200,19 @@ def core(tiny_model_dir):
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread's death, as meant
 def test_health_is_503_while_the_step_loop_is_stalled_and_after_it_died(core, serve, wait_until):
-    url = serve(create_engine_app(llm=core, model_name=MODEL))
-    http = httpx.Client(base_url=url, timeout=60)
+    # A gateway that forgets an engine silent for half a second, and the engine registered with it.
+    gateway = serve(create_gateway_app(GatewayConfig(builtin=BuiltinConfig(enabled=False), engines=EnginesConfig(
+        registration_secret=SECRET, heartbeat_timeout_s=0.5))))
+    port = free_port()
+    registration = GatewayRegistration(gateway, f"http://127.0.0.1:{port}", "stalling", heartbeat_interval_s=0.05)
+    url = serve(create_engine_app(llm=core, model_name=MODEL, registration=registration, secret=SECRET), port=port)
+    http = httpx.Client(base_url=url, timeout=60, headers={"authorization": f"Bearer {SECRET}"})
     assert http.get("/health").json() == {"status": "ok"}
+
+    def listed() -> bool:
+        return "stalling" in httpx.get(f"{gateway}/v1/engines").text
+
+    wait_until(listed)
 
     run, release = core.runner.run, threading.Event()
 
@@ -215,9 +225,11 @@ def test_health_is_503_while_the_step_loop_is_stalled_and_after_it_died(core, se
         answer = pool.submit(http.post, "/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 2})
         stalled = wait_until(lambda: (r := http.get("/health")).status_code == 503 and r.json())
         assert stalled["status"] == "unhealthy" and "no step has ended" in stalled["reason"]
+        wait_until(lambda: not listed())  # it stopped heartbeating: the gateway no longer routes there
         release.set()
         assert answer.result().status_code == 200
     wait_until(lambda: http.get("/health").status_code == 200)
+    wait_until(listed)  # heartbeating again, it registered anew
 
     def fatal(batch):
         raise Fatal()
