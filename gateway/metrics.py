@@ -173,7 +173,7 @@ class _SemanticState:
             sessions += 1
             variables += len(session.variables)
             for call in list(session.calls.values()):
-                if call.started:
+                if call.started is not None:
                     running += 1
                 else:
                     pending += 1

@@ -102,7 +102,7 @@ class Call:
         self.grouped = False  # a member of task groups only: finishing before its peers gains nothing
         self.group: str | None = None  # when grouped: its task group (named by its first consumer)
         self.task: asyncio.Task[dict[str, str]] | None = None
-        self.started = False  # its inputs were ready and its work began (until then: pending)
+        self.started: float | None = None  # when its inputs were ready and its work began (None: pending)
         self.span_context = None  # its tracing span's, once it ran traced (gateway/tracing.py)
 
     @property
@@ -168,7 +168,7 @@ class Call:
             self.group = consumers[0].id if self.grouped else None
             if any(peer.latency for peer in self.group_peers(consumers)):
                 self.latency = True  # a task group runs at the pace of its most urgent member
-            self.started = True
+            self.started = time.time()
             results = await self.work(self, values)
         except BaseException as exc:
             message = _describe(exc)
