@@ -182,6 +182,7 @@ class Gateway:
             record, sent = attempt
             sent = self._for_engine(route, record, sent, hints, placement)
             record.in_flight += 1
+            record.requests.add()
             running.inc()
             try:
                 response = await record.engine.create(route, sent)
@@ -261,6 +262,7 @@ class Gateway:
             record.breaker.succeeded()
             self.metrics.model(model).ttft.observe(time.perf_counter() - started)
             record.in_flight += 1
+            record.requests.add()
             self.metrics.model(model).requests_running.inc()
             return OpenedStream(record=record, first=first, rest=rest, started=started)
         raise self._no_engine(model, attempts.last_error)

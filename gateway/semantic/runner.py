@@ -95,13 +95,16 @@ class Runner:
         records = self._with_contexts(model)
         split = await self._split(route, body, records) if records and self._forkable(route, body) else None
         if split is None:
-            return await self.gateway.create(route, model, substitute(route, body, values), hints=hints,
-                                             placement=placement)
+            answer = await self.gateway.create(route, model, substitute(route, body, values), hints=hints,
+                                               placement=placement)
+            call.engine_id = answer.engine_id
+            return answer
         bounded = hints | self.gateway.token_defaults(route, body, records[0].engine)  # as a plain request is
         rest = split.rest_with(values)
         tried: set[str] = set()
         while True:
             plan = self._place(model, split, rest, records, placement)
+            call.engine_id = plan.record.id
             try:
                 generation, prompt_tokens = await self._fork_and_generate(plan, rest, body, bounded, session)
                 break
@@ -163,6 +166,7 @@ class Runner:
         record = plan.record
         entry, hit = await self._acquire(plan, session)
         record.in_flight += 1
+        record.requests.add()
         try:
             generation = await plan.engine.generate_in_context(entry.context_id, sampling_of(body) | hints,
                                                                fork_with=rest, context_text=plan.split.prefix)
