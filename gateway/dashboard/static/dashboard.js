@@ -7,10 +7,10 @@
 const POLL_MS = 1000;
 const KEY_STORAGE = "parrot.dashboard.key";
 const SVG = "http://www.w3.org/2000/svg";
-const CALL_W = 210, CALL_H = 62, VALUE_W = 170, VALUE_H = 40, GAP_X = 110, GAP_Y = 22, PAD = 24;
+const CALL_W = 220, CALL_H = 74, VALUE_W = 170, VALUE_H = 40, GAP_X = 110, GAP_Y = 22, PAD = 24;
 
 const view = { key: sessionStorage.getItem(KEY_STORAGE), selected: location.hash.slice(1) || null,
-               picked: null, graph: null, timer: null };
+               picked: null, graph: null, timer: null, engineNames: new Map() };
 
 class ApiError extends Error {
   constructor(status, message) { super(`${status}: ${message}`); this.status = status; }
@@ -208,7 +208,9 @@ function drawGroups(root, graph, pos) {
     const x1 = Math.max(...boxes.map((b) => b.x + b.w)) + 10, y1 = Math.max(...boxes.map((b) => b.y + b.h)) + 10;
     const g = svg("g", { class: "group", "data-group": group }, root);
     svg("rect", { x: x0, y: y0, width: x1 - x0, height: y1 - y0, rx: 8, class: "group-box" }, g);
-    text(g, x0 + 8, y0 + 14, `task group · ${members.length} calls → ${short(group)}`, "group-label");
+    const consumer = graph.calls.find((c) => c.id === group);
+    const label = `task group of ${members.length}${consumer ? ` → ${callCaption(consumer, graph)}` : ""}`;
+    text(g, x0 + 8, y0 + 14, clip(label, Math.floor((x1 - x0) / 6.5)), "group-label");
   }
 }
 
@@ -239,8 +241,8 @@ function drawCall(layer, call, p, graph) {
   text(g, 10, 18, call.state.toUpperCase(), "badge");
   text(g, p.w - 10, 18, call.criteria, "sub").setAttribute("text-anchor", "end");
   text(g, 10, 36, callCaption(call, graph), "title");
-  const where = call.engine ? ` · ${short(call.engine)}` : "";
-  text(g, 10, 53, clip(callTiming(call, graph.now) + where, 34), "sub");
+  text(g, 10, 52, clip(callTiming(call, graph.now), 36), "sub");
+  if (call.engine) text(g, 10, 66, clip(`on ${view.engineNames.get(call.engine) || call.engine}`, 36), "sub");
   svg("title", {}, g).textContent = `${call.id}${call.error ? `\n${call.error}` : ""}`;
   g.addEventListener("click", () => { view.picked = call.id; drawGraph(view.graph); showDetails(); });
 }
@@ -276,7 +278,7 @@ function showDetails() {
               ["task group", call.group ?? "–"], ["submitted", clock(call.submitted)],
               ["started", clock(call.started)], ["finished", clock(call.finished)],
               ["timing", callTiming(call, graph.now)],
-              ["inputs", Object.entries(call.inputs).map(([n, id]) => `{{${n}}} ← ${describe(id)}`).join("\n") || "–"],
+              ["inputs", Object.entries(call.inputs).sort().map(([n, id]) => `{{${n}}} ← ${describe(id)}`).join("\n") || "–"],
               ["outputs", Object.entries(call.outputs).map(([n, id]) => `${n} → ${describe(id)}`).join("\n")]);
     if (call.error) rows.push(["error", call.error]);
   }
@@ -308,6 +310,7 @@ function clearGraph(message) {
 // ------------------------------------------------------------------ engines and benchmarks
 
 function renderEngines(engines) {
+  view.engineNames = new Map(engines.map((e) => [e.id, e.name]));
   const body = document.querySelector("#engines tbody");
   body.replaceChildren();
   for (const e of engines) {
@@ -349,8 +352,8 @@ async function poll() {
   if (view.key === null) { setStatus("enter an API key (or none, on an open gateway) and connect"); return; }
   try {
     const [sessions, engines] = await Promise.all([api("/v1/sessions"), api("/v1/engines")]);
-    renderSessions(sessions.data);
     renderEngines(engines);
+    renderSessions(sessions.data);
     if (view.selected) {
       try { renderGraph(await api(`/v1/sessions/${encodeURIComponent(view.selected)}/graph`)); }
       catch (err) { if (err.status === 404) clearGraph("That session is gone."); else throw err; }
