@@ -25,7 +25,7 @@ def session_graph(session: Session) -> SessionGraph:
 def _edge(variable: Variable, consumers: list[str]) -> VariableEdge:
     producer = variable.producer
     return VariableEdge(id=variable.id, name=variable.name, producer=producer.id if producer else None,
-                        consumers=consumers, ready=variable.ready, preview=_clipped(variable.value),
+                        consumers=consumers, ready=variable.ready and variable.error is None, preview=_clipped(variable.value),
                         size=variable.size, error=_clipped(variable.error))
 
 

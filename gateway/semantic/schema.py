@@ -160,7 +160,7 @@ class VariableEdge(msgspec.Struct, kw_only=True):
     name: str | None
     producer: str | None  # a call id; None: a value the client gives
     consumers: list[str]  # call ids (among the calls shown)
-    ready: bool
+    ready: bool  # it has its value (a failed one has an error instead)
     preview: str | None  # the value's first characters ("…" ends a truncated one)
     size: int  # UTF-8 bytes of the whole value
     error: str | None = None
