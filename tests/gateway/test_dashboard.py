@@ -197,6 +197,7 @@ def test_another_key_gets_404_and_an_admin_key_sees_the_session(gateway, alice):
         own = {s["owner"] for s in alice.get("/v1/sessions").json()["data"]}
         assert listed[session]["owner"] in own and ALICE not in str(listed)  # a fingerprint, never the key
         assert admin.delete(f"/v1/sessions/{session}").status_code == 404  # to view, not to act for others
+        assert admin.get(f"/v1/vars/{job['final']}").status_code == 404
     assert httpx.get(f"{gateway}/v1/sessions/{session}/graph").status_code == 401  # no key at all
     release(alice, job)
     poll_graph(alice, session, all_done)

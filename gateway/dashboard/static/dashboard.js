@@ -358,7 +358,8 @@ async function poll() {
       try { renderGraph(await api(`/v1/sessions/${encodeURIComponent(view.selected)}/graph`)); }
       catch (err) { if (err.status === 404) clearGraph("That session is gone."); else throw err; }
     } else clearGraph("No session to show yet: sessions appear here as soon as this key makes one.");
-    setStatus(`updated ${new Date().toLocaleTimeString()} · every ${POLL_MS / 1000} s`);
+    const who = view.key ? `key …${view.key.slice(-4)}` : "no key";
+    setStatus(`${who} · updated ${new Date().toLocaleTimeString()} · every ${POLL_MS / 1000} s`);
   } catch (err) {
     setStatus(err.status === 401 ? `${err.message} Enter a valid key.` : `error: ${err.message}`, true);
   }
