@@ -162,7 +162,7 @@ function layout({ nodes, edges }) {
 
 function callCaption(call, graph) {
   const outs = Object.keys(call.outputs);
-  const names = outs.map((name) => graph.variables.find((v) => v.id === call.outputs[name])?.name || name);
+  const names = outs.map((name) => graph.variableById.get(call.outputs[name])?.name || name);
   return clip(names.join(", ") || call.id, 24);
 }
 
@@ -263,7 +263,7 @@ function showDetails() {
   const graph = view.graph;
   if (!graph || !view.picked) { box.hidden = true; return; }
   const rows = [];
-  const varById = new Map(graph.variables.map((v) => [v.id, v]));
+  const varById = graph.variableById;
   const describe = (id) => { const v = varById.get(id); return v ? `${v.name || id} = ${v.ready ? JSON.stringify(v.preview) : v.error ? `failed: ${v.error}` : "(not ready)"}` : id; };
   if (view.picked.startsWith("var:")) {
     const v = varById.get(view.picked.slice(4));
@@ -287,6 +287,7 @@ function showDetails() {
 }
 
 function renderGraph(graph) {
+  graph.variableById = new Map(graph.variables.map((v) => [v.id, v]));
   view.graph = graph;
   const counts = {};
   for (const call of graph.calls) counts[call.state] = (counts[call.state] || 0) + 1;
@@ -350,6 +351,7 @@ async function loadBenchmarks() {
 async function poll() {
   clearTimeout(view.timer);
   if (view.key === null) { setStatus("enter an API key (or none, on an open gateway) and connect"); return; }
+  if (document.hidden) { view.timer = setTimeout(poll, POLL_MS); return; }  // nobody looks: no requests
   try {
     const [sessions, engines] = await Promise.all([api("/v1/sessions"), api("/v1/engines")]);
     renderEngines(engines);
