@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install serve test bench clean
+.PHONY: install serve test bench clean chromium
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,8 +24,15 @@ install: $(STAMP)
 serve: install
 	$(VENV)/bin/parrot serve $(ARGS)
 
-test: install
+test: install chromium
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The dashboard's browser test drives Debian's chromium through Playwright (never `playwright install`):
+# installed here when missing (as root, or through sudo); a machine that has it skips apt.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -q && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; }
 
 bench: install
 	$(PY) -m benchmarks.gateway_overhead

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+from pathlib import Path
 from typing import AsyncIterator
 
 import httpx
@@ -19,6 +20,7 @@ from http_plumbing.http11 import Http11Transport
 from engines.seam.upstream import NoCookies
 from gateway.circuit import CircuitBreaker
 from gateway.config import GatewayConfig
+from gateway.dashboard.routes import DEFAULT_BENCHMARKS_DIR
 from gateway.errors import EXCEPTION_HANDLERS, APIError
 from gateway.allocator import map_large_blocks_separately
 from gateway.health_checks import health_checks
@@ -28,6 +30,7 @@ from gateway.openapi import document
 from gateway.registry import EngineRegistry
 from gateway.routes import ROUTES
 from gateway.semantic.service import SemanticService
+from gateway.semantic.sessions import SessionStore
 from gateway.service import Gateway
 from gateway.supervisor import EngineSupervisors
 from gateway.tracing import Tracing
@@ -100,6 +103,9 @@ def create_app(config: GatewayConfig | None = None) -> Litestar:
             app.state.quotas = quotas = Quotas(config.quotas)
             app.state.semantic = SemanticService(gateway, config.semantic, limits_of=quotas.limits, tracing=tracing)
             gateway.metrics.mirror(registry.records, app.state.semantic.sessions.all)
+            app.state.admin_owners = frozenset(SessionStore.owner_of(key) for key in config.auth.admin_keys)
+            benchmarks_dir = config.dashboard.benchmarks_dir
+            app.state.benchmarks_dir = Path(benchmarks_dir) if benchmarks_dir else DEFAULT_BENCHMARKS_DIR
             app.state.supervisor = EngineSupervisors(config, registry) if config.builtin_enabled() else None
             if app.state.supervisor is not None:
                 app.state.supervisor.start()
@@ -118,6 +124,8 @@ def create_app(config: GatewayConfig | None = None) -> Litestar:
         return health_checks(app.state.gateway.registry, config.routing.health_check_interval_s)
 
     api_keys = frozenset(config.auth.api_keys)
+    if api_keys:  # admin keys are client keys too; they alone do not turn authentication on
+        api_keys |= frozenset(config.auth.admin_keys)
     app = document(Litestar(
         route_handlers=ROUTES,
         lifespan=[lifespan, upstream_health_checks],

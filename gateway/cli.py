@@ -24,6 +24,9 @@ def _serve_parser() -> argparse.ArgumentParser:
                         help="send OpenTelemetry spans there (needs the tracing extra; also PARROT_TRACING_EXPORTER)")
     parser.add_argument("--api-key", action="append", dest="api_keys",
                         help="accepted client key; repeat for several (also PARROT_API_KEYS)")
+    parser.add_argument("--admin-key", action="append", dest="admin_keys",
+                        help="a key that also sees every key's sessions and graphs; repeat for several "
+                             "(also PARROT_ADMIN_KEYS)")
     parser.add_argument("--upstream", action="append", default=[], metavar="MODEL=BASE_URL",
                         help="serve MODEL from an OpenAI-compatible server at BASE_URL (ending in /v1)")
     parser.add_argument("--model", dest="builtin_model", help="builtin engine model: HF dir or .gguf file")
@@ -49,7 +52,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         "server": {"host": args.host, "port": args.port, "log_level": args.log_level, "log_format": args.log_format,
                    "access_log": args.access_log},
         "tracing": {"exporter": args.tracing_exporter, "enabled": True if args.tracing_exporter else None},
-        "auth": {"api_keys": args.api_keys},
+        "auth": {"api_keys": args.api_keys, "admin_keys": args.admin_keys},
         "builtin": {"enabled": args.builtin_enabled, "model": args.builtin_model, "port": args.engine_port,
                     "replicas": args.replicas},
         "upstreams": [_upstream(s) for s in args.upstream],

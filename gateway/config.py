@@ -25,6 +25,9 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class AuthConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Client keys accepted as "Authorization: Bearer KEY". Empty: no authentication.
     api_keys: list[str] = []
+    # Keys that also see every key's sessions and graphs (GET /v1/sessions, /v1/sessions/{id}/graph,
+    # the dashboard); only to view them. Accepted as client keys too.
+    admin_keys: list[str] = []
 
 
 class LimitsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -98,6 +101,15 @@ class SemanticConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # A session no request touched and no call ran in for this long is closed as DELETE closes it
     # (a key's default session too: it is made anew on next use). Checked every ttl / 4 (at most 60 s).
     session_idle_ttl_s: float = 3600.0
+    # Finished calls each session keeps for its graph (GET /v1/sessions/{id}/graph), oldest dropped beyond.
+    finished_calls_kept: Annotated[int, msgspec.Meta(ge=0)] = 1000
+
+
+class DashboardConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The live view at /dashboard."""
+
+    # Benchmark plots (*.png) the page shows; None: docs/benchmarks of the checkout the gateway runs from.
+    benchmarks_dir: str | None = None
 
 
 class QuotaLimits(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -208,6 +220,7 @@ class GatewayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     routing: RoutingConfig = msgspec.field(default_factory=RoutingConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
+    dashboard: DashboardConfig = msgspec.field(default_factory=DashboardConfig)
     upstreams: list[UpstreamConfig] = []
 
     def builtin_enabled(self) -> bool:
@@ -222,6 +235,7 @@ ENV_OVERRIDES: dict[str, tuple[str, str]] = {
     "PARROT_LOG_FORMAT": ("server", "log_format"),
     "PARROT_ACCESS_LOG": ("server", "access_log"),
     "PARROT_API_KEYS": ("auth", "api_keys"),  # comma-separated
+    "PARROT_ADMIN_KEYS": ("auth", "admin_keys"),  # comma-separated
     "PARROT_MAX_BODY_BYTES": ("limits", "max_body_bytes"),
     "PARROT_MAX_TOKENS": ("limits", "max_tokens"),
     "PARROT_MAX_REQUEST_TOKENS": ("limits", "max_request_tokens"),
@@ -250,7 +264,7 @@ def _set(raw: dict[str, Any], section: str, key: str, value: Any) -> None:
 
 
 def _env_value(key: str, text: str) -> Any:
-    if key == "api_keys":
+    if key in ("api_keys", "admin_keys"):
         return [k.strip() for k in text.split(",") if k.strip()]
     if key in ("enabled", "access_log"):
         return text.strip().lower() not in ("0", "false", "no", "off")

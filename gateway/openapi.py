@@ -72,6 +72,7 @@ ROUTE_ERRORS: dict[str, tuple[int, ...]] = {
     "POST /v1/completions": _SEMANTIC_RUN,
     "GET /v1/models/{model_id}": (404,),
     "POST /v1/sessions": (429,),
+    "GET /v1/sessions/{session_id}/graph": (404,),
     "DELETE /v1/sessions/{session_id}": (404,),
     "GET /v1/sessions/{session_id}/vars": (404,),
     "POST /v1/vars": (404, 429),

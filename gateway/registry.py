@@ -12,6 +12,7 @@ import msgspec
 from engines.seam import Engine, EngineStats
 from gateway.circuit import CircuitBreaker
 from gateway.engine_view import EngineView
+from gateway.request_rate import RequestRate
 
 
 class EngineConflict(Exception):
@@ -46,6 +47,7 @@ class EngineRecord(EngineView, kw_only=True):
     breaker: CircuitBreaker = msgspec.field(default_factory=CircuitBreaker)  # fed by requests and health checks
     last_heartbeat: float | None = None  # None: not heartbeating (static upstreams)
     token: str | None = None  # a registered engine's proof of identity for heartbeats (never listed)
+    requests: RequestRate = msgspec.field(default_factory=RequestRate)  # requests sent to it (the dashboard's req/s)
 
     def healthy(self, now: float, heartbeat_timeout_s: float) -> bool:
         return self.breaker.allows() and not self.expired(now, heartbeat_timeout_s)

@@ -15,6 +15,7 @@ from litestar.params import FromPath, JSONBody
 from engines.seam import EngineStats
 from engines.seam.connect import CAPABILITIES, capabilities_of
 from wire.openai import ModelCard, ModelList
+from gateway.dashboard.routes import DASHBOARD_ROUTES
 from gateway.errors import APIError, model_not_found
 from gateway.openai_endpoints import chat_completions, completions
 from gateway.semantic.routes import SEMANTIC_ROUTES
@@ -156,6 +157,10 @@ class EngineInfo(msgspec.Struct):
     load: int  # what the scheduler counts: requests on it now, ours and (when reported) other clients'
     kv_use: float  # the fraction of its KV cache in use, as it reported
     held_prefix_tokens: int  # the prompt prefixes the scheduler placed there and counts on it holding
+    prefix_contexts: int  # shared prefixes the gateway pinned there as contexts (semantic requests fork them)
+    prefix_hit_rate: float  # of the prompt tokens it reported, the fraction served from its prefix cache or a fork
+    requests_per_s: float  # requests the gateway sent it, per second over the last 10 seconds
+    requests_total: int  # requests the gateway sent it
     stats: EngineStats
     pid: int | None  # the process, for engines the gateway started itself
 
@@ -195,12 +200,19 @@ async def list_engines(state: State) -> list[EngineInfo]:
     registry = state.gateway.registry
     healthy = {r.id for m in registry.models() for r in registry.candidates(m)}
     supervisor = state.supervisor
+    prefixes = state.semantic.prefixes
     return [EngineInfo(id=r.id, name=r.engine.name, capabilities=capabilities_of(r.engine), url=r.url, models=r.models,
                        healthy=r.id in healthy, in_flight=r.in_flight, load=r.load(), kv_use=r.stats.kv_use(),
-                       held_prefix_tokens=state.gateway.scheduler.held_prefix_tokens(r.id), stats=r.stats,
+                       held_prefix_tokens=state.gateway.scheduler.held_prefix_tokens(r.id),
+                       prefix_contexts=prefixes.contexts_on(r.id), prefix_hit_rate=_hit_rate(r.stats),
+                       requests_per_s=r.requests.per_second(), requests_total=r.requests.total, stats=r.stats,
                        pid=supervisor.pid_at(r.url) if supervisor else None)
             for r in registry.records()]
 
 
+def _hit_rate(stats: EngineStats) -> float:
+    return min(1.0, stats.prefix_hit_tokens / stats.prompt_tokens) if stats.prompt_tokens else 0.0
+
+
 ROUTES = [chat_completions, completions, list_models, get_model, health, health_ready, health_live, metrics,
-          register_engine, engine_heartbeat, deregister_engine, list_engines, *SEMANTIC_ROUTES]
+          register_engine, engine_heartbeat, deregister_engine, list_engines, *SEMANTIC_ROUTES, *DASHBOARD_ROUTES]

@@ -184,6 +184,7 @@ class Gateway:
             measured = self.metrics.on(model, record.engine.name)
             record.in_flight += 1
             measured.requests_running.inc()
+            record.requests.add()
             dispatched = time.perf_counter()
             try:
                 response = await record.engine.create(route, sent)
@@ -271,6 +272,7 @@ class Gateway:
             measured.queue_time.observe(dispatched - started)
             record.in_flight += 1
             measured.requests_running.inc()
+            record.requests.add()
             return OpenedStream(record=record, first=first, rest=rest, started=started, measured=measured)
         raise self._no_engine(model, attempts.last_error)
 

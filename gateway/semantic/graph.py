@@ -2,8 +2,8 @@
 
 The graph is implicit: a ``Call`` points at its input and output ``Variable``s and a variable at
 its producer, so an edge exists exactly when a call consumes what another produces. A call
-leaves the graph when it finishes; variables stay (their values are still read) until their
-session is deleted.
+leaves the graph when it finishes (its session keeps a ``CallNode`` of it, ids and timings only, for
+the graph view); variables stay (their values are still read) until their session is deleted.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import contextlib
 import itertools
 import secrets
 import time
+from collections import OrderedDict
 from typing import Any, Awaitable, Callable, Iterable, Iterator
 
 from engines.seam import EngineError
@@ -20,6 +21,7 @@ from gateway.config import QuotaLimits
 from gateway.domain_errors import Conflict, DomainError, Invalid, NotFound, NotReady, QuotaExceeded, TooLarge
 from gateway.errors import engine_error_body
 from gateway.scheduler import Placement
+from gateway.semantic.schema import CallNode, CallState
 
 LATENCY_PRIORITY = 1 << 20  # above any app-FIFO rank
 _arrivals = itertools.count()
@@ -102,8 +104,21 @@ class Call:
         self.grouped = False  # a member of task groups only: finishing before its peers gains nothing
         self.group: str | None = None  # when grouped: its task group (named by its first consumer)
         self.task: asyncio.Task[dict[str, str]] | None = None
+        # What the graph view shows; set where they happen (a few stores, nothing on the way computed).
+        self.state: CallState = "waiting"
+        self.submitted = time.time()
         self.started: float | None = None  # when its inputs were ready and its work began (None: pending)
         self.span_context = None  # its tracing span's, once it ran traced (gateway/tracing.py)
+        self.finished: float | None = None
+        self.engine_id: str | None = None  # set by the runner once the scheduler placed it
+        self.error: str | None = None
+
+    def node(self) -> CallNode:
+        return CallNode(id=self.id, state=self.state, criteria="latency" if self.latency_critical else "throughput",
+                        group=self.group, engine=self.engine_id,
+                        inputs={name: v.id for name, v in self.inputs.items()},
+                        outputs={name: v.id for name, v in self.outputs.items()},
+                        submitted=self.submitted, started=self.started, finished=self.finished, error=self.error)
 
     @property
     def priority(self) -> int:
@@ -168,15 +183,20 @@ class Call:
             self.group = consumers[0].id if self.grouped else None
             if any(peer.latency for peer in self.group_peers(consumers)):
                 self.latency = True  # a task group runs at the pace of its most urgent member
-            self.started = time.time()
+            self.state, self.started = "running", time.time()
             results = await self.work(self, values)
+            self.state = "done"
         except BaseException as exc:
             message = _describe(exc)
+            self.state = "cancelled" if isinstance(exc, asyncio.CancelledError) else "failed"
+            self.error = _clipped(message, 500)
             for output in self.outputs.values():
                 output.fail(f"producer {self.id} failed: {message}")
             raise
         finally:
+            self.finished = time.time()
             self.session.calls.pop(self.id, None)  # finished parts of the graph are freed,
+            self.session.keep_finished(self)  # but for what the graph view shows of them;
             self.work = self.prepare = None  # with the request and response their closures hold
         for name, output in self.outputs.items():
             try:
@@ -188,7 +208,8 @@ class Call:
 
 class Session:
     def __init__(self, owner: str, index: dict[str, Variable], *, default: bool = False,
-                 max_variables: int | None = None, limits: QuotaLimits | None = None):
+                 max_variables: int | None = None, limits: QuotaLimits | None = None,
+                 finished_calls_kept: int = 1000):
         self.id = new_id("sess")
         self._index = index  # the store's id -> variable map, for lookups without a session id
         self.owner = owner
@@ -202,6 +223,8 @@ class Session:
         self.arrival = next(_arrivals)
         self.variables: dict[str, Variable] = {}
         self.calls: dict[str, Call] = {}
+        self.finished_calls: OrderedDict[str, CallNode] = OrderedDict()  # the latest, for the graph view
+        self.finished_calls_kept = finished_calls_kept
         self.prefix_keys: set[str] = set()  # shared prefixes this session pinned on engines
         self.closed = False
         self.cancelled_tasks: list[asyncio.Task] = []  # its calls' tasks, cancelled when it closed
@@ -264,6 +287,14 @@ class Session:
             raise NotFound(f"variable {var_id!r} not found in session {self.id}", code="variable_not_found")
         return variable
 
+    def keep_finished(self, call: Call) -> None:
+        """Remembers what the graph view shows of a finished call (ids, not values), the latest few only."""
+        if self.closed or not self.finished_calls_kept:
+            return
+        self.finished_calls[call.id] = call.node()
+        if len(self.finished_calls) > self.finished_calls_kept:
+            self.finished_calls.popitem(last=False)
+
     def consumers_of(self, variable: Variable) -> list[Call]:
         return [c for c in self.calls.values() if variable in c.inputs.values()]
 
@@ -310,6 +341,7 @@ class Session:
         for task in self.cancelled_tasks:
             task.cancel()
         self.calls.clear()
+        self.finished_calls.clear()
         for var_id, variable in self.variables.items():
             if not variable.ready:
                 variable.fail(f"session {self.id} was deleted")

@@ -126,6 +126,10 @@ class PrefixCache:
             return 0
         return 1
 
+    def contexts_on(self, engine_id: str) -> int:
+        """The shared-prefix contexts this gateway holds on that engine."""
+        return sum(1 for entry in self._entries.values() if entry.engine_id == engine_id)
+
     def forget_engine(self, engine_id: str) -> None:
         for key in [k for k, e in self._entries.items() if e.engine_id == engine_id]:
             del self._entries[key]

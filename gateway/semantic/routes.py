@@ -16,6 +16,8 @@ from gateway.semantic.schema import (
     SemanticCall,
     SemanticCallView,
     SessionDeleted,
+    SessionGraph,
+    SessionList,
     SessionView,
     VarCreate,
     VarList,
@@ -23,6 +25,7 @@ from gateway.semantic.schema import (
     VarView,
 )
 from gateway.errors import APIError
+from gateway.semantic.graph_view import session_graph, session_summary
 from gateway.semantic.service import SemanticService, view
 
 
@@ -32,6 +35,11 @@ def owner(request: Request) -> str:
     sends one) expect not to see each other's sessions. Requests without a key share one owner."""
     scheme, _, key = request.headers.get("authorization", "").partition(" ")
     return SessionStore.owner_of(key.strip() if scheme.lower() == "bearer" else None)
+
+
+def is_admin(request: Request) -> bool:
+    """Whether the presented key is one of ``[auth] admin_keys``: it may view every key's sessions."""
+    return owner(request) in request.app.state.admin_owners
 
 
 def semantic(state: State) -> SemanticService:
@@ -48,6 +56,23 @@ async def create_session(request: Request, state: State) -> SessionView:
     with admitted(request):
         session = semantic(state).sessions.create(owner(request))
     return SessionView(id=session.id, created=session.created)
+
+
+@get("/v1/sessions")
+async def list_sessions(request: Request, state: State) -> SessionList:
+    """The presented key's sessions (an admin key's: everyone's), most recently used first. Listing them is
+    no use of them: it does not keep them from going idle."""
+    sessions = semantic(state).sessions.listed(owner(request), any_owner=is_admin(request))
+    return SessionList(data=[session_summary(s) for s in sessions])
+
+
+@get("/v1/sessions/{session_id:str}/graph")
+async def get_session_graph(session_id: FromPath[str], request: Request, state: State) -> SessionGraph:
+    """The session's calls (waiting, running, done, failed, with engine and timings) and variables (edges
+    with a preview of their values): what the dashboard draws. 404 for another key's session, unless
+    the presented key is an admin key."""
+    session = semantic(state).sessions.peek(session_id, owner(request), any_owner=is_admin(request))
+    return session_graph(session)
 
 
 @delete("/v1/sessions/{session_id:str}", status_code=200)
@@ -106,5 +131,5 @@ async def submit_semantic_call(data: JSONBody[SemanticCall], request: Request, s
                             outputs={n: OutputView(id=v.id, name=v.name) for n, v in call.outputs.items()})
 
 
-SEMANTIC_ROUTES = [create_session, delete_session, list_session_vars, create_var, read_var, set_var,
+SEMANTIC_ROUTES = [create_session, list_sessions, get_session_graph, delete_session, list_session_vars, create_var, read_var, set_var,
                    submit_semantic_call]

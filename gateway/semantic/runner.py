@@ -101,12 +101,15 @@ class Runner:
         records = self._with_contexts(model)
         split = await self._split(route, body, records) if records and self._forkable(route, body) else None
         if split is None:
-            return await self._run_plain(route, substitute(route, body, values), hints, placement, sink)
+            answer = await self._run_plain(route, substitute(route, body, values), hints, placement, sink)
+            call.engine_id = answer.engine_id
+            return answer
         bounded = hints | self.gateway.token_defaults(route, body, records[0].engine)  # as a plain request is
         rest = split.rest_with(values)
         tried: set[str] = set()
         while True:
             plan = self._place(model, split, rest, records, placement)
+            call.engine_id = plan.record.id
             try:
                 generation, prompt_tokens = await self._fork_and_generate(plan, rest, body, bounded, session, sink)
                 break
@@ -197,6 +200,7 @@ class Runner:
         entry, hit = await self._acquire(plan, session)
         record.in_flight += 1
         sampling = sampling_of(body) | hints
+        record.requests.add()
         try:
             if sink is None:
                 generation = await plan.engine.generate_in_context(entry.context_id, sampling, fork_with=rest,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, Literal, Union
 
 import msgspec
 
@@ -129,3 +129,64 @@ class SemanticCallView(msgspec.Struct):
 
 def parse_extension(raw: dict[str, Any]) -> ParrotExtension:
     return msgspec.convert(raw, ParrotExtension)
+
+
+# ---------------------------------------------------------------- graph view (GET /v1/sessions, /graph)
+
+
+CallState = Literal["waiting", "running", "done", "failed", "cancelled"]
+
+
+class CallNode(msgspec.Struct, kw_only=True):
+    """One call of a session's graph: its state, where it ran, its timings (Unix seconds)."""
+
+    id: str
+    state: CallState  # waiting: for its inputs (its shared prefix may be filling); running: on an engine
+    criteria: Criteria  # latency: someone waits on it (it goes first); throughput: it may wait for a batch
+    group: str | None  # its task group (named by the consumer that waits for all its members), if any
+    engine: str | None  # the engine it runs or ran on (an id of GET /v1/engines)
+    inputs: dict[str, str]  # placeholder -> variable id
+    outputs: dict[str, str]  # output name -> variable id
+    submitted: float
+    started: float | None = None  # its inputs were ready: it went to an engine
+    finished: float | None = None
+    error: str | None = None
+
+
+class VariableEdge(msgspec.Struct, kw_only=True):
+    """A variable: an edge from its producer to its consumers, with the start of its value."""
+
+    id: str
+    name: str | None
+    producer: str | None  # a call id; None: a value the client gives
+    consumers: list[str]  # call ids (among the calls shown)
+    ready: bool  # it has its value (a failed one has an error instead)
+    preview: str | None  # the value's first characters ("…" ends a truncated one)
+    size: int  # UTF-8 bytes of the whole value
+    error: str | None = None
+
+
+class SessionGraph(msgspec.Struct, kw_only=True):
+    session_id: str
+    created: int
+    default: bool  # the key's default session (requests without a session_id)
+    now: float  # the gateway's clock (Unix seconds), to age running calls by
+    calls: list[CallNode]  # running and waiting ones, and the latest finished ones ([semantic] finished_calls_kept)
+    variables: list[VariableEdge]
+    object: str = "parrot.session.graph"
+
+
+class SessionSummary(msgspec.Struct, kw_only=True):
+    id: str
+    created: int
+    default: bool
+    owner: str  # a fingerprint of the API key that owns it (the start of its SHA-256), never the key
+    variables: int
+    pending_calls: int
+    finished_calls: int
+    object: str = "parrot.session"
+
+
+class SessionList(msgspec.Struct):
+    data: list[SessionSummary]
+    object: str = "list"

@@ -57,7 +57,8 @@ class SemanticService:
         self.gateway = gateway
         self.config = config
         self.tracing = tracing or Tracing(TracingConfig(enabled=False))
-        self.sessions = SessionStore(config.default_session_max_variables, limits_of=limits_of)
+        self.sessions = SessionStore(config.default_session_max_variables, limits_of=limits_of,
+                                     finished_calls_kept=config.finished_calls_kept)
         self.prefixes = PrefixCache(config.max_prefixes_per_engine)
         gateway.registry.on_removed(self.prefixes.forget_engine)  # its contexts went with it
         self.runner = Runner(gateway, self.prefixes, config.min_prefix_chars)

@@ -20,8 +20,9 @@ class SessionStore:
 
     def __init__(self, default_session_max_variables: int | None = None, *,
                  limits_of: Callable[[str], QuotaLimits] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, finished_calls_kept: int = 1000) -> None:
         self._default_max_variables = default_session_max_variables
+        self._finished_calls_kept = finished_calls_kept
         self._limits_of = limits_of or (lambda owner: QuotaLimits())
         self._clock = clock
         self._sessions: dict[str, Session] = {}  # least recently used first
@@ -43,7 +44,8 @@ class SessionStore:
         if default:  # forgets its oldest beyond the smaller of the two
             max_variables = min((m for m in (self._default_max_variables, limits.variables_per_session)
                                  if m is not None), default=None)
-        session = Session(owner, self._variables, default=default, max_variables=max_variables, limits=limits)
+        session = Session(owner, self._variables, default=default, max_variables=max_variables, limits=limits,
+                          finished_calls_kept=self._finished_calls_kept)
         session.last_used = self._clock()
         self._sessions[session.id] = session
         if not default:
@@ -56,6 +58,18 @@ class SessionStore:
             raise NotFound(f"session {session_id!r} not found", param="session_id", code="session_not_found")
         self.touch(session)
         return session
+
+    def peek(self, session_id: str, owner: str, *, any_owner: bool = False) -> Session:
+        """The session, as ``get`` finds it (``any_owner``: whoever owns it), without counting as a use:
+        watching a session does not keep it from going idle."""
+        session = self._sessions.get(session_id)
+        if session is None or not (any_owner or session.owner == owner):
+            raise NotFound(f"session {session_id!r} not found", param="session_id", code="session_not_found")
+        return session
+
+    def listed(self, owner: str, *, any_owner: bool = False) -> list[Session]:
+        """The owner's sessions (``any_owner``: everyone's), most recently used first."""
+        return [s for s in reversed(self._sessions.values()) if any_owner or s.owner == owner]
 
     def touch(self, session: Session) -> None:
         """A use: the session is the most recently used one (and not idle)."""

@@ -80,8 +80,8 @@ def test_registered_engine_serves_its_models(http, engine_gateway, fake_url):
     assert list(listed) == [engine_id]
     assert listed[engine_id] | {"stats": None} == {
         "id": engine_id, "name": "engine-a", "capabilities": ["contexts", "scheduling_hints"], "url": fake_url, "models": ["remote-model"],
-        "healthy": True, "in_flight": 0, "load": 0, "kv_use": 0.0, "held_prefix_tokens": 0, "stats": None,
-        "pid": None}
+        "healthy": True, "in_flight": 0, "load": 0, "kv_use": 0.0, "held_prefix_tokens": 0, "prefix_contexts": 0,
+        "prefix_hit_rate": 0.0, "requests_per_s": 0.0, "requests_total": 0, "stats": None, "pid": None}
     assert http.get(f"{engine_gateway}/v1/models").json()["data"][0]["id"] == "remote-model"
     reply = chat(http, engine_gateway, "remote-model")
     assert reply.status_code == 200
