@@ -74,23 +74,28 @@ def decode_per_sequence(q, k_cache, v_cache, block_tables, context_lens, scale, 
 
 
 def prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, *, out=None):
-    """Per-sequence SDPA over the gathered context, causal mask aligned to the context's end."""
+    """Per-sequence SDPA over the gathered context, causal mask aligned to the context's end.
+
+    Inputs go in as 4-D [1, heads, tokens, D]: torch's fused (flash) CPU kernel takes only 4-D
+    inputs, 3-D ones fall back to the materialised-scores math path, 5x slower for a 1,000-token
+    causal prefill here (bf16 and fp32) and 1.2-2x for a chunk over a cached prefix.
+    """
     out = torch.empty_like(q) if out is None else out
     bounds = cu_seqlens_q.tolist()
     for b, length in enumerate(context_lens.tolist()):
         start, end = bounds[b], bounds[b + 1]
         if end == start:
             continue
-        k = gather_kv(k_cache, block_tables[b], length).transpose(0, 1)  # [KVH, L, D]
-        v = gather_kv(v_cache, block_tables[b], length).transpose(0, 1)
-        queries = q[start:end].transpose(0, 1)  # [H, n, D]
+        k = gather_kv(k_cache, block_tables[b], length).transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
+        v = gather_kv(v_cache, block_tables[b], length).transpose(0, 1).unsqueeze(0)
+        queries = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if end - start == length:  # no cached prefix: the plain causal kernel
             attended = F.scaled_dot_product_attention(queries, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
             positions = torch.arange(length - (end - start), length, device=q.device)
             mask = torch.arange(length, device=q.device)[None, :] <= positions[:, None]  # [n, L]
             attended = F.scaled_dot_product_attention(queries, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[start:end] = attended.transpose(0, 1)
+        out[start:end] = attended[0].transpose(0, 1)
     return out
 
 

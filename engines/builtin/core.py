@@ -19,8 +19,9 @@ from engines.builtin.context import Context, Status
 from engines.builtin.context_registry import ContextRegistry
 from engines.builtin.errors import ContextBusy
 from engines.builtin.grammar import GrammarCompiler
-from engines.builtin.loader import DTYPES, ModelSource, build_model, load_checkpoint, load_tokenizer
+from engines.builtin.loader import DTYPES, ModelSource, build_model, load_checkpoint, load_tokenizer, resolve_dtype
 from engines.builtin.model_runner import ModelRunner, kv_block_bytes
+from engines.builtin.packed_linear import cpu_has_fast_bf16, prepack_linears
 from engines.builtin.prometheus_metrics import EngineMetrics
 from engines.builtin.quantization import quantize_linears
 from engines.builtin.scheduler import Scheduler
@@ -39,15 +40,18 @@ class EngineCore(StepLoop):
         self.model_name = source.name
         self.tokenizer = load_tokenizer(source)
         hf_config, hf_state = load_checkpoint(source)
-        num_blocks = config.num_blocks or config.kv_cache_memory // kv_block_bytes(hf_config, config.block_size, DTYPES[config.dtype])
+        self.dtype = resolve_dtype(config.dtype, config.device)
+        num_blocks = config.num_blocks or config.kv_cache_memory // kv_block_bytes(hf_config, config.block_size, DTYPES[self.dtype])
         # One sequence must always fit in the cache on its own, or preemption could not help it.
         self.max_model_len = min(config.max_model_len or hf_config.max_position_embeddings, num_blocks * config.block_size)
         self.eos_token_ids = eos_token_ids(hf_config, self.tokenizer, source)
         self.grammars = GrammarCompiler(self.tokenizer, self.eos_token_ids)
-        model = build_model(hf_config, hf_state, config.dtype, self.max_model_len)
+        model = build_model(hf_config, hf_state, self.dtype, self.max_model_len)
         del hf_state
         if config.quantization:
             quantize_linears(model, config.quantization)
+        elif self.dtype == "bfloat16" and config.device == "cpu" and cpu_has_fast_bf16():
+            prepack_linears(model)
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.seed, config.device)
         self.block_manager = BlockManager(
             num_blocks, config.block_size, self.runner.copy_rows, prefix_caching=config.enable_prefix_caching

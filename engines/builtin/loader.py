@@ -32,6 +32,17 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def resolve_dtype(dtype: str, device: str) -> str:
+    """``dtype`` itself, or for "auto" bfloat16 where ``device`` computes it natively, else float32."""
+    if dtype != "auto":
+        return dtype
+    from engines.builtin.packed_linear import cpu_has_fast_bf16
+
+    if device == "cpu":
+        return "bfloat16" if cpu_has_fast_bf16() else "float32"
+    return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+
+
 class ModelSource:
     """Where the weights and tokenizer live: a directory, and a GGUF file name inside it or None."""
 

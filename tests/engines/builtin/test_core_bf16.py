@@ -1,0 +1,76 @@
+"""bf16 on CPU: prepacked linears compute what F.linear does, the engine's bf16 scores match HF's
+bf16 forward, and greedy generation follows HF's bf16 generate except where HF's own top two
+logits are within bf16 rounding of each other (the documented tie tolerance)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engines.builtin.loader import resolve_dtype
+from engines.builtin.packed_linear import PackedLinear, cpu_has_fast_bf16
+from engines.builtin.types import SamplingParams
+
+pytestmark = pytest.mark.timeout(180)
+
+# Two bf16 steps of a logit near 1-4: a greedy pick may differ from HF's only under this margin.
+TIE_TOLERANCE = 0.0625
+needs_bf16 = pytest.mark.skipif(not cpu_has_fast_bf16(), reason="this CPU has no AVX-512 BF16 / AMX")
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_packed_linear_equals_linear(rows):
+    linear = nn.Linear(96, 160, bias=True).bfloat16()
+    x = torch.randn(rows, 96, dtype=torch.bfloat16)
+    assert torch.equal(PackedLinear(linear)(x), F.linear(x, linear.weight, linear.bias))
+
+
+def test_auto_dtype_follows_the_cpu():
+    assert resolve_dtype("auto", "cpu") == ("bfloat16" if cpu_has_fast_bf16() else "float32")
+    assert resolve_dtype("float32", "cpu") == "float32"
+
+
+@pytest.fixture(scope="module")
+def hf_bf16(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).eval()
+
+
+def prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(5)
+    return [torch.randint(3, 49152, (n,), generator=generator).tolist() for n in (9, 23, 40)]
+
+
+@needs_bf16
+def test_bf16_scores_match_hf_bf16(make_engine, hf_bf16):
+    engine = make_engine(dtype="auto")
+    assert isinstance(engine.runner.model.lm_head, PackedLinear)
+    for tokens in prompts():
+        scores = asyncio.run(engine.score(tokens))
+        with torch.inference_mode():
+            reference = torch.log_softmax(hf_bf16(torch.tensor([tokens])).logits[0, :-1].float(), -1)
+        expected = reference.gather(1, torch.tensor(tokens[1:]).unsqueeze(1)).squeeze(1)
+        assert torch.allclose(torch.tensor([s.logprob for s in scores]), expected, atol=0.1)
+
+
+@needs_bf16
+def test_bf16_greedy_follows_hf_bf16_up_to_ties(make_engine, hf_bf16):
+    engine = make_engine(dtype="bfloat16")
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    outputs = engine.generate_batch(prompts(), params)
+    for prompt, ours in zip(prompts(), outputs):
+        with torch.inference_mode():
+            theirs = hf_bf16.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
+            theirs = theirs[0, len(prompt):].tolist()
+            if ours == theirs:
+                continue
+            first = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
+            logits = hf_bf16(torch.tensor([prompt + theirs[:first]])).logits[0, -1].float()
+        top = logits.topk(2).values
+        assert top[0] - top[1] <= TIE_TOLERANCE, f"diverged at {first} with HF's margin {top[0] - top[1]:.4f}"
