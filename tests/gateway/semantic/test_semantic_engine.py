@@ -10,7 +10,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import SMOLLM
+from tests.conftest import SMOLLM, wait_until
 
 SYSTEM = ("You are a careful assistant for a museum of natural history. Answer in one short sentence, "
           "plainly, without lists. Visitors ask about animals, fossils and the building itself.")
@@ -43,6 +43,19 @@ def metric(gw, name: str) -> float:
     """A metric's value summed over its labels (0 before it is first set)."""
     return sum(sample.value for family in text_string_to_metric_families(gw.get("/metrics").text)
                for sample in family.samples if sample.name == name)
+
+
+def submit_waiting(gw, urls, system: str, name: str, var_id: str, session: str | None = None) -> httpx.Response:
+    """Submits a call (``system`` prompt, ``{{name}}`` bound to the unset ``var_id``) without waiting, and
+    returns its 202 once the engine holds its warmed prefix (fewer free blocks than before)."""
+    baseline = engine_stats(urls)["blocks_free"]
+    body = ask("{{%s}}" % name, {"wait": False, "vars": {name: {"id": var_id}}} | (
+        {"session_id": session} if session else {}))
+    body["messages"][0]["content"] = system
+    answer = gw.post("/v1/chat/completions", json=body)
+    assert answer.status_code == 202, answer.text
+    wait_until(lambda: engine_stats(urls)["blocks_free"] < baseline, timeout_s=30)  # warmed: input still missing
+    return answer
 
 
 def test_forked_prefix_answers_exactly_like_a_plain_request(gw):
@@ -80,15 +93,7 @@ def test_a_waiting_call_fills_its_shared_prefix_before_its_input_is_ready(gw, ur
     question = gw.post("/v1/vars", json={"session_id": session, "name": "q"}).json()["id"]
     baseline = engine_stats(urls)["blocks_free"]
     forked_before = metric(gw, "parrot:shared_prefix_fork_tokens")
-    body = ask("{{q}}", {"session_id": session, "wait": False, "vars": {"q": {"id": question}}})
-    body["messages"][0]["content"] = system
-    answer = gw.post("/v1/chat/completions", json=body)
-    assert answer.status_code == 202, answer.text
-
-    deadline = time.monotonic() + 30
-    while engine_stats(urls)["blocks_free"] >= baseline and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert engine_stats(urls)["blocks_free"] < baseline  # the prefix is filled while the input is still missing
+    answer = submit_waiting(gw, urls, system, "q", question, session)  # the prefix filled, the input missing
     assert gw.put(f"/v1/vars/{question}", json={"value": "Which planet is largest?"}).status_code == 200
     output = answer.json()["parrot"]["output"]["id"]
     result = gw.get(f"/v1/vars/{output}", params={"wait": "true", "timeout": 120}).json()
@@ -216,15 +221,7 @@ def test_a_waiting_calls_warmed_prefix_outlives_evictions_until_the_call_runs(gw
     so a stream of other prefixes (more than ``max_prefixes_per_engine``) does not evict it meanwhile."""
     system = "You name the capital city of a country in one word, for a geography quiz read out on the radio."
     question = gw.post("/v1/vars", json={"name": "country"}).json()["id"]  # the key's default session
-    baseline = engine_stats(urls)["blocks_free"]
-    body = ask("{{country}}", {"wait": False, "vars": {"country": {"id": question}}})
-    body["messages"][0]["content"] = system
-    answer = gw.post("/v1/chat/completions", json=body)
-    assert answer.status_code == 202, answer.text
-    deadline = time.monotonic() + 30
-    while engine_stats(urls)["blocks_free"] >= baseline and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert engine_stats(urls)["blocks_free"] < baseline  # warmed
+    answer = submit_waiting(gw, urls, system, "country", question)
 
     for i in range(33):  # one more than the gateway keeps per engine: an idle, unreserved prefix would go
         other = ask("{{x}}", {"vars": {"x": {"value": "Hi."}}}, max_tokens=1)
