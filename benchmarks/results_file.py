@@ -18,9 +18,15 @@ def write_results(path: Path | str, payload: dict[str, Any]) -> Path:
     """Writes ``payload`` to ``path`` as JSON, with the command line and the UTC date added."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    command = shlex.join(["python", "-m", Path(sys.argv[0]).with_suffix("").as_posix().replace("/", "."),
-                          *sys.argv[1:]]) if sys.argv[0].endswith(".py") else shlex.join(sys.argv)
+    command = shlex.join([*_program(), *sys.argv[1:]])
     stamped = {"command": command, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                **payload}
     path.write_text(json.dumps(stamped, indent=2))
     return path
+
+
+def _program() -> list[str]:
+    """How the running benchmark was started: ``python -m benchmarks.x`` by its module name (argv[0] is then a
+    file path, wherever the checkout lies), else the script as given."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return ["python", "-m", spec.name] if spec is not None else ["python", sys.argv[0]]
