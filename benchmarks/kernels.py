@@ -185,6 +185,12 @@ def decode_einsum(q, k_cache, v_cache, block_tables, context_lens, scale):
     return out.reshape(batch, num_heads, head_dim).to(q.dtype)
 
 
+def decode_layers_planned(args, layers: int) -> list[torch.Tensor]:
+    q, k_cache, v_cache, tables, lens, scale = args
+    plan = cpu_attention.plan_decode(tables, lens, k_cache.shape[1])
+    return [cpu_attention.decode(*args, plan=plan) for _ in range(layers)]
+
+
 def bench_cpu() -> None:
     print(f"CPU dispatch paths (SmolLM2 heads, block 16, {torch.get_num_threads()} threads), median ms")
     for dtype in (torch.float32, torch.bfloat16):
@@ -198,6 +204,14 @@ def bench_cpu() -> None:
             einsum = cpu_ms(lambda: decode_einsum(*args))
             print(f"  decode {str(dtype):<15} B={batch:<3} L<={context:<5} dispatch {chosen:7.2f}   padded SDPA {padded:7.2f}"
                   f"   per-seq SDPA {loop:7.2f}   padded einsum {einsum:7.2f}")
+    for batch in (1, 16):  # a decode step's attention over SmolLM2's 30 layers: reads planned once, or per call
+        q, k_cache, v_cache, tables, _ = paged_batch(batch, 256, **SMOLLM2, dtype=torch.bfloat16, device="cpu")
+        lens = torch.randint(128, 257, (batch,), dtype=torch.int32)
+        args = (q, k_cache, v_cache, tables, lens, 0.125)
+        per_call = cpu_ms(lambda: [cpu_attention.decode(*args) for _ in range(30)])
+        once = cpu_ms(lambda: decode_layers_planned(args, layers=30))
+        print(f"  decode step, 30 layers, bf16 B={batch:<3} L<=256: plan per call {per_call:7.2f}   "
+              f"one plan {once:7.2f}   ({per_call / once:4.2f}x)")
     for sequences, prefix_len in ((16, 1024), (64, 1024)):
         q, k_cache, v_cache, suffix_tables, _ = paged_batch(sequences, 64, **SMOLLM2, dtype=torch.float32, device="cpu")
         prefix_blocks = prefix_len // 16

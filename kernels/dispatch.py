@@ -17,6 +17,8 @@ Shared conventions:
   * Lengths are int32 device tensors. On CUDA nothing is read back to the host (the launches
     are CUDA-graph safe); host ints (max_seqlen_q) are passed explicitly.
   * scale multiplies q.k before the softmax (usually head_dim ** -0.5).
+  * plan (optional, CPU only): what the torch path reads of a step's lengths and tables, made once
+    per step by cpu_attention.plan_* and shared by every layer's call; Triton ignores it.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ def decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    plan: cpu_attention.PaddedGather | None = None,
 ) -> torch.Tensor:
     """One query token per sequence over its cached context -> [B, num_heads, head_dim].
 
@@ -85,7 +88,7 @@ def decode_attention(
     """
     check_decode_args(q, k_cache, v_cache, block_tables, context_lens)
     if not uses_triton(q.device):
-        return cpu_attention.decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+        return cpu_attention.decode(q, k_cache, v_cache, block_tables, context_lens, scale, plan=plan)
     if _flash_attn_fits(q, k_cache):
         from flash_attn import flash_attn_with_kvcache
 
@@ -107,6 +110,7 @@ def prefill_attention(
     context_lens: torch.Tensor,
     max_seqlen_q: int,
     scale: float,
+    plan: list[cpu_attention.PrefillChunk] | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens over their sequences' caches -> [T, num_heads, head_dim].
 
@@ -117,7 +121,7 @@ def prefill_attention(
     """
     check_prefill_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens)
     if not uses_triton(q.device):
-        return cpu_attention.prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+        return cpu_attention.prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, plan=plan)
     from kernels.paged_prefill import paged_prefill
 
     return paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, scale)
@@ -133,6 +137,7 @@ def shared_prefix_decode_attention(
     suffix_block_tables: torch.Tensor,
     suffix_lens: torch.Tensor,
     scale: float,
+    plan: cpu_attention.SharedPrefixPlan | None = None,
 ) -> torch.Tensor:
     """Decode where sequences share prefixes whose KV is read once per prefix -> [B, num_heads, head_dim].
 
@@ -145,7 +150,7 @@ def shared_prefix_decode_attention(
     args = (q, k_cache, v_cache, prefix_ids, prefix_block_tables, prefix_lens, suffix_block_tables, suffix_lens, scale)
     check_shared_prefix_args(*args[:-1])
     if not uses_triton(q.device):
-        return cpu_attention.shared_prefix_decode(*args)
+        return cpu_attention.shared_prefix_decode(*args, plan=plan)
     from kernels.shared_prefix_decode import shared_prefix_decode
 
     return shared_prefix_decode(*args)

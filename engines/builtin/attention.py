@@ -5,7 +5,8 @@ Cache layout (the kernels in ``kernels/`` code against it): per layer ``k_cache`
 is its slot, ``block_id * block_size + offset``.
 
 The flat batch holds decode tokens first, then the prefill chunks. ``AttentionMetadata`` is
-built once per step by the model runner and shared by every layer. Decodes whose sequences
+built once per step by the model runner and shared by every layer, and so are, on CPU, the plans
+of what the torch attention paths read of it (lengths on the host, gather indices, masks). Decodes whose sequences
 share leading KV blocks (forks of one context, prefix-cache hits) carry prefix groups, and then
 go through the shared-prefix kernel, which reads each shared prefix's KV once for its group.
 """
@@ -17,12 +18,14 @@ from dataclasses import dataclass
 import torch
 
 from kernels import dispatch
+from kernels.cpu_attention import PaddedGather, PrefillChunk, SharedPrefixPlan
 
 
 @dataclass
 class DecodeMetadata:
     block_tables: torch.Tensor  # [num_decodes, max_blocks] int32
     context_lens: torch.Tensor  # [num_decodes] int32, the new token included
+    plan: PaddedGather | None = None  # the CPU path's reads of the above, made once for all layers
 
 
 @dataclass
@@ -32,6 +35,7 @@ class SharedPrefixMetadata:
     prefix_lens: torch.Tensor  # [num_prefixes] int32
     suffix_block_tables: torch.Tensor  # [num_decodes, max_suffix_blocks] int32
     suffix_lens: torch.Tensor  # [num_decodes] int32
+    plan: SharedPrefixPlan | None = None
 
 
 @dataclass
@@ -40,6 +44,7 @@ class PrefillMetadata:
     cu_seqlens_q: torch.Tensor  # [num_prefills + 1] int32, rows of each chunk after the decodes
     context_lens: torch.Tensor  # [num_prefills] int32, cached prefix + chunk
     max_seqlen_q: int
+    plan: list[PrefillChunk] | None = None
 
 
 @dataclass
@@ -67,7 +72,7 @@ def paged_attention(
     prefill = meta.prefill
     prefilled = dispatch.prefill_attention(
         q[num_decodes:], k_cache, v_cache, prefill.block_tables, prefill.cu_seqlens_q, prefill.context_lens,
-        prefill.max_seqlen_q, scale,
+        prefill.max_seqlen_q, scale, prefill.plan,
     )
     if not num_decodes:
         return prefilled
@@ -79,6 +84,7 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch
     if shared is not None:
         return dispatch.shared_prefix_decode_attention(
             q, k_cache, v_cache, shared.prefix_ids, shared.prefix_block_tables, shared.prefix_lens,
-            shared.suffix_block_tables, shared.suffix_lens, scale,
+            shared.suffix_block_tables, shared.suffix_lens, scale, shared.plan,
         )
-    return dispatch.decode_attention(q, k_cache, v_cache, meta.decode.block_tables, meta.decode.context_lens, scale)
+    decode = meta.decode
+    return dispatch.decode_attention(q, k_cache, v_cache, decode.block_tables, decode.context_lens, scale, decode.plan)

@@ -12,7 +12,7 @@ from engines.builtin.model import LlamaForCausalLM, head_dim_of
 from engines.builtin.sampler import SampleResult, Sampler, score_tokens
 from engines.builtin.context import Context
 from engines.builtin.types import TokenScore
-from kernels import dispatch
+from kernels import cpu_attention, dispatch
 
 # The Triton shared-prefix kernel always beats paged decode; on CPU the torch path only once the
 # prefix it spares re-reading is long: 16 forks decode in 0.86x the time at 400 shared tokens,
@@ -142,6 +142,11 @@ class ModelRunner:
         rows = self._tensor(logit_rows, torch.long) if logit_rows else None
         return self._tensor(token_ids, torch.long), self._tensor(positions, torch.long), meta, rows, sampled, scored
 
+    @property
+    def plans_cpu_attention(self) -> bool:
+        """Whether this step's attention runs the torch CPU paths, whose reads are planned once per step."""
+        return not dispatch.uses_triton(self.device)
+
     def _worth_sharing(self, groups: list[PrefixGroup], num_decodes: int) -> bool:
         shared_tokens = sum(g.num_blocks * self.block_size * len(g.members) for g in groups)
         return bool(groups) and shared_tokens >= self.min_shared_tokens * num_decodes
@@ -160,7 +165,10 @@ class ModelRunner:
     def _decode(self, seqs: list[Context]) -> DecodeMetadata:
         lens = [ctx.num_computed_tokens + 1 for ctx in seqs]
         tables = [ctx.block_table[: self._blocks(n)] for ctx, n in zip(seqs, lens)]
-        return DecodeMetadata(self._tables(tables), self._tensor(lens))
+        meta = DecodeMetadata(self._tables(tables), self._tensor(lens))
+        if self.plans_cpu_attention:
+            meta.plan = cpu_attention.plan_decode(meta.block_tables, meta.context_lens, self.block_size)
+        return meta
 
     def _shared_prefix(self, seqs: list[Context], groups: list[PrefixGroup]) -> SharedPrefixMetadata:
         prefix_ids = [-1] * len(seqs)
@@ -173,13 +181,18 @@ class ModelRunner:
             ctx.block_table[shared : shared + self._blocks(n)] for ctx, shared, n in zip(seqs, shared_blocks, lens)
         ]
         prefix_tables = [seqs[g.members[0]].block_table[: g.num_blocks] for g in groups]
-        return SharedPrefixMetadata(
+        meta = SharedPrefixMetadata(
             prefix_ids=self._tensor(prefix_ids),
             prefix_block_tables=self._tables(prefix_tables),
             prefix_lens=self._tensor([g.num_blocks * self.block_size for g in groups]),
             suffix_block_tables=self._tables(suffix_tables),
             suffix_lens=self._tensor(lens),
         )
+        if self.plans_cpu_attention:
+            meta.plan = cpu_attention.plan_shared_prefix(
+                meta.prefix_ids, meta.prefix_block_tables, meta.prefix_lens, meta.suffix_block_tables,
+                meta.suffix_lens, self.block_size)
+        return meta
 
     def _prefill(self, chunks: list[tuple[Context, int]]) -> PrefillMetadata:
         lens = [ctx.num_computed_tokens + n for ctx, n in chunks]
@@ -187,6 +200,10 @@ class ModelRunner:
         for _, n in chunks:
             cu_seqlens.append(cu_seqlens[-1] + n)
         tables = [ctx.block_table[: self._blocks(length)] for (ctx, _), length in zip(chunks, lens)]
-        return PrefillMetadata(
+        meta = PrefillMetadata(
             self._tables(tables), self._tensor(cu_seqlens), self._tensor(lens), max(n for _, n in chunks)
         )
+        if self.plans_cpu_attention:
+            meta.plan = cpu_attention.plan_prefill(meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
+                                                   self.block_size)
+        return meta

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import dispatch, reference
+from kernels import cpu_attention, dispatch, reference
 
 SUFFIX_LENS = [3, 0, 40, 1, 17, 0]
 PREFIX_IDS = [0, 1, -1, 0, 1, -1]
@@ -45,6 +45,32 @@ def test_shared_prefix_decode_matches_reference(kv, tol):
     out = dispatch.shared_prefix_decode_attention(*args)
     torch.testing.assert_close(out, reference.shared_prefix_decode(*args), **tol)
     assert torch.all(out[-1] == 0)
+
+
+def test_one_plan_serves_every_layer_as_the_calls_without_one(kv):
+    """The engine plans a step's reads once and passes the plan to each layer's call, whose caches differ."""
+    layers = [(kv.k_cache, kv.v_cache), (kv.v_cache.flip(0).contiguous(), kv.k_cache.flip(0).contiguous())]
+    lens = torch.tensor([1, 37, 100, 0, 64], dtype=torch.int32)
+    tables, q = kv.block_tables(lens.tolist()), kv.queries(len(lens))
+    decode = cpu_attention.plan_decode(tables, lens, kv.block_size)
+
+    cu, context = torch.tensor([0, 5, 75, 76, 76], dtype=torch.int32), torch.tensor([5, 100, 50, 12], dtype=torch.int32)
+    prefill_tables, prefill_q = kv.block_tables(context.tolist()), kv.queries(76)
+    prefill = cpu_attention.plan_prefill(prefill_tables, cu, context, kv.block_size)
+
+    shared_args = (torch.tensor(PREFIX_IDS, dtype=torch.int32), kv.block_tables(PREFIX_LENS),
+                   torch.tensor(PREFIX_LENS, dtype=torch.int32), kv.block_tables(SUFFIX_LENS),
+                   torch.tensor(SUFFIX_LENS, dtype=torch.int32))
+    shared = cpu_attention.plan_shared_prefix(*shared_args, kv.block_size)
+    shared_q = kv.queries(len(PREFIX_IDS))
+    for k_cache, v_cache in layers:
+        args = (q, k_cache, v_cache, tables, lens, kv.scale)
+        assert torch.equal(dispatch.decode_attention(*args, plan=decode), dispatch.decode_attention(*args))
+        args = (prefill_q, k_cache, v_cache, prefill_tables, cu, context, 70, kv.scale)
+        assert torch.equal(dispatch.prefill_attention(*args, plan=prefill), dispatch.prefill_attention(*args))
+        args = (shared_q, k_cache, v_cache, *shared_args, kv.scale)
+        assert torch.equal(dispatch.shared_prefix_decode_attention(*args, plan=shared),
+                           dispatch.shared_prefix_decode_attention(*args))
 
 
 def test_write_kv_matches_reference(kv):
