@@ -7,13 +7,14 @@ graph (server-side for Parrot, through the client for the baseline).
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
 import httpx
 import pytest
 
 from benchmarks import fake_upstream
-from benchmarks.workloads import WORKLOADS, chain, map_reduce, multi_agent, shared_prompt
+from benchmarks.workloads import WORKLOADS, chain, map_reduce, mixed, multi_agent, shared_prompt
 from benchmarks.workloads.text import document, questions, system_prompt
 from gateway.app import create_app
 from gateway.config import BuiltinConfig, GatewayConfig, UpstreamConfig
@@ -126,3 +127,16 @@ async def test_sequential_baseline_makes_one_call_at_a_time(app, client):
     sequential = await module.run_baseline(client, MODEL, replace(cfg, sequential=True), rtt_ms=100)
     assert sequential.output == concurrent.output and sequential.parts == concurrent.parts
     assert sequential.seconds >= sequential.calls * 0.1
+
+
+async def test_mixed_traffic_sends_the_same_arrivals_in_both_modes(client, fake_url):
+    cfg = mixed.Config(duration_s=2.0, chat_sessions_per_s=4.0, think_s=0.0, job_interval_s=1.0,
+                       job=map_reduce.Config(chunks=2, chunk_words=10), seed=3)
+    answers = sum(len(turns) for _, turns in mixed.chat_sessions(cfg, random.Random(cfg.seed)))
+    assert answers >= 2
+    for parrot in (True, False):
+        before = fake_requests(fake_url)
+        result = await mixed.run(client, MODEL, cfg, parrot=parrot)
+        assert len(result.chat_normalized_s) == answers and all(s > 0 for s in result.chat_normalized_s)
+        assert len(result.job_seconds) == 2
+        assert fake_requests(fake_url) - before == answers + 2 * (cfg.job.chunks + 1)  # every call once
