@@ -2,7 +2,7 @@
 
 Each app (benchmarks/workloads/) runs in both modes, alternating which goes first, ``--repeats``
 times; the median end-to-end time of each mode and the ratio baseline/parrot are printed and saved
-(JSON + PNG bar plot under benchmarks/results/). Every HTTP request pays ``--rtt-ms`` of simulated
+(JSON + PNG bar plot under docs/benchmarks/). Every HTTP request pays ``--rtt-ms`` of simulated
 network latency in both modes. Each run gets its own deterministic text, so no run is sped up by
 KV blocks that an earlier run left in an engine's prefix cache.
 
@@ -50,6 +50,7 @@ from typing import Any
 import httpx
 
 from benchmarks.gateway_overhead import free_port
+from benchmarks.results_file import TRACKED, write_results
 from benchmarks.workloads import WORKLOADS, chain, map_reduce, multi_agent, shared_prompt
 
 
@@ -276,7 +277,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="don't send ignore_eos (for servers that reject it); output lengths then vary")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=900, help="HTTP timeout per request")
-    parser.add_argument("--out", default="benchmarks/results/apps", help="writes OUT.json and OUT.png")
+    parser.add_argument("--out", default=str(TRACKED / "apps"), help="writes OUT.json and OUT.png")
     return parser.parse_args(argv)
 
 
@@ -316,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
     summary = summarize(seconds)
     print_table(summary)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "results": summary}, indent=2))
+    write_results(out.with_suffix(".json"), {"args": vars(args), "results": summary})
     plot(summary, out.with_suffix(".png"), f"{args.model}, rtt {args.rtt_ms:g} ms, median of {args.repeats}")
     print(f"\nsaved {out.with_suffix('.json')} and {out.with_suffix('.png')}")
 

@@ -5,10 +5,11 @@ Cache layout (the kernels in ``kernels/`` code against it): per layer ``k_cache`
 is its slot, ``block_id * block_size + offset``.
 
 The flat batch holds decode tokens first, then the prefill chunks. ``AttentionMetadata`` is
-built once per step by the model runner and shared by every layer, and so are, on CPU, the plans
-of what the torch attention paths read of it (lengths on the host, gather indices, masks). Decodes whose sequences
-share leading KV blocks (forks of one context, prefix-cache hits) carry prefix groups, and then
-go through the shared-prefix kernel, which reads each shared prefix's KV once for its group.
+built once per step by the model runner and shared by every layer; so are, on CPU, the plans of
+what the torch paths read of it (lengths on the host, gather indices, masks). Decodes whose
+sequences share leading KV blocks (forks of one context, prefix-cache hits) carry prefix groups,
+and then go through the shared-prefix kernel, which reads each shared prefix's KV once for its
+group.
 """
 
 from __future__ import annotations
