@@ -43,9 +43,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import httpx
 
@@ -67,6 +68,22 @@ class Mode:
 
 
 # ---------------------------------------------------------------- servers
+
+
+@contextmanager
+def served(args: argparse.Namespace, out: Path) -> Iterator[str]:
+    """The URL to benchmark: ``args.url``, or with ``args.start`` a `parrot serve` launched for the run (with
+    ``args.engine_args``; its log beside ``out`` while it runs), stopped at the end."""
+    if not args.start:
+        yield args.url
+        return
+    log = out.with_suffix(".serve.log")
+    launched = LaunchedGateway(args.model, args.engine_args.split(), log, 600)
+    try:
+        yield launched.url
+    finally:
+        launched.close()
+        log.unlink(missing_ok=True)
 
 
 class LaunchedGateway:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.apps import LaunchedGateway, Mode, warm_up
+from benchmarks.apps import Mode, served, warm_up
 from benchmarks.results_file import TRACKED, write_results
 from benchmarks.workloads import chain
 
@@ -99,16 +99,8 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     out = Path(args.out)
-    launched = None
-    try:
-        if args.start:
-            launched = LaunchedGateway(args.model, args.engine_args.split(), out.with_suffix(".serve.log"), 600)
-            args.url = launched.url
+    with served(args, out) as args.url:
         seconds = asyncio.run(measure(args))
-    finally:
-        if launched is not None:
-            launched.close()
-            out.with_suffix(".serve.log").unlink(missing_ok=True)
     summary = summarize(seconds, args.calls)
     print(f"\n{args.calls} dependent calls of {args.max_tokens} tokens, median of {args.repeats}:")
     print(f"  parrot (DAG)  {summary['parrot_ms']:8.1f} ms  {summary['parrot_per_call_ms']:6.1f} ms/call")

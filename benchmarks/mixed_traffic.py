@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.apps import LaunchedGateway, Mode, warm_up
+from benchmarks.apps import Mode, served, warm_up
 from benchmarks.results_file import TRACKED, write_results
 from benchmarks.workloads import mixed
 
@@ -109,19 +109,11 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     out = Path(args.out)
-    launched = None
-    try:
-        if args.start:
-            launched = LaunchedGateway(args.model, args.engine_args.split(), out.with_suffix(".serve.log"), 600)
-            args.url = launched.url
+    with served(args, out) as args.url:
         modes = [Mode("parrot", args.url, args.model), Mode("plain", args.url, args.model)]
         if args.compare_url:
             modes.append(Mode("compare", args.compare_url, args.compare_model or args.model))
         runs = asyncio.run(measure(args, modes))
-    finally:
-        if launched is not None:
-            launched.close()
-            out.with_suffix(".serve.log").unlink(missing_ok=True)
     table = medians(runs)
     print(f"\nmedians of {args.rounds} rounds ({args.duration:.0f} s of arrivals each):")
     parrot = table["parrot"]
