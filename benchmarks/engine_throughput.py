@@ -86,8 +86,18 @@ def shared_prefix_length(prompts: list[list[int]]) -> int:
 def engine_run(engine: EngineCore, name: str, prompts: list[list[int]], max_tokens: int):
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     if name != "shared":
-        return lambda: engine.generate_batch(prompts, params)
+        return lambda: on_the_step_thread(engine, lambda: engine.generate_batch(prompts, params))
     return SharedPromptRun(engine, prompts, params)
+
+
+def on_the_step_thread(engine: EngineCore, work):
+    """``work()`` with the engine's loop thread computing, as when it serves (see core.on_a_passing_thread:
+    steps on this thread would leave it OpenMP workers that slow the loop thread's)."""
+    engine.start()
+    try:
+        return work()
+    finally:
+        engine.shutdown()
 
 
 class SharedPromptRun:
@@ -102,11 +112,7 @@ class SharedPromptRun:
     def __call__(self) -> None:
         engine = self.engine
         hit0, computed0 = engine.stats().prefix_hit_tokens, engine.computed_tokens
-        engine.start()  # the async API needs the loop thread
-        try:
-            asyncio.run(self._forked())
-        finally:
-            engine.shutdown()
+        on_the_step_thread(engine, lambda: asyncio.run(self._forked()))  # the async API needs the loop thread
         decoded = len(self.prompts) * self.params.max_tokens
         self.runs.append((engine.computed_tokens - computed0 - decoded, engine.stats().prefix_hit_tokens - hit0))
 
@@ -228,7 +234,9 @@ def run_all(args: argparse.Namespace) -> None:
     if args.compare_url:
         runs[args.compare_name] = url_runs(args, loads, tokenizer)
     for engine in engines.values():  # warm-up
-        engine.generate_batch([loads["single"][0][0]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        warm = [loads["single"][0][0]]
+        on_the_step_thread(engine, lambda: engine.generate_batch(warm, SamplingParams(max_tokens=8, temperature=0.0,
+                                                                                        ignore_eos=True)))
     columns = alternating_rates(runs, loads, args.repeats)
     notes = {f"{name} shared": runs[name]["shared"].note() for name in engines if "shared" in loads}
     print(f"torch threads {torch.get_num_threads()}, dtype {args.dtype}, median of {args.repeats} alternating rounds")

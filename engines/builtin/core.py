@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, TypeVar
 
 import torch
 
@@ -29,23 +30,41 @@ from engines.builtin.step_loop import StepLoop, resolver
 from engines.builtin.types import SamplingParams, TokenEvent, TokenScore
 from engines.seam.contexts import FillResult
 
+T = TypeVar("T")
+
 
 class EngineCore(StepLoop):
     def __init__(self, config: EngineConfig):
         self.config = config
-        if config.num_threads:
+        if config.num_threads:  # for steps taken on this thread (step() without the loop thread: tests, benchmarks)
             torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
         source = ModelSource(config.model)
         self.model_name = source.name
         self.tokenizer = load_tokenizer(source)
+        hf_config = on_a_passing_thread(lambda: self._load(source))
+        self.eos_token_ids = eos_token_ids(hf_config, self.tokenizer, source)
+        self.grammars = GrammarCompiler(self.tokenizer, self.eos_token_ids)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, self.runner.copy_rows, prefix_caching=config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.registry = ContextRegistry(self.scheduler, self.block_manager, self.max_model_len)
+        self.metrics = EngineMetrics(served_model_name(config), self.stats)
+        self.step_stall_timeout_s = config.step_stall_timeout_s
+        super().__init__(config.num_threads)
+
+    def _load(self, source: ModelSource):
+        """The model built and its KV cache allocated (on a passing thread, see on_a_passing_thread); returns
+        the checkpoint's config."""
+        config = self.config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
         hf_config, hf_state = load_checkpoint(source)
         self.dtype = resolve_dtype(config.dtype, config.device)
         num_blocks = config.num_blocks or config.kv_cache_memory // kv_block_bytes(hf_config, config.block_size, DTYPES[self.dtype])
         # One sequence must always fit in the cache on its own, or preemption could not help it.
         self.max_model_len = min(config.max_model_len or hf_config.max_position_embeddings, num_blocks * config.block_size)
-        self.eos_token_ids = eos_token_ids(hf_config, self.tokenizer, source)
-        self.grammars = GrammarCompiler(self.tokenizer, self.eos_token_ids)
         model = build_model(hf_config, hf_state, self.dtype, self.max_model_len)
         del hf_state
         if config.quantization:
@@ -53,14 +72,7 @@ class EngineCore(StepLoop):
         elif self.dtype == "bfloat16" and config.device == "cpu" and cpu_has_fast_bf16():
             prepack_linears(model)
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.seed, config.device)
-        self.block_manager = BlockManager(
-            num_blocks, config.block_size, self.runner.copy_rows, prefix_caching=config.enable_prefix_caching
-        )
-        self.scheduler = Scheduler(config, self.block_manager)
-        self.registry = ContextRegistry(self.scheduler, self.block_manager, self.max_model_len)
-        self.metrics = EngineMetrics(served_model_name(config), self.stats)
-        self.step_stall_timeout_s = config.step_stall_timeout_s
-        super().__init__()
+        return hf_config
 
     def fork(self, parent_context_id: str, context_id: str | None = None) -> str:
         with self._lock:
@@ -302,3 +314,13 @@ def eos_token_ids(hf_config, tokenizer, source: ModelSource) -> list[int]:
         value = GenerationConfig.from_pretrained(source.directory).eos_token_id
         ids.update([value] if isinstance(value, int) else value or [])
     return sorted(ids)
+
+
+def on_a_passing_thread(work: Callable[[], T]) -> T:
+    """``work()`` on a thread of its own, joined. The engine computes on its step thread alone: torch's
+    OpenMP workers belong to the thread that first ran a parallel op and live as long as it, and a second
+    thread's workers beside an idle first set made every op of the second ~1.3x slower here (2 cores: the
+    same small-GEMM loop 498 ms on the first thread, 689 ms on a second). Loading on a thread that then
+    ends leaves the step thread's workers the only ones."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-load") as pool:
+        return pool.submit(work).result()

@@ -65,6 +65,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.model = model.to(self.device)
         self.block_size = block_size
+        self.num_blocks = num_blocks
         config = model.config
         dtype = model.model.embed_tokens.weight.dtype  # linears may be quantized
         shape = (num_blocks, block_size, config.num_key_value_heads, head_dim_of(config))

@@ -16,6 +16,8 @@ import threading
 import time
 from typing import Callable
 
+import torch
+
 from engines.builtin.block_manager import BlockManager
 from engines.builtin.context import Context, Status
 from engines.builtin.context_registry import ContextRegistry
@@ -40,7 +42,8 @@ class StepLoop:
     metrics: EngineMetrics
     step_stall_timeout_s: float
 
-    def __init__(self) -> None:
+    def __init__(self, num_threads: int | None = None) -> None:
+        self._num_threads = num_threads  # torch's intra-op threads for the step thread; None: torch's default
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
         self._thread: threading.Thread | None = None
@@ -86,6 +89,8 @@ class StepLoop:
                 self.registry.finish(ctx, "abort")
 
     def _loop(self) -> None:
+        if self._num_threads:
+            torch.set_num_threads(self._num_threads)  # a setting of the calling thread's: this one computes
         while not self._stopping:
             if not self.has_work():
                 self._idle = True
