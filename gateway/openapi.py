@@ -231,13 +231,20 @@ def _add_openai_routes(spec: OpenAPI, schemas: dict[str, Any]) -> None:
             responses={
                 "200": OpenAPIResponse(description="the completion, or its stream", content={
                     JSON: _ref(response),
-                    "text/event-stream": OpenAPIMediaType(schema=Schema(
-                        type=OpenAPIType.STRING, description=_SSE_DESCRIPTION.format(object=chunk)))}),
+                    "text/event-stream": OpenAPIMediaType(schema=_sse_event(chunk))}),
                 "202": OpenAPIResponse(description="`parrot.wait: false`: the call is queued; its output "
                                                    "variable's id", content={JSON: _ref("Accepted")}),
             },
         )
         spec.paths[path] = PathItem(post=operation)
+
+
+def _sse_event(chunk: str) -> Schema:
+    """One server-sent event: before OpenAPI 3.2 (no ``itemSchema``) a stream's ``schema`` describes each
+    event, its fields as the SSE format names them (how schemathesis reads it too)."""
+    return Schema(type=OpenAPIType.OBJECT, required=["data"], description=_SSE_DESCRIPTION.format(object=chunk),
+                  properties={"data": Schema(type=OpenAPIType.STRING), "event": Schema(type=OpenAPIType.STRING),
+                              "id": Schema(type=OpenAPIType.STRING), "retry": Schema(type=OpenAPIType.INTEGER)})
 
 
 def _ref(name: str) -> OpenAPIMediaType:

@@ -54,3 +54,12 @@ def test_the_fuzzed_document_is_the_served_one(http, gateway_url):
 def test_every_operation_answers_as_documented(case, gateway_url):
     case.call_and_validate(base_url=gateway_url, checks=CHECKS)
 
+
+
+def test_streams_match_their_documented_events(gateway_url):
+    """Each server-sent event as the document describes one (generated bodies stream only now and then)."""
+    bodies = {"/v1/completions": {"prompt": "hi"}, "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]}}
+    for path, body in bodies.items():
+        case = schema[path]["POST"].Case(body={**body, "stream": True, "model": MODEL})
+        response = case.call_and_validate(base_url=gateway_url, checks=CHECKS)
+        assert response.headers["content-type"][0].startswith("text/event-stream")  # a stream was checked
