@@ -33,7 +33,8 @@ class PaddedGather:
     any_empty: bool  # some row has no tokens (its softmax would be NaN)
 
 
-def plan_gather(block_tables: torch.Tensor, lengths: torch.Tensor, block_size: int) -> PaddedGather:
+def plan_decode(block_tables: torch.Tensor, lengths: torch.Tensor, block_size: int) -> PaddedGather:
+    """The padded gather of the first ``lengths`` tokens of each row (decodes, and shared-prefix suffixes)."""
     lens = lengths.tolist()
     max_len, min_len = max(lens, default=0), min(lens, default=0)
     blocks = block_tables[:, : -(-max_len // block_size)].clamp(min=0).flatten()
@@ -50,7 +51,7 @@ def gather(cache: torch.Tensor, plan: PaddedGather) -> torch.Tensor:
 def gather_padded(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
     """First max_len tokens of every sequence, [B, KVH, max_len, D] (tokens past a length are junk)."""
     lengths = torch.full((block_tables.shape[0],), max_len)
-    return gather(cache, plan_gather(block_tables, lengths, cache.shape[1]))
+    return gather(cache, plan_decode(block_tables, lengths, cache.shape[1]))
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -61,10 +62,6 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
 def length_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
     """[B, max_len] True where a position is inside its sequence."""
     return torch.arange(max_len, device=lengths.device)[None, :] < lengths[:, None]
-
-
-def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> PaddedGather:
-    return plan_gather(block_tables, context_lens, block_size)
 
 
 def decode(q, k_cache, v_cache, block_tables, context_lens, scale, *, out=None, plan: PaddedGather | None = None):
@@ -195,7 +192,7 @@ def plan_shared_prefix(prefix_ids, prefix_block_tables, prefix_lens, suffix_bloc
         length = prefix_lengths[prefix] if prefix >= 0 else 0
         blocks = prefix_block_tables[prefix, : -(-length // block_size)] if length else prefix_block_tables[:0, 0]
         groups.append(PrefixGroupPlan(torch.tensor(rows), len(rows), length, blocks))
-    return SharedPrefixPlan(plan_gather(suffix_block_tables, suffix_lens, block_size), groups)
+    return SharedPrefixPlan(plan_decode(suffix_block_tables, suffix_lens, block_size), groups)
 
 
 def shared_prefix_decode(
