@@ -15,6 +15,7 @@ shared-prefix decode >= 2x paged decode at 64 sequences sharing a 4k-token prefi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -212,20 +213,26 @@ def bench_cpu() -> None:
         once = cpu_ms(lambda: decode_layers_planned(args, layers=30))
         print(f"  decode step, 30 layers, bf16 B={batch:<3} L<=256: plan per call {per_call:7.2f}   "
               f"one plan {once:7.2f}   ({per_call / once:4.2f}x)")
-    for sequences, prefix_len in ((16, 1024), (64, 1024)):
-        q, k_cache, v_cache, suffix_tables, _ = paged_batch(sequences, 64, **SMOLLM2, dtype=torch.float32, device="cpu")
+    for sequences, prefix_len, dtype in ((16, 1024, torch.float32), (64, 1024, torch.float32), (4, 1024, torch.float32),
+                                         (16, 1024, torch.bfloat16), (4, 1024, torch.bfloat16)):
+        # 16 and 4 sequences: their suffixes go through one masked call with the prefix; 64: too many
+        q, k_cache, v_cache, suffix_tables, _ = paged_batch(sequences, 64, **SMOLLM2, dtype=dtype, device="cpu")
         prefix_blocks = prefix_len // 16
-        k_prefix = torch.randn(prefix_blocks, 16, 3, 64)
+        k_prefix = torch.randn(prefix_blocks, 16, 3, 64, dtype=dtype)
         k_cache, v_cache = torch.cat([k_cache, k_prefix]), torch.cat([v_cache, k_prefix])
         prefix_table = torch.arange(len(k_cache) - prefix_blocks, len(k_cache), dtype=torch.int32)[None]
         suffix_lens = torch.full((sequences,), 64, dtype=torch.int32)
         joined = torch.cat([prefix_table.expand(sequences, -1), suffix_tables], dim=1)
-        shared = cpu_ms(lambda: cpu_attention.shared_prefix_decode(
-            q, k_cache, v_cache, torch.zeros(sequences, dtype=torch.int32), prefix_table,
-            torch.tensor([prefix_len], dtype=torch.int32), suffix_tables, suffix_lens, 0.125))
+        args = (q, k_cache, v_cache, torch.zeros(sequences, dtype=torch.int32), prefix_table,
+                torch.tensor([prefix_len], dtype=torch.int32), suffix_tables, suffix_lens, 0.125)
+        plan = cpu_attention.plan_shared_prefix(*args[3:8], 16, query_group=SMOLLM2["num_heads"] // SMOLLM2["num_kv_heads"])
+        two_pass = dataclasses.replace(plan, groups=[dataclasses.replace(g, joined=None) for g in plan.groups])
+        shared = cpu_ms(lambda: cpu_attention.shared_prefix_decode(*args, plan=plan))
+        separate = cpu_ms(lambda: cpu_attention.shared_prefix_decode(*args, plan=two_pass))
         plain = cpu_ms(lambda: cpu_attention.decode(q, k_cache, v_cache, joined, suffix_lens + prefix_len, 0.125))
-        print(f"  shared-prefix fp32 {sequences} seqs x {prefix_len}-token prefix: shared {shared:7.2f}   "
-              f"padded decode over joined tables {plain:7.2f}   ({plain / shared:4.2f}x)")
+        path = "one masked call" if plan.groups[0].joined is not None else "prefix + suffix"
+        print(f"  shared-prefix {str(dtype):<15} {sequences} seqs x {prefix_len}-token prefix: shared ({path}) {shared:7.2f}"
+              f"   prefix + suffix passes {separate:7.2f}   padded decode over joined tables {plain:7.2f}   ({plain / shared:4.2f}x)")
 
 
 def main() -> None:

@@ -166,6 +166,14 @@ def attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 
 @dataclass(frozen=True)
+class JoinedKeys:
+    """A group's prefix and its members' suffixes as one key sequence, for one masked SDPA call."""
+
+    blocks: torch.Tensor  # the prefix's blocks, then each member's suffix blocks (same count each)
+    mask: torch.Tensor  # [1, 1, count * query_group, len(blocks) * block_size]: the keys each query row sees
+
+
+@dataclass(frozen=True)
 class PrefixGroupPlan:
     """Decodes that share one prefix (``length`` 0: those that share none)."""
 
@@ -173,6 +181,7 @@ class PrefixGroupPlan:
     count: int
     length: int
     blocks: torch.Tensor  # the prefix's blocks
+    joined: JoinedKeys | None = None  # set when the group goes through one masked SDPA call
 
 
 @dataclass(frozen=True)
@@ -180,61 +189,106 @@ class SharedPrefixPlan:
     suffix: PaddedGather
     groups: list[PrefixGroupPlan]
 
+    @property
+    def needs_suffix_scores(self) -> bool:
+        return any(group.joined is None for group in self.groups)
+
 
 def plan_shared_prefix(prefix_ids, prefix_block_tables, prefix_lens, suffix_block_tables, suffix_lens,
-                       block_size: int) -> SharedPrefixPlan:
+                       block_size: int, *, query_group: int) -> SharedPrefixPlan:
+    """``query_group``: query heads per kv head."""
     members: dict[int, list[int]] = {}
     for row, prefix in enumerate(prefix_ids.tolist()):
         members.setdefault(prefix, []).append(row)
-    prefix_lengths = prefix_lens.tolist()
+    prefix_lengths, own_lengths = prefix_lens.tolist(), suffix_lens.tolist()
     groups = []
     for prefix, rows in members.items():
         length = prefix_lengths[prefix] if prefix >= 0 else 0
         blocks = prefix_block_tables[prefix, : -(-length // block_size)] if length else prefix_block_tables[:0, 0]
-        groups.append(PrefixGroupPlan(torch.tensor(rows), len(rows), length, blocks))
+        own = [own_lengths[row] for row in rows]
+        joined = None
+        # One masked call beats a prefix pass + a suffix pass + their softmax while the members'
+        # suffixes (each padded to the longest) add at most the prefix's length of masked keys.
+        if length and len(rows) * max(own) <= length and min(own) > 0:
+            joined = join_keys(blocks, suffix_block_tables[rows], length, own, block_size, query_group)
+        groups.append(PrefixGroupPlan(torch.tensor(rows), len(rows), length, blocks, joined))
     return SharedPrefixPlan(plan_decode(suffix_block_tables, suffix_lens, block_size), groups)
+
+
+def join_keys(prefix_blocks, member_tables, length: int, own: list[int], block_size: int, query_group: int) -> JoinedKeys:
+    own_blocks = -(-max(own) // block_size)
+    blocks = torch.cat([prefix_blocks, member_tables[:, :own_blocks].clamp(min=0).flatten()])
+    prefix_span, own_span = len(prefix_blocks) * block_size, own_blocks * block_size
+    visible = torch.zeros(len(own), blocks.numel() * block_size, dtype=torch.bool)
+    visible[:, :length] = True
+    for member, n in enumerate(own):
+        start = prefix_span + member * own_span
+        visible[member, start : start + n] = True
+    mask = visible.repeat_interleave(query_group, 0)[None, None]  # query row = member * query_group + head
+    return JoinedKeys(blocks, mask)
 
 
 def shared_prefix_decode(
     q, k_cache, v_cache, prefix_ids, prefix_block_tables, prefix_lens, suffix_block_tables, suffix_lens, scale,
     *, out=None, plan: SharedPrefixPlan | None = None,
 ):
-    """Each prefix's KV gathered once and scored by all its sequences in one matmul. A row's
-    prefix and suffix scores go through one softmax together, so there is nothing to merge
-    afterwards (as fast here as two log-sum-exp passes and a merge, with less to get wrong)."""
-    plan = plan or plan_shared_prefix(prefix_ids, prefix_block_tables, prefix_lens, suffix_block_tables,
-                                      suffix_lens, k_cache.shape[1])
+    """Each prefix's KV gathered once and scored by all its sequences together. A group whose
+    members' suffixes are short next to its prefix goes through one masked SDPA call over the
+    prefix and all their suffixes (torch's fused kernel, in the cache's dtype; over a 1,024-token
+    prefix and 64-token suffixes, 1.1x faster than the two passes below for 16 sequences and
+    1.4-1.6x for 4: `python -m benchmarks.kernels --cpu`, its shared-prefix rows). Otherwise a row's prefix and suffix scores go through one softmax together, so there
+    is nothing to merge afterwards (as fast here as two log-sum-exp passes and a merge)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    grouped_q = q.float().view(batch, num_kv_heads, group, head_dim)
-
-    max_suffix = plan.suffix.max_len
-    k = gather(k_cache, plan.suffix).float()  # [B, KVH, Ls, D]
-    v = gather(v_cache, plan.suffix).float()
-    suffix_scores = torch.matmul(grouped_q, k.transpose(-1, -2)) * scale  # [B, KVH, G, Ls]
-    if plan.suffix.mask is not None:
-        suffix_scores.masked_fill_(~plan.suffix.mask, float("-inf"))
-
-    attended = torch.empty(batch, num_kv_heads, group, head_dim)
+    plan = plan or plan_shared_prefix(prefix_ids, prefix_block_tables, prefix_lens, suffix_block_tables,
+                                      suffix_lens, k_cache.shape[1], query_group=group)
+    grouped_q = q.view(batch, num_kv_heads, group, head_dim)
+    attended = torch.empty(batch, num_kv_heads, group, head_dim, dtype=q.dtype)
+    if plan.needs_suffix_scores:
+        k = gather(k_cache, plan.suffix).float()  # [B, KVH, Ls, D]
+        v = gather(v_cache, plan.suffix).float()
+        suffix_scores = torch.matmul(grouped_q.float(), k.transpose(-1, -2)) * scale  # [B, KVH, G, Ls]
+        if plan.suffix.mask is not None:
+            suffix_scores.masked_fill_(~plan.suffix.mask, float("-inf"))
     for members in plan.groups:
-        index, n, length = members.rows, members.count, members.length
-        if length == 0:
-            attended[index] = torch.matmul(torch.softmax(suffix_scores[index], -1), v[index])
-            continue
-        pk = _sequence_kv(k_cache, members.blocks, length).transpose(0, 1).float()  # [KVH, Lp, D]
-        pv = _sequence_kv(v_cache, members.blocks, length).transpose(0, 1).float()
-        queries = grouped_q[index].transpose(0, 1).reshape(num_kv_heads, n * group, head_dim)
-        prefix_scores = torch.matmul(queries, pk.transpose(-1, -2)) * scale  # [KVH, n*G, Lp]
-        own_scores = suffix_scores[index].transpose(0, 1).reshape(num_kv_heads, n * group, max_suffix)
-        probs = torch.softmax(torch.cat([prefix_scores, own_scores], -1), -1)  # [KVH, n*G, Lp + Ls]
-        from_prefix = torch.matmul(probs[..., :length], pv).view(num_kv_heads, n, group, head_dim).transpose(0, 1)
-        own_probs = probs[..., length:].reshape(num_kv_heads, n, group, max_suffix).transpose(0, 1)
-        attended[index] = from_prefix + torch.matmul(own_probs, v[index])
+        index = members.rows
+        if members.joined is not None:
+            attended[index] = _attend_joined(grouped_q[index], k_cache, v_cache, members.joined, scale)
+        elif members.length == 0:
+            attended[index] = torch.matmul(torch.softmax(suffix_scores[index], -1), v[index]).to(q.dtype)
+        else:
+            attended[index] = _attend_prefix_then_suffix(
+                grouped_q[index].float(), suffix_scores[index], v[index], k_cache, v_cache, members, scale).to(q.dtype)
     if plan.suffix.any_empty:
         attended = attended.nan_to_num(0.0)  # rows with no keys at all: softmax of all -inf
-    merged = attended.reshape(batch, num_heads, head_dim).to(q.dtype)
+    merged = attended.reshape(batch, num_heads, head_dim)
     return merged if out is None else out.copy_(merged)
+
+
+def _attend_joined(queries, k_cache, v_cache, joined: JoinedKeys, scale):
+    """queries [n, KVH, G, D] -> [n, KVH, G, D]: one SDPA call, kv heads as its heads."""
+    n, num_kv_heads, group, head_dim = queries.shape
+    k = k_cache.index_select(0, joined.blocks).flatten(0, 1).transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
+    v = v_cache.index_select(0, joined.blocks).flatten(0, 1).transpose(0, 1).unsqueeze(0)
+    rows = queries.transpose(0, 1).reshape(1, num_kv_heads, n * group, head_dim)
+    attended = F.scaled_dot_product_attention(rows, k, v, attn_mask=joined.mask, scale=scale)
+    return attended.view(num_kv_heads, n, group, head_dim).transpose(0, 1)
+
+
+def _attend_prefix_then_suffix(queries, suffix_scores, v, k_cache, v_cache, members: PrefixGroupPlan, scale):
+    """queries [n, KVH, G, D] fp32, suffix_scores [n, KVH, G, Ls], v [n, KVH, Ls, D] -> [n, KVH, G, D] fp32."""
+    n, num_kv_heads, group, head_dim = queries.shape
+    length, max_suffix = members.length, suffix_scores.shape[-1]
+    pk = _sequence_kv(k_cache, members.blocks, length).transpose(0, 1).float()  # [KVH, Lp, D]
+    pv = _sequence_kv(v_cache, members.blocks, length).transpose(0, 1).float()
+    rows = queries.transpose(0, 1).reshape(num_kv_heads, n * group, head_dim)
+    prefix_scores = torch.matmul(rows, pk.transpose(-1, -2)) * scale  # [KVH, n*G, Lp]
+    own_scores = suffix_scores.transpose(0, 1).reshape(num_kv_heads, n * group, max_suffix)
+    probs = torch.softmax(torch.cat([prefix_scores, own_scores], -1), -1)  # [KVH, n*G, Lp + Ls]
+    from_prefix = torch.matmul(probs[..., :length], pv).view(num_kv_heads, n, group, head_dim).transpose(0, 1)
+    own_probs = probs[..., length:].reshape(num_kv_heads, n, group, max_suffix).transpose(0, 1)
+    return from_prefix + torch.matmul(own_probs, v)
 
 
 def kv_write(key, value, k_cache, v_cache, slot_mapping):

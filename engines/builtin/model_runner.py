@@ -72,6 +72,7 @@ class ModelRunner:
         for layer in model.model.layers:
             layer.self_attn.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
             layer.self_attn.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.query_group = config.num_attention_heads // config.num_key_value_heads
         self.sampler = Sampler(seed)
         # Mean shared-prefix tokens per decode from which prefix groups go to the shared-prefix kernel.
         self.min_shared_tokens = 0 if dispatch.uses_triton(self.device) else CPU_MIN_SHARED_TOKENS
@@ -192,7 +193,7 @@ class ModelRunner:
         if self.plans_cpu_attention:
             meta.plan = cpu_attention.plan_shared_prefix(
                 meta.prefix_ids, meta.prefix_block_tables, meta.prefix_lens, meta.suffix_block_tables,
-                meta.suffix_lens, self.block_size)
+                meta.suffix_lens, self.block_size, query_group=self.query_group)
         return meta
 
     def _prefill(self, chunks: list[tuple[Context, int]]) -> PrefillMetadata:

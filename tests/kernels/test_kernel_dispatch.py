@@ -45,6 +45,10 @@ def test_shared_prefix_decode_matches_reference(kv, tol):
     out = dispatch.shared_prefix_decode_attention(*args)
     torch.testing.assert_close(out, reference.shared_prefix_decode(*args), **tol)
     assert torch.all(out[-1] == 0)
+    # The three CPU paths are covered: prefix 0's short suffixes (3, 1) go through one masked call
+    # over joined keys; prefix 1 (a member with no suffix) and the unshared rows do not.
+    plan = cpu_attention.plan_shared_prefix(*args[3:8], kv.block_size, query_group=kv.num_heads // kv.num_kv_heads)
+    assert [group.joined is not None for group in plan.groups] == [True, False, False]
 
 
 def test_one_plan_serves_every_layer_as_the_calls_without_one(kv):
@@ -61,7 +65,7 @@ def test_one_plan_serves_every_layer_as_the_calls_without_one(kv):
     shared_args = (torch.tensor(PREFIX_IDS, dtype=torch.int32), kv.block_tables(PREFIX_LENS),
                    torch.tensor(PREFIX_LENS, dtype=torch.int32), kv.block_tables(SUFFIX_LENS),
                    torch.tensor(SUFFIX_LENS, dtype=torch.int32))
-    shared = cpu_attention.plan_shared_prefix(*shared_args, kv.block_size)
+    shared = cpu_attention.plan_shared_prefix(*shared_args, kv.block_size, query_group=kv.num_heads // kv.num_kv_heads)
     shared_q = kv.queries(len(PREFIX_IDS))
     for k_cache, v_cache in layers:
         args = (q, k_cache, v_cache, tables, lens, kv.scale)
