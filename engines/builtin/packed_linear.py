@@ -35,9 +35,10 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
 
 
-def prepack_linears(model: nn.Module) -> None:
-    """Replaces every bf16 nn.Linear under ``model`` by a PackedLinear (CPU, fast-bf16 CPUs only)."""
+def prepack_linears(model: nn.Module, only: list[str] | None = None) -> None:
+    """Replaces every bf16 nn.Linear under ``model`` (or those of the names in ``only``) by a
+    PackedLinear (CPU, fast-bf16 CPUs only)."""
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-               if isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16]
+               if isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16 and (only is None or name in only)]
     for parent, name, linear in targets:
         setattr(parent, name, PackedLinear(linear))

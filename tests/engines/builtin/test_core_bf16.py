@@ -74,3 +74,22 @@ def test_bf16_greedy_follows_hf_bf16_up_to_ties(make_engine, hf_bf16):
             logits = hf_bf16(torch.tensor([prompt + theirs[:first]])).logits[0, -1].float()
         top = logits.topk(2).values
         assert top[0] - top[1] <= TIE_TOLERANCE, f"diverged at {first} with HF's margin {top[0] - top[1]:.4f}"
+
+
+@needs_bf16
+def test_compiled_bf16_follows_hf_bf16_up_to_ties(make_engine, hf_bf16):
+    """The compiled forward (`compile`) holds to the same tolerance as the eager one."""
+    engine = make_engine(dtype="bfloat16", compile=True)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    assert isinstance(engine.runner.model.lm_head, PackedLinear)  # the head runs eagerly, prepacked
+    outputs = engine.generate_batch(prompts(), params)
+    for prompt, ours in zip(prompts(), outputs):
+        with torch.inference_mode():
+            theirs = hf_bf16.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+            theirs = theirs[0, len(prompt):].tolist()
+            if ours == theirs:
+                continue
+            first = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
+            logits = hf_bf16(torch.tensor([prompt + theirs[:first]])).logits[0, -1].float()
+        top = logits.topk(2).values
+        assert top[0] - top[1] <= TIE_TOLERANCE, f"diverged at {first} with HF's margin {top[0] - top[1]:.4f}"

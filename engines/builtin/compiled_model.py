@@ -1,0 +1,86 @@
+"""The model's forward compiled by torch.compile (inductor), gpt-fast style: `--compile`, CPU.
+
+Why: at 135M parameters a bf16 decode step is about half Python and op dispatch (some 1,200
+small ops over 30 layers; `benchmarks/engine_profile.py`, its "ops" column). Inductor fuses the
+norms, rope, SiLU and residual adds into a few C++ loops, and with freezing prepacks the linears
+for oneDNN as `packed_linear.py` does for the eager model.
+
+Attention stays eager behind a custom op: its per-step plans hold host lists that would make a
+graph recompile every step. The op reads the step's metadata from the ``CompiledForward`` it was
+set on before the forward (as vLLM's forward context does). One graph serves every token count
+(the token dimension is dynamic), another batch-1 decodes (torch specialises size 1); both are
+compiled at engine start by a warm-up generation, so no request waits for them.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch._inductor.config as inductor_config
+from torch import nn
+
+from engines.builtin.attention import AttentionMetadata, paged_attention
+from engines.builtin.model import LlamaForCausalLM
+
+# Live compiled forwards by id, for the op to find its model's caches and step metadata.
+_forwards: weakref.WeakValueDictionary[int, CompiledForward] = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("parrot::paged_attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_id: int, layer_index: int) -> torch.Tensor:
+    # Writes k and v into the layer's cache, which the graph never sees: the op's output (the next
+    # layer's input) keeps the layers in order.
+    return _forwards[forward_id].attend(q, k, v, layer_index)
+
+
+@_attention_op.register_fake
+def _(q, k, v, forward_id, layer_index):
+    return torch.empty_like(q)
+
+
+class _Decoder(nn.Module):
+    """Token ids and positions to the last layer's hidden states, attention through the op."""
+
+    def __init__(self, model: LlamaForCausalLM, forward_id: int):
+        super().__init__()
+        self.model = model
+        self.forward_id = forward_id
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        forward_id = self.forward_id
+
+        def attend(q, k, v, layer_index: int) -> torch.Tensor:
+            return _attention_op(q, k, v, forward_id, layer_index)
+
+        return self.model.decoder(input_ids, positions, attend)
+
+
+class CompiledForward:
+    """Called as the model is: (input_ids, positions, meta, logit_rows) -> logits."""
+
+    def __init__(self, model: LlamaForCausalLM):
+        self.model = model
+        self.meta: AttentionMetadata | None = None
+        _forwards[id(self)] = self
+        # The model never changes once built: no guards on torch's own modules inside it (its Linear,
+        # Embedding...). Ours stay guarded, _Decoder among them, so that the graph compiled for one
+        # model (its weights frozen in) is never run for another model in the same process.
+        self._decoder = torch.compile(_Decoder(model, id(self)), dynamic=True, fullgraph=True,
+                                      options={"guard_filter_fn": torch.compiler.skip_guard_on_inbuilt_nn_modules_unsafe})
+
+    @torch.inference_mode()
+    def __call__(self, input_ids, positions, meta: AttentionMetadata, logit_rows):
+        self.meta = meta
+        try:
+            # Freezing (weights as constants, linears prepacked) is an inductor setting, and those are
+            # per thread: set on the thread that may compile (torch.compile's options do not reach it).
+            with inductor_config.patch(freezing=True, emulate_precision_casts=True):
+                hidden = self._decoder(input_ids, positions)
+        finally:
+            self.meta = None
+        return self.model.logits(hidden, logit_rows)
+
+    def attend(self, q, k, v, layer_index: int) -> torch.Tensor:
+        attn = self.model.model.layers[layer_index].self_attn
+        return paged_attention(q, k, v, attn.k_cache, attn.v_cache, self.meta, attn.scale)
