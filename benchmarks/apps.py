@@ -184,13 +184,13 @@ def app_config(app: str, args: argparse.Namespace, seed: int, mode: Mode) -> Any
     return replace(config, seed=seed, ignore_eos=not args.allow_eos, **dict(mode.config))
 
 
-async def engine_dtype(engine_args: str) -> str:
+def engine_dtype(engine_args: str) -> str:
     """The precision the engine flags ask for (``--dtype X``), float32 without one, as the engine defaults."""
     words = engine_args.split()
     return words[words.index("--dtype") + 1] if "--dtype" in words[:-1] else "float32"
 
 
-def warm_up(client: httpx.AsyncClient, mode: Mode) -> None:
+async def warm_up(client: httpx.AsyncClient, mode: Mode) -> None:
     """One short request per server first: the first one pays for allocations the others don't."""
     response = await client.post(f"{mode.url}/chat/completions", json={
         "model": mode.model, "max_tokens": 4, "temperature": 0,
