@@ -9,11 +9,14 @@ Attention stays eager behind a custom op: its per-step plans hold host lists tha
 graph recompile every step. The op reads the step's metadata from the ``CompiledForward`` it was
 set on before the forward (as vLLM's forward context does). One graph serves every token count
 (the token dimension is dynamic), another batch-1 decodes (torch specialises size 1); both are
-compiled at engine start by a warm-up generation, so no request waits for them.
+compiled at engine start by a warm-up generation, so no request waits for them. Decode steps here:
+fp32 1.16x (batch 1) and 1.78x (batch 16) faster than eager with the same tokens, bf16 1.05-1.19x
+(one process, alternating); the start takes about a minute more.
 """
 
 from __future__ import annotations
 
+import itertools
 import weakref
 
 import torch
@@ -23,8 +26,10 @@ from torch import nn
 from engines.builtin.attention import AttentionMetadata, paged_attention
 from engines.builtin.model import LlamaForCausalLM
 
-# Live compiled forwards by id, for the op to find its model's caches and step metadata.
+# Live compiled forwards by a number of their own (never reused, unlike id()), for the op to find its
+# model's caches and step metadata; a graph is compiled with its forward's number as a constant.
 _forwards: weakref.WeakValueDictionary[int, CompiledForward] = weakref.WeakValueDictionary()
+_numbers = itertools.count()
 
 
 @torch.library.custom_op("parrot::paged_attention", mutates_args=())
@@ -62,11 +67,12 @@ class CompiledForward:
     def __init__(self, model: LlamaForCausalLM):
         self.model = model
         self.meta: AttentionMetadata | None = None
-        _forwards[id(self)] = self
+        number = next(_numbers)
+        _forwards[number] = self
         # The model never changes once built: no guards on torch's own modules inside it (its Linear,
         # Embedding...). Ours stay guarded, _Decoder among them, so that the graph compiled for one
         # model (its weights frozen in) is never run for another model in the same process.
-        self._decoder = torch.compile(_Decoder(model, id(self)), dynamic=True, fullgraph=True,
+        self._decoder = torch.compile(_Decoder(model, number), dynamic=True, fullgraph=True,
                                       options={"guard_filter_fn": torch.compiler.skip_guard_on_inbuilt_nn_modules_unsafe})
 
     @torch.inference_mode()

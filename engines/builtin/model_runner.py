@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 import torch
 
 from engines.builtin.attention import AttentionMetadata, DecodeMetadata, PrefillMetadata, SharedPrefixMetadata
-from engines.builtin.compiled_model import CompiledForward
 from engines.builtin.model import LlamaForCausalLM, head_dim_of
 from engines.builtin.sampler import SampleResult, Sampler, score_tokens
 from engines.builtin.context import Context
@@ -76,7 +75,13 @@ class ModelRunner:
             layer.self_attn.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.query_group = config.num_attention_heads // config.num_key_value_heads
         # What a step calls: the model, or its compiled forward (same arguments, same logits).
-        self.forward = CompiledForward(self.model) if compile else self.model
+        self.forward = self.model
+        if compile:
+            # Imported only here: importing torch._inductor breaks Triton kernels run later through the
+            # interpreter in the same process (tests on CPU), and an eager engine never needs it.
+            from engines.builtin.compiled_model import CompiledForward
+
+            self.forward = CompiledForward(self.model)
         self.sampler = Sampler(seed)
         # Mean shared-prefix tokens per decode from which prefix groups go to the shared-prefix kernel.
         self.min_shared_tokens = 0 if dispatch.uses_triton(self.device) else CPU_MIN_SHARED_TOKENS

@@ -77,15 +77,17 @@ def test_bf16_greedy_follows_hf_bf16_up_to_ties(make_engine, hf_bf16):
 
 
 @needs_bf16
-def test_compiled_bf16_follows_hf_bf16_up_to_ties(make_engine, hf_bf16):
-    """The compiled forward (`compile`) holds to the same tolerance as the eager one."""
-    engine = make_engine(dtype="bfloat16", compile=True)
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    assert isinstance(engine.runner.model.lm_head, PackedLinear)  # the head runs eagerly, prepacked
-    outputs = engine.generate_batch(prompts(), params)
-    for prompt, ours in zip(prompts(), outputs):
+def test_compiled_bf16_follows_hf_bf16_up_to_ties(tiny_model_dir, hf_bf16):
+    """The compiled forward (`compile`, run in a process of its own: test_compiled_model.py) holds to
+    the same tolerance as the eager one."""
+    from test_compiled_model import MAX_TOKENS, run_compiled
+
+    compiled = run_compiled(tiny_model_dir, "bfloat16", [prompts()])
+    assert compiled["head"] == "PackedLinear"  # the head runs eagerly, prepacked
+    for prompt, ours in zip(prompts(), compiled["outputs"][0]):
         with torch.inference_mode():
-            theirs = hf_bf16.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+            theirs = hf_bf16.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                                      do_sample=False)
             theirs = theirs[0, len(prompt):].tolist()
             if ours == theirs:
                 continue
