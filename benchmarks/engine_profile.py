@@ -21,7 +21,6 @@ one profiled step's wall time) and "dispatch" the rest: Python, module calls and
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -36,6 +35,7 @@ import engines.builtin.model as model_module  # noqa: E402
 from engines.builtin.config import EngineConfig  # noqa: E402
 from engines.builtin.core import EngineCore  # noqa: E402
 from engines.builtin.types import SamplingParams  # noqa: E402
+from benchmarks.results_file import write_results  # noqa: E402
 
 CATEGORIES = ["linears", "lm_head", "attention", "model rest", "prepare", "sampling", "engine"]
 
@@ -155,7 +155,7 @@ def main() -> None:
         line += f"{r.get('ops share', float('nan')):7.2f}{r.get('syncs', 0):7.0f}"
         print(line)
     if args.out:
-        args.out.write_text(json.dumps({"label": label, "threads": torch.get_num_threads(), "rows": rows}, indent=1))
+        write_results(args.out, {"label": label, "threads": torch.get_num_threads(), "rows": rows})
 
 
 def measure_prefill(engine: EngineCore, clock: Clock, prompt: list[int], repeats: int) -> dict:
