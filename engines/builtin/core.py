@@ -42,7 +42,7 @@ class EngineCore(StepLoop):
         source = ModelSource(config.model)
         self.model_name = source.name
         self.tokenizer = load_tokenizer(source)
-        hf_config = on_a_passing_thread(lambda: self._load(source))
+        hf_config = on_a_passing_thread(lambda: self._load(source), config.num_threads)
         self.eos_token_ids = eos_token_ids(hf_config, self.tokenizer, source)
         self.grammars = GrammarCompiler(self.tokenizer, self.eos_token_ids)
         self.block_manager = BlockManager(
@@ -54,13 +54,11 @@ class EngineCore(StepLoop):
         self.step_stall_timeout_s = config.step_stall_timeout_s
         super().__init__(config.num_threads)
         if config.compile:
-            on_a_passing_thread(self._compile)
+            on_a_passing_thread(self._compile, config.num_threads)
 
     def _compile(self) -> None:
         """Runs the shapes the compiled forward specialises on (a prefill of several tokens, then decodes
         of 2 and of 1 sequence), so that they are compiled before the engine serves."""
-        if self.config.num_threads:
-            torch.set_num_threads(self.config.num_threads)
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         self.generate_batch([[1, 2, 3], [4, 5, 6]], params)
         self.generate_batch([[1, 2, 3]], params)
@@ -69,8 +67,6 @@ class EngineCore(StepLoop):
         """The model built and its KV cache allocated (on a passing thread, see on_a_passing_thread); returns
         the checkpoint's config."""
         config = self.config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
         hf_config, hf_state = load_checkpoint(source)
         self.dtype = resolve_dtype(config.dtype, config.device)
         num_blocks = config.num_blocks or config.kv_cache_memory // kv_block_bytes(hf_config, config.block_size, DTYPES[self.dtype])
@@ -329,11 +325,18 @@ def eos_token_ids(hf_config, tokenizer, source: ModelSource) -> list[int]:
     return sorted(ids)
 
 
-def on_a_passing_thread(work: Callable[[], T]) -> T:
+def on_a_passing_thread(work: Callable[[], T], num_threads: int | None = None) -> T:
     """``work()`` on a thread of its own, joined. The engine computes on its step thread alone: torch's
     OpenMP workers belong to the thread that first ran a parallel op and live as long as it, and a second
     thread's workers beside an idle first set made every op of the second ~1.3x slower here (2 cores: the
     same small-GEMM loop 498 ms on the first thread, 689 ms on a second). Loading on a thread that then
-    ends leaves the step thread's workers the only ones."""
+    ends leaves the step thread's workers the only ones. ``num_threads``: torch's intra-op threads there (a
+    per-thread setting; None: torch's default)."""
+
+    def run() -> T:
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        return work()
+
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-load") as pool:
-        return pool.submit(work).result()
+        return pool.submit(run).result()
