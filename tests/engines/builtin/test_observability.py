@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -103,6 +104,9 @@ def test_metrics_move_under_load_and_parse_with_vllm_names(engine, gateway, wait
     with concurrent.futures.ThreadPoolExecutor(requests) as pool:
         answers = [pool.submit(completion, engine.http, engine.url, 300) for _ in range(requests)]
         while not all(answer.done() for answer in answers):
+            # A poll every 50 ms, not back to back: on 2 cores a tight loop of /metrics requests slowed
+            # the engine's steps until a completion ran past the client's 60 s timeout (2 of ~6 full runs).
+            time.sleep(0.05)
             now = engine.metrics()
             seen["waiting"] = max(seen["waiting"], now["vllm:num_requests_waiting"])
             seen["kv"] = max(seen["kv"], now["vllm:kv_cache_usage_perc"])
