@@ -2,7 +2,8 @@
 
 CUDA tensors go to the Triton kernels in this package (decode goes to flash-attn's paged kernel
 instead when flash-attn is installed and the cache's block size is one it supports, a multiple
-of 256); CPU tensors go to the torch paths in cpu_attention. Every function takes the same
+of 256); CPU tensors go to the torch paths in cpu_attention, except decode, which goes to the C++
+kernel in native/ where it builds here (kernels/native.py; the torch path otherwise). Every function takes the same
 arguments on both, so the engine has one call site per operation. PARROT_ATTENTION_BACKEND=triton
 sends every tensor to this package's Triton kernels (CPU ones then need TRITON_INTERPRET=1): the
 engine's tests run the kernels that way.
@@ -28,7 +29,7 @@ import os
 
 import torch
 
-from kernels import cpu_attention
+from kernels import cpu_attention, native
 from kernels.validation import check_decode_args, check_kv_write_args, check_prefill_args, check_shared_prefix_args
 
 _FLASH_ATTN_PAGE = 256  # flash-attn 2's paged kvcache kernel needs block_size % 256 == 0
@@ -54,6 +55,15 @@ def _flash_attn_fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     )
 
 
+def native_decode(q: torch.Tensor, k_cache: torch.Tensor) -> native.NativeKernels | None:
+    """The C++ decode kernels when they take these CPU tensors (built here, dtype and head size they have)."""
+    kernels = native.library()
+    fits = q.dtype == k_cache.dtype and q.shape[1] % k_cache.shape[2] == 0
+    if kernels is None or not fits or not kernels.supports(q.dtype, q.shape[-1], q.shape[1] // k_cache.shape[2]):
+        return None
+    return kernels
+
+
 def write_kv(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
@@ -64,7 +74,9 @@ def write_kv(
     """
     check_kv_write_args(key, value, k_cache, v_cache, slot_mapping)
     if not uses_triton(key.device):
-        cpu_attention.kv_write(key, value, k_cache, v_cache, slot_mapping)
+        kernels = native.library()
+        if kernels is None or not kernels.write_kv(key, value, k_cache, v_cache, slot_mapping):
+            cpu_attention.kv_write(key, value, k_cache, v_cache, slot_mapping)
         return
     from kernels.kv_write import kv_write
 
@@ -88,6 +100,8 @@ def decode_attention(
     """
     check_decode_args(q, k_cache, v_cache, block_tables, context_lens)
     if not uses_triton(q.device):
+        if kernels := native_decode(q, k_cache):
+            return kernels.decode(q, k_cache, v_cache, block_tables, context_lens, scale)
         return cpu_attention.decode(q, k_cache, v_cache, block_tables, context_lens, scale, plan=plan)
     if _flash_attn_fits(q, k_cache):
         from flash_attn import flash_attn_with_kvcache
@@ -150,6 +164,8 @@ def shared_prefix_decode_attention(
     args = (q, k_cache, v_cache, prefix_ids, prefix_block_tables, prefix_lens, suffix_block_tables, suffix_lens, scale)
     check_shared_prefix_args(*args[:-1])
     if not uses_triton(q.device):
+        if kernels := native_decode(q, k_cache):
+            return kernels.shared_prefix_decode(*args)
         return cpu_attention.shared_prefix_decode(*args, plan=plan)
     from kernels.shared_prefix_decode import shared_prefix_decode
 

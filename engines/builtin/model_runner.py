@@ -14,9 +14,10 @@ from engines.builtin.context import Context
 from engines.builtin.types import TokenScore
 from kernels import cpu_attention, dispatch
 
-# The Triton shared-prefix kernel always beats paged decode; on CPU the torch path only once the
-# prefix it spares re-reading is long: 16 forks decode in 0.86x the time at 400 shared tokens,
-# 1.04x at 200 (python -m benchmarks.engine_decode --forks).
+# The Triton and C++ shared-prefix kernels always beat paged decode (the C++ one: 16 forks over a
+# 64-token prefix in 0.92x the time, 0.63x at 400); the torch CPU path only once the prefix it spares
+# re-reading is long: 16 forks decode in 0.86x the time at 400 shared tokens, 1.04x at 200
+# (python -m benchmarks.engine_decode --forks).
 CPU_MIN_SHARED_TOKENS = 320
 
 
@@ -83,8 +84,13 @@ class ModelRunner:
 
             self.forward = CompiledForward(self.model)
         self.sampler = Sampler(seed)
+        triton = dispatch.uses_triton(self.device)
+        query = torch.empty(1, config.num_attention_heads, shape[-1], dtype=dtype, device=self.device)
+        native = not triton and dispatch.native_decode(query, model.model.layers[0].self_attn.k_cache) is not None
         # Mean shared-prefix tokens per decode from which prefix groups go to the shared-prefix kernel.
-        self.min_shared_tokens = 0 if dispatch.uses_triton(self.device) else CPU_MIN_SHARED_TOKENS
+        self.min_shared_tokens = 0 if triton or native else CPU_MIN_SHARED_TOKENS
+        # Whether decodes run the torch CPU paths, whose reads are planned once per step (prefills always do on CPU).
+        self.plans_torch_decode = not triton and not native
 
     def copy_rows(self, src_block: int, dst_block: int, num_rows: int) -> None:
         for layer in self.model.model.layers:
@@ -177,7 +183,7 @@ class ModelRunner:
         lens = [ctx.num_computed_tokens + 1 for ctx in seqs]
         tables = [ctx.block_table[: self._blocks(n)] for ctx, n in zip(seqs, lens)]
         meta = DecodeMetadata(self._tables(tables), self._tensor(lens))
-        if self.plans_cpu_attention:
+        if self.plans_torch_decode:
             meta.plan = cpu_attention.plan_decode(meta.block_tables, meta.context_lens, self.block_size)
         return meta
 
@@ -199,7 +205,7 @@ class ModelRunner:
             suffix_block_tables=self._tables(suffix_tables),
             suffix_lens=self._tensor(lens),
         )
-        if self.plans_cpu_attention:
+        if self.plans_torch_decode:
             meta.plan = cpu_attention.plan_shared_prefix(
                 meta.prefix_ids, meta.prefix_block_tables, meta.prefix_lens, meta.suffix_block_tables,
                 meta.suffix_lens, self.block_size, query_group=self.query_group)

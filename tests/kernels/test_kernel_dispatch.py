@@ -7,14 +7,25 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_attention, dispatch, reference
+from kernels import cpu_attention, dispatch, native, reference
 
 SUFFIX_LENS = [3, 0, 40, 1, 17, 0]
 PREFIX_IDS = [0, 1, -1, 0, 1, -1]
 PREFIX_LENS = [70, 33]
 
 
-def test_decode_matches_reference(kv, tol):
+@pytest.fixture(params=["native", "torch"])
+def decode_path(request, monkeypatch):
+    """Decode on CPU runs the C++ kernels where they build, else the torch paths: both are checked."""
+    native.library.cache_clear()
+    if request.param == "torch":
+        monkeypatch.setenv(native.DISABLE_ENV, "0")
+    assert (native.library() is not None) == (request.param == "native")
+    yield request.param
+    native.library.cache_clear()
+
+
+def test_decode_matches_reference(kv, tol, decode_path):
     lens = [1, 37, 100, 0, 64]
     tables = kv.block_tables(lens)
     q = kv.queries(len(lens))
@@ -35,7 +46,7 @@ def test_prefill_matches_reference(kv, tol):
     torch.testing.assert_close(out, expected, **tol)
 
 
-def test_shared_prefix_decode_matches_reference(kv, tol):
+def test_shared_prefix_decode_matches_reference(kv, tol, decode_path):
     q = kv.queries(len(PREFIX_IDS))
     args = (
         q, kv.k_cache, kv.v_cache, torch.tensor(PREFIX_IDS, dtype=torch.int32), kv.block_tables(PREFIX_LENS),
@@ -51,7 +62,7 @@ def test_shared_prefix_decode_matches_reference(kv, tol):
     assert [group.joined is not None for group in plan.groups] == [True, False, False]
 
 
-def test_one_plan_serves_every_layer_as_the_calls_without_one(kv):
+def test_one_plan_serves_every_layer_as_the_calls_without_one(kv, decode_path):
     """The engine plans a step's reads once and passes the plan to each layer's call, whose caches differ."""
     layers = [(kv.k_cache, kv.v_cache), (kv.v_cache.flip(0).contiguous(), kv.k_cache.flip(0).contiguous())]
     lens = torch.tensor([1, 37, 100, 0, 64], dtype=torch.int32)
@@ -87,7 +98,7 @@ def test_write_kv_matches_reference(kv):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32], ids=["fp32"])
-def test_prompt_then_decode_equals_dense_causal_attention(kv, tol):
+def test_prompt_then_decode_equals_dense_causal_attention(kv, tol, decode_path):
     """The engine's flow: write a chunked prompt's KV, prefill it, decode one more token; every
     output must equal causal attention over contiguous K/V."""
     total, chunk = 45, 30

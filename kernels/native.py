@@ -1,0 +1,145 @@
+"""The CPU kernels written in C++ (kernels/native/*.cpp), built on first use and called through ctypes.
+
+They include no torch headers, so the system compiler builds them in about a second (no ninja, no
+extension toolchain); the library is cached per source, flags and compiler under
+``$PARROT_CACHE_DIR`` (default ``~/.cache/parrot``; keyed by source, flags, compiler and CPU) and written atomically, so engine processes
+started together build it once each at most and never load a half-written file. Where no compiler
+is found (``$CXX``, else ``c++`` / ``g++`` / ``clang++``) or the build fails, ``library()`` is None
+and dispatch keeps the torch paths (one warning says why); ``PARROT_NATIVE_KERNELS=0`` asks for that.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "native" / "paged_attention.cpp"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+DISABLE_ENV = "PARROT_NATIVE_KERNELS"
+
+_INT, _I64, _PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
+_DECODE_ARGS = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR,
+                _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _INT]
+_WRITE_ARGS = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64]
+_SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+HEAD_DIMS, MAX_GROUP = (32, 64, 80, 96, 128, 256), 48
+
+
+class NativeKernels:
+    """The loaded library's entry points, with dispatch.decode_attention's and
+    dispatch.shared_prefix_decode_attention's contracts."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self._decode, self._write = {}, {}
+        for dtype, suffix in _SUFFIXES.items():
+            self._decode[dtype] = _bound(library, f"parrot_decode_{suffix}", _DECODE_ARGS, _INT)
+            self._write[dtype] = _bound(library, f"parrot_write_kv_{suffix}", _WRITE_ARGS, _INT)
+
+    def supports(self, dtype: torch.dtype, head_dim: int, query_group: int) -> bool:
+        return dtype in self._decode and head_dim in HEAD_DIMS and query_group <= MAX_GROUP
+
+    def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> bool:
+        """dispatch.write_kv's contract; False (nothing written) where these tensors are not for it."""
+        if not (key.dtype == value.dtype == k_cache.dtype in self._write and k_cache.is_contiguous()
+                and v_cache.is_contiguous()):
+            return False
+        key, value, slots = key.contiguous(), value.contiguous(), slot_mapping.long().contiguous()
+        row_elems = k_cache.shape[2] * k_cache.shape[3]
+        status = self._write[key.dtype](key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                        slots.data_ptr(), len(slots), row_elems, k_cache.shape[0] * k_cache.shape[1])
+        if status != 0:
+            raise IndexError(f"a slot in slot_mapping is past the cache's {k_cache.shape[0] * k_cache.shape[1]} slots")
+        return True
+
+    def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:
+        return self._run(q, k_cache, v_cache, None, block_tables, context_lens, scale)
+
+    def shared_prefix_decode(self, q, k_cache, v_cache, prefix_ids, prefix_block_tables, prefix_lens,
+                             suffix_block_tables, suffix_lens, scale: float) -> torch.Tensor:
+        prefixes = (prefix_ids.contiguous(), prefix_block_tables.contiguous(), prefix_lens.contiguous())
+        return self._run(q, k_cache, v_cache, prefixes, suffix_block_tables, suffix_lens, scale)
+
+    def _run(self, q, k_cache, v_cache, prefixes, own_tables, own_lens, scale: float) -> torch.Tensor:
+        q, own_tables, own_lens = q.contiguous(), own_tables.contiguous(), own_lens.contiguous()
+        assert k_cache.is_contiguous() and v_cache.is_contiguous()
+        ids, tables, lens = prefixes or (None, own_tables[:0], own_lens[:0])
+        assert all(t.dtype == torch.int32 for t in (own_tables, own_lens, tables, lens))
+        out = torch.empty_like(q)
+        batch, num_heads, head_dim = q.shape
+        status = self._decode[q.dtype](
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), None if ids is None else ids.data_ptr(),
+            tables.data_ptr(), tables.stride(0) if tables.dim() == 2 else 0, lens.data_ptr(), len(lens),
+            own_tables.data_ptr(), own_tables.stride(0), own_lens.data_ptr(), out.data_ptr(),
+            batch, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], k_cache.shape[0], scale,
+            torch.get_num_threads(),
+        )
+        if status == -2:
+            raise IndexError(f"a block table names a block past the cache's {k_cache.shape[0]} blocks")
+        if status != 0:
+            raise ValueError(f"the native decode kernel does not take head_dim {head_dim} with {num_heads} heads")
+        return out
+
+
+def _bound(library: ctypes.CDLL, symbol: str, argtypes: list, restype):
+    function = getattr(library, symbol)
+    function.argtypes, function.restype = argtypes, restype
+    return function
+
+
+@functools.cache
+def library() -> NativeKernels | None:
+    """The built kernels, or None where they cannot be built here (or are switched off)."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        log.warning("no C++ compiler found ($CXX, c++, g++, clang++): CPU attention stays on the torch paths")
+        return None
+    try:
+        return NativeKernels(ctypes.CDLL(str(_built(compiler))))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        log.warning("building the native CPU kernels failed, CPU attention stays on the torch paths: %s", exc)
+        return None
+
+
+def _compiler() -> str | None:
+    candidates = [os.environ["CXX"]] if os.environ.get("CXX") else ["c++", "g++", "clang++"]
+    return next((path for path in map(shutil.which, candidates) if path), None)
+
+
+def _cpu_signature() -> str:
+    """What -march=native builds for: a cache shared by machines with other CPUs must not hand them this build."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line for line in cpuinfo if line.startswith(("flags", "Features"))), platform.machine())
+    except OSError:
+        return platform.machine() + platform.processor()
+
+
+def _built(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    parts = [SOURCE.read_text(), *FLAGS, compiler, version, _cpu_signature()]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("PARROT_CACHE_DIR") or Path.home() / ".cache" / "parrot") / "kernels"
+    target = cache / f"{SOURCE.stem}-{key}.so"
+    if not target.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache) as scratch:
+            built = Path(scratch) / target.name
+            result = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True)
+            if result.returncode != 0:
+                raise subprocess.CalledProcessError(result.returncode, result.args, stderr=result.stderr[-2000:])
+            os.replace(built, target)
+    return target

@@ -1,0 +1,411 @@
+// Paged decode attention for CPU tensors: one query token per sequence over its cached context,
+// optionally split into a prefix shared by a group of sequences and each one's own tokens.
+//
+// Built and loaded by kernels/native.py (the system C++ compiler, -O3 -march=native -fopenmp; no
+// torch headers, so it builds in about a second), called through ctypes. Layouts as
+// kernels/dispatch.py states them, all contiguous: q and out [B, H, D], caches [num_blocks,
+// block_size, KVH, D], block tables int32 [rows, stride], lengths int32.
+//
+// Work is split into tasks of (kv head, tile of sequences): a tile is the members of one shared
+// prefix (at most kMaxTileRows query rows), or a single sequence with none. A task keeps an online
+// softmax state per query row (running max, sum, fp32 accumulator); it reads each prefix token's key
+// and value once for all the tile's rows, then each member's rows go on over that member's own
+// tokens. Keys are converted to fp32 a chunk at a time, transposed, so the scores of a chunk are
+// vector FMAs over its tokens; nothing is gathered into padded copies (the torch path's cost).
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <algorithm>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kChunk = 32;  // tokens per step of the online softmax
+constexpr int64_t kMaxTileRows = 48;  // query rows sharing one pass over a prefix
+
+struct BFloat16 {
+    uint16_t bits;
+};
+
+inline float to_float(float x) { return x; }
+
+inline float to_float(BFloat16 x) {
+    uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+inline void store(float &to, float x) { to = x; }
+
+inline void store(BFloat16 &to, float x) {  // round to nearest even, as torch converts
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) {
+        to.bits = static_cast<uint16_t>((bits >> 16) | 0x40u);  // NaN stays NaN
+        return;
+    }
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    to.bits = static_cast<uint16_t>(bits >> 16);
+}
+
+// exp for x <= 0 (scores minus their running max), vectorisable where std::exp is a library call:
+// Cephes' expf polynomial after x = n ln2 + r; relative error ~1e-7.
+inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;  // exp(-87) ~ 1.6e-38; a masked score is -inf, its weight ~0
+    const float n = std::nearbyint(x * 1.44269504088896341f);
+    float r = std::fma(n, -0.693359375f, x);
+    r = std::fma(n, 2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = std::fma(p, r, 1.3981999507e-3f);
+    p = std::fma(p, r, 8.3334519073e-3f);
+    p = std::fma(p, r, 4.1665795894e-2f);
+    p = std::fma(p, r, 1.6666665459e-1f);
+    p = std::fma(p, r, 5.0000001201e-1f);
+    p = std::fma(p, r * r, r) + 1.0f;
+    const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+    float two_to_n;
+    std::memcpy(&two_to_n, &bits, sizeof two_to_n);
+    return p * two_to_n;
+}
+
+struct Shape {
+    int64_t num_heads, num_kv_heads, head_dim, block_size, num_blocks;
+    float scale;
+    int64_t group() const { return num_heads / num_kv_heads; }
+    int64_t token_stride() const { return num_kv_heads * head_dim; }
+};
+
+// A run of cached tokens: the first `length` of a block table's row.
+struct Tokens {
+    const int32_t *table;
+    int64_t length;
+};
+
+// Lanes of a vector in GCC/Clang's vector extension: the compiler keeps these in registers and picks the
+// target's instructions (AVX-512 here, two AVX2 or four NEON registers elsewhere).
+constexpr int64_t kLanes = 16;
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+typedef float UnalignedVec __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
+constexpr int64_t kChunkVecs = kChunk / kLanes;
+
+inline Vec load(const float *from) { return *reinterpret_cast<const UnalignedVec *>(from); }
+inline void save(float *to, Vec x) { *reinterpret_cast<UnalignedVec *>(to) = x; }
+
+// The sum of a vector's lanes as a tree (a loop over the lanes is one chain of dependent adds).
+inline float sum_lanes(Vec x) {
+    x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    x += __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    return x[0];
+}
+
+// Per task: the online softmax state of up to kMaxTileRows query rows, and one chunk of keys (transposed,
+// [dim][kChunk], or as rows) and values ([kChunk][dim]) in fp32.
+struct Scratch {
+    std::vector<float> queries, acc, running_max, total, keys_t, keys, values, weights;
+    explicit Scratch(int64_t dim)
+        : queries(kMaxTileRows * dim), acc(kMaxTileRows * dim), running_max(kMaxTileRows), total(kMaxTileRows),
+          keys_t(dim * kChunk), keys(kChunk * dim), values(kChunk * dim), weights(kMaxTileRows * kChunk) {}
+};
+
+// Scores of ROWS query rows against the chunk's keys, the accumulators kept in registers. Fewer than four
+// rows split the head dimension over two sets of accumulators: independent FMAs overlap, where one chain
+// would wait on each FMA's latency.
+template <int64_t ROWS, int64_t DIM>
+inline void score_rows(const float *__restrict queries, const float *__restrict keys_t, float *__restrict scores) {
+    constexpr int64_t kSets = ROWS >= 4 ? 1 : 2;
+    Vec sums[kSets][ROWS][kChunkVecs] = {};
+    for (int64_t d = 0; d < DIM; d += kSets) {
+        for (int64_t set = 0; set < kSets; set++) {
+            Vec keys[kChunkVecs];
+            for (int64_t c = 0; c < kChunkVecs; c++) keys[c] = load(keys_t + (d + set) * kChunk + c * kLanes);
+            for (int64_t r = 0; r < ROWS; r++) {
+                const float q = queries[r * DIM + d + set];
+                for (int64_t c = 0; c < kChunkVecs; c++) sums[set][r][c] += q * keys[c];
+            }
+        }
+    }
+    for (int64_t r = 0; r < ROWS; r++)
+        for (int64_t c = 0; c < kChunkVecs; c++) {
+            Vec total = sums[0][r][c];
+            for (int64_t set = 1; set < kSets; set++) total += sums[set][r][c];
+            save(scores + r * kChunk + c * kLanes, total);
+        }
+}
+
+// The same scores for a few rows, from keys as rows ([kChunk][DIM]): a dot product per (row, token),
+// each ending in a sum across lanes. Cheaper than transposing the keys when few rows read them.
+template <int64_t ROWS, int64_t DIM>
+inline void dot_rows(const float *__restrict queries, const float *__restrict keys, int64_t n,
+                     float *__restrict scores) {
+    constexpr int64_t kVecs = DIM / kLanes;
+    Vec query[ROWS][kVecs];
+    for (int64_t r = 0; r < ROWS; r++)
+        for (int64_t v = 0; v < kVecs; v++) query[r][v] = load(queries + r * DIM + v * kLanes);
+    for (int64_t t = 0; t < n; t++) {
+        Vec key[kVecs];
+        for (int64_t v = 0; v < kVecs; v++) key[v] = load(keys + t * DIM + v * kLanes);
+        for (int64_t r = 0; r < ROWS; r++) {
+            Vec products = query[r][0] * key[0];
+            for (int64_t v = 1; v < kVecs; v++) products += query[r][v] * key[v];
+            scores[r * kChunk + t] = sum_lanes(products);
+        }
+    }
+}
+
+// acc[r] = acc[r] * rescale[r] + sum over the chunk's n tokens of weight[r][t] * value[t], for ROWS rows.
+template <int64_t ROWS, int64_t DIM>
+inline void accumulate_rows(float *__restrict acc, const float *__restrict rescale, const float *__restrict weights,
+                            const float *__restrict values, int64_t n) {
+    constexpr int64_t kVecs = DIM / kLanes;
+    Vec sums[ROWS][kVecs];
+    for (int64_t r = 0; r < ROWS; r++)
+        for (int64_t v = 0; v < kVecs; v++) sums[r][v] = load(acc + r * DIM + v * kLanes) * rescale[r];
+    for (int64_t t = 0; t < n; t++) {
+        Vec value[kVecs];
+        for (int64_t v = 0; v < kVecs; v++) value[v] = load(values + t * DIM + v * kLanes);
+        for (int64_t r = 0; r < ROWS; r++) {
+            const float w = weights[r * kChunk + t];
+            for (int64_t v = 0; v < kVecs; v++) sums[r][v] += w * value[v];
+        }
+    }
+    for (int64_t r = 0; r < ROWS; r++)
+        for (int64_t v = 0; v < kVecs; v++) save(acc + r * DIM + v * kLanes, sums[r][v]);
+}
+
+constexpr int64_t kRowBlock = 4;  // rows scored together: 4 x 2 score and 4 x DIM/16 value accumulators
+
+// Whether `count` rows read a chunk's keys transposed (score_rows) or as rows (dot_rows).
+inline bool transposed(int64_t count) { return count > kRowBlock; }
+
+template <int64_t DIM>
+void score_and_accumulate(Scratch &s, int64_t first, int64_t count, int64_t n) {
+    float scores[kMaxTileRows * kChunk], rescale[kMaxTileRows];
+    float *queries = s.queries.data() + first * DIM, *weights = s.weights.data() + first * kChunk;
+    int64_t r = 0;
+    if (transposed(count)) {
+        for (; r + kRowBlock <= count; r += kRowBlock)
+            score_rows<kRowBlock, DIM>(queries + r * DIM, s.keys_t.data(), scores + r * kChunk);
+        switch (count - r) {
+            case 3: score_rows<3, DIM>(queries + r * DIM, s.keys_t.data(), scores + r * kChunk); break;
+            case 2: score_rows<2, DIM>(queries + r * DIM, s.keys_t.data(), scores + r * kChunk); break;
+            case 1: score_rows<1, DIM>(queries + r * DIM, s.keys_t.data(), scores + r * kChunk); break;
+        }
+    } else {
+        switch (count) {
+            case 4: dot_rows<4, DIM>(queries, s.keys.data(), n, scores); break;
+            case 3: dot_rows<3, DIM>(queries, s.keys.data(), n, scores); break;
+            case 2: dot_rows<2, DIM>(queries, s.keys.data(), n, scores); break;
+            case 1: dot_rows<1, DIM>(queries, s.keys.data(), n, scores); break;
+        }
+    }
+    for (r = 0; r < count; r++) {  // the online softmax step of each row
+        float *score = scores + r * kChunk, *weight = weights + r * kChunk;
+        float &running_max = s.running_max[first + r];
+        float new_max = running_max;
+        for (int64_t t = 0; t < n; t++) new_max = score[t] > new_max ? score[t] : new_max;
+        rescale[r] = exp_nonpositive(running_max - new_max);
+        running_max = new_max;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < kChunk; t++) {
+            weight[t] = t < n ? exp_nonpositive(score[t] - new_max) : 0.0f;
+            sum += weight[t];
+        }
+        s.total[first + r] = s.total[first + r] * rescale[r] + sum;
+    }
+    float *acc = s.acc.data() + first * DIM;
+    for (r = 0; r + kRowBlock <= count; r += kRowBlock)
+        accumulate_rows<kRowBlock, DIM>(acc + r * DIM, rescale + r, weights + r * kChunk, s.values.data(), n);
+    const float *values = s.values.data();
+    switch (count - r) {
+        case 3: accumulate_rows<3, DIM>(acc + r * DIM, rescale + r, weights + r * kChunk, values, n); break;
+        case 2: accumulate_rows<2, DIM>(acc + r * DIM, rescale + r, weights + r * kChunk, values, n); break;
+        case 1: accumulate_rows<1, DIM>(acc + r * DIM, rescale + r, weights + r * kChunk, values, n); break;
+    }
+}
+
+// Attends rows [first, first + count) of the scratch state over `tokens` of one kv head.
+template <int64_t DIM, typename T>
+void attend(Scratch &s, int64_t first, int64_t count, const T *k_cache, const T *v_cache, Tokens tokens,
+            int64_t kv_head, const Shape &shape) {
+    float *__restrict keys_t = s.keys_t.data(), *__restrict keys = s.keys.data(), *__restrict values = s.values.data();
+    const bool by_token = !transposed(count);
+    int64_t block = 0, offset = 0;
+    for (int64_t start = 0; start < tokens.length; start += kChunk) {
+        const int64_t n = tokens.length - start < kChunk ? tokens.length - start : kChunk;
+        for (int64_t t = 0; t < n; t++) {
+            const int64_t slot = static_cast<int64_t>(tokens.table[block]) * shape.block_size + offset;
+            const T *key = k_cache + (slot * shape.num_kv_heads + kv_head) * DIM;
+            const T *value = v_cache + (slot * shape.num_kv_heads + kv_head) * DIM;
+            if (by_token)
+                for (int64_t d = 0; d < DIM; d++) keys[t * DIM + d] = to_float(key[d]);
+            else
+                for (int64_t d = 0; d < DIM; d++) keys_t[d * kChunk + t] = to_float(key[d]);
+            for (int64_t d = 0; d < DIM; d++) values[t * DIM + d] = to_float(value[d]);
+            if (++offset == shape.block_size) offset = 0, block++;
+        }
+        for (int64_t t = n; t < kChunk && !by_token; t++)
+            for (int64_t d = 0; d < DIM; d++) keys_t[d * kChunk + t] = 0.0f;
+        score_and_accumulate<DIM>(s, first, count, n);
+    }
+}
+
+// A task: the G query rows of kv head `kv_head` for each member sequence, over the members' shared
+// prefix (if any), then each member over its own tokens; writes the members' rows of `out`.
+struct Task {
+    int64_t kv_head;
+    Tokens prefix;  // length 0: none
+    std::vector<int64_t> members;
+};
+
+template <int64_t DIM, typename T>
+void run_task(const Task &task, Scratch &s, const T *q, const T *k_cache, const T *v_cache,
+              const int32_t *own_tables, int64_t own_stride, const int32_t *own_lens, T *out, const Shape &shape) {
+    constexpr int64_t dim = DIM;
+    const int64_t group = shape.group();
+    const int64_t rows = group * static_cast<int64_t>(task.members.size());
+    for (size_t m = 0; m < task.members.size(); m++) {
+        const T *from = q + (task.members[m] * shape.num_heads + task.kv_head * group) * dim;
+        for (int64_t i = 0; i < group * dim; i++) s.queries[m * group * dim + i] = to_float(from[i]) * shape.scale;
+    }
+    std::fill(s.acc.begin(), s.acc.begin() + rows * dim, 0.0f);
+    std::fill(s.running_max.begin(), s.running_max.begin() + rows, -INFINITY);
+    std::fill(s.total.begin(), s.total.begin() + rows, 0.0f);
+    if (task.prefix.length > 0) attend<DIM>(s, 0, rows, k_cache, v_cache, task.prefix, task.kv_head, shape);
+    for (size_t m = 0; m < task.members.size(); m++) {
+        const int64_t b = task.members[m];
+        const Tokens own{own_tables + b * own_stride, own_lens[b]};
+        if (own.length > 0) attend<DIM>(s, m * group, group, k_cache, v_cache, own, task.kv_head, shape);
+        T *to = out + (b * shape.num_heads + task.kv_head * group) * dim;
+        for (int64_t g = 0; g < group; g++) {
+            const int64_t r = m * group + g;
+            const float inverse = s.total[r] > 0.0f ? 1.0f / s.total[r] : 0.0f;  // no tokens at all: zeros
+            for (int64_t d = 0; d < dim; d++) store(to[g * dim + d], s.acc[r * dim + d] * inverse);
+        }
+    }
+}
+
+// Tiles: each prefix's members, at most kMaxTileRows query rows a tile; a sequence without one alone.
+std::vector<Task> plan_tasks(int64_t batch, const int32_t *prefix_ids, const int32_t *prefix_tables,
+                             int64_t prefix_stride, const int32_t *prefix_lens, int64_t num_prefixes,
+                             const Shape &shape) {
+    std::vector<std::vector<int64_t>> tiles;
+    std::vector<int64_t> tile_prefix;
+    std::vector<int64_t> open_tile(num_prefixes, -1);
+    const size_t per_tile = static_cast<size_t>(std::max<int64_t>(1, kMaxTileRows / shape.group()));
+    for (int64_t b = 0; b < batch; b++) {
+        const int64_t p = prefix_ids ? prefix_ids[b] : -1;
+        if (p < 0 || p >= num_prefixes) {
+            tiles.push_back({b});
+            tile_prefix.push_back(-1);
+            continue;
+        }
+        if (open_tile[p] < 0 || tiles[open_tile[p]].size() == per_tile) {
+            open_tile[p] = static_cast<int64_t>(tiles.size());
+            tiles.emplace_back();
+            tile_prefix.push_back(p);
+        }
+        tiles[open_tile[p]].push_back(b);
+    }
+    std::vector<Task> tasks;
+    for (size_t i = 0; i < tiles.size(); i++) {
+        const int64_t p = tile_prefix[i];
+        const Tokens prefix = p < 0 ? Tokens{nullptr, 0} : Tokens{prefix_tables + p * prefix_stride, prefix_lens[p]};
+        for (int64_t h = 0; h < shape.num_kv_heads; h++) tasks.push_back({h, prefix, tiles[i]});
+    }
+    return tasks;
+}
+
+template <int64_t DIM, typename T>
+void run_tasks(const std::vector<Task> &tasks, const T *q, const T *k_cache, const T *v_cache,
+               const int32_t *own_tables, int64_t own_stride, const int32_t *own_lens, T *out, const Shape &shape,
+               int num_threads) {
+#pragma omp parallel num_threads(num_threads)
+    {
+        // One per thread, kept between calls: allocating (and zeroing) it per call cost more than a short
+        // decode's arithmetic.
+        thread_local Scratch scratch(kMaxHeadDim);
+#pragma omp for schedule(dynamic, 1)
+        for (size_t i = 0; i < tasks.size(); i++)
+            run_task<DIM>(tasks[i], scratch, q, k_cache, v_cache, own_tables, own_stride, own_lens, out, shape);
+    }
+}
+
+template <typename T>
+int decode(const T *q, const T *k_cache, const T *v_cache, const int32_t *prefix_ids, const int32_t *prefix_tables,
+           int64_t prefix_stride, const int32_t *prefix_lens, int64_t num_prefixes, const int32_t *own_tables,
+           int64_t own_stride, const int32_t *own_lens, T *out, int64_t batch, const Shape &shape, int num_threads) {
+    if (shape.group() > kMaxTileRows) return -1;
+    const auto blocks_valid = [&](const int32_t *table, int64_t length) {
+        for (int64_t i = 0; i < (length + shape.block_size - 1) / shape.block_size; i++)
+            if (table[i] < 0 || table[i] >= shape.num_blocks) return false;
+        return true;
+    };
+    for (int64_t b = 0; b < batch; b++)
+        if (!blocks_valid(own_tables + b * own_stride, own_lens[b])) return -2;
+    for (int64_t p = 0; p < num_prefixes; p++)
+        if (!blocks_valid(prefix_tables + p * prefix_stride, prefix_lens[p])) return -2;
+    const auto tasks = plan_tasks(batch, prefix_ids, prefix_tables, prefix_stride, prefix_lens, num_prefixes, shape);
+    const auto run = [&](auto dim) {
+        run_tasks<decltype(dim)::value>(tasks, q, k_cache, v_cache, own_tables, own_stride, own_lens, out, shape,
+                                        num_threads);
+        return 0;
+    };
+    switch (shape.head_dim) {  // each head size its own unrolled build; native.HEAD_DIMS lists them
+        case 32: return run(std::integral_constant<int64_t, 32>{});
+        case 64: return run(std::integral_constant<int64_t, 64>{});
+        case 80: return run(std::integral_constant<int64_t, 80>{});
+        case 96: return run(std::integral_constant<int64_t, 96>{});
+        case 128: return run(std::integral_constant<int64_t, 128>{});
+        case 256: return run(std::integral_constant<int64_t, 256>{});
+        default: return -1;
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Each sequence b attends to prefix prefix_ids[b] (rows of prefix_tables / prefix_lens; -1 or a null
+// prefix_ids: none), then to the first own_lens[b] tokens of own_tables' row b. Returns 0; -1 when
+// this build has no kernel for head_dim or the query group; -2 when a table names a block past
+// num_blocks (nothing is read then).
+#define PARROT_DECODE(NAME, T)                                                                               \
+    int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *prefix_ids,                     \
+             const int32_t *prefix_tables, int64_t prefix_stride, const int32_t *prefix_lens,                \
+             int64_t num_prefixes, const int32_t *own_tables, int64_t own_stride, const int32_t *own_lens,   \
+             T *out, int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,               \
+             int64_t block_size, int64_t num_blocks, float scale, int num_threads) {                                             \
+        const Shape shape{num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale};                             \
+        return decode(q, k_cache, v_cache, prefix_ids, prefix_tables, prefix_stride, prefix_lens, num_prefixes, \
+                      own_tables, own_stride, own_lens, out, batch, shape, num_threads);                     \
+    }
+
+PARROT_DECODE(parrot_decode_f32, float)
+PARROT_DECODE(parrot_decode_bf16, BFloat16)
+
+// Stores each new token's key and value rows (row_elems = KVH x D each) at its slot; slot -1 is skipped.
+// Returns 0, or -1 (nothing written) when a slot is past the cache's num_slots.
+#define PARROT_WRITE_KV(NAME, T)                                                                             \
+    int NAME(const T *key, const T *value, T *k_cache, T *v_cache, const int64_t *slots, int64_t num_tokens, \
+             int64_t row_elems, int64_t num_slots) {                                                         \
+        for (int64_t t = 0; t < num_tokens; t++)                                                             \
+            if (slots[t] >= num_slots || slots[t] < -1) return -1;                                           \
+        for (int64_t t = 0; t < num_tokens; t++) {                                                           \
+            if (slots[t] < 0) continue;                                                                      \
+            std::memcpy(k_cache + slots[t] * row_elems, key + t * row_elems, sizeof(T) * row_elems);         \
+            std::memcpy(v_cache + slots[t] * row_elems, value + t * row_elems, sizeof(T) * row_elems);       \
+        }                                                                                                    \
+        return 0;                                                                                            \
+    }
+
+PARROT_WRITE_KV(parrot_write_kv_f32, float)
+PARROT_WRITE_KV(parrot_write_kv_bf16, BFloat16)
+
+}  // extern "C"

@@ -1,0 +1,128 @@
+"""The C++ CPU decode kernels (kernels/native): built here, equal to the references, and left for the
+torch paths where they cannot serve."""
+
+import logging
+
+import pytest
+import torch
+
+from kernels import dispatch, native, reference
+
+RAGGED = [1, 37, 100, 0, 64, 16, 129]  # one token, mid-block, block edges, an empty (padding) row
+PREFIX_LENS = [70, 0, 33]  # a multi-chunk prefix, an empty one, one ending mid-block
+PREFIX_IDS = [0, 2, -1, 0, 1, 2, 0, 2, -1]
+SUFFIX_LENS = [3, 0, 40, 1, 17, 64, 9, 2, 0]  # the last one has neither prefix nor own tokens
+
+
+@pytest.fixture
+def kernels() -> native.NativeKernels:
+    built = native.library()
+    assert built is not None, "the C++ kernels must build on this machine (a C++ compiler is part of the set-up)"
+    return built
+
+
+def shared_args(kv, prefix_ids, prefix_lens, suffix_lens):
+    return (kv.queries(len(prefix_ids)), kv.k_cache, kv.v_cache, torch.tensor(prefix_ids, dtype=torch.int32),
+            kv.block_tables(prefix_lens), torch.tensor(prefix_lens, dtype=torch.int32), kv.block_tables(suffix_lens),
+            torch.tensor(suffix_lens, dtype=torch.int32), kv.scale)
+
+
+def test_decode_matches_reference(kernels, kv, tol):
+    lens = torch.tensor(RAGGED, dtype=torch.int32)
+    args = (kv.queries(len(RAGGED)), kv.k_cache, kv.v_cache, kv.block_tables(RAGGED), lens, kv.scale)
+
+    out = kernels.decode(*args)
+
+    torch.testing.assert_close(out, reference.paged_decode(*args), **tol)
+    assert torch.all(out[3] == 0), "a row with no context must be zeros, not NaN"
+
+
+def test_shared_prefix_decode_matches_reference(kernels, kv, tol):
+    args = shared_args(kv, PREFIX_IDS, PREFIX_LENS, SUFFIX_LENS)
+
+    out = kernels.shared_prefix_decode(*args)
+
+    torch.testing.assert_close(out, reference.shared_prefix_decode(*args), **tol)
+    assert torch.all(out[-1] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=["bf16"])
+@pytest.mark.parametrize("block_size", [16], ids=["page16"])
+def test_a_prefix_with_more_members_than_one_tile_holds(kernels, kv, tol):
+    """Members past a tile's 48 query rows (16 sequences here) share the prefix in a second tile."""
+    members = 21
+    args = shared_args(kv, [0] * members, [150], [1 + i % 5 for i in range(members)])
+
+    torch.testing.assert_close(kernels.shared_prefix_decode(*args), reference.shared_prefix_decode(*args), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 4, 128), (16, 2, 64), (6, 3, 32)],
+                         ids=["mha-d128", "gqa8-d64", "gqa2-d32"])
+def test_other_head_layouts(kernels, dtype, num_heads, num_kv_heads, head_dim):
+    torch.manual_seed(0)
+    lens = [5, 90, 33]
+    k_cache, v_cache = (torch.randn(32, 16, num_kv_heads, head_dim, dtype=dtype) for _ in range(2))
+    tables = torch.randperm(32)[:21].view(3, 7).int()
+    q = torch.randn(3, num_heads, head_dim, dtype=dtype)
+    args = (q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32), head_dim**-0.5)
+
+    assert dispatch.native_decode(q, k_cache) is kernels
+    torch.testing.assert_close(kernels.decode(*args), reference.paged_decode(*args),
+                               **{"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2})
+
+
+def test_a_head_size_without_a_build_goes_to_the_torch_path(kernels):
+    torch.manual_seed(0)
+    k_cache, v_cache = (torch.randn(8, 16, 2, 40) for _ in range(2))
+    q, tables, lens = torch.randn(2, 4, 40), torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), torch.tensor([20, 3], dtype=torch.int32)
+
+    assert dispatch.native_decode(q, k_cache) is None
+    out = dispatch.decode_attention(q, k_cache, v_cache, tables, lens, 40**-0.5)
+    torch.testing.assert_close(out, reference.paged_decode(q, k_cache, v_cache, tables, lens, 40**-0.5))
+
+
+@pytest.fixture
+def fresh_library(monkeypatch, tmp_path):
+    """library() looked up again, building into an empty cache; the process's own is restored after."""
+    monkeypatch.setenv("PARROT_CACHE_DIR", str(tmp_path))
+    native.library.cache_clear()
+    yield
+    native.library.cache_clear()
+
+
+def test_switched_off_or_unbuildable_leaves_the_torch_paths(fresh_library, monkeypatch, caplog):
+    monkeypatch.setenv(native.DISABLE_ENV, "0")
+    assert native.library() is None
+    native.library.cache_clear()
+
+    monkeypatch.delenv(native.DISABLE_ENV)
+    monkeypatch.setenv("CXX", "false")  # a "compiler" that fails every build
+    with caplog.at_level(logging.WARNING, logger="kernels.native"):
+        assert native.library() is None
+    assert "torch paths" in caplog.text
+
+
+def test_builds_once_into_the_cache(fresh_library, tmp_path):
+    assert native.library() is not None
+    built = list((tmp_path / "kernels").glob("*.so"))
+    assert len(built) == 1 and not list((tmp_path / "kernels").glob("tmp*")), "one library, no scratch left"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=["bf16"])
+@pytest.mark.parametrize("block_size", [16], ids=["page16"])
+def test_write_kv_and_out_of_range_indices(kernels, kv):
+    """Rows land at their slots (-1 skipped); a slot or block past the cache is refused, nothing read or written."""
+    key, value = (torch.randn(3, kv.num_kv_heads, kv.head_dim, dtype=kv.k_cache.dtype) for _ in range(2))
+    before = kv.k_cache.clone()
+    assert kernels.write_kv(key, value, kv.k_cache, kv.v_cache, torch.tensor([5, -1, 40]))
+    flat_k, flat_v = kv.k_cache.flatten(0, 1), kv.v_cache.flatten(0, 1)
+    assert torch.equal(flat_k[5], key[0]) and torch.equal(flat_k[40], key[2]) and torch.equal(flat_v[40], value[2])
+    assert torch.equal(flat_k[6:40], before.flatten(0, 1)[6:40])
+
+    num_slots = kv.k_cache.shape[0] * kv.block_size
+    with pytest.raises(IndexError, match="slot"):
+        kernels.write_kv(key, value, kv.k_cache, kv.v_cache, torch.tensor([0, 1, num_slots]))
+    tables = torch.tensor([[0, kv.k_cache.shape[0]]], dtype=torch.int32)
+    with pytest.raises(IndexError, match="block"):
+        kernels.decode(kv.queries(1), kv.k_cache, kv.v_cache, tables, torch.tensor([20], dtype=torch.int32), kv.scale)
