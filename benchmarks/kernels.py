@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernels import cpu_attention  # noqa: E402
+from kernels import cpu_attention, native  # noqa: E402
 
 PEAK_TBPS = {"H200": 4.8, "H100 PCIe": 2.0, "H100": 3.35, "A100": 2.0, "L40S": 0.864, "A10": 0.6, "4090": 1.0}
 SMOLLM2 = dict(num_heads=9, num_kv_heads=3, head_dim=64)
@@ -193,18 +193,23 @@ def decode_layers_planned(args, layers: int) -> list[torch.Tensor]:
 
 
 def bench_cpu() -> None:
-    print(f"CPU dispatch paths (SmolLM2 heads, block 16, {torch.get_num_threads()} threads), median ms")
+    cpp = native.library()  # what dispatch runs for CPU decode where it builds (kernels/native.py)
+    assert cpp is not None, "the C++ kernels did not build here (see the warning above)"
+    print(f"CPU dispatch paths (SmolLM2 heads, block 16, {torch.get_num_threads()} threads), median ms; "
+          "'torch' is the torch path dispatch falls back to without the C++ kernels")
     for dtype in (torch.float32, torch.bfloat16):
         for batch, context in ((1, 512), (8, 512), (16, 2048)):
             q, k_cache, v_cache, tables, _ = paged_batch(batch, context, **SMOLLM2, dtype=dtype, device="cpu")
             lens = torch.randint(context // 2, context + 1, (batch,), dtype=torch.int32)
             args = (q, k_cache, v_cache, tables, lens, 0.125)
+            in_cpp = cpu_ms(lambda: cpp.decode(*args))
             chosen = cpu_ms(lambda: cpu_attention.decode(*args))
             padded = cpu_ms(lambda: decode_padded_sdpa(*args))
             loop = cpu_ms(lambda: decode_sdpa_loop(*args))
             einsum = cpu_ms(lambda: decode_einsum(*args))
-            print(f"  decode {str(dtype):<15} B={batch:<3} L<={context:<5} dispatch {chosen:7.2f}   padded SDPA {padded:7.2f}"
-                  f"   per-seq SDPA {loop:7.2f}   padded einsum {einsum:7.2f}")
+            print(f"  decode {str(dtype):<15} B={batch:<3} L<={context:<5} C++ {in_cpp:7.2f}   torch {chosen:7.2f}"
+                  f"   padded SDPA {padded:7.2f}   per-seq SDPA {loop:7.2f}   padded einsum {einsum:7.2f}"
+                  f"   (torch / C++ {chosen / in_cpp:4.2f}x)")
     for batch in (1, 16):  # a decode step's attention over SmolLM2's 30 layers: reads planned once, or per call
         q, k_cache, v_cache, tables, _ = paged_batch(batch, 256, **SMOLLM2, dtype=torch.bfloat16, device="cpu")
         lens = torch.randint(128, 257, (batch,), dtype=torch.int32)
@@ -230,9 +235,13 @@ def bench_cpu() -> None:
         shared = cpu_ms(lambda: cpu_attention.shared_prefix_decode(*args, plan=plan))
         separate = cpu_ms(lambda: cpu_attention.shared_prefix_decode(*args, plan=two_pass))
         plain = cpu_ms(lambda: cpu_attention.decode(q, k_cache, v_cache, joined, suffix_lens + prefix_len, 0.125))
+        cpp_shared = cpu_ms(lambda: cpp.shared_prefix_decode(*args))
+        cpp_plain = cpu_ms(lambda: cpp.decode(q, k_cache, v_cache, joined, suffix_lens + prefix_len, 0.125))
         path = "one masked call" if plan.groups[0].joined is not None else "prefix + suffix"
-        print(f"  shared-prefix {str(dtype):<15} {sequences} seqs x {prefix_len}-token prefix: shared ({path}) {shared:7.2f}"
-              f"   prefix + suffix passes {separate:7.2f}   padded decode over joined tables {plain:7.2f}   ({plain / shared:4.2f}x)")
+        print(f"  shared-prefix {str(dtype):<15} {sequences} seqs x {prefix_len}-token prefix: C++ shared {cpp_shared:7.2f}"
+              f"   C++ over joined tables {cpp_plain:7.2f}   torch shared ({path}) {shared:7.2f}"
+              f"   prefix + suffix passes {separate:7.2f}   padded decode over joined tables {plain:7.2f}"
+              f"   (torch shared / C++ shared {shared / cpp_shared:4.2f}x)")
 
 
 def main() -> None:
