@@ -302,6 +302,7 @@ class EngineCore(StepLoop):
             prefix_cache_queries=self.scheduler.prefix_cache_queries,
             prefix_cache_hits=self.scheduler.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
+            latency_preemptions=self.scheduler.latency_preemptions,
         )
 
     @property

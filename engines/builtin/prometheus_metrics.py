@@ -47,7 +47,8 @@ class _Stats:
                                               "was scheduled.", stats.prefix_cache_queries),
                 ("vllm:prefix_cache_hits", "Of those, tokens found there.", stats.prefix_cache_hits),
                 ("vllm:num_preemptions", "Running requests preempted (their KV dropped, recomputed later).",
-                 stats.num_preemptions)):
+                 stats.num_preemptions),
+                ("parrot:num_latency_preemptions", "Of those, latency-critical requests.", stats.latency_preemptions)):
             family = CounterMetricFamily(name, documentation, labels=["model_name"])
             family.add_metric(model, value)
             yield family

@@ -99,6 +99,7 @@ class Scheduler:
         self.running: list[Context] = []
         self.contexts: dict[str, Context] = {}  # every live context, idle ones included
         self.num_preemptions = 0
+        self.latency_preemptions = 0  # of those, latency-critical generations
         self.prefix_cache_queries = 0  # as vLLM counts them: tokens looked up at admission, and found
         self.prefix_cache_hits = 0
 
@@ -219,6 +220,7 @@ class Scheduler:
         self.block_manager.release(ctx)
         if ctx.status is Status.RUNNING:
             self.num_preemptions += 1
+            self.latency_preemptions += ctx.latency_critical
             self.running.remove(ctx)
             ctx.status = Status.WAITING
             self.waiting.append(ctx)

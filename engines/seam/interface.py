@@ -50,6 +50,9 @@ class EngineStats(msgspec.Struct, kw_only=True):
     prefix_cache_queries: Count = 0
     prefix_cache_hits: Count = 0
     num_preemptions: Count = 0
+    # Of those, latency-critical requests (someone reads them token by token): the criteria should make
+    # throughput work give way first, so this stays 0 while there is throughput work to preempt.
+    latency_preemptions: Count = 0
 
     def kv_capacity_tokens(self) -> int:
         """Tokens of KV the engine holds at most; 0: it did not say."""
