@@ -135,7 +135,8 @@ def prefill_attention(
     """
     check_prefill_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens)
     if not uses_triton(q.device):
-        return cpu_attention.prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, plan=plan)
+        return cpu_attention.prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, plan=plan,
+                                     native=native_decode(q, k_cache))
     from kernels.paged_prefill import paged_prefill
 
     return paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, scale)

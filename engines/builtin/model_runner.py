@@ -89,8 +89,10 @@ class ModelRunner:
         native = not triton and dispatch.native_decode(query, model.model.layers[0].self_attn.k_cache) is not None
         # Mean shared-prefix tokens per decode from which prefix groups go to the shared-prefix kernel.
         self.min_shared_tokens = 0 if triton or native else CPU_MIN_SHARED_TOKENS
-        # Whether decodes run the torch CPU paths, whose reads are planned once per step (prefills always do on CPU).
+        # Whether decodes run the torch CPU paths, whose reads are planned once per step (prefills always do on
+        # CPU: their short chunks over a cached prefix laid out for the native kernel where it runs).
         self.plans_torch_decode = not triton and not native
+        self.native_chunks = native
 
     def copy_rows(self, src_block: int, dst_block: int, num_rows: int) -> None:
         for layer in self.model.model.layers:
@@ -222,5 +224,5 @@ class ModelRunner:
         )
         if self.plans_cpu_attention:
             meta.plan = cpu_attention.plan_prefill(meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
-                                                   self.block_size)
+                                                   self.block_size, rows_for_native=self.native_chunks)
         return meta

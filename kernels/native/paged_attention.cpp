@@ -179,6 +179,8 @@ inline void accumulate_rows(float *__restrict acc, const float *__restrict resca
 }
 
 constexpr int64_t kRowBlock = 4;  // rows scored together: 4 x 2 score and 4 x DIM/16 value accumulators
+// Many rows (a prefix's tile) score 8 at a time: 16 accumulators per key load, fewer loads per FMA.
+constexpr int64_t kScoreRows = 8;
 
 // Whether `count` rows read a chunk's keys transposed (score_rows) or as rows (dot_rows).
 inline bool transposed(int64_t count) { return count > kRowBlock; }
@@ -189,6 +191,8 @@ void score_and_accumulate(Scratch &s, int64_t first, int64_t count, int64_t n) {
     float *queries = s.queries.data() + first * DIM, *weights = s.weights.data() + first * kChunk;
     int64_t r = 0;
     if (transposed(count)) {
+        for (; r + kScoreRows <= count; r += kScoreRows)
+            score_rows<kScoreRows, DIM>(queries + r * DIM, s.keys_t.data(), scores + r * kChunk);
         for (; r + kRowBlock <= count; r += kRowBlock)
             score_rows<kRowBlock, DIM>(queries + r * DIM, s.keys_t.data(), scores + r * kChunk);
         switch (count - r) {

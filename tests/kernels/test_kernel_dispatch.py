@@ -35,15 +35,19 @@ def test_decode_matches_reference(kv, tol, decode_path):
     assert not out.isnan().any()
 
 
-def test_prefill_matches_reference(kv, tol):
-    q_lens, context = [5, 70, 1, 0], [5, 100, 50, 12]
-    tables = kv.block_tables(context)
-    cu = torch.tensor([0, 5, 75, 76, 76], dtype=torch.int32)
+def test_prefill_matches_reference(kv, tol, decode_path):
+    """Fresh prompts, chunks over a cached prefix (ending mid-block, shorter than a block, block-aligned,
+    and one too long for the native rows), a sequence with no new tokens."""
+    q_lens, context = [5, 70, 1, 0, 3, 20, 130], [5, 100, 50, 12, 10, 84, 170]
+    tables = kv.block_tables(context, width=12)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     q = kv.queries(sum(q_lens))
     context_lens = torch.tensor(context, dtype=torch.int32)
-    out = dispatch.prefill_attention(q, kv.k_cache, kv.v_cache, tables, cu, context_lens, 70, kv.scale)
+    out = dispatch.prefill_attention(q, kv.k_cache, kv.v_cache, tables, cu, context_lens, 130, kv.scale)
     expected = reference.paged_prefill(q, kv.k_cache, kv.v_cache, tables, cu, context_lens, kv.scale)
     torch.testing.assert_close(out, expected, **tol)
+    plan = cpu_attention.plan_prefill(tables, cu, context_lens, kv.block_size, rows_for_native=True)
+    assert [chunk.cached_rows is not None for chunk in plan] == [False, True, True, True, True, False]
 
 
 def test_shared_prefix_decode_matches_reference(kv, tol, decode_path):
@@ -71,7 +75,8 @@ def test_one_plan_serves_every_layer_as_the_calls_without_one(kv, decode_path):
 
     cu, context = torch.tensor([0, 5, 75, 76, 76], dtype=torch.int32), torch.tensor([5, 100, 50, 12], dtype=torch.int32)
     prefill_tables, prefill_q = kv.block_tables(context.tolist()), kv.queries(76)
-    prefill = cpu_attention.plan_prefill(prefill_tables, cu, context, kv.block_size)
+    prefill = cpu_attention.plan_prefill(prefill_tables, cu, context, kv.block_size,
+                                         rows_for_native=decode_path == "native")  # as the engine plans it
 
     shared_args = (torch.tensor(PREFIX_IDS, dtype=torch.int32), kv.block_tables(PREFIX_LENS),
                    torch.tensor(PREFIX_LENS, dtype=torch.int32), kv.block_tables(SUFFIX_LENS),
