@@ -1,7 +1,8 @@
 """Shared system prompt: M users ask short questions at once under the same long (~900 token) system prompt.
 
 Parrot: the system prompt is constant text and the question a variable, so the gateway fills the
-prompt once on the engine and forks it for every user. Baseline: plain requests; whether the prompt
+prompt once on the engine and forks it for every user (the calls are independent: no session, each
+goes to the API key's default session). Baseline: plain requests; whether the prompt
 is recomputed per user depends on the server (run it against one without prefix caching to see
 the cost of not sharing).
 """
@@ -39,15 +40,17 @@ def messages(system: str) -> Messages:
 
 
 async def run_parrot(client: httpx.AsyncClient, model: str, cfg: Config, rtt_ms: float = 0.0) -> Result:
+    """Independent calls, nothing for a session to hold: they go to the API key's default session (no
+    round trip to open one, as a chatbot serving its users would call)."""
     system, asked = system_prompt(cfg.seed, cfg.system_words), questions(cfg.seed, cfg.users)
     options = sampling(cfg.answer_tokens, cfg.ignore_eos)
+    remote = Remote(client, rtt_ms)
     started = time.perf_counter()
-    async with Remote(client, rtt_ms).session() as session:
-        answers = await asyncio.gather(*(
-            session.ask(model, messages(system), {"question": {"value": q}}, f"answer_{i}", options)
-            for i, q in enumerate(asked)))
-        seconds = time.perf_counter() - started
-    return Result(seconds, "\n".join(answers), list(answers), calls=cfg.users)
+    replies = await asyncio.gather(*(
+        remote.chat(model, messages(system), options, {"vars": {"question": {"value": q}}, "output": f"answer_{i}"})
+        for i, q in enumerate(asked)))
+    answers = [reply["choices"][0]["message"]["content"] or "" for reply in replies]
+    return Result(time.perf_counter() - started, "\n".join(answers), answers, calls=cfg.users)
 
 
 async def run_baseline(client: httpx.AsyncClient, model: str, cfg: Config, rtt_ms: float = 0.0) -> Result:
