@@ -18,6 +18,9 @@
 #include <cstring>
 #include <algorithm>
 #include <type_traits>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 #include <vector>
 
 namespace {
@@ -108,9 +111,11 @@ inline float sum_lanes(Vec x) {
 // [dim][kChunk], or as rows) and values ([kChunk][dim]) in fp32.
 struct Scratch {
     std::vector<float> queries, acc, running_max, total, keys_t, keys, values, weights;
+    std::vector<uint32_t> query_pairs, key_pairs;  // bf16 pairs (the bf16 dot-product path)
     explicit Scratch(int64_t dim)
         : queries(kMaxTileRows * dim), acc(kMaxTileRows * dim), running_max(kMaxTileRows), total(kMaxTileRows),
-          keys_t(dim * kChunk), keys(kChunk * dim), values(kChunk * dim), weights(kMaxTileRows * kChunk) {}
+          keys_t(dim * kChunk), keys(kChunk * dim), values(kChunk * dim), weights(kMaxTileRows * kChunk),
+          query_pairs(kMaxTileRows * dim / 2), key_pairs(dim / 2 * kChunk) {}
 };
 
 // Scores of ROWS query rows against the chunk's keys, the accumulators kept in registers. Fewer than four
@@ -178,6 +183,36 @@ inline void accumulate_rows(float *__restrict acc, const float *__restrict resca
         for (int64_t v = 0; v < kVecs; v++) save(acc + r * DIM + v * kLanes, sums[r][v]);
 }
 
+#if defined(__AVX512BF16__)
+constexpr bool kBf16Dot = true;
+// Scores from bf16 pairs with the CPU's bf16 dot product (AVX512_BF16: 32 products a instruction, the
+// fp32 path's 16, and the keys copied as 32-bit pairs instead of converted): key_pairs [DIM/2][kChunk]
+// holds (k[t][2i], k[t][2i+1]) per token t, query_pairs [ROWS][DIM/2] the unscaled bf16 queries.
+template <int64_t ROWS, int64_t DIM>
+inline void score_rows_bf16(const uint32_t *__restrict query_pairs, const uint32_t *__restrict key_pairs,
+                            float scale, float *__restrict scores) {
+    __m512 sums[ROWS][kChunkVecs];
+    for (int64_t r = 0; r < ROWS; r++)
+        for (int64_t c = 0; c < kChunkVecs; c++) sums[r][c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < DIM / 2; i++) {
+        __m512bh keys[kChunkVecs];
+        for (int64_t c = 0; c < kChunkVecs; c++)
+            keys[c] = (__m512bh)_mm512_loadu_si512(key_pairs + i * kChunk + c * kLanes);
+        for (int64_t r = 0; r < ROWS; r++) {
+            const __m512bh query = (__m512bh)_mm512_set1_epi32(static_cast<int>(query_pairs[r * DIM / 2 + i]));
+            for (int64_t c = 0; c < kChunkVecs; c++) sums[r][c] = _mm512_dpbf16_ps(sums[r][c], keys[c], query);
+        }
+    }
+    for (int64_t r = 0; r < ROWS; r++)
+        for (int64_t c = 0; c < kChunkVecs; c++)
+            _mm512_storeu_ps(scores + r * kChunk + c * kLanes, _mm512_mul_ps(sums[r][c], _mm512_set1_ps(scale)));
+}
+#else
+constexpr bool kBf16Dot = false;
+template <int64_t ROWS, int64_t DIM>
+inline void score_rows_bf16(const uint32_t *, const uint32_t *, float, float *) {}
+#endif
+
 constexpr int64_t kRowBlock = 4;  // rows scored together: 4 x 2 score and 4 x DIM/16 value accumulators
 // Many rows (a prefix's tile) score 8 at a time: 16 accumulators per key load, fewer loads per FMA.
 constexpr int64_t kScoreRows = 8;
@@ -185,12 +220,19 @@ constexpr int64_t kScoreRows = 8;
 // Whether `count` rows read a chunk's keys transposed (score_rows) or as rows (dot_rows).
 inline bool transposed(int64_t count) { return count > kRowBlock; }
 
+// `pairs`: the chunk's keys are in s.key_pairs (the bf16 dot-product path), scaled by `scale` once scored.
 template <int64_t DIM>
-void score_and_accumulate(Scratch &s, int64_t first, int64_t count, int64_t n) {
+void score_and_accumulate(Scratch &s, int64_t first, int64_t count, int64_t n, bool pairs, float scale) {
     float scores[kMaxTileRows * kChunk], rescale[kMaxTileRows];
     float *queries = s.queries.data() + first * DIM, *weights = s.weights.data() + first * kChunk;
     int64_t r = 0;
-    if (transposed(count)) {
+    if (pairs) {
+        const uint32_t *query_pairs = s.query_pairs.data() + first * DIM / 2;
+        for (; r + kScoreRows <= count; r += kScoreRows)
+            score_rows_bf16<kScoreRows, DIM>(query_pairs + r * DIM / 2, s.key_pairs.data(), scale, scores + r * kChunk);
+        for (; r < count; r++)
+            score_rows_bf16<1, DIM>(query_pairs + r * DIM / 2, s.key_pairs.data(), scale, scores + r * kChunk);
+    } else if (transposed(count)) {
         for (; r + kScoreRows <= count; r += kScoreRows)
             score_rows<kScoreRows, DIM>(queries + r * DIM, s.keys_t.data(), scores + r * kChunk);
         for (; r + kRowBlock <= count; r += kRowBlock)
@@ -240,6 +282,9 @@ void attend(Scratch &s, int64_t first, int64_t count, const T *k_cache, const T 
             int64_t kv_head, const Shape &shape) {
     float *__restrict keys_t = s.keys_t.data(), *__restrict keys = s.keys.data(), *__restrict values = s.values.data();
     const bool by_token = !transposed(count);
+    // Many bf16 rows (a prefix's tile) score through the CPU's bf16 dot product where it has one.
+    const bool pairs = kBf16Dot && std::is_same_v<T, BFloat16> && count >= kScoreRows;
+    uint32_t *__restrict key_pairs = s.key_pairs.data();
     int64_t block = 0, offset = 0;
     for (int64_t start = 0; start < tokens.length; start += kChunk) {
         const int64_t n = tokens.length - start < kChunk ? tokens.length - start : kChunk;
@@ -247,16 +292,22 @@ void attend(Scratch &s, int64_t first, int64_t count, const T *k_cache, const T 
             const int64_t slot = static_cast<int64_t>(tokens.table[block]) * shape.block_size + offset;
             const T *key = k_cache + (slot * shape.num_kv_heads + kv_head) * DIM;
             const T *value = v_cache + (slot * shape.num_kv_heads + kv_head) * DIM;
-            if (by_token)
+            if (pairs)
+                for (int64_t i = 0; i < DIM / 2; i++) std::memcpy(key_pairs + i * kChunk + t, key + 2 * i, 4);
+            else if (by_token)
                 for (int64_t d = 0; d < DIM; d++) keys[t * DIM + d] = to_float(key[d]);
             else
                 for (int64_t d = 0; d < DIM; d++) keys_t[d * kChunk + t] = to_float(key[d]);
             for (int64_t d = 0; d < DIM; d++) values[t * DIM + d] = to_float(value[d]);
             if (++offset == shape.block_size) offset = 0, block++;
         }
-        for (int64_t t = n; t < kChunk && !by_token; t++)
-            for (int64_t d = 0; d < DIM; d++) keys_t[d * kChunk + t] = 0.0f;
-        score_and_accumulate<DIM>(s, first, count, n);
+        for (int64_t t = n; t < kChunk && !by_token; t++) {
+            if (pairs)
+                for (int64_t i = 0; i < DIM / 2; i++) key_pairs[i * kChunk + t] = 0;
+            else
+                for (int64_t d = 0; d < DIM; d++) keys_t[d * kChunk + t] = 0.0f;
+        }
+        score_and_accumulate<DIM>(s, first, count, n, pairs, shape.scale);
     }
 }
 
@@ -277,6 +328,8 @@ void run_task(const Task &task, Scratch &s, const T *q, const T *k_cache, const 
     for (size_t m = 0; m < task.members.size(); m++) {
         const T *from = q + (task.members[m] * shape.num_heads + task.kv_head * group) * dim;
         for (int64_t i = 0; i < group * dim; i++) s.queries[m * group * dim + i] = to_float(from[i]) * shape.scale;
+        if constexpr (std::is_same_v<T, BFloat16>)  // unscaled: q x scale would round in bf16
+            std::memcpy(s.query_pairs.data() + m * group * dim / 2, from, sizeof(T) * group * dim);
     }
     std::fill(s.acc.begin(), s.acc.begin() + rows * dim, 0.0f);
     std::fill(s.running_max.begin(), s.running_max.begin() + rows, -INFINITY);
