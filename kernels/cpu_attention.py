@@ -17,6 +17,7 @@ benchmarks.kernels --cpu`, its "decode step" rows).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -123,8 +124,17 @@ class PrefillChunk:
     end: int
     length: int
     blocks: torch.Tensor  # the blocks holding those ``length`` tokens
-    mask: torch.Tensor | None  # [end - start, length] causal over a cached prefix; None: no cached prefix
     cached_rows: CachedPrefixRows | None = None  # set for a short chunk over a cached prefix
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor | None:
+        """[end - start, length] causal over a cached prefix; None: no cached prefix. Made on first use (the
+        torch path's; a chunk the native kernel takes never needs it), then shared by every layer."""
+        n = self.end - self.start
+        if n == self.length:
+            return None
+        positions = torch.arange(self.length - n, self.length)
+        return torch.arange(self.length)[None, :] <= positions[:, None]
 
 
 # A chunk over a cached prefix with at most this many new tokens goes to the native kernel as rows of a
@@ -143,13 +153,10 @@ def plan_prefill(block_tables, cu_seqlens_q, context_lens, block_size: int, *,
         if end == start:
             continue
         blocks = block_tables[b, : -(-length // block_size)]
-        mask, cached_rows = None, None
-        if end - start != length:
-            positions = torch.arange(length - (end - start), length)
-            mask = torch.arange(length)[None, :] <= positions[:, None]
-            if rows_for_native and end - start <= NATIVE_CHUNK_ROWS:
-                cached_rows = _cached_prefix_rows(blocks, length - (end - start), end - start, block_size)
-        chunks.append(PrefillChunk(start, end, length, blocks, mask, cached_rows))
+        cached_rows = None
+        if rows_for_native and end - start != length and end - start <= NATIVE_CHUNK_ROWS:
+            cached_rows = _cached_prefix_rows(blocks, length - (end - start), end - start, block_size)
+        chunks.append(PrefillChunk(start, end, length, blocks, cached_rows))
     return chunks
 
 

@@ -79,7 +79,6 @@ struct Shape {
     int64_t num_heads, num_kv_heads, head_dim, block_size, num_blocks;
     float scale;
     int64_t group() const { return num_heads / num_kv_heads; }
-    int64_t token_stride() const { return num_kv_heads * head_dim; }
 };
 
 // A run of cached tokens: the first `length` of a block table's row.
@@ -220,6 +219,19 @@ constexpr int64_t kScoreRows = 8;
 // Whether `count` rows read a chunk's keys transposed (score_rows) or as rows (dot_rows).
 inline bool transposed(int64_t count) { return count > kRowBlock; }
 
+// f(std::integral_constant<int64_t, rows>{}) for 1 <= rows <= kRowBlock: the row count the kernels unroll
+// over, for the rows left after whole blocks (0 rows: nothing).
+template <typename F>
+inline void with_rows(int64_t rows, F f) {
+    switch (rows) {
+        case 4: return f(std::integral_constant<int64_t, 4>{});
+        case 3: return f(std::integral_constant<int64_t, 3>{});
+        case 2: return f(std::integral_constant<int64_t, 2>{});
+        case 1: return f(std::integral_constant<int64_t, 1>{});
+    }
+}
+static_assert(kRowBlock == 4, "with_rows covers 1..kRowBlock rows");
+
 // `pairs`: the chunk's keys are in s.key_pairs (the bf16 dot-product path), scaled by `scale` once scored.
 template <int64_t DIM>
 void score_and_accumulate(Scratch &s, int64_t first, int64_t count, int64_t n, bool pairs, float scale) {
@@ -237,18 +249,11 @@ void score_and_accumulate(Scratch &s, int64_t first, int64_t count, int64_t n, b
             score_rows<kScoreRows, DIM>(queries + r * DIM, s.keys_t.data(), scores + r * kChunk);
         for (; r + kRowBlock <= count; r += kRowBlock)
             score_rows<kRowBlock, DIM>(queries + r * DIM, s.keys_t.data(), scores + r * kChunk);
-        switch (count - r) {
-            case 3: score_rows<3, DIM>(queries + r * DIM, s.keys_t.data(), scores + r * kChunk); break;
-            case 2: score_rows<2, DIM>(queries + r * DIM, s.keys_t.data(), scores + r * kChunk); break;
-            case 1: score_rows<1, DIM>(queries + r * DIM, s.keys_t.data(), scores + r * kChunk); break;
-        }
+        with_rows(count - r, [&](auto rows) {
+            score_rows<decltype(rows)::value, DIM>(queries + r * DIM, s.keys_t.data(), scores + r * kChunk);
+        });
     } else {
-        switch (count) {
-            case 4: dot_rows<4, DIM>(queries, s.keys.data(), n, scores); break;
-            case 3: dot_rows<3, DIM>(queries, s.keys.data(), n, scores); break;
-            case 2: dot_rows<2, DIM>(queries, s.keys.data(), n, scores); break;
-            case 1: dot_rows<1, DIM>(queries, s.keys.data(), n, scores); break;
-        }
+        with_rows(count, [&](auto rows) { dot_rows<decltype(rows)::value, DIM>(queries, s.keys.data(), n, scores); });
     }
     for (r = 0; r < count; r++) {  // the online softmax step of each row
         float *score = scores + r * kChunk, *weight = weights + r * kChunk;
@@ -268,12 +273,10 @@ void score_and_accumulate(Scratch &s, int64_t first, int64_t count, int64_t n, b
     float *acc = s.acc.data() + first * DIM;
     for (r = 0; r + kRowBlock <= count; r += kRowBlock)
         accumulate_rows<kRowBlock, DIM>(acc + r * DIM, rescale + r, weights + r * kChunk, s.values.data(), n);
-    const float *values = s.values.data();
-    switch (count - r) {
-        case 3: accumulate_rows<3, DIM>(acc + r * DIM, rescale + r, weights + r * kChunk, values, n); break;
-        case 2: accumulate_rows<2, DIM>(acc + r * DIM, rescale + r, weights + r * kChunk, values, n); break;
-        case 1: accumulate_rows<1, DIM>(acc + r * DIM, rescale + r, weights + r * kChunk, values, n); break;
-    }
+    with_rows(count - r, [&](auto rows) {
+        accumulate_rows<decltype(rows)::value, DIM>(acc + r * DIM, rescale + r, weights + r * kChunk,
+                                                    s.values.data(), n);
+    });
 }
 
 // Attends rows [first, first + count) of the scratch state over `tokens` of one kv head.

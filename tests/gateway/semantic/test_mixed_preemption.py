@@ -10,9 +10,6 @@ import httpx
 import pytest
 
 from engines.builtin.config import EngineConfig
-from engines.builtin.http_app import create_app as create_engine_app
-from gateway.app import create_app as create_gateway_app
-from gateway.config import BuiltinConfig, EnginesConfig, GatewayConfig
 
 MODEL = "tiny"
 MAPS, CHATS = 6, 2
@@ -22,16 +19,10 @@ MAP_TOKENS, CHAT_TOKENS, NUM_BLOCKS = 64, 200, 36
 
 
 @pytest.fixture(scope="module")
-def urls(tiny_model_dir, serve_module) -> dict[str, str]:
+def urls(tiny_model_dir, engine_behind_gateway) -> dict[str, str]:
     config = EngineConfig(model=str(tiny_model_dir), num_blocks=NUM_BLOCKS, block_size=16, max_num_seqs=8,
                           latency_max_num_seqs=2)
-    engine = serve_module(create_engine_app(config, model_name=MODEL))
-    gateway = serve_module(create_gateway_app(GatewayConfig(
-        builtin=BuiltinConfig(enabled=False), engines=EnginesConfig(registration_secret="s", heartbeat_timeout_s=600.0))))
-    registered = httpx.post(f"{gateway}/v1/engines", json={"name": "tiny", "url": engine, "models": [MODEL]},
-                            headers={"authorization": "Bearer s"})
-    assert registered.status_code == 201, registered.text
-    return {"gateway": gateway, "engine": engine}
+    return engine_behind_gateway(config, MODEL)
 
 
 def completion(prompt: str, max_tokens: int, **extra) -> dict:

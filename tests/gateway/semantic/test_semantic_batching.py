@@ -13,9 +13,6 @@ import httpx
 import pytest
 
 from engines.builtin.config import EngineConfig
-from engines.builtin.http_app import create_app as create_engine_app
-from gateway.app import create_app as create_gateway_app
-from gateway.config import BuiltinConfig, EnginesConfig, GatewayConfig
 
 MODEL = "tiny"
 MAPS = 3
@@ -23,15 +20,8 @@ SAMPLING = {"max_tokens": 64, "temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def urls(tiny_model_dir, serve_module) -> dict[str, str]:
-    config = EngineConfig(model=str(tiny_model_dir), max_num_seqs=8, latency_max_num_seqs=1)
-    engine = serve_module(create_engine_app(config, model_name=MODEL))
-    gateway = serve_module(create_gateway_app(GatewayConfig(
-        builtin=BuiltinConfig(enabled=False), engines=EnginesConfig(registration_secret="s", heartbeat_timeout_s=600.0))))
-    registered = httpx.post(f"{gateway}/v1/engines", json={"name": "tiny", "url": engine, "models": [MODEL]},
-                            headers={"authorization": "Bearer s"})
-    assert registered.status_code == 201, registered.text
-    return {"gateway": gateway, "engine": engine}
+def urls(tiny_model_dir, engine_behind_gateway) -> dict[str, str]:
+    return engine_behind_gateway(EngineConfig(model=str(tiny_model_dir), max_num_seqs=8, latency_max_num_seqs=1), MODEL)
 
 
 class BatchWatch:
