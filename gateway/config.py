@@ -96,6 +96,10 @@ class SemanticConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     var_timeout_s: float = 60.0  # default wait of GET /v1/vars/{id}?wait=true
     max_var_wait_s: Annotated[float, msgspec.Meta(ge=0)] = 600.0  # the longest wait a reader may ask for (timeout=inf included)
     min_prefix_chars: int = 64  # shorter constant prefixes are left to the engine's block-level prefix cache
+    # A call whose inputs are still being generated on one engine is sent there ahead of time and starts
+    # when they are produced, their token ids spliced in (gateway/semantic/handoff.py); off: it waits for
+    # their text at the gateway.
+    token_handoff: bool = True
     max_prefixes_per_engine: int = 32  # idle shared-prefix contexts kept per engine; beyond, one-off ones go first
     default_session_max_variables: int = 10_000  # a key's default session forgets its oldest finished ones beyond
     # A session no request touched and no call ran in for this long is closed as DELETE closes it
@@ -244,6 +248,7 @@ ENV_OVERRIDES: dict[str, tuple[str, str]] = {
     "PARROT_NUM_RETRIES": ("routing", "num_retries"),
     "PARROT_HEALTH_CHECK_INTERVAL_S": ("routing", "health_check_interval_s"),
     "PARROT_SESSION_IDLE_TTL_S": ("semantic", "session_idle_ttl_s"),
+    "PARROT_TOKEN_HANDOFF": ("semantic", "token_handoff"),
     "PARROT_QUOTA_REQUESTS_PER_MINUTE": ("quotas", "requests_per_minute"),
     "PARROT_QUOTA_TOKENS_PER_MINUTE": ("quotas", "tokens_per_minute"),
     "PARROT_QUOTA_CONCURRENT_REQUESTS": ("quotas", "concurrent_requests"),
@@ -266,7 +271,7 @@ def _set(raw: dict[str, Any], section: str, key: str, value: Any) -> None:
 def _env_value(key: str, text: str) -> Any:
     if key in ("api_keys", "admin_keys"):
         return [k.strip() for k in text.split(",") if k.strip()]
-    if key in ("enabled", "access_log"):
+    if key in ("enabled", "access_log", "token_handoff"):
         return text.strip().lower() not in ("0", "false", "no", "off")
     return text  # msgspec.convert(strict=False) turns "8000" into 8000
 

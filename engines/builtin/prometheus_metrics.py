@@ -23,6 +23,7 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                80.0)
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                    480.0, 960.0, 1920.0, 7680.0)
+HANDOFF_BUCKETS = (1, 2, 3, 4, 8, 16, 64)
 
 
 class _Stats:
@@ -73,6 +74,9 @@ class EngineMetrics:
                               "token.", labels, buckets=REQUEST_BUCKETS, registry=r)
         self._queue = Histogram("vllm:request_queue_time_seconds", "Time a request waited before its first step.",
                                 labels, buckets=REQUEST_BUCKETS, registry=r)
+        self._handoff = Histogram("parrot:handoff_wait_steps", "Engine steps from the last token of the last "
+                                  "output a request takes as input (token-id handoff) to its own first token: 1 "
+                                  "when it ran in the very next step.", labels, buckets=HANDOFF_BUCKETS, registry=r)
         self._success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=r)
         self.registry.register(_Stats(self))
@@ -83,6 +87,7 @@ class EngineMetrics:
         self.model_name = model_name
         self.ttft, self.itl = self._ttft.labels(model_name), self._itl.labels(model_name)
         self.e2e, self.queue_time = self._e2e.labels(model_name), self._queue.labels(model_name)
+        self.handoff_wait = self._handoff.labels(model_name)
         self._finished = {reason: self._success.labels(model_name, reason) for reason in ("stop", "length")}
 
     def finished(self, reason: str) -> Counter:

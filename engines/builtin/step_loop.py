@@ -185,6 +185,7 @@ class StepLoop:
             result.logprobs[i] if result.logprobs else None,
             result.top_logprobs[i] if result.top_logprobs else None,
             finish,
+            self._step_count,
         )
         deliver = ctx.deliver
         if finish:  # before delivering, so a caller woken by the last token sees the request gone

@@ -45,6 +45,7 @@ class TokenEvent(msgspec.Struct):
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     finish_reason: str | None = None
+    step: int = 0  # the engine step that produced it (how the token-id handoff's wait is measured)
 
 
 class TokenScore(msgspec.Struct):

@@ -3,7 +3,8 @@
 interface.py     ``Engine`` (create / stream / health / stats / aclose) and the optional capabilities
                  ``ContextEngine`` (contexts + prompt split), ``HintedEngine`` (scheduling fields) and
                  ``PrioritizedEngine`` (criteria as vLLM's / SGLang's ``priority``)
-contexts.py      what the context capability answers: FillResult, Generation (GenerationChunk), PromptSplit
+contexts.py      what the context capability answers: FillResult, Generation (GenerationChunk), PromptSplit;
+                 ForkPart (a fork's text as pieces: text, or an earlier generation's output by name)
 errors.py        ``EngineError`` and its kinds, each with the HTTP status it becomes
 upstream.py      ``UpstreamEngine``: any OpenAI-compatible server over HTTP (``PrioritizedUpstreamEngine``:
                  one with priority scheduling)
@@ -13,7 +14,7 @@ connect.py       announced capabilities -> the engine object; an object's capabi
 launch.py        how a gateway starts a builtin engine process (torch-free)
 """
 
-from engines.seam.contexts import FillResult, Generation, GenerationChunk, PromptSplit, Segment
+from engines.seam.contexts import FillResult, ForkPart, Generation, GenerationChunk, PromptSplit, Segment
 from engines.seam.errors import (
     EngineError,
     EngineOverloaded,
@@ -32,6 +33,6 @@ from engines.seam.interface import (
 )
 
 __all__ = ["ContextEngine", "Count", "Engine", "EngineError", "EngineOverloaded", "EngineRejected", "EngineStats",
-           "EngineTimeout", "EngineUnavailable", "FillResult", "Generation", "GenerationChunk", "HintedEngine", "PrioritizedEngine",
+           "EngineTimeout", "EngineUnavailable", "FillResult", "ForkPart", "Generation", "GenerationChunk", "HintedEngine", "PrioritizedEngine",
            "PromptSplit", "Route",
            "Segment"]

@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator, Literal
 import httpx
 import msgspec
 
-from engines.seam.contexts import FillResult, Generation, GenerationChunk, PromptSplit
+from engines.seam.contexts import FillResult, ForkPart, Generation, GenerationChunk, PromptSplit
 from engines.seam.errors import EngineError, EngineRejected
 from engines.seam.interface import Route
 from engines.seam.upstream import UpstreamEngine, translate_errors
@@ -68,15 +68,17 @@ class BuiltinEngineClient(UpstreamEngine):
                                   ("context_id", context_id), ("if_absent", if_absent or None)) if v is not None}
         return msgspec.json.decode(await self._call("POST", "contexts", body), type=FillResult)
 
-    async def generate_in_context(self, context_id: str, sampling: dict[str, Any], *, fork_with: str | None = None,
-                                  context_text: str | None = None) -> Generation:
-        body = _generate_body(sampling, False, fork_with, context_text)
+    async def generate_in_context(self, context_id: str, sampling: dict[str, Any], *,
+                                  fork_with: str | list[ForkPart] | None = None, context_text: str | None = None,
+                                  output_id: str | None = None) -> Generation:
+        body = _generate_body(sampling, False, fork_with, context_text, output_id)
         return msgspec.json.decode(await self._call("POST", f"contexts/{context_id}/generate", body),
                                    type=Generation)
 
-    async def stream_in_context(self, context_id: str, sampling: dict[str, Any], *, fork_with: str | None = None,
-                                context_text: str | None = None) -> AsyncIterator[GenerationChunk]:
-        body = msgspec.json.encode(_generate_body(sampling, True, fork_with, context_text))
+    async def stream_in_context(self, context_id: str, sampling: dict[str, Any], *,
+                                fork_with: str | list[ForkPart] | None = None, context_text: str | None = None,
+                                output_id: str | None = None) -> AsyncIterator[GenerationChunk]:
+        body = msgspec.json.encode(_generate_body(sampling, True, fork_with, context_text, output_id))
         path = f"contexts/{context_id}/generate"
         with translate_errors(self.name):
             async with self._client.stream("POST", f"{self.base_url}/{path}", content=body,
@@ -97,11 +99,13 @@ class BuiltinEngineClient(UpstreamEngine):
         return msgspec.json.decode(await self._call("DELETE", f"contexts/{context_id}"))["freed_blocks"]
 
 
-def _generate_body(sampling: dict[str, Any], stream: bool, fork_with: str | None,
-                   context_text: str | None) -> dict[str, Any]:
+def _generate_body(sampling: dict[str, Any], stream: bool, fork_with: str | list[ForkPart] | None,
+                   context_text: str | None, output_id: str | None) -> dict[str, Any]:
     body = {**sampling, "stream": stream}
+    if output_id is not None:
+        body["output_id"] = output_id
     if fork_with is not None:
-        body |= {"text": fork_with, "fork": True}
+        body |= {"text" if isinstance(fork_with, str) else "parts": fork_with, "fork": True}
         if context_text is not None:
             body["context_text"] = context_text
     return body

@@ -30,6 +30,15 @@ class GenerationChunk(msgspec.Struct):
     context_tokens: int | None = None
 
 
+class ForkPart(msgspec.Struct, omit_defaults=True):
+    """A piece of a fork's text: constant ``text``, or the output of an earlier generation on the same
+    engine, named by its ``output_id`` (``output_of``), taken as the token ids it generated. A fork given
+    as parts waits on the engine until every output it names is produced."""
+
+    text: str | None = None
+    output_of: str | None = None
+
+
 class Segment(msgspec.Struct, omit_defaults=True):
     """A piece of a split prompt's rest: constant text, or where a variable's value goes."""
 

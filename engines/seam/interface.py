@@ -24,7 +24,7 @@ from typing import Annotated, Any, AsyncIterator, Literal, Protocol, runtime_che
 
 import msgspec
 
-from engines.seam.contexts import FillResult, Generation, GenerationChunk, PromptSplit
+from engines.seam.contexts import FillResult, ForkPart, Generation, GenerationChunk, PromptSplit
 
 Route = Literal["chat/completions", "completions"]
 
@@ -118,15 +118,19 @@ class ContextEngine(Engine, Protocol):
         """Fills a context; ``if_absent``: creates ``context_id`` unless it exists, not waiting for its fill."""
         ...
 
-    async def generate_in_context(self, context_id: str, sampling: dict[str, Any], *, fork_with: str | None = None,
-                                  context_text: str | None = None) -> Generation:
+    async def generate_in_context(self, context_id: str, sampling: dict[str, Any], *,
+                                  fork_with: str | list[ForkPart] | None = None, context_text: str | None = None,
+                                  output_id: str | None = None) -> Generation:
         """Generates after the context (appending to it), or with ``fork_with``: after the context plus that
         text, in a temporary child the engine frees itself. ``context_text`` (with ``fork_with``): the
-        context's text, to create it from if it does not exist yet."""
+        context's text, to create it from if it does not exist yet. ``fork_with`` as parts may name earlier
+        generations' outputs (``output_id``), which the engine splices in as their token ids once produced
+        (EngineRejected, status 424, if one is not: its generation failed)."""
         ...
 
-    def stream_in_context(self, context_id: str, sampling: dict[str, Any], *, fork_with: str | None = None,
-                          context_text: str | None = None) -> AsyncIterator[GenerationChunk]:
+    def stream_in_context(self, context_id: str, sampling: dict[str, Any], *,
+                          fork_with: str | list[ForkPart] | None = None, context_text: str | None = None,
+                          output_id: str | None = None) -> AsyncIterator[GenerationChunk]:
         """``generate_in_context``, its tokens yielded as they are generated. Closing it cancels the generation."""
         ...
 

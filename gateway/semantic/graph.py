@@ -21,6 +21,7 @@ from gateway.config import QuotaLimits
 from gateway.domain_errors import Conflict, DomainError, Invalid, NotFound, NotReady, QuotaExceeded, TooLarge
 from gateway.errors import engine_error_body
 from gateway.scheduler import Placement
+from gateway.semantic.handoff import PendingOutput
 from gateway.semantic.schema import CallNode, CallState
 
 LATENCY_PRIORITY = 1 << 20  # above any app-FIFO rank
@@ -48,9 +49,12 @@ class Variable:
         self.error: str | None = None
         self.producer: Call | None = None
         self.size = 0  # UTF-8 bytes of its value, counted in its session's bytes
+        self.pending: PendingOutput | None = None  # while its producer generates it on an engine (handoff.py)
         self._ready = asyncio.Event()
+        self._announced = asyncio.Event()  # ready, or pending on an engine
         if value is not None:
             self._ready.set()
+            self._announced.set()
 
     @property
     def ready(self) -> bool:
@@ -60,11 +64,31 @@ class Variable:
         """Binds the value (a 413 or 429 instead when it would take the session over its byte quotas)."""
         self.size = self.session.reserve_bytes(value)
         self.value = value
+        self.pending = None
         self._ready.set()
+        self._announced.set()
 
     def fail(self, error: str) -> None:
         self.error = error
+        self.withdraw()
         self._ready.set()
+        self._announced.set()
+
+    def publish(self, pending: PendingOutput) -> None:
+        """Its producer is generating it on an engine: consumers placed there may take it from there."""
+        self.pending = pending
+        self._announced.set()
+
+    def withdraw(self) -> None:
+        """What was published is not coming from there: consumers sent ahead for it fall back."""
+        if self.pending is not None:
+            self.pending.withdrawn.set()
+            self.pending = None
+
+    async def announced(self, timeout_s: float) -> None:
+        """Returns once the variable is ready or pending on an engine (TimeoutError after ``timeout_s``)."""
+        if not self._announced.is_set():
+            await asyncio.wait_for(self._announced.wait(), timeout_s)
 
     async def get(self, timeout_s: float) -> str:
         try:
@@ -85,6 +109,7 @@ class Variable:
 
 
 Work = Callable[["Call", dict[str, str]], Awaitable[dict[str, str]]]
+HandAhead = Callable[["Call"], Awaitable[dict[str, str] | None]]
 
 
 class Call:
@@ -92,10 +117,14 @@ class Call:
 
     def __init__(self, session: "Session", inputs: dict[str, Variable], outputs: dict[str, Variable],
                  work: Work, *, latency: bool, call_id: str | None = None,
-                 prepare: Callable[[], Awaitable[None]] | None = None):
+                 prepare: Callable[[], Awaitable[None]] | None = None,
+                 hand_ahead: HandAhead | None = None):
         self.id = call_id or new_id("call")
         # What can be done before the inputs are ready (render, fill the shared prefix): done first.
         self.prepare = prepare
+        # Runs the call before its inputs are ready, on the engine producing them (handoff.py); None when
+        # it cannot, and the call then waits for its inputs' values.
+        self.hand_ahead = hand_ahead
         self.session = session
         self.inputs = inputs
         self.outputs = outputs
@@ -108,6 +137,7 @@ class Call:
         self.state: CallState = "waiting"
         self.submitted = time.time()
         self.started: float | None = None  # when its inputs were ready and its work began (None: pending)
+        self.handed: float | None = None  # when it was sent to its engine ahead of its inputs (handoff.py)
         self.span_context = None  # its tracing span's, once it ran traced (gateway/tracing.py)
         self.finished: float | None = None
         self.engine_id: str | None = None  # set by the runner once the scheduler placed it
@@ -118,7 +148,8 @@ class Call:
                         group=self.group, engine=self.engine_id,
                         inputs={name: v.id for name, v in self.inputs.items()},
                         outputs={name: v.id for name, v in self.outputs.items()},
-                        submitted=self.submitted, started=self.started, finished=self.finished, error=self.error)
+                        submitted=self.submitted, handed=self.handed, started=self.started, finished=self.finished,
+                        error=self.error)
 
     @property
     def priority(self) -> int:
@@ -168,23 +199,45 @@ class Call:
             peers |= {v.producer for v in consumer.inputs.values() if v.producer and v.producer.task}
         return peers
 
+    async def _values(self, input_timeout_s: float) -> dict[str, str]:
+        values = {}
+        for name, variable in self.inputs.items():
+            try:
+                values[name] = await variable.get(input_timeout_s)
+            except VariableFailed as exc:
+                raise VariableFailed(f"input {variable.label} failed: {_clipped(str(exc))}") from None
+        return values
+
+    def join_group(self) -> None:
+        """Before it goes to an engine: it joins its task group (or runs alone), at the group's most urgent pace."""
+        consumers = self.consumers()
+        self.grouped = self._feeds_only_task_groups(consumers)
+        self.group = consumers[0].id if self.grouped else None
+        if any(peer.latency for peer in self.group_peers(consumers)):
+            self.latency = True  # a task group runs at the pace of its most urgent member
+
+    def mark_running(self) -> None:
+        self.state, self.started = "running", time.time()
+
+    def hand_to_engine(self) -> None:
+        """It goes to an engine before its inputs are ready (token-id handoff): it is waiting there, and
+        running from when its inputs are bound."""
+        self.join_group()
+        self.handed = time.time()
+
     async def run(self, input_timeout_s: float) -> dict[str, str]:
         try:
-            if self.prepare is not None and not all(variable.ready for variable in self.inputs.values()):
-                await self.prepare()
-            values = {}
-            for name, variable in self.inputs.items():
-                try:
-                    values[name] = await variable.get(input_timeout_s)
-                except VariableFailed as exc:
-                    raise VariableFailed(f"input {variable.label} failed: {_clipped(str(exc))}") from None
-            consumers = self.consumers()
-            self.grouped = self._feeds_only_task_groups(consumers)
-            self.group = consumers[0].id if self.grouped else None
-            if any(peer.latency for peer in self.group_peers(consumers)):
-                self.latency = True  # a task group runs at the pace of its most urgent member
-            self.state, self.started = "running", time.time()
-            results = await self.work(self, values)
+            if not all(variable.ready for variable in self.inputs.values()):
+                if self.prepare is not None:
+                    await self.prepare()
+                results = await self.hand_ahead(self) if self.hand_ahead is not None else None
+            else:
+                results = None
+            if results is None:
+                values = await self._values(input_timeout_s)
+                self.join_group()
+                self.mark_running()
+                results = await self.work(self, values)
             self.state = "done"
         except BaseException as exc:
             message = _describe(exc)
@@ -197,7 +250,7 @@ class Call:
             self.finished = time.time()
             self.session.calls.pop(self.id, None)  # finished parts of the graph are freed,
             self.session.keep_finished(self)  # but for what the graph view shows of them;
-            self.work = self.prepare = None  # with the request and response their closures hold
+            self.work = self.prepare = self.hand_ahead = None  # with the request and response their closures hold
         for name, output in self.outputs.items():
             try:
                 output.set(results[name])

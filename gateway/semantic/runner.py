@@ -13,20 +13,22 @@ evicts it meanwhile. Other engines get plain text substitution.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from contextlib import aclosing
 from typing import Any, AsyncIterator, NamedTuple
 
 import msgspec
 
-from engines.seam import ContextEngine, EngineError, Generation, GenerationChunk, PromptSplit, Route
+from engines.seam import ContextEngine, EngineError, ForkPart, Generation, GenerationChunk, PromptSplit, Route
 from engines.seam.connect import has_capability
 from gateway.attempts import retryable
 from gateway.prompt_prefix import chain, tokens_in
 from gateway.registry import EngineRecord
 from gateway.scheduler import Placement, Work
 from gateway.semantic import template
-from gateway.semantic.graph import Call, Session
+from gateway.semantic.graph import Call, Session, Variable, new_id
+from gateway.semantic.handoff import PendingOutput, announced_inputs, fork_parts, unless_withdrawn
 from gateway.semantic.prefix import PrefixCache, PrefixEntry
 from gateway.semantic.streaming import TextSink
 from gateway.service import Answer, Gateway
@@ -74,6 +76,14 @@ class Plan(NamedTuple):
         return self.record.engine  # type: ignore[return-value]  (chosen among ContextEngines)
 
 
+class Handoff(NamedTuple):
+    """A call sent ahead of its inputs: where (the engine generating them), and its fork text as parts."""
+
+    plan: Plan
+    parts: list[ForkPart]
+    pending: list[PendingOutput]
+
+
 class Runner:
     def __init__(self, gateway: Gateway, prefixes: PrefixCache, min_prefix_chars: int = 64):
         self.gateway = gateway
@@ -91,10 +101,11 @@ class Runner:
         return [r for r in self.gateway.registry.candidates(model) if has_capability(r.engine, ContextEngine)]
 
     async def run(self, route: Route, body: dict[str, Any], values: dict[str, str], *, call: Call,
-                  session: Session, sink: TextSink | None = None) -> Answer:
+                  session: Session, sink: TextSink | None = None, output: Variable | None = None) -> Answer:
         """Runs ``call``'s request with its inputs' ``values``, placed by the global scheduler; a forked
         request that fails on one engine is run again on another while nothing of it reached anyone.
-        With a ``sink``, its text goes there as it is generated."""
+        With a ``sink``, its text goes there as it is generated. ``output``: the variable its text will be
+        bound to, published as pending on the engine while it is generated (handoff.py)."""
         model = body["model"]
         hints, placement = call.engine_hints(), call.placement()
         started = time.perf_counter()
@@ -111,7 +122,8 @@ class Runner:
             plan = self._place(model, split, rest, records, placement)
             call.engine_id = plan.record.id
             try:
-                generation, prompt_tokens = await self._fork_and_generate(plan, rest, body, bounded, session, sink)
+                generation, prompt_tokens = await self._fork_and_generate(plan, rest, body, bounded, session, sink,
+                                                                          output)
                 break
             except EngineError as exc:
                 tried.add(plan.record.id)
@@ -120,10 +132,62 @@ class Runner:
                         or (sink is not None and sink.started)):
                     self.gateway.record_failure(model, exc)
                     raise
+        return self._answered(route, model, plan, generation, prompt_tokens, started)
+
+    def _answered(self, route: Route, model: str, plan: Plan, generation: Generation, prompt_tokens: int,
+                  started: float) -> Answer:
         response = _response(route, model, generation.text, generation.finish_reason, prompt_tokens,
                              len(generation.token_ids))
         self.gateway.record_success(model, plan.record.engine.name, response, started)  # as a plain request is
         return Answer(response, plan.record.id)
+
+    async def plan_ahead(self, route: Route, body: dict[str, Any], call: Call, input_timeout_s: float
+                         ) -> Handoff | None:
+        """How ``call`` can run before its inputs' text is known: on the one engine generating the inputs
+        that are not ready, which splices their token ids in as they are produced (handoff.py). None when
+        it cannot (an input failed, or is pending on no engine or on several, or the request does not
+        fork): the call then waits for its inputs' values and runs as usual."""
+        if not self._forkable(route, body):
+            return None
+        known = await announced_inputs(call.inputs, input_timeout_s)
+        if known is None:
+            return None
+        pending = {name: value for name, value in known.items() if isinstance(value, PendingOutput)}
+        records = [r for r in self._with_contexts(body["model"]) if {p.engine_id for p in pending.values()} == {r.id}]
+        split = await self._split(route, body, records) if records else None
+        if split is None:
+            return None
+        values = {name: value for name, value in known.items() if isinstance(value, str)}
+        plan = self._place(body["model"], split, split.rest_with(values), records, call.placement())
+        return Handoff(plan, fork_parts(split, values, pending), list(pending.values()))
+
+    async def run_ahead(self, route: Route, body: dict[str, Any], handoff: Handoff, *, call: Call,
+                        session: Session, input_timeout_s: float, sink: TextSink | None = None,
+                        output: Variable | None = None) -> Answer | None:
+        """Runs ``call`` as ``handoff`` plans; None when a producer was withdrawn or failed on the engine
+        before this produced anything (the caller then runs it from its inputs' text, as usual)."""
+        started = time.perf_counter()
+        call.hand_to_engine()
+        plan = handoff.plan
+        call.engine_id = plan.record.id
+        bounded = call.engine_hints() | self.gateway.token_defaults(route, body, plan.engine)
+        try:
+            done, withdrawn = await unless_withdrawn(
+                self._fork_and_generate(plan, handoff.parts, body, bounded, session, sink, output),
+                handoff.pending, beside=_running_once_bound(call, input_timeout_s))
+        except EngineError as exc:
+            if (exc.status_code == 424 or retryable(exc)) and not (sink is not None and sink.started):
+                return None  # a producer failed there, or the engine did: run from the text (elsewhere)
+            self.gateway.record_failure(body["model"], exc)
+            raise
+        if withdrawn:
+            return None
+        for variable in call.inputs.values():  # bound by their producers as their answers arrive
+            await variable.get(input_timeout_s)  # a producer whose value failed (quotas) fails this call too
+        if call.started is None:
+            call.mark_running()
+        generation, prompt_tokens = done
+        return self._answered(route, body["model"], plan, generation, prompt_tokens, started)
 
     async def _run_plain(self, route: Route, body: dict[str, Any], hints: dict[str, Any], placement: Placement,
                          sink: TextSink | None) -> Answer:
@@ -194,21 +258,31 @@ class Runner:
             session.prefix_keys.add(entry.key)
         return entry, hit
 
-    async def _fork_and_generate(self, plan: Plan, rest: str, body: dict[str, Any], hints: dict[str, Any],
-                                 session: Session, sink: TextSink | None) -> tuple[Generation, int]:
+    async def _fork_and_generate(self, plan: Plan, rest: str | list[ForkPart], body: dict[str, Any],
+                                 hints: dict[str, Any], session: Session, sink: TextSink | None,
+                                 output: Variable | None) -> tuple[Generation, int]:
         record = plan.record
         entry, hit = await self._acquire(plan, session)
         record.in_flight += 1
         sampling = sampling_of(body) | hints
         record.requests.add()
+        output_id = new_id("out") if output is not None else None
+        if output is not None and output_id is not None:
+            output.publish(PendingOutput(record.id, output_id))
         try:
             if sink is None:
                 generation = await plan.engine.generate_in_context(entry.context_id, sampling, fork_with=rest,
-                                                                   context_text=plan.split.prefix)
+                                                                   context_text=plan.split.prefix,
+                                                                   output_id=output_id)
             else:
                 sink.engine_id = record.id
                 generation = await _gathered(plan.engine.stream_in_context(
-                    entry.context_id, sampling, fork_with=rest, context_text=plan.split.prefix), sink)
+                    entry.context_id, sampling, fork_with=rest, context_text=plan.split.prefix,
+                    output_id=output_id), sink)
+        except BaseException:
+            if output is not None:
+                output.withdraw()
+            raise
         finally:
             record.in_flight -= 1
             await self.prefixes.release(entry)
@@ -216,6 +290,14 @@ class Runner:
         if hit:
             self.prefixes.hit_tokens += generation.context_tokens
         return generation, generation.context_tokens + generation.usage["prompt_tokens"]
+
+
+async def _running_once_bound(call: Call, timeout_s: float) -> None:
+    """Marks a call sent ahead as running once its inputs are bound here (its engine started it then)."""
+    with contextlib.suppress(Exception):
+        for variable in call.inputs.values():
+            await variable.get(timeout_s)
+        call.mark_running()
 
 
 async def _gathered(chunks: AsyncIterator[GenerationChunk], sink: TextSink) -> Generation:

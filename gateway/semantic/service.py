@@ -114,15 +114,29 @@ class SemanticService:
         async def work(call: Call, values: dict[str, str]) -> dict[str, str]:
             with self.tracing.call(call):
                 responses["answer"] = await self.runner.run(route, body, values, call=call, session=session,
-                                                             sink=sink)
+                                                             sink=sink, output=call.outputs["output"])
             return {"output": output_text(route, responses["answer"].body)}
+
+        async def hand_ahead(call: Call) -> dict[str, str] | None:
+            handoff = await self.runner.plan_ahead(route, body, call, self.config.input_timeout_s)
+            if handoff is None:
+                return None
+            with self.tracing.call(call):
+                answer = await self.runner.run_ahead(route, body, handoff, call=call, session=session, sink=sink,
+                                                     input_timeout_s=self.config.input_timeout_s,
+                                                     output=call.outputs["output"])
+            if answer is None:
+                return None
+            responses["answer"] = answer
+            return {"output": output_text(route, answer.body)}
 
         latency = ext.criteria == "latency" or (ext.criteria is None and ext.wait)
         with session.undo_on_error() as made:
             inputs = self._bind(session, placeholders, ext.vars, "parrot.vars")
             output = self._output(session, ext.output)
             call = Call(session, inputs, {"output": output}, work, latency=latency,
-                        prepare=lambda: self.runner.warm(route, body, call, session))
+                        prepare=lambda: self.runner.warm(route, body, call, session),
+                        hand_ahead=hand_ahead if self.config.token_handoff else None)
             self._start(session, call)
         result = ParrotResult(session_id=session.id, output=OutputView(id=output.id, name=output.name),
                               call_id=call.id)
@@ -285,7 +299,8 @@ class SemanticService:
             if piece.kind == "output":
                 output = spec.outputs.get(piece.name)
                 body = {"model": spec.model, "prompt": prompt, **(output.sampling() if output else {})}
-                answer = await self.runner.run("completions", body, known, call=call, session=session)
+                answer = await self.runner.run("completions", body, known, call=call, session=session,
+                                               output=call.outputs[piece.name])
                 known[piece.name] = results[piece.name] = output_text("completions", answer.body)
             prompt += "{{" + piece.name + "}}"
         return results

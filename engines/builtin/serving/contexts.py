@@ -10,7 +10,8 @@ import msgspec
 from msgspec import Meta
 
 from engines.builtin.tokenizer import IncrementalDetokenizer, text_tokens
-from engines.seam.contexts import FillResult
+from engines.builtin.serving.named_outputs import Output
+from engines.seam.contexts import FillResult, ForkPart
 from wire.openai import (
     Usage,
 )
@@ -38,6 +39,11 @@ class ContextGenerateRequest(SamplingWithHints, kw_only=True, omit_defaults=True
     # (one call instead of fill + generate + free: how a gateway runs a request on a shared prefix).
     text: str | None = None
     tokens: list[int] | None = None
+    # With fork, instead of text/tokens: the text as pieces, some of them earlier generations' outputs
+    # (named by their output_id), spliced in as their token ids once produced (named_outputs.py).
+    parts: list[ForkPart] | None = None
+    # A name for this generation's output, so that later requests can take it as input (parts).
+    output_id: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
     fork: bool = False
     # With fork: the context's own text, to create it from if it does not exist yet. Requests naming
     # one new prefix can then all be sent at once: the first creates it, and the step that computes
@@ -105,7 +111,7 @@ class ContextPrimitives(ModelServing):
             raise translate(exc) from exc
 
     async def generate(self, context_id: str, request: ContextGenerateRequest) -> ContextGeneration:
-        context_tokens, suffix_tokens, pieces = self._start(context_id, request)
+        context_tokens, suffix_tokens, pieces = await self._start(context_id, request)
         result = ChoiceResult()
         async with aclosing(translated(pieces)) as checked:
             async for piece in checked:
@@ -117,7 +123,7 @@ class ContextPrimitives(ModelServing):
                               ) -> AsyncIterator[ContextGenerationChunk]:
         """Generates after a context's tokens and appends the output to it; with ``fork``, after the
         context's tokens plus ``text``/``tokens`` in a temporary child, leaving the context as it was."""
-        context_tokens, suffix_tokens, pieces = self._start(context_id, request)
+        context_tokens, suffix_tokens, pieces = await self._start(context_id, request)
         generated = 0
         async with aclosing(translated(pieces)) as checked:
             async for piece in checked:
@@ -127,30 +133,95 @@ class ContextPrimitives(ModelServing):
                     chunk.usage, chunk.context_tokens = usage_of(suffix_tokens, generated), context_tokens
                 yield chunk
 
-    def _start(self, context_id: str, request: ContextGenerateRequest) -> tuple[int, int, AsyncIterator[Piece]]:
-        """Checks and starts a generation after a context: (the context's tokens, the request's own, pieces)."""
-        suffix = self._suffix_tokens(request)
-        if suffix and not request.fork:
-            raise EngineBadRequest("'text'/'tokens' need 'fork': true (fill a context to append to it)", "fork")
-        if request.fork and not suffix:
-            raise EngineBadRequest("'fork' needs 'text' or 'tokens' to generate from", "text")
+    async def _start(self, context_id: str, request: ContextGenerateRequest
+                     ) -> tuple[int, int, AsyncIterator[Piece]]:
+        """Checks and starts a generation after a context: (the context's tokens, the request's own, pieces).
+        A fork given as parts first waits for the outputs they name."""
+        self._check_suffix(request)
+        if request.output_id is not None:
+            self.named_outputs.begin(request.output_id)  # first: its consumers may already be waiting
+        try:
+            suffix, inputs_step = await self._suffix_tokens(request)
+            params = self.sampling_params(request, len(suffix), logprobs=request.logprobs,
+                                          top_logprobs=request.top_logprobs)
+            detok = IncrementalDetokenizer(self.tokenizer, request.stop_list())
+            length = self.llm.context_length(context_id)
+            # Tokenized only to create the context: requests that find it (most) skip that.
+            context = (text_tokens(self.tokenizer, request.context_text)
+                       if request.context_text and length is None else None)
+            events = (self.llm.generate_from_prompt(suffix, params, parent_context_id=context_id,
+                                                    parent_tokens=context)
+                      if request.fork else self.llm.generate(context_id, params))
+        except BaseException as exc:
+            if request.output_id is not None:
+                self.named_outputs.fail(request.output_id, f"its request failed ({exc})")
+            raise
+        context_tokens = length if length is not None else len(context or ())  # 0: not found, as the events say
+        pieces = decode_events(events, detok, self.hidden_ids(params))
+        if request.output_id is not None or inputs_step is not None:
+            pieces = self._handed_off(pieces, request.output_id, inputs_step, self.hidden_ids(params))
+        return context_tokens, len(suffix), pieces
+
+    @staticmethod
+    def _check_suffix(request: ContextGenerateRequest) -> None:
+        given = [name for name in ("text", "tokens", "parts") if getattr(request, name) is not None]
+        if len(given) > 1:
+            raise EngineBadRequest(f"give at most one of 'text', 'tokens' and 'parts' (got {given})", given[1])
+        has_suffix = bool(request.text or request.tokens or request.parts)
+        if has_suffix and not request.fork:
+            raise EngineBadRequest(f"'{given[0]}' needs 'fork': true (fill a context to append to it)", "fork")
+        if request.fork and not has_suffix:
+            raise EngineBadRequest("'fork' needs 'text', 'tokens' or 'parts' to generate from", "text")
         if request.context_text is not None and not request.fork:
             raise EngineBadRequest("'context_text' needs 'fork': true", "context_text")
-        params = self.sampling_params(request, len(suffix), logprobs=request.logprobs,
-                                      top_logprobs=request.top_logprobs)
-        detok = IncrementalDetokenizer(self.tokenizer, request.stop_list())
-        length = self.llm.context_length(context_id)
-        # Tokenized only to create the context: requests that find it (most) skip that.
-        context = text_tokens(self.tokenizer, request.context_text) if request.context_text and length is None else None
-        events = (self.llm.generate_from_prompt(suffix, params, parent_context_id=context_id, parent_tokens=context)
-                  if request.fork else self.llm.generate(context_id, params))
-        context_tokens = length if length is not None else len(context or ())  # 0: not found, as the events say
-        return context_tokens, len(suffix), decode_events(events, detok, self.hidden_ids(params))
+        for i, part in enumerate(request.parts or ()):
+            if (part.text is None) == (part.output_of is None):
+                raise EngineBadRequest("each part is one of 'text' and 'output_of'", f"parts.{i}")
 
-    def _suffix_tokens(self, request: ContextGenerateRequest) -> list[int]:
-        if request.text is not None and request.tokens is not None:
-            raise EngineBadRequest("give at most one of 'tokens' and 'text'", "tokens")
+    async def _suffix_tokens(self, request: ContextGenerateRequest) -> tuple[list[int], int | None]:
+        """The fork's tokens, and with parts naming outputs, the step that produced the last of those."""
         if request.tokens is not None:
             self.check_token_ids(request.tokens, "tokens")
-            return request.tokens
-        return text_tokens(self.tokenizer, request.text) if request.text else []
+            return request.tokens, None
+        if request.parts is None:
+            return (text_tokens(self.tokenizer, request.text) if request.text else []), None
+        tokens: list[int] = []
+        inputs_step = None
+        for part in request.parts:
+            if part.output_of is None:
+                tokens += text_tokens(self.tokenizer, part.text or "")
+                continue
+            output = await self.named_outputs.wait(part.output_of)
+            tokens += output.token_ids
+            inputs_step = max(inputs_step or 0, output.step)
+        return tokens, inputs_step
+
+    async def _handed_off(self, pieces: AsyncIterator[Piece], output_id: str | None, inputs_step: int | None,
+                          hidden: frozenset[int]) -> AsyncIterator[Piece]:
+        """``pieces``, with the output named ``output_id`` once the generation ends (failed if it does not),
+        and the steps this request waited after its last input was produced measured."""
+        result = ChoiceResult()
+        try:
+            async with aclosing(pieces):
+                async for piece in pieces:
+                    if inputs_step is not None and piece.events:
+                        self.llm.metrics.handoff_wait.observe(piece.events[0].step - inputs_step)
+                        inputs_step = None
+                    result.add(piece)
+                    yield piece
+        finally:
+            if output_id is not None:
+                if result.finish_reason in ("stop", "length") and result.events:
+                    self.named_outputs.produce(output_id, Output(self._output_ids(result, hidden),
+                                                                 result.events[-1].step))
+                else:
+                    self.named_outputs.fail(output_id, f"its generation ended without finishing "
+                                                       f"({result.finish_reason or 'cancelled or failed'})")
+
+    def _output_ids(self, result: ChoiceResult, hidden: frozenset[int]) -> list[int]:
+        """What a consumer takes of an output: the ids generated, an ending EOS or stop token left out, when
+        they decode to its text; else (a stop string cut the text inside a token) its text tokenized."""
+        ids = result.token_ids
+        if result.finish_reason == "stop" and ids and ids[-1] in hidden:
+            ids = ids[:-1]
+        return ids if self.tokenizer.decode(ids) == result.text else text_tokens(self.tokenizer, result.text)

@@ -21,6 +21,7 @@ from engines.builtin.serving.choices import ChoiceResult, Piece, PromptJob, deco
 from engines.builtin.serving.merge import merge, merge_tagged
 from engines.builtin.serving.sampling import check_token_ids, sampling_params
 from engines.builtin.serving.logprobs import LogprobsWriter
+from engines.builtin.serving.named_outputs import NamedOutputs
 
 if TYPE_CHECKING:
     from engines.builtin.core import EngineCore
@@ -28,17 +29,20 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Shared:
-    """What the surfaces of one engine share, made once: the core, the model's name and tokenizer."""
+    """What the surfaces of one engine share, made once: the core, the model's name and tokenizer, and the
+    generations' outputs kept by name for the requests that take them as input."""
 
     llm: EngineCore
     model_name: str
     tokenizer: Any
     token_texts: TokenTexts
     eos_token_ids: frozenset[int]
+    named_outputs: NamedOutputs
 
     @classmethod
     def of(cls, llm: EngineCore, model_name: str) -> "Shared":
-        return cls(llm, model_name, llm.tokenizer, TokenTexts(llm.tokenizer), frozenset(llm.eos_token_ids))
+        return cls(llm, model_name, llm.tokenizer, TokenTexts(llm.tokenizer), frozenset(llm.eos_token_ids),
+                   NamedOutputs())
 
 
 class ModelServing:
@@ -51,6 +55,7 @@ class ModelServing:
         self.vocab_size = len(shared.tokenizer)
         self.eos_token_ids = shared.eos_token_ids
         self.logprobs = LogprobsWriter(shared.tokenizer, shared.token_texts)
+        self.named_outputs = shared.named_outputs
 
     def sampling_params(self, request: Any, prompt_len: int, *, logprobs: bool, top_logprobs: int,
                         prompt_param: str = "prompt") -> SamplingParams:

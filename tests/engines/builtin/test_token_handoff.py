@@ -1,0 +1,120 @@
+"""The engine's side of the token-id handoff: a fork whose text names an earlier generation's output
+waits on the engine, then runs after that output's token ids, in the step after it was produced. Real
+engine (the default model) over HTTP on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+
+import httpx
+import pytest
+
+from engines.builtin.config import EngineConfig
+from engines.builtin.http_app import create_app
+from engines.builtin.tokenizer import text_tokens
+
+pytestmark = pytest.mark.timeout(120)
+SYSTEM = "You are a concise assistant. Answer in one short sentence, without preamble. " * 2
+GREEDY = {"temperature": 0, "max_tokens": 12}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from engines.builtin.core import EngineCore
+
+    engine = EngineCore(EngineConfig(num_blocks=128))
+    engine.start()
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def base_url(llm, serve_module) -> str:
+    return serve_module(create_app(llm=llm))
+
+
+@pytest.fixture(scope="module")
+def context(base_url):
+    with httpx.Client(base_url=base_url, timeout=60) as http:
+        context_id = http.post("/v1/contexts", json={"text": SYSTEM}).json()["context_id"]
+        yield context_id
+        http.delete(f"/v1/contexts/{context_id}")
+
+
+def handoff_waits(http: httpx.Client) -> dict[str, float]:
+    """The engine's ``parrot:handoff_wait_steps`` histogram: bucket bounds (and count) -> observations."""
+    text = http.get("/metrics").text
+    buckets = {le: float(v) for le, v in re.findall(r'parrot:handoff_wait_steps_bucket\{le="([^"]+)".*\} (\S+)', text)}
+    count = re.search(r"parrot:handoff_wait_steps_count\{.*\} (\S+)", text)
+    return buckets | {"count": float(count.group(1)) if count else 0.0}
+
+
+def fork(text_or_parts, **extra) -> dict:
+    body = {**GREEDY, "fork": True, **extra}
+    body["text" if isinstance(text_or_parts, str) else "parts"] = text_or_parts
+    return body
+
+
+async def test_a_consumer_sent_first_runs_after_its_producers_ids_in_the_next_step(llm, base_url, context):
+    output_id = f"out-{os.urandom(6).hex()}"
+    question, follow_up = "Q: Name one primary color.\nA:", "\nQ: Repeat the answer above in capitals.\nA:"
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+        before = handoff_waits(httpx.Client(base_url=base_url))
+        consumer = asyncio.ensure_future(http.post(f"/v1/contexts/{context}/generate", json=fork([
+            {"text": "Earlier answer:"}, {"output_of": output_id}, {"text": follow_up}])))
+        await asyncio.sleep(0.2)  # the consumer waits on the engine: nothing produces its input yet
+        assert not consumer.done()
+        produced = (await http.post(f"/v1/contexts/{context}/generate",
+                                    json=fork(question, output_id=output_id))).json()
+        handed = (await consumer).json()
+        # The rule: each text part tokenized alone, the producer's ids (its EOS left out) between them.
+        producer_ids = [t for t in produced["token_ids"] if t not in llm.eos_token_ids]
+        expected = (text_tokens(llm.tokenizer, "Earlier answer:") + producer_ids
+                    + text_tokens(llm.tokenizer, follow_up))
+        by_tokens = (await http.post(f"/v1/contexts/{context}/generate",
+                                     json={**GREEDY, "fork": True, "tokens": expected})).json()
+    assert handed["usage"]["prompt_tokens"] == len(expected)
+    assert handed["text"] == by_tokens["text"] and handed["token_ids"] == by_tokens["token_ids"]
+    after = handoff_waits(httpx.Client(base_url=base_url))
+    assert after["count"] == before["count"] + 1
+    assert after["1.0"] == before.get("1.0", 0) + 1  # its first token came in the step after the producer's last
+
+
+async def test_an_output_cut_by_a_stop_string_is_handed_over_as_its_text_tokenized(llm, base_url, context):
+    output_id = f"out-{os.urandom(6).hex()}"
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+        produced = (await http.post(f"/v1/contexts/{context}/generate", json=fork(
+            "Q: Count from one to five in words.\nA:", output_id=output_id, stop=["thr"], max_tokens=20))).json()
+        handed = (await http.post(f"/v1/contexts/{context}/generate", json=fork(
+            [{"output_of": output_id}, {"text": "\nAgain:"}]))).json()
+    assert produced["finish_reason"] == "stop" and "thr" not in produced["text"]
+    expected = text_tokens(llm.tokenizer, produced["text"]) + text_tokens(llm.tokenizer, "\nAgain:")
+    assert handed["usage"]["prompt_tokens"] == len(expected)
+
+
+async def test_consumers_of_a_failed_producer_get_a_424_and_names_are_not_reused(base_url, context):
+    output_id = f"out-{os.urandom(6).hex()}"
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+        consumer = asyncio.ensure_future(http.post(f"/v1/contexts/{context}/generate",
+                                                   json=fork([{"output_of": output_id}], stream=True)))
+        await asyncio.sleep(0.2)
+        failed = await http.post("/v1/contexts/no-such-context/generate", json=fork("Hi", output_id=output_id))
+        assert failed.status_code == 404
+        refused = await consumer
+        assert refused.status_code == 424 and refused.json()["error"]["code"] == "input_unavailable"
+        again = await http.post(f"/v1/contexts/{context}/generate", json=fork("Hi", output_id=output_id))
+        assert again.status_code == 409 and again.json()["error"]["code"] == "output_id_taken"
+
+
+@pytest.mark.parametrize("body, param", [
+    (fork([{"text": "a", "output_of": "x"}]), "parts.0"),
+    (fork([{}]), "parts.0"),
+    ({**GREEDY, "parts": [{"text": "a"}]}, "fork"),
+    (fork("a") | {"parts": [{"text": "a"}]}, "parts"),
+])
+def test_bad_parts_are_400s(base_url, context, body, param):
+    with httpx.Client(base_url=base_url, timeout=30) as http:
+        response = http.post(f"/v1/contexts/{context}/generate", json=body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
