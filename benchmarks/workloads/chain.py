@@ -1,12 +1,14 @@
 """Chain summarization: refine a running summary chunk by chunk; each step consumes the previous output.
 
-Parrot: the whole chain is submitted at once (each step names the previous step's output variable),
-so the server starts step k+1 the moment step k ends; the app reads only the last summary.
+Parrot: the whole chain is submitted at once: its output variables are made first (one round trip), then
+every step names its own output's id and the previous step's, all sent together, the last one waiting for
+its answer. The server starts step k+1 the moment step k ends (on the engine, from step k's token ids).
 Baseline: one call after another, each summary travelling back to the client and out again.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 
@@ -48,14 +50,17 @@ async def run_parrot(client: httpx.AsyncClient, model: str, cfg: Config, rtt_ms:
     chunks = document(cfg.seed, cfg.chunks, cfg.chunk_words)
     options = sampling(cfg.step_tokens, cfg.ignore_eos)
     started = time.perf_counter()
-    async with Remote(client, rtt_ms).session() as session:
-        step_ids: list[str] = []
-        for index, chunk in enumerate(chunks):
-            inputs = {"chunk": {"value": chunk}} | ({"summary": {"id": step_ids[-1]}} if step_ids else {})
-            step_ids.append(await session.submit(model, _step_messages(index), inputs, f"summary_{index}", options))
-        final = await session.read(step_ids[-1])
-        seconds = time.perf_counter() - started
-        steps = [await session.read(var) for var in step_ids]  # ready by now; for checks only
+    session = Remote(client, rtt_ms).default_session()
+    step_ids = await session.new_variables([f"summary_{index}" for index in range(len(chunks))])
+    calls = []
+    for index, chunk in enumerate(chunks):
+        inputs = {"chunk": {"value": chunk}} | ({"summary": {"id": step_ids[index - 1]}} if index else {})
+        last = index == len(chunks) - 1  # the one call the app waits on: it answers with the final summary
+        call = session.ask if last else session.submit
+        calls.append(call(model, _step_messages(index), inputs, {"id": step_ids[index]}, options))
+    final = (await asyncio.gather(*calls))[-1]
+    seconds = time.perf_counter() - started
+    steps = [await session.read(var) for var in step_ids]  # ready by now; for checks only
     return Result(seconds, final, steps, calls=len(chunks))
 
 

@@ -1,7 +1,7 @@
 """Map-reduce summarization: summarize each chunk of a document (map), then combine the summaries (reduce).
 
-Parrot: every map and the reduce (which consumes the maps' outputs by id) are submitted before any
-map finishes; the app then reads the final variable once. Baseline (a LangChain-style client):
+Parrot: the maps' output variables are made first (one round trip), then every map and the reduce
+(which consumes the maps' outputs by id) are sent together, the reduce answering with the final summary. Baseline (a LangChain-style client):
 maps concurrently (an async client, or LCEL's ``batch``), then the reduce, every value passing
 through the client; with ``sequential`` the maps go one after another, as LangChain's classic
 synchronous ``MapReduceDocumentsChain`` runs them.
@@ -50,17 +50,17 @@ def reduce_messages(chunks: int) -> Messages:
 async def run_parrot(client: httpx.AsyncClient, model: str, cfg: Config, rtt_ms: float = 0.0) -> Result:
     chunks = document(cfg.seed, cfg.chunks, cfg.chunk_words)
     started = time.perf_counter()
-    async with Remote(client, rtt_ms).session() as session:
-        summary_ids = await asyncio.gather(*(
-            session.submit(model, map_messages(), {"chunk": {"value": chunk}}, f"summary_{i}",
+    session = Remote(client, rtt_ms).default_session()
+    summary_ids = await session.new_variables([f"summary_{i}" for i in range(len(chunks))])
+    maps = [session.submit(model, map_messages(), {"chunk": {"value": chunk}}, {"id": summary_ids[i]},
                            sampling(cfg.map_tokens, cfg.ignore_eos))
-            for i, chunk in enumerate(chunks)))
-        final_id = await session.submit(model, reduce_messages(len(chunks)),
-                                        {f"summary_{i}": {"id": var} for i, var in enumerate(summary_ids)},
-                                        "final_summary", sampling(cfg.reduce_tokens, cfg.ignore_eos))
-        final = await session.read(final_id)
-        seconds = time.perf_counter() - started
-        summaries = [await session.read(var) for var in summary_ids]  # ready by now; for checks only
+            for i, chunk in enumerate(chunks)]
+    reduce = session.ask(model, reduce_messages(len(chunks)),
+                         {f"summary_{i}": {"id": var} for i, var in enumerate(summary_ids)},
+                         "final_summary", sampling(cfg.reduce_tokens, cfg.ignore_eos))
+    final = (await asyncio.gather(*maps, reduce))[-1]
+    seconds = time.perf_counter() - started
+    summaries = [await session.read(var) for var in summary_ids]  # ready by now; for checks only
     return Result(seconds, final, summaries, calls=len(chunks) + 1)
 
 

@@ -1,8 +1,9 @@
 """Multi-agent fan-out/fan-in: an architect plans, N coders each implement one component of the plan,
 a reviewer reads every implementation.
 
-Parrot: architect, coders (consuming the plan by id) and reviewer (consuming every coder's output)
-are all submitted up front; the app reads the review once. Baseline: architect, then the coders
+Parrot: the plan's and the coders' output variables are made first (one round trip), then architect,
+coders (consuming the plan by id) and reviewer (consuming every coder's output) are sent together, the
+reviewer answering with the review. Baseline: architect, then the coders
 concurrently (or one after another with ``sequential``, as a synchronous LangChain chain runs them),
 then the reviewer, each value passing through the client.
 """
@@ -60,20 +61,19 @@ def _task(cfg: Config) -> str:
 
 async def run_parrot(client: httpx.AsyncClient, model: str, cfg: Config, rtt_ms: float = 0.0) -> Result:
     started = time.perf_counter()
-    async with Remote(client, rtt_ms).session() as session:
-        plan_id = await session.submit(model, architect_messages(), {"task": {"value": _task(cfg)}}, "plan",
-                                       sampling(cfg.plan_tokens, cfg.ignore_eos))
-        code_ids = await asyncio.gather(*(
-            session.submit(model, coder_messages(), {"component": {"value": str(i + 1)}, "plan": {"id": plan_id}},
-                           f"code_{i}", sampling(cfg.code_tokens, cfg.ignore_eos))
-            for i in range(cfg.coders)))
-        review_id = await session.submit(model, reviewer_messages(cfg.coders),
-                                         {f"code_{i}": {"id": var} for i, var in enumerate(code_ids)},
-                                         "review", sampling(cfg.review_tokens, cfg.ignore_eos))
-        review = await session.read(review_id)
-        seconds = time.perf_counter() - started
-        parts = [await session.read(var) for var in (plan_id, *code_ids)]  # ready by now; for checks only
-    return Result(seconds, review, parts, calls=cfg.coders + 2)
+    session = Remote(client, rtt_ms).default_session()
+    plan_id, *code_ids = await session.new_variables(["plan", *(f"code_{i}" for i in range(cfg.coders))])
+    plan = session.submit(model, architect_messages(), {"task": {"value": _task(cfg)}}, {"id": plan_id},
+                          sampling(cfg.plan_tokens, cfg.ignore_eos))
+    coders = [session.submit(model, coder_messages(), {"component": {"value": str(i + 1)}, "plan": {"id": plan_id}},
+                             {"id": code_id}, sampling(cfg.code_tokens, cfg.ignore_eos))
+              for i, code_id in enumerate(code_ids)]
+    review = session.ask(model, reviewer_messages(cfg.coders), {f"code_{i}": {"id": var} for i, var in enumerate(code_ids)},
+                         "review", sampling(cfg.review_tokens, cfg.ignore_eos))
+    answer = (await asyncio.gather(plan, *coders, review))[-1]
+    seconds = time.perf_counter() - started
+    parts = [await session.read(var) for var in (plan_id, *code_ids)]  # ready by now; for checks only
+    return Result(seconds, answer, parts, calls=cfg.coders + 2)
 
 
 async def run_baseline(client: httpx.AsyncClient, model: str, cfg: Config, rtt_ms: float = 0.0) -> Result:

@@ -60,37 +60,56 @@ class Remote:
     def session(self) -> "ParrotSession":
         return ParrotSession(self)
 
+    def default_session(self) -> "ParrotSession":
+        """The API key's own session: nothing to open or delete (it forgets its oldest variables itself)."""
+        return ParrotSession(self, default=True)
+
+
+Output = str | dict[str, str]  # a new variable's name, or {"id": var_id} of one made beforehand
+
 
 class ParrotSession:
     """A Parrot session: calls are submitted as graph nodes (HTTP 202) and only final values are read.
-    ``async with`` deletes the session at the end, freeing its variables and pinned prefixes."""
+    ``async with`` opens it and deletes it at the end, freeing its variables and pinned prefixes (a
+    default session is neither opened nor deleted)."""
 
-    def __init__(self, remote: Remote):
+    def __init__(self, remote: Remote, *, default: bool = False):
         self.remote = remote
-        self.id = ""
+        self.default = default
+        self.id: str | None = None
 
     async def __aenter__(self) -> "ParrotSession":
-        self.id = (await self.remote.request("POST", "sessions"))["id"]
+        if not self.default:
+            self.id = (await self.remote.request("POST", "sessions"))["id"]
         return self
 
     async def __aexit__(self, exc_type: Any, *_: Any) -> None:
+        if self.default:
+            return
         try:
             await self.remote.request("DELETE", f"sessions/{self.id}")
         except (RequestFailed, httpx.HTTPError):
             if exc_type is None:
                 raise  # otherwise the app's own failure is the one worth seeing
 
-    def _extension(self, inputs: dict[str, dict[str, str]], output: str, wait: bool) -> dict[str, Any]:
+    async def new_variables(self, names: list[str]) -> list[str]:
+        """Empty variables made at once (one round trip, all in flight together); their ids. With them a whole
+        graph can be submitted at once too, each call naming its output's id and its inputs' ids."""
+        made = await asyncio.gather(*(self.remote.request("POST", "vars", json={"session_id": self.id, "name": name})
+                                      for name in names))
+        return [view["id"] for view in made]
+
+    def _extension(self, inputs: dict[str, dict[str, str]], output: Output, wait: bool) -> dict[str, Any]:
         return {"session_id": self.id, "vars": inputs, "output": output, "wait": wait}
 
-    async def submit(self, model: str, messages: Messages, inputs: dict[str, dict[str, str]], output: str,
+    async def submit(self, model: str, messages: Messages, inputs: dict[str, dict[str, str]], output: Output,
                      options: dict[str, Any]) -> str:
         """Queue a call without waiting for it; returns its output variable's id. ``inputs`` binds each
         ``{{name}}`` to ``{"value": text}`` or to another call's output ``{"id": var_id}``."""
         answer = await self.remote.chat(model, messages, options, self._extension(inputs, output, wait=False))
         return answer["parrot"]["output"]["id"]
 
-    async def ask(self, model: str, messages: Messages, inputs: dict[str, dict[str, str]], output: str,
+    async def ask(self, model: str, messages: Messages, inputs: dict[str, dict[str, str]], output: Output,
                   options: dict[str, Any]) -> str:
         """Run a call and wait for its text (a latency-critical request)."""
         answer = await self.remote.chat(model, messages, options, self._extension(inputs, output, wait=True))
