@@ -2,8 +2,8 @@
 
 CUDA tensors go to the Triton kernels in this package (decode goes to flash-attn's paged kernel
 instead when flash-attn is installed and the cache's block size is one it supports, a multiple
-of 256); CPU tensors go to the torch paths in cpu_attention, except decode, which goes to the C++
-kernel in native/ where it builds here (kernels/native.py; the torch path otherwise). Every function takes the same
+of 256); CPU tensors go to the C++ kernels in native/ where they build here (kernels/native.py:
+decode, shared-prefix decode, prefill in tiles, KV writes), otherwise to the torch paths in cpu_attention. Every function takes the same
 arguments on both, so the engine has one call site per operation. PARROT_ATTENTION_BACKEND=triton
 sends every tensor to this package's Triton kernels (CPU ones then need TRITON_INTERPRET=1): the
 engine's tests run the kernels that way.

@@ -90,7 +90,7 @@ class ModelRunner:
         # Mean shared-prefix tokens per decode from which prefix groups go to the shared-prefix kernel.
         self.min_shared_tokens = 0 if triton or native else CPU_MIN_SHARED_TOKENS
         # Whether decodes run the torch CPU paths, whose reads are planned once per step (prefills always do on
-        # CPU: their short chunks over a cached prefix laid out for the native kernel where it runs).
+        # CPU: their chunks laid out in tiles for the native kernel where it runs).
         self.plans_torch_decode = not triton and not native
         self.native_chunks = native
 

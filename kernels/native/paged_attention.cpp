@@ -11,7 +11,13 @@
 // softmax state per query row (running max, sum, fp32 accumulator); it reads each prefix token's key
 // and value once for all the tile's rows, then each member's rows go on over that member's own
 // tokens. Keys are converted to fp32 a chunk at a time, transposed, so the scores of a chunk are
-// vector FMAs over its tokens; nothing is gathered into padded copies (the torch path's cost).
+// vector FMAs over its tokens; nothing is gathered into padded copies (the torch path's cost). A bf16
+// tile of 8 rows or more scores and sums values with the CPU's bf16 dot product instead, its softmax
+// weights rounded to bf16 for the values' sums (as flash attention does).
+//
+// A causal prefill is the same call (kernels/cpu_attention.py lays it out): its new tokens in tiles of
+// 16, a tile's "prefix" the whole blocks before its first token, each row's own tokens the rest up to
+// itself.
 
 #include <cmath>
 #include <cstdint>
@@ -110,11 +116,14 @@ inline float sum_lanes(Vec x) {
 // [dim][kChunk], or as rows) and values ([kChunk][dim]) in fp32.
 struct Scratch {
     std::vector<float> queries, acc, running_max, total, keys_t, keys, values, weights;
-    std::vector<uint32_t> query_pairs, key_pairs;  // bf16 pairs (the bf16 dot-product path)
+    // bf16 pairs (the bf16 dot-product path): queries [rows][dim/2], keys [dim/2][kChunk], values
+    // [kChunk/2][dim] (tokens 2t and 2t+1 of one dimension), weights [rows][kChunk/2].
+    std::vector<uint32_t> query_pairs, key_pairs, value_pairs, weight_pairs;
     explicit Scratch(int64_t dim)
         : queries(kMaxTileRows * dim), acc(kMaxTileRows * dim), running_max(kMaxTileRows), total(kMaxTileRows),
           keys_t(dim * kChunk), keys(kChunk * dim), values(kChunk * dim), weights(kMaxTileRows * kChunk),
-          query_pairs(kMaxTileRows * dim / 2), key_pairs(dim / 2 * kChunk) {}
+          query_pairs(kMaxTileRows * dim / 2), key_pairs(dim / 2 * kChunk), value_pairs(kChunk / 2 * dim),
+          weight_pairs(kMaxTileRows * kChunk / 2) {}
 };
 
 // Scores of ROWS query rows against the chunk's keys, the accumulators kept in registers. Fewer than four
@@ -206,10 +215,45 @@ inline void score_rows_bf16(const uint32_t *__restrict query_pairs, const uint32
         for (int64_t c = 0; c < kChunkVecs; c++)
             _mm512_storeu_ps(scores + r * kChunk + c * kLanes, _mm512_mul_ps(sums[r][c], _mm512_set1_ps(scale)));
 }
+
+// acc[r] = acc[r] * rescale[r] + sum over the chunk of weight[r][t] * value[t], two tokens a bf16 dot
+// product: weight_pairs [ROWS][kChunk/2] and value_pairs [kChunk/2][DIM] as Scratch holds them (weights past
+// the chunk's tokens are 0, and so are their values).
+template <int64_t ROWS, int64_t DIM>
+inline void accumulate_rows_bf16(float *__restrict acc, const float *__restrict rescale,
+                                 const uint32_t *__restrict weight_pairs, const uint32_t *__restrict value_pairs,
+                                 int64_t n) {
+    constexpr int64_t kVecs = DIM / kLanes;
+    __m512 sums[ROWS][kVecs];
+    for (int64_t r = 0; r < ROWS; r++)
+        for (int64_t v = 0; v < kVecs; v++)
+            sums[r][v] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * DIM + v * kLanes), _mm512_set1_ps(rescale[r]));
+    for (int64_t t = 0; t < (n + 1) / 2; t++) {
+        __m512bh value[kVecs];
+        for (int64_t v = 0; v < kVecs; v++)
+            value[v] = (__m512bh)_mm512_loadu_si512(value_pairs + t * DIM + v * kLanes);
+        for (int64_t r = 0; r < ROWS; r++) {
+            const __m512bh weight = (__m512bh)_mm512_set1_epi32(static_cast<int>(weight_pairs[r * kChunk / 2 + t]));
+            for (int64_t v = 0; v < kVecs; v++) sums[r][v] = _mm512_dpbf16_ps(sums[r][v], value[v], weight);
+        }
+    }
+    for (int64_t r = 0; r < ROWS; r++)
+        for (int64_t v = 0; v < kVecs; v++) _mm512_storeu_ps(acc + r * DIM + v * kLanes, sums[r][v]);
+}
+
+// A row's kChunk weights as bf16 pairs (round to nearest even, as torch converts).
+inline void weights_to_pairs(const float *weights, uint32_t *pairs) {
+    static_assert(kChunk == 2 * kLanes, "one conversion per chunk");
+    const __m512bh converted = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(weights + kLanes), _mm512_loadu_ps(weights));
+    _mm512_storeu_si512(pairs, (__m512i)converted);
+}
 #else
 constexpr bool kBf16Dot = false;
 template <int64_t ROWS, int64_t DIM>
 inline void score_rows_bf16(const uint32_t *, const uint32_t *, float, float *) {}
+template <int64_t ROWS, int64_t DIM>
+inline void accumulate_rows_bf16(float *, const float *, const uint32_t *, const uint32_t *, int64_t) {}
+inline void weights_to_pairs(const float *, uint32_t *) {}
 #endif
 
 constexpr int64_t kRowBlock = 4;  // rows scored together: 4 x 2 score and 4 x DIM/16 value accumulators
@@ -271,6 +315,18 @@ void score_and_accumulate(Scratch &s, int64_t first, int64_t count, int64_t n, b
         s.total[first + r] = s.total[first + r] * rescale[r] + sum;
     }
     float *acc = s.acc.data() + first * DIM;
+    if (pairs) {  // the values too go through the bf16 dot product, weights rounded to bf16 (as flash attention does)
+        uint32_t *weight_pairs = s.weight_pairs.data() + first * kChunk / 2;
+        for (r = 0; r < count; r++) weights_to_pairs(weights + r * kChunk, weight_pairs + r * kChunk / 2);
+        for (r = 0; r + kRowBlock <= count; r += kRowBlock)
+            accumulate_rows_bf16<kRowBlock, DIM>(acc + r * DIM, rescale + r, weight_pairs + r * kChunk / 2,
+                                                 s.value_pairs.data(), n);
+        with_rows(count - r, [&](auto rows) {
+            accumulate_rows_bf16<decltype(rows)::value, DIM>(acc + r * DIM, rescale + r, weight_pairs + r * kChunk / 2,
+                                                             s.value_pairs.data(), n);
+        });
+        return;
+    }
     for (r = 0; r + kRowBlock <= count; r += kRowBlock)
         accumulate_rows<kRowBlock, DIM>(acc + r * DIM, rescale + r, weights + r * kChunk, s.values.data(), n);
     with_rows(count - r, [&](auto rows) {
@@ -287,7 +343,7 @@ void attend(Scratch &s, int64_t first, int64_t count, const T *k_cache, const T 
     const bool by_token = !transposed(count);
     // Many bf16 rows (a prefix's tile) score through the CPU's bf16 dot product where it has one.
     const bool pairs = kBf16Dot && std::is_same_v<T, BFloat16> && count >= kScoreRows;
-    uint32_t *__restrict key_pairs = s.key_pairs.data();
+    uint32_t *__restrict key_pairs = s.key_pairs.data(), *__restrict value_pairs = s.value_pairs.data();
     int64_t block = 0, offset = 0;
     for (int64_t start = 0; start < tokens.length; start += kChunk) {
         const int64_t n = tokens.length - start < kChunk ? tokens.length - start : kChunk;
@@ -295,13 +351,17 @@ void attend(Scratch &s, int64_t first, int64_t count, const T *k_cache, const T 
             const int64_t slot = static_cast<int64_t>(tokens.table[block]) * shape.block_size + offset;
             const T *key = k_cache + (slot * shape.num_kv_heads + kv_head) * DIM;
             const T *value = v_cache + (slot * shape.num_kv_heads + kv_head) * DIM;
-            if (pairs)
+            if (pairs) {
                 for (int64_t i = 0; i < DIM / 2; i++) std::memcpy(key_pairs + i * kChunk + t, key + 2 * i, 4);
-            else if (by_token)
-                for (int64_t d = 0; d < DIM; d++) keys[t * DIM + d] = to_float(key[d]);
-            else
-                for (int64_t d = 0; d < DIM; d++) keys_t[d * kChunk + t] = to_float(key[d]);
-            for (int64_t d = 0; d < DIM; d++) values[t * DIM + d] = to_float(value[d]);
+                uint16_t *half = reinterpret_cast<uint16_t *>(value_pairs + t / 2 * DIM) + t % 2;
+                for (int64_t d = 0; d < DIM; d++) std::memcpy(half + 2 * d, value + d, 2);
+            } else {
+                if (by_token)
+                    for (int64_t d = 0; d < DIM; d++) keys[t * DIM + d] = to_float(key[d]);
+                else
+                    for (int64_t d = 0; d < DIM; d++) keys_t[d * kChunk + t] = to_float(key[d]);
+                for (int64_t d = 0; d < DIM; d++) values[t * DIM + d] = to_float(value[d]);
+            }
             if (++offset == shape.block_size) offset = 0, block++;
         }
         for (int64_t t = n; t < kChunk && !by_token; t++) {
@@ -310,6 +370,8 @@ void attend(Scratch &s, int64_t first, int64_t count, const T *k_cache, const T 
             else
                 for (int64_t d = 0; d < DIM; d++) keys_t[d * kChunk + t] = 0.0f;
         }
+        if (pairs && n % 2)  // the pair past an odd chunk's last token: a zero value (its weight is 0 too)
+            for (int64_t d = 0; d < DIM; d++) reinterpret_cast<uint16_t *>(value_pairs + n / 2 * DIM)[2 * d + 1] = 0;
         score_and_accumulate<DIM>(s, first, count, n, pairs, shape.scale);
     }
 }

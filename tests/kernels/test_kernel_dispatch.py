@@ -37,7 +37,7 @@ def test_decode_matches_reference(kv, tol, decode_path):
 
 def test_prefill_matches_reference(kv, tol, decode_path):
     """Fresh prompts, chunks over a cached prefix (ending mid-block, shorter than a block, block-aligned,
-    and one too long for the native rows), a sequence with no new tokens."""
+    several tiles long), a sequence with no new tokens."""
     q_lens, context = [5, 70, 1, 0, 3, 20, 130], [5, 100, 50, 12, 10, 84, 170]
     tables = kv.block_tables(context, width=12)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
@@ -47,7 +47,8 @@ def test_prefill_matches_reference(kv, tol, decode_path):
     expected = reference.paged_prefill(q, kv.k_cache, kv.v_cache, tables, cu, context_lens, kv.scale)
     torch.testing.assert_close(out, expected, **tol)
     plan = cpu_attention.plan_prefill(tables, cu, context_lens, kv.block_size, rows_for_native=True)
-    assert [chunk.cached_rows is not None for chunk in plan] == [False, True, True, True, True, False]
+    tiles = [-(-n // cpu_attention.NATIVE_TILE_TOKENS) for n in q_lens if n]
+    assert [len(chunk.cached_rows.prefix_len) for chunk in plan] == tiles  # every chunk, in tiles
 
 
 def test_shared_prefix_decode_matches_reference(kv, tol, decode_path):

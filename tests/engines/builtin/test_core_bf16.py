@@ -1,10 +1,11 @@
-"""bf16 on CPU: prepacked linears compute what F.linear does, the engine's bf16 scores match HF's
-bf16 forward, and greedy generation follows HF's bf16 generate except where HF's own top two
-logits are within bf16 rounding of each other (the documented tie tolerance)."""
+"""bf16 on CPU: prepacked linears compute what F.linear does, the engine's bf16 scores are as close to
+HF's fp32 forward as HF's own bf16 forward is, and greedy generation follows HF's bf16 generate except
+where HF's own top two logits are within bf16 rounding of each other (the documented tie tolerance)."""
 
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 import torch
@@ -17,8 +18,13 @@ from engines.builtin.types import SamplingParams
 
 pytestmark = pytest.mark.timeout(180)
 
-# Two bf16 steps of a logit near 1-4: a greedy pick may differ from HF's only under this margin.
-TIE_TOLERANCE = 0.0625
+# A greedy pick may differ from HF's only where HF's top two logits are this close: two bf16 steps at
+# their magnitude (0.25 for a logit of 16-32), and at least 0.0625 (two steps near 4-8).
+TIE_STEPS, TIE_FLOOR = 2, 0.0625
+
+
+def tie_tolerance(logit: float) -> float:
+    return max(TIE_FLOOR, TIE_STEPS * 2.0 ** (math.floor(math.log2(abs(logit))) - 7))
 needs_bf16 = pytest.mark.skipif(not cpu_has_fast_bf16(), reason="this CPU has no AVX-512 BF16 / AMX")
 
 
@@ -48,15 +54,28 @@ def prompts() -> list[list[int]]:
 
 
 @needs_bf16
-def test_bf16_scores_match_hf_bf16(make_engine, hf_bf16):
+def test_bf16_scores_are_as_accurate_as_hf_bf16(make_engine, hf_bf16, tiny_model_dir):
+    """Measured against HF's fp32 forward. Not against HF's bf16 scores themselves: the engine's attention
+    rounds along another path (the C++ kernel's tiles), as accurate as torch's SDPA against an fp64
+    reference, and this random model's ±30 logits magnify any two bf16 paths' differences (its last
+    prompt: both 2.1 from fp32 at worst, 0.2 from each other)."""
+    from transformers import AutoModelForCausalLM
+
+    hf_fp32 = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     engine = make_engine(dtype="auto")
     assert isinstance(engine.runner.model.lm_head, PackedLinear)
     for tokens in prompts():
-        scores = asyncio.run(engine.score(tokens))
-        with torch.inference_mode():
-            reference = torch.log_softmax(hf_bf16(torch.tensor([tokens])).logits[0, :-1].float(), -1)
-        expected = reference.gather(1, torch.tensor(tokens[1:]).unsqueeze(1)).squeeze(1)
-        assert torch.allclose(torch.tensor([s.logprob for s in scores]), expected, atol=0.1)
+        ours = torch.tensor([s.logprob for s in asyncio.run(engine.score(tokens))])
+        ours_error, hf_error = (ours - _logprobs(hf_fp32, tokens)).abs(), (_logprobs(hf_bf16, tokens) - _logprobs(hf_fp32, tokens)).abs()
+        assert ours_error.mean() <= 1.25 * hf_error.mean() + 0.01
+        assert ours_error.max() <= 1.25 * hf_error.max() + 0.05
+
+
+def _logprobs(model, tokens: list[int]) -> torch.Tensor:
+    """Each prompt token's logprob after the ones before it, as ``model`` scores it."""
+    with torch.inference_mode():
+        logprobs = torch.log_softmax(model(torch.tensor([tokens])).logits[0, :-1].float(), -1)
+    return logprobs.gather(1, torch.tensor(tokens[1:]).unsqueeze(1)).squeeze(1)
 
 
 @needs_bf16
@@ -79,7 +98,7 @@ def test_compiled_bf16_follows_hf_bf16_up_to_ties(tiny_model_dir, hf_bf16):
 
 def assert_follows_hf_up_to_ties(hf_bf16, outputs: list[list[int]], max_tokens: int) -> None:
     """Each greedy output of prompts() equals HF's bf16 generate, or leaves it where HF's own top two
-    logits are within TIE_TOLERANCE."""
+    logits are within tie_tolerance of each other."""
     assert len(outputs) == len(prompts())
     for prompt, ours in zip(prompts(), outputs):
         with torch.inference_mode():
@@ -91,4 +110,4 @@ def assert_follows_hf_up_to_ties(hf_bf16, outputs: list[list[int]], max_tokens: 
             first = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
             logits = hf_bf16(torch.tensor([prompt + theirs[:first]])).logits[0, -1].float()
         top = logits.topk(2).values
-        assert top[0] - top[1] <= TIE_TOLERANCE, f"diverged at {first} with HF's margin {top[0] - top[1]:.4f}"
+        assert top[0] - top[1] <= tie_tolerance(float(top[0])), f"diverged at {first} with HF's margin {top[0] - top[1]:.4f}"
