@@ -288,6 +288,30 @@ def run_all(args: argparse.Namespace) -> None:
         print(f"{workload}: {note}")
     if args.out:
         write_results(args.out, {"args": vars(args), "tokens_per_s": columns, "notes": notes})
+        plot(columns, Path(args.out).with_suffix(".png"))
+
+
+def plot(columns: dict[str, dict[str, float]], path: Path) -> None:
+    """Each workload's rate per column, ours in green, the others (vLLM, HF, the issue's figures) in grey."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = [w for w in ("single", "16x64", "shared", "prefill") if any(w in rates for rates in columns.values())]
+    names = [name for name, rates in columns.items() if any(w in rates for w in workloads)]
+    figure, axes = plt.subplots(1, len(workloads), figsize=(3.2 * len(workloads), 3.8))
+    for ax, workload in zip([axes] if len(workloads) == 1 else axes, workloads):
+        shown = [name for name in names if workload in columns[name]]
+        rates = [columns[name][workload] for name in shown]
+        bars = ax.bar(range(len(shown)), rates, color=["tab:green" if name.startswith("ours") else "tab:grey"
+                                                       for name in shown])
+        ax.bar_label(bars, fmt="%.0f", fontsize=7)
+        ax.set_xticks(range(len(shown)), shown, rotation=30, ha="right", fontsize=7)
+        ax.set_title(workload + (" (prompt tok/s)" if workload == "prefill" else " (tok/s)"), fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
 
 
 def alternating_rates(runs: dict[str, dict[str, Callable[[], None]]], loads, repeats: int) -> dict[str, dict[str, float]]:
