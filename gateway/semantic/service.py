@@ -266,10 +266,27 @@ class SemanticService:
             with self.tracing.call(call):
                 return await self._run_template(spec, pieces, values, call, session)
 
+        async def hand_ahead(call: Call) -> dict[str, str] | None:
+            """The first output sent ahead to the engine generating the inputs; the rest as usual."""
+            name, body = self._first_output(spec, pieces)
+            handoff = await self.runner.plan_ahead("completions", body, call, self.config.input_timeout_s)
+            if handoff is None:
+                return None
+            with self.tracing.call(call):
+                answer = await self.runner.run_ahead("completions", body, handoff, call=call, session=session,
+                                                     input_timeout_s=self.config.input_timeout_s,
+                                                     output=call.outputs[name])
+                if answer is None:
+                    return None
+                values = {n: v.value for n, v in call.inputs.items() if v.value is not None}  # all bound by now
+                return await self._run_template(spec, pieces, values, call, session,
+                                                generated={name: output_text("completions", answer.body)})
+
         with session.undo_on_error():
             inputs = self._bind(session, placeholders, spec.inputs, "inputs")
             outputs = {name: session.new_variable(name) for name in outputs_in_template}
-            call = Call(session, inputs, outputs, work, latency=spec.criteria == "latency")
+            call = Call(session, inputs, outputs, work, latency=spec.criteria == "latency",
+                        hand_ahead=hand_ahead if self.config.token_handoff else None)
             self._start(session, call)
         return session, call
 
@@ -286,17 +303,30 @@ class SemanticService:
             exc.param = _within(f"outputs.{name}", exc.param)
             raise
 
+    @staticmethod
+    def _first_output(spec: SemanticCall, pieces: list[template.Piece]) -> tuple[str, dict[str, Any]]:
+        """The template's first output and the completions request that generates it."""
+        prompt = ""
+        for piece in pieces:
+            if piece.kind == "output":
+                output = spec.outputs.get(piece.name)
+                return piece.name, {"model": spec.model, "prompt": prompt, **(output.sampling() if output else {})}
+            prompt += piece.text if piece.kind == "text" else "{{" + piece.name + "}}"
+        raise AssertionError("submit_call checked that the template has an output")
+
     async def _run_template(self, spec: SemanticCall, pieces: list[template.Piece], values: dict[str, str],
-                            call: Call, session: Session) -> dict[str, str]:
-        """Generate each output in order, each seeing the text and outputs before it."""
-        results: dict[str, str] = {}
-        known = dict(values)
+                            call: Call, session: Session, generated: dict[str, str] | None = None
+                            ) -> dict[str, str]:
+        """Generate each output in order, each seeing the text and outputs before it (those in
+        ``generated`` are taken as they are)."""
+        results: dict[str, str] = dict(generated or {})
+        known = values | results
         prompt = ""  # placeholders kept: the runner forks the constant text before the first one
         for piece in pieces:
             if piece.kind == "text":
                 prompt += piece.text
                 continue
-            if piece.kind == "output":
+            if piece.kind == "output" and piece.name not in results:
                 output = spec.outputs.get(piece.name)
                 body = {"model": spec.model, "prompt": prompt, **(output.sampling() if output else {})}
                 answer = await self.runner.run("completions", body, known, call=call, session=session,

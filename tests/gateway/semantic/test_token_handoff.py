@@ -121,3 +121,25 @@ def test_a_consumer_of_a_producer_the_engine_refuses_fails_instead_of_waiting(ur
             "session_id": session, "vars": {"x": {"id": producer.json()["parrot"]["output"]["id"]}}}))
         gw.delete(f"/v1/sessions/{session}")
     assert consumer.status_code == 424 and consumer.json()["error"]["code"] == "dependency_failed", consumer.text
+
+
+def test_a_semantic_call_whose_input_is_generating_goes_ahead_too(urls):
+    """The native API's templates (what compat.frontend's semantic functions submit) hand off as well."""
+    sampling = {"max_tokens": 16, "temperature": 0}
+    with httpx.Client(base_url=urls["gateway"], timeout=120) as gw, httpx.Client(base_url=urls["engine"]) as engine:
+        before = handoff_waits(engine)[0]
+        session = gw.post("/v1/sessions").json()["id"]
+        first = gw.post("/v1/semantic_calls", json={
+            "model": MODEL, "session_id": session, "template": SYSTEM + "Note: {{input:x}}\nRewrite:{{output:a}}",
+            "inputs": {"x": {"value": FIRST}}, "outputs": {"a": sampling}})
+        assert first.status_code == 202, first.text
+        second = gw.post("/v1/semantic_calls", json={
+            "model": MODEL, "session_id": session,
+            "template": SYSTEM + "Draft: {{input:a}}\nShorter:{{output:b}}\nWhy:{{output:c}}",
+            "inputs": {"a": {"id": first.json()["outputs"]["a"]["id"]}}, "outputs": {"b": sampling, "c": sampling}})
+        assert second.status_code == 202, second.text
+        views = [gw.get(f"/v1/vars/{second.json()['outputs'][name]['id']}",
+                        params={"wait": "true", "timeout": 120}).json() for name in ("b", "c")]
+        gw.delete(f"/v1/sessions/{session}")
+        assert handoff_waits(engine)[0] - before == 1  # b went ahead; c followed it at the gateway, as usual
+    assert all(view["ready"] and view["error"] is None and view["value"] for view in views), views
