@@ -9,6 +9,7 @@ skip the engine round trip.
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
 from typing import Any, AsyncIterator, Literal
 
@@ -29,7 +30,8 @@ class BuiltinEngineClient(UpstreamEngine):
     def __init__(self, name: str, base_url: str, client: httpx.AsyncClient, *, max_splits: int = 256, **kwargs: Any):
         super().__init__(name, base_url, client, **kwargs)
         self._context_headers = {"content-type": "application/json", **self.auth_headers}
-        self._splits: OrderedDict[bytes, PromptSplit] = OrderedDict()
+        # Splits by request, each fetched once: calls sent together on a new template share one fetch.
+        self._splits: OrderedDict[bytes, asyncio.Future[PromptSplit]] = OrderedDict()
         self._max_splits = max_splits
 
     def __repr__(self) -> str:  # never shows the key
@@ -53,13 +55,21 @@ class BuiltinEngineClient(UpstreamEngine):
         request = msgspec.json.encode({"route": route, "body": body})
         split = self._splits.get(request)
         if split is None:
-            answer = await self._call("POST", "prompt_split", encoded=request)
-            split = self._splits[request] = msgspec.json.decode(answer, type=PromptSplit)
+            split = self._splits[request] = asyncio.ensure_future(self._fetch_split(request))
+            split.add_done_callback(lambda done: done.cancelled() or done.exception())  # failures: raised below
             if len(self._splits) > self._max_splits:
                 self._splits.popitem(last=False)
         else:
             self._splits.move_to_end(request)
-        return split
+        try:
+            return await asyncio.shield(split)  # one caller leaving does not cancel the others' fetch
+        except Exception:
+            if self._splits.get(request) is split:
+                del self._splits[request]  # a failure is not kept: the next caller asks again
+            raise
+
+    async def _fetch_split(self, request: bytes) -> PromptSplit:
+        return msgspec.json.decode(await self._call("POST", "prompt_split", encoded=request), type=PromptSplit)
 
     async def fill(self, *, text: str | None = None, tokens: list[int] | None = None,
                    parent_context_id: str | None = None, context_id: str | None = None,
