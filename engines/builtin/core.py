@@ -111,7 +111,8 @@ class EngineCore(StepLoop):
             ctx = self.scheduler.contexts.get(context_id)
             return None if ctx is None else len(ctx)
 
-    async def fill(self, tokens: list[int], *, context_id: str | None = None, parent_context_id: str | None = None) -> FillResult:
+    async def fill(self, tokens: list[int], *, context_id: str | None = None, parent_context_id: str | None = None,
+                   priority: int = 0) -> FillResult:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[FillResult] = loop.create_future()
         with self._lock:
@@ -129,6 +130,7 @@ class EngineCore(StepLoop):
                     self.registry.check_prompt_length(tokens)
                 ctx = self.registry.new(context_id, parent_context_id, step=self._step_count)
             ctx.token_ids += tokens
+            ctx.fill_priority = priority
             self._prompt_tokens += len(tokens)
             arrival = self._submit(ctx, resolver(loop, future))
         return await self._outcome(ctx, arrival, future, f"fill of context {ctx.context_id!r} was aborted")

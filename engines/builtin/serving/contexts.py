@@ -3,6 +3,8 @@ forked from it), free; and their request bodies."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from contextlib import aclosing
 from typing import Annotated, AsyncIterator
 
@@ -14,6 +16,7 @@ from engines.builtin.serving.named_outputs import Output
 from engines.seam.contexts import FillResult, ForkPart
 from wire.openai import (
     Usage,
+    new_id,
 )
 from wire.sampling import SamplingWithHints, check_sampling
 from engines.builtin.serving.errors import EngineBadRequest, translate, translated
@@ -83,6 +86,22 @@ class ContextGenerationChunk(msgspec.Struct, omit_defaults=True):
     context_tokens: int | None = None
 
 
+class Ahead:
+    """A fork's text before its first awaited output, being computed in a child context while it waits."""
+
+    def __init__(self, context_id: str, filled: asyncio.Future, serving: ModelServing):
+        self.context_id = context_id
+        self.filled = filled
+        self._serving = serving
+
+    async def drop(self) -> None:
+        """Stops its fill if it still runs, and frees it."""
+        self.filled.cancel()
+        with contextlib.suppress(BaseException):
+            await self.filled
+        await self._serving.free_quietly(self.context_id)
+
+
 class ContextPrimitives(ModelServing):
 
     async def fill(self, request: ContextFillRequest) -> FillResult:
@@ -136,31 +155,56 @@ class ContextPrimitives(ModelServing):
     async def _start(self, context_id: str, request: ContextGenerateRequest
                      ) -> tuple[int, int, AsyncIterator[Piece]]:
         """Checks and starts a generation after a context: (the context's tokens, the request's own, pieces).
-        A fork given as parts first waits for the outputs they name."""
+        A fork given as parts first waits for the outputs they name; its text before the first of them is
+        computed meanwhile (``_ahead``), so that only the rest is left once they are produced."""
         self._check_suffix(request)
         if request.output_id is not None:
             self.named_outputs.begin(request.output_id)  # first: its consumers may already be waiting
+        length = self.llm.context_length(context_id)
+        # Tokenized only to create the context: requests that find it (most) skip that.
+        context = (text_tokens(self.tokenizer, request.context_text)
+                   if request.context_text and length is None else None)
+        ahead = made = None
         try:
-            suffix, inputs_step = await self._suffix_tokens(request)
-            params = self.sampling_params(request, len(suffix), logprobs=request.logprobs,
+            parts = request.parts or []
+            waits = next((i for i, part in enumerate(parts) if part.output_of is not None), len(parts))
+            lead = [t for part in parts[:waits] for t in text_tokens(self.tokenizer, part.text or "")]
+            if lead and waits < len(parts):
+                ahead = await self._ahead(context_id, context, lead, request.priority or 0)
+                made, context, parts = context, None, parts[waits:]  # the context exists now
+            else:
+                lead = []
+            suffix, inputs_step = await self._suffix_tokens(request, parts)
+            if ahead is not None:
+                await ahead.filled
+            params = self.sampling_params(request, len(lead) + len(suffix), logprobs=request.logprobs,
                                           top_logprobs=request.top_logprobs)
             detok = IncrementalDetokenizer(self.tokenizer, request.stop_list())
-            length = self.llm.context_length(context_id)
-            # Tokenized only to create the context: requests that find it (most) skip that.
-            context = (text_tokens(self.tokenizer, request.context_text)
-                       if request.context_text and length is None else None)
-            events = (self.llm.generate_from_prompt(suffix, params, parent_context_id=context_id,
-                                                    parent_tokens=context)
+            parent = ahead.context_id if ahead is not None else context_id
+            events = (self.llm.generate_from_prompt(suffix, params, parent_context_id=parent, parent_tokens=context)
                       if request.fork else self.llm.generate(context_id, params))
         except BaseException as exc:
             if request.output_id is not None:
                 self.named_outputs.fail(request.output_id, f"its request failed ({exc})")
+            if ahead is not None:
+                await ahead.drop()
+            if isinstance(exc, Exception) and (translated_exc := translate(exc)) is not exc:
+                raise translated_exc from exc
             raise
-        context_tokens = length if length is not None else len(context or ())  # 0: not found, as the events say
+        context_tokens = length if length is not None else len(made or context or ())  # 0: not found, as events say
         pieces = decode_events(events, detok, self.hidden_ids(params))
         if request.output_id is not None or inputs_step is not None:
-            pieces = self._handed_off(pieces, request.output_id, inputs_step, self.hidden_ids(params))
-        return context_tokens, len(suffix), pieces
+            pieces = self._handed_off(pieces, request.output_id, inputs_step, self.hidden_ids(params), ahead)
+        return context_tokens, len(lead) + len(suffix), pieces
+
+    async def _ahead(self, context_id: str, context: list[int] | None, lead: list[int], priority: int) -> "Ahead":
+        """Starts computing a fork's text before its first awaited output, in a child of the context (made
+        first from ``context`` when it does not exist yet)."""
+        if context is not None:
+            self.llm.ensure_context(context_id, context)
+        child = new_id("ahead")
+        return Ahead(child, asyncio.ensure_future(self.llm.fill(lead, context_id=child, parent_context_id=context_id,
+                                                                priority=priority)), self)
 
     @staticmethod
     def _check_suffix(request: ContextGenerateRequest) -> None:
@@ -178,8 +222,10 @@ class ContextPrimitives(ModelServing):
             if (part.text is None) == (part.output_of is None):
                 raise EngineBadRequest("each part is one of 'text' and 'output_of'", f"parts.{i}")
 
-    async def _suffix_tokens(self, request: ContextGenerateRequest) -> tuple[list[int], int | None]:
-        """The fork's tokens, and with parts naming outputs, the step that produced the last of those."""
+    async def _suffix_tokens(self, request: ContextGenerateRequest, parts: list[ForkPart]
+                             ) -> tuple[list[int], int | None]:
+        """The fork's tokens (of ``parts`` when it has parts), and with parts naming outputs, the step that
+        produced the last of those."""
         if request.tokens is not None:
             self.check_token_ids(request.tokens, "tokens")
             return request.tokens, None
@@ -187,7 +233,7 @@ class ContextPrimitives(ModelServing):
             return (text_tokens(self.tokenizer, request.text) if request.text else []), None
         tokens: list[int] = []
         inputs_step = None
-        for part in request.parts:
+        for part in parts:
             if part.output_of is None:
                 tokens += text_tokens(self.tokenizer, part.text or "")
                 continue
@@ -197,9 +243,10 @@ class ContextPrimitives(ModelServing):
         return tokens, inputs_step
 
     async def _handed_off(self, pieces: AsyncIterator[Piece], output_id: str | None, inputs_step: int | None,
-                          hidden: frozenset[int]) -> AsyncIterator[Piece]:
+                          hidden: frozenset[int], ahead: "Ahead | None") -> AsyncIterator[Piece]:
         """``pieces``, with the output named ``output_id`` once the generation ends (failed if it does not),
-        and the steps this request waited after its last input was produced measured."""
+        the steps this request waited after its last input was produced measured, and the context its text
+        was computed ahead in freed."""
         result = ChoiceResult()
         try:
             async with aclosing(pieces):
@@ -217,6 +264,8 @@ class ContextPrimitives(ModelServing):
                 else:
                     self.named_outputs.fail(output_id, f"its generation ended without finishing "
                                                        f"({result.finish_reason or 'cancelled or failed'})")
+            if ahead is not None:
+                await ahead.drop()
 
     def _output_ids(self, result: ChoiceResult, hidden: frozenset[int]) -> list[int]:
         """What a consumer takes of an output: the ids generated, an ending EOS or stop token left out, when

@@ -62,9 +62,19 @@ async def test_a_consumer_sent_first_runs_after_its_producers_ids_in_the_next_st
     question, follow_up = "Q: Name one primary color.\nA:", "\nQ: Repeat the answer above in capitals.\nA:"
     async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
         before = handoff_waits(httpx.Client(base_url=base_url))
+        stats = (await http.get("/v1/stats")).json()
         consumer = asyncio.ensure_future(http.post(f"/v1/contexts/{context}/generate", json=fork([
             {"text": "Earlier answer:"}, {"output_of": output_id}, {"text": follow_up}])))
-        await asyncio.sleep(0.2)  # the consumer waits on the engine: nothing produces its input yet
+        # The consumer waits on the engine (nothing produces its input yet), its text before the input
+        # computed meanwhile.
+        lead = len(text_tokens(llm.tokenizer, "Earlier answer:"))
+        for _ in range(100):
+            now = (await http.get("/v1/stats")).json()
+            if now["prompt_tokens"] - stats["prompt_tokens"] == lead and now["running"] == now["waiting"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            pytest.fail(f"the consumer's leading text was not computed ahead: {stats} -> {now}")
         assert not consumer.done()
         produced = (await http.post(f"/v1/contexts/{context}/generate",
                                     json=fork(question, output_id=output_id))).json()
@@ -78,6 +88,7 @@ async def test_a_consumer_sent_first_runs_after_its_producers_ids_in_the_next_st
     assert handed["usage"]["prompt_tokens"] == len(expected)
     assert handed["text"] == by_tokens["text"] and handed["token_ids"] == by_tokens["token_ids"]
     after = handoff_waits(httpx.Client(base_url=base_url))
+    assert httpx.get(f"{base_url}/v1/stats").json()["blocks_free"] == stats["blocks_free"]  # the ahead context freed
     assert after["count"] == before["count"] + 1
     assert after["1.0"] == before.get("1.0", 0) + 1  # its first token came in the step after the producer's last
 
