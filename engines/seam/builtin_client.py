@@ -63,9 +63,9 @@ class BuiltinEngineClient(UpstreamEngine):
             self._splits.move_to_end(request)
         try:
             return await asyncio.shield(split)  # one caller leaving does not cancel the others' fetch
-        except Exception:
-            if self._splits.get(request) is split:
-                del self._splits[request]  # a failure is not kept: the next caller asks again
+        except BaseException:
+            if split.done() and self._splits.get(request) is split:
+                del self._splits[request]  # a failed (or cancelled) fetch is not kept: the next caller asks again
             raise
 
     async def _fetch_split(self, request: bytes) -> PromptSplit:

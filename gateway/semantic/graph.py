@@ -74,10 +74,24 @@ class Variable:
         self._ready.set()
         self._announced.set()
 
-    def publish(self, pending: PendingOutput) -> None:
-        """Its producer is generating it on an engine: consumers placed there may take it from there."""
+    def publish(self, pending: PendingOutput, *, generating: bool) -> None:
+        """Its producer sent its generation to an engine under ``pending``'s name; ``generating``: the
+        generation runs (its own inputs are there). Only then is it announced to consumers: a call sent
+        ahead holds a connection and engine state while it waits, so a chain goes ahead one call at a time."""
         self.pending = pending
-        self._announced.set()
+        if generating:
+            self.generating()
+
+    def generating(self) -> None:
+        """The published generation now runs on its engine: consumers placed there may take it from there."""
+        if self.pending is not None:
+            self._announced.set()
+
+    def settle(self, pending: PendingOutput) -> None:
+        """The generation ended: what the gateway binds next is its value (the engine keeps the output a
+        while, but not forever, so late consumers take the value)."""
+        if self.pending is pending:
+            self.pending = None
 
     def withdraw(self) -> None:
         """What was published is not coming from there: consumers sent ahead for it fall back."""
@@ -86,7 +100,7 @@ class Variable:
             self.pending = None
 
     async def announced(self, timeout_s: float) -> None:
-        """Returns once the variable is ready or pending on an engine (TimeoutError after ``timeout_s``)."""
+        """Returns once the variable is ready, or generating on an engine (TimeoutError after ``timeout_s``)."""
         if not self._announced.is_set():
             await asyncio.wait_for(self._announced.wait(), timeout_s)
 
@@ -226,15 +240,18 @@ class Call:
         self.handed = time.time()
 
     async def run(self, input_timeout_s: float) -> dict[str, str]:
+        deadline = time.monotonic() + input_timeout_s  # for its inputs, however long going ahead took
         try:
             if not all(variable.ready for variable in self.inputs.values()):
                 if self.prepare is not None:
                     await self.prepare()
                 results = await self.hand_ahead(self) if self.hand_ahead is not None else None
+                if results is None:
+                    self.handed = None  # it runs the ordinary way after all
             else:
                 results = None
             if results is None:
-                values = await self._values(input_timeout_s)
+                values = await self._values(max(0.0, deadline - time.monotonic()))
                 self.join_group()
                 self.mark_running()
                 results = await self.work(self, values)

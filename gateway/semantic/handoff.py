@@ -3,7 +3,8 @@ engine generating them, which starts it as soon as they are produced, with their
 prompt (engines/builtin/serving/named_outputs.py is the engine's side).
 
 Every forked generation is given an ``output_id`` and its output variable a ``PendingOutput`` naming it
-while it runs. A consumer whose every unready input is pending on one engine does not wait for their text:
+while it runs (announced to consumers once it generates: a call sent ahead is announced when its own
+inputs are bound, so a long chain goes ahead one call at a time, not all at once). A consumer whose every unready input is pending on one engine does not wait for their text:
 its prompt's rest goes to that engine as parts, constant text and ready values as text, pending values as
 ``output_of``. The gateway still binds every variable from its producer's answer, for readers and for
 consumers elsewhere. If a producer fails, or is retried on another engine, its pending output is withdrawn
@@ -12,13 +13,15 @@ and the consumers sent ahead are called back to run the ordinary way, from the t
 Tokenization at the seams: the engine tokenizes each text part on its own and splices the producer's ids
 between them, where the ordinary path tokenizes the substituted rest as one text. The two agree whenever
 the producer's ids are how its text tokenizes and no token of the whole would span a seam (a value
-starting after a newline or a space that ends a part does not; "abc{{x}}" with x = "def" may).
+starting after a newline or a space that ends a part does not; "abc{{x}}" with x = "def" may), for a
+byte-level BPE tokenizer like SmolLM2's (one that prefixes a space to each text it encodes, as
+SentencePiece's do, differs at every seam).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import time
 from typing import TYPE_CHECKING, Awaitable, Iterable, TypeVar
 
 from engines.seam import ForkPart, PromptSplit
@@ -42,9 +45,10 @@ async def announced_inputs(inputs: dict[str, Variable], timeout_s: float) -> dic
     """Each input's value, or its pending output, once every input has one of them; None when one failed,
     timed out or was withdrawn (the ordinary path then reports or waits as it does)."""
     known: dict[str, str | PendingOutput] = {}
+    deadline = time.monotonic() + timeout_s
     for name, variable in inputs.items():
         try:
-            await variable.announced(timeout_s)
+            await variable.announced(max(0.0, deadline - time.monotonic()))
         except TimeoutError:
             return None
         if variable.value is not None:
@@ -67,8 +71,8 @@ def fork_parts(split: PromptSplit, values: dict[str, str], pending: dict[str, Pe
                 parts.append(ForkPart(text=text))
                 text = ""
             parts.append(ForkPart(output_of=pending[segment.variable].output_id))
-        elif segment.variable is not None:
-            text += values[segment.variable]
+        elif segment.variable is not None:  # a placeholder no input binds ({{output:x}}) stays text, as ordinarily
+            text += values.get(segment.variable, "{{" + segment.variable + "}}")
         else:
             text += segment.text
     if text:
@@ -91,8 +95,7 @@ async def unless_withdrawn(work: Awaitable[T], pending: Iterable[PendingOutput],
         side.cancel()
         if not task.done():
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            await asyncio.wait([task])  # its end, not its error; a cancellation of ours still propagates
     if task.cancelled():
         return None, True
     return task.result(), False

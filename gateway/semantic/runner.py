@@ -123,7 +123,7 @@ class Runner:
             call.engine_id = plan.record.id
             try:
                 generation, prompt_tokens = await self._fork_and_generate(plan, rest, body, bounded, session, sink,
-                                                                          output)
+                                                                          output, generating=True)
                 break
             except EngineError as exc:
                 tried.add(plan.record.id)
@@ -173,17 +173,24 @@ class Runner:
         bounded = call.engine_hints() | self.gateway.token_defaults(route, body, plan.engine)
         try:
             done, withdrawn = await unless_withdrawn(
-                self._fork_and_generate(plan, handoff.parts, body, bounded, session, sink, output),
+                self._fork_and_generate(plan, handoff.parts, body, bounded, session, sink, output, generating=False),
                 handoff.pending, beside=_running_once_bound(call, input_timeout_s))
         except EngineError as exc:
             if (exc.status_code == 424 or retryable(exc)) and not (sink is not None and sink.started):
                 return None  # a producer failed there, or the engine did: run from the text (elsewhere)
             self.gateway.record_failure(body["model"], exc)
             raise
-        if withdrawn:
+        if not withdrawn:
+            for variable in call.inputs.values():  # bound by their producers as their answers arrive
+                await variable.get(input_timeout_s)  # a producer whose value failed (quotas) fails this call too
+        if withdrawn or any(pending.withdrawn.is_set() for pending in handoff.pending):
+            # A producer was run again elsewhere (its first answer lost): its value may differ from the tokens
+            # this call took, so it runs again from the value, unless its text already reached a reader.
+            if output is not None:
+                output.withdraw()
+            if sink is not None and sink.started:
+                raise EngineError(f"an input of call {call.id} was produced again after the call began streaming")
             return None
-        for variable in call.inputs.values():  # bound by their producers as their answers arrive
-            await variable.get(input_timeout_s)  # a producer whose value failed (quotas) fails this call too
         if call.started is None:
             call.mark_running()
         generation, prompt_tokens = done
@@ -260,15 +267,19 @@ class Runner:
 
     async def _fork_and_generate(self, plan: Plan, rest: str | list[ForkPart], body: dict[str, Any],
                                  hints: dict[str, Any], session: Session, sink: TextSink | None,
-                                 output: Variable | None) -> tuple[Generation, int]:
+                                 output: Variable | None, *, generating: bool) -> tuple[Generation, int]:
+        """The fork's generation, and the prompt tokens it counts. ``output``: the variable it produces,
+        published under its output id while it is generated (``generating``: at once; else once the
+        call's inputs are bound, see _running_once_bound)."""
         record = plan.record
         entry, hit = await self._acquire(plan, session)
         record.in_flight += 1
         sampling = sampling_of(body) | hints
         record.requests.add()
-        output_id = new_id("out") if output is not None else None
-        if output is not None and output_id is not None:
-            output.publish(PendingOutput(record.id, output_id))
+        pending = PendingOutput(record.id, new_id("out")) if output is not None else None
+        output_id = pending.output_id if pending is not None else None
+        if output is not None and pending is not None:
+            output.publish(pending, generating=generating)
         try:
             if sink is None:
                 generation = await plan.engine.generate_in_context(entry.context_id, sampling, fork_with=rest,
@@ -286,6 +297,8 @@ class Runner:
         finally:
             record.in_flight -= 1
             await self.prefixes.release(entry)
+        if output is not None and pending is not None:
+            output.settle(pending)
         self.gateway.metrics.on(body["model"], record.engine.name).forks.inc()
         if hit:
             self.prefixes.hit_tokens += generation.context_tokens
@@ -293,11 +306,14 @@ class Runner:
 
 
 async def _running_once_bound(call: Call, timeout_s: float) -> None:
-    """Marks a call sent ahead as running once its inputs are bound here (its engine started it then)."""
+    """Marks a call sent ahead as running once its inputs are bound here (its engine started it then), and
+    announces its outputs to their consumers, which may go ahead in turn."""
     with contextlib.suppress(Exception):
         for variable in call.inputs.values():
             await variable.get(timeout_s)
         call.mark_running()
+        for output in call.outputs.values():
+            output.generating()
 
 
 async def _gathered(chunks: AsyncIterator[GenerationChunk], sink: TextSink) -> Generation:

@@ -4,7 +4,6 @@ forked from it), free; and their request bodies."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from contextlib import aclosing
 from typing import Annotated, AsyncIterator
 
@@ -97,8 +96,7 @@ class Ahead:
     async def drop(self) -> None:
         """Stops its fill if it still runs, and frees it."""
         self.filled.cancel()
-        with contextlib.suppress(BaseException):
-            await self.filled
+        await asyncio.wait([self.filled])  # its end, not its error; a cancellation of ours still propagates
         await self._serving.free_quietly(self.context_id)
 
 
@@ -221,6 +219,8 @@ class ContextPrimitives(ModelServing):
         for i, part in enumerate(request.parts or ()):
             if (part.text is None) == (part.output_of is None):
                 raise EngineBadRequest("each part is one of 'text' and 'output_of'", f"parts.{i}")
+            if part.output_of is not None and part.output_of == request.output_id:
+                raise EngineBadRequest("a generation cannot take its own output as input", f"parts.{i}")
 
     async def _suffix_tokens(self, request: ContextGenerateRequest, parts: list[ForkPart]
                              ) -> tuple[list[int], int | None]:

@@ -44,14 +44,17 @@ class Output(NamedTuple):
 
 
 class NamedOutputs:
-    def __init__(self, max_kept: int = 4096):
-        """``max_kept``: finished outputs remembered; the oldest are forgotten beyond (a consumer that
-        names one of those then waits for a producer that never comes: the gateway sends consumers while
-        their producers run, so it never asks for one that old)."""
+    def __init__(self, max_kept: int = 4096, unclaimed_wait_s: float = 30.0):
+        """``max_kept``: finished outputs remembered; the oldest are forgotten beyond (the gateway sends
+        consumers while their producers run, and takes values once they end). ``unclaimed_wait_s``: how long
+        a consumer waits for an output no generation has started producing (its producer's request may
+        arrive after it) before it is refused: one whose producer never comes (refused before it started,
+        or sent elsewhere) does not wait forever."""
         self._outputs: OrderedDict[str, asyncio.Future[Output]] = OrderedDict()
         self._producing: set[str] = set()
         self._waiting: Counter[str] = Counter()
         self.max_kept = max_kept
+        self.unclaimed_wait_s = unclaimed_wait_s
 
     def __len__(self) -> int:
         return len(self._outputs)
@@ -90,7 +93,13 @@ class NamedOutputs:
             future = self._outputs[output_id] = asyncio.get_running_loop().create_future()
         self._waiting[output_id] += 1
         try:
-            return await asyncio.shield(future)
+            while True:
+                try:
+                    return await asyncio.wait_for(asyncio.shield(future), self.unclaimed_wait_s)
+                except TimeoutError:
+                    if not future.done() and output_id not in self._producing:
+                        raise InputUnavailable(f"no generation started producing output {output_id!r} within "
+                                               f"{self.unclaimed_wait_s:g}s") from None
         finally:
             self._waiting[output_id] -= 1
             if not self._waiting[output_id]:

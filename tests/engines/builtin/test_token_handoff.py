@@ -13,6 +13,7 @@ import pytest
 
 from engines.builtin.config import EngineConfig
 from engines.builtin.http_app import create_app
+from engines.builtin.serving.named_outputs import InputUnavailable, NamedOutputs, Output
 from engines.builtin.tokenizer import text_tokens
 
 pytestmark = pytest.mark.timeout(120)
@@ -124,8 +125,23 @@ async def test_consumers_of_a_failed_producer_get_a_424_and_names_are_not_reused
     (fork([{}]), "parts.0"),
     ({**GREEDY, "parts": [{"text": "a"}]}, "fork"),
     (fork("a") | {"parts": [{"text": "a"}]}, "parts"),
+    (fork([{"output_of": "me"}], output_id="me"), "parts.0"),
 ])
 def test_bad_parts_are_400s(base_url, context, body, param):
     with httpx.Client(base_url=base_url, timeout=30) as http:
         response = http.post(f"/v1/contexts/{context}/generate", json=body)
     assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+async def test_a_consumer_of_an_output_nobody_starts_producing_is_refused_in_time():
+    """Its producer never reached this engine (refused before it began, or sent elsewhere): the wait ends."""
+    outputs = NamedOutputs(unclaimed_wait_s=0.1)
+    with pytest.raises(InputUnavailable, match="no generation started"):
+        await outputs.wait("never")
+    outputs.begin("slow")  # one being produced is waited for however long it takes
+    waiter = asyncio.ensure_future(outputs.wait("slow"))
+    await asyncio.sleep(0.3)
+    assert not waiter.done()
+    outputs.produce("slow", Output([1, 2], step=7))
+    assert await waiter == Output([1, 2], 7)
+    assert len(outputs) == 1  # the unclaimed one was forgotten with its last waiter

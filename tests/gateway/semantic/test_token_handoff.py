@@ -12,6 +12,8 @@ import pytest
 from engines.builtin.config import EngineConfig, served_model_name
 from engines.builtin.loader import ModelSource, load_tokenizer
 from engines.builtin.tokenizer import text_tokens
+from engines.seam import ForkPart, PromptSplit, Segment
+from gateway.semantic.handoff import PendingOutput, fork_parts
 
 pytestmark = pytest.mark.timeout(240)
 CONFIG = EngineConfig(num_blocks=128)
@@ -143,3 +145,11 @@ def test_a_semantic_call_whose_input_is_generating_goes_ahead_too(urls):
         gw.delete(f"/v1/sessions/{session}")
         assert handoff_waits(engine)[0] - before == 1  # b went ahead; c followed it at the gateway, as usual
     assert all(view["ready"] and view["error"] is None and view["value"] for view in views), views
+
+
+def test_fork_parts_keep_unbound_placeholders_as_text_and_merge_text_around_values():
+    split = PromptSplit(prefix="sys", rest=[Segment(text="A: "), Segment(variable="a"), Segment(text=" B: "),
+                                            Segment(variable="b"), Segment(text=" {{output:c}}? "),
+                                            Segment(variable="c")])
+    parts = fork_parts(split, {"a": "one"}, {"b": PendingOutput("engine-1", "out_b")})
+    assert parts == [ForkPart(text="A: one B: "), ForkPart(output_of="out_b"), ForkPart(text=" {{output:c}}? {{c}}")]
