@@ -210,6 +210,18 @@ def bench_cpu() -> None:
             print(f"  decode {str(dtype):<15} B={batch:<3} L<={context:<5} C++ {in_cpp:7.2f}   torch {chosen:7.2f}"
                   f"   padded SDPA {padded:7.2f}   per-seq SDPA {loop:7.2f}   padded einsum {einsum:7.2f}"
                   f"   (torch / C++ {chosen / in_cpp:4.2f}x)")
+    for dtype in (torch.float32, torch.bfloat16):  # one sequence's prefill chunk: new tokens over cached ones
+        for new, cached in ((1000, 0), (512, 512), (64, 900)):
+            q, k_cache, v_cache, tables, _ = paged_batch(1, new + cached, **SMOLLM2, dtype=dtype, device="cpu")
+            q = torch.randn(new, SMOLLM2["num_heads"], SMOLLM2["head_dim"], dtype=dtype)
+            cu, lens = torch.tensor([0, new], dtype=torch.int32), torch.tensor([new + cached], dtype=torch.int32)
+            tiled = cpu_attention.plan_prefill(tables, cu, lens, 16, rows_for_native=True)
+            sdpa = cpu_attention.plan_prefill(tables, cu, lens, 16)
+            in_cpp = cpu_ms(lambda: cpu_attention.prefill(q, k_cache, v_cache, tables, cu, lens, 0.125, plan=tiled,
+                                                          native=cpp))
+            in_torch = cpu_ms(lambda: cpu_attention.prefill(q, k_cache, v_cache, tables, cu, lens, 0.125, plan=sdpa))
+            print(f"  prefill {str(dtype):<15} {new} new over {cached} cached: C++ tiles {in_cpp:7.2f}   "
+                  f"torch SDPA {in_torch:7.2f}   (torch / C++ {in_torch / in_cpp:4.2f}x)")
     for batch in (1, 16):  # a decode step's attention over SmolLM2's 30 layers: reads planned once, or per call
         q, k_cache, v_cache, tables, _ = paged_batch(batch, 256, **SMOLLM2, dtype=torch.bfloat16, device="cpu")
         lens = torch.randint(128, 257, (batch,), dtype=torch.int32)
