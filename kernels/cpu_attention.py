@@ -158,17 +158,19 @@ def plan_prefill(block_tables, cu_seqlens_q, context_lens, block_size: int, *,
 
 
 def _tiled_rows(blocks: torch.Tensor, cached: int, n: int, block_size: int) -> CachedPrefixRows:
-    tile_of_row = torch.arange(n) // NATIVE_TILE_TOKENS
-    firsts = cached + torch.arange(int(tile_of_row[-1]) + 1) * NATIVE_TILE_TOKENS  # each tile's first token
-    whole = firsts // block_size  # whole blocks before each tile
+    tile, tiles = NATIVE_TILE_TOKENS, -(-n // NATIVE_TILE_TOKENS)
+    tile_of_row = torch.arange(n) // tile
+    whole = (cached + torch.arange(tiles) * tile) // block_size  # whole blocks before each tile
     own_start = whole[tile_of_row]  # the block each row's own tokens start in
     own_lens = cached + torch.arange(1, n + 1) - own_start * block_size
-    own_blocks = -(-int(own_lens.max()) // block_size)
+    # Host ints from the host ints it was given (no reads of the tensors above): the longest own run is a
+    # tile's last row's.
+    own_blocks = max(-(-(cached + min(n, (t + 1) * tile) - (cached + t * tile) // block_size * block_size)
+                       // block_size) for t in range(tiles))
     own_index = (own_start[:, None] + torch.arange(own_blocks)[None, :]).clamp_max(len(blocks) - 1)
-    tiles = len(firsts)
     return CachedPrefixRows(
         prefix_ids=tile_of_row.to(torch.int32),
-        prefix_table=blocks[: int(whole[-1])][None].expand(tiles, -1).contiguous(),
+        prefix_table=blocks[: (cached + (tiles - 1) * tile) // block_size][None].expand(tiles, -1).contiguous(),
         prefix_len=(whole * block_size).to(torch.int32),
         own_tables=blocks[own_index].contiguous(),
         own_lens=own_lens.to(torch.int32),
