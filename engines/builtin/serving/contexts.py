@@ -165,13 +165,11 @@ class ContextPrimitives(ModelServing):
         ahead = made = None
         try:
             parts = request.parts or []
-            waits = next((i for i, part in enumerate(parts) if part.output_of is not None), len(parts))
-            lead = [t for part in parts[:waits] for t in text_tokens(self.tokenizer, part.text or "")]
-            if lead and waits < len(parts):
+            waits = next((i for i, part in enumerate(parts) if part.output_of is not None), None)
+            lead = self._text_tokens(parts[:waits]) if waits else []  # the text before the first awaited output
+            if lead:
                 ahead = await self._ahead(context_id, context, lead, request.priority or 0)
                 made, context, parts = context, None, parts[waits:]  # the context exists now
-            else:
-                lead = []
             suffix, inputs_step = await self._suffix_tokens(request, parts)
             if ahead is not None:
                 await ahead.filled
@@ -190,9 +188,10 @@ class ContextPrimitives(ModelServing):
                 raise translated_exc from exc
             raise
         context_tokens = length if length is not None else len(made or context or ())  # 0: not found, as events say
-        pieces = decode_events(events, detok, self.hidden_ids(params))
+        hidden = self.hidden_ids(params)
+        pieces = decode_events(events, detok, hidden)
         if request.output_id is not None or inputs_step is not None:
-            pieces = self._handed_off(pieces, request.output_id, inputs_step, self.hidden_ids(params), ahead)
+            pieces = self._handed_off(pieces, request.output_id, inputs_step, hidden, ahead)
         return context_tokens, len(lead) + len(suffix), pieces
 
     async def _ahead(self, context_id: str, context: list[int] | None, lead: list[int], priority: int) -> "Ahead":
@@ -235,12 +234,16 @@ class ContextPrimitives(ModelServing):
         inputs_step = None
         for part in parts:
             if part.output_of is None:
-                tokens += text_tokens(self.tokenizer, part.text or "")
+                tokens += self._text_tokens([part])
                 continue
             output = await self.named_outputs.wait(part.output_of)
             tokens += output.token_ids
             inputs_step = max(inputs_step or 0, output.step)
         return tokens, inputs_step
+
+    def _text_tokens(self, parts: list[ForkPart]) -> list[int]:
+        """Text parts as tokens, each part tokenized on its own (the handoff's rule at the seams)."""
+        return [token for part in parts for token in text_tokens(self.tokenizer, part.text or "")]
 
     async def _handed_off(self, pieces: AsyncIterator[Piece], output_id: str | None, inputs_step: int | None,
                           hidden: frozenset[int], ahead: "Ahead | None") -> AsyncIterator[Piece]:

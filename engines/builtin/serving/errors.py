@@ -44,6 +44,25 @@ class EngineConflict(EngineError):
     param = "context_id"
 
 
+class InputUnavailable(EngineError):
+    """An output a request takes as input was not produced: its generation failed or was aborted. The
+    gateway then runs the request the ordinary way, from its input's text, or reports the failure."""
+
+    status_code = 424
+    error_type = "invalid_request_error"
+    code = "input_unavailable"
+    param = "parts"
+
+
+class OutputTaken(EngineError):
+    """An ``output_id`` already names another generation's output (produced, or being produced)."""
+
+    status_code = 409
+    error_type = "invalid_request_error"
+    code = "output_id_taken"
+    param = "output_id"
+
+
 async def translated(pieces: AsyncIterator[Piece]) -> AsyncIterator[Piece]:
     """``pieces`` with the core's errors as this layer's, closed however the caller stops."""
     try:

@@ -18,24 +18,7 @@ import asyncio
 from collections import Counter, OrderedDict
 from typing import NamedTuple
 
-from engines.seam import EngineError
-
-
-class InputUnavailable(EngineError):
-    """An output a request takes as input was not produced: its generation failed or was aborted. The
-    gateway then runs the request the ordinary way, from its input's text, or reports the failure."""
-
-    status_code = 424
-    error_type = "invalid_request_error"
-    code = "input_unavailable"
-    param = "parts"
-
-
-class OutputTaken(EngineError):
-    status_code = 409
-    error_type = "invalid_request_error"
-    code = "output_id_taken"
-    param = "output_id"
+from engines.builtin.serving.errors import InputUnavailable, OutputTaken
 
 
 class Output(NamedTuple):

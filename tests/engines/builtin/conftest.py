@@ -1,8 +1,12 @@
-"""Engine fixtures for the builtin engine's tests, on the tiny random Llama of tests/conftest.py."""
+"""Engine fixtures for the builtin engine's tests: on the tiny random Llama of tests/conftest.py, and the
+default model served over HTTP (``llm``, ``base_url``) for the modules that talk to a real engine app."""
 
 from __future__ import annotations
 
 import pytest
+
+from engines.builtin.config import EngineConfig
+from engines.builtin.http_app import create_app
 
 
 @pytest.fixture(scope="session")
@@ -29,3 +33,20 @@ def make_engine(tiny_model_dir):
     yield make
     for engine in engines:
         engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def llm():
+    """The default model (SmolLM2) on a started engine core, 128 KV blocks (a 2048-token window)."""
+    from engines.builtin.core import EngineCore
+
+    engine = EngineCore(EngineConfig(num_blocks=128))
+    engine.start()
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def base_url(llm, serve_module) -> str:
+    """``llm`` behind the engine's HTTP app on loopback."""
+    return serve_module(create_app(llm=llm))

@@ -17,7 +17,6 @@ import pytest
 from litestar import Litestar, Request, Response, post
 from litestar.params import FromPath
 
-from engines.builtin.config import EngineConfig
 from engines.builtin.http_app import DEFAULT_SERVED_MODEL_NAME, GatewayRegistration, create_app
 from tests.conftest import wait_until
 
@@ -27,21 +26,6 @@ MODEL = DEFAULT_SERVED_MODEL_NAME
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0, "max_tokens": 12}
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def llm():
-    from engines.builtin.core import EngineCore
-
-    engine = EngineCore(EngineConfig(num_blocks=128))  # 2048-token window
-    engine.start()
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def base_url(llm, serve_module) -> str:
-    return serve_module(create_app(llm=llm))
 
 
 @pytest.fixture(scope="module")

@@ -11,29 +11,13 @@ import re
 import httpx
 import pytest
 
-from engines.builtin.config import EngineConfig
-from engines.builtin.http_app import create_app
-from engines.builtin.serving.named_outputs import InputUnavailable, NamedOutputs, Output
+from engines.builtin.serving.errors import InputUnavailable
+from engines.builtin.serving.named_outputs import NamedOutputs, Output
 from engines.builtin.tokenizer import text_tokens
 
 pytestmark = pytest.mark.timeout(120)
 SYSTEM = "You are a concise assistant. Answer in one short sentence, without preamble. " * 2
 GREEDY = {"temperature": 0, "max_tokens": 12}
-
-
-@pytest.fixture(scope="module")
-def llm():
-    from engines.builtin.core import EngineCore
-
-    engine = EngineCore(EngineConfig(num_blocks=128))
-    engine.start()
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def base_url(llm, serve_module) -> str:
-    return serve_module(create_app(llm=llm))
 
 
 @pytest.fixture(scope="module")
