@@ -256,6 +256,30 @@ def bench_cpu() -> None:
               f"   (torch shared / C++ shared {shared / cpp_shared:4.2f}x)")
 
 
+SMOLLM2_LINEARS = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # a layer's qkv, o, gate_up, down
+
+
+def bench_cpu_linears() -> None:
+    """A decode step's 120 decoder linears (SmolLM2, 30 layers): the C++ row kernel against what torch
+    runs without it (bf16: oneDNN on prepacked weights; fp32: F.linear), with the weights' read rate."""
+    cpp = native.library()
+    print(f"CPU linears, SmolLM2's 30 layers ({torch.get_num_threads()} threads), median ms and weight GB/s")
+    for dtype in (torch.float32, torch.bfloat16):
+        weights = [torch.randn(shape, dtype=dtype) for _ in range(30) for shape in SMOLLM2_LINEARS]
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights] if dtype == torch.bfloat16 else None
+        gigabytes = sum(w.numel() * w.element_size() for w in weights) / 1e9
+        for rows in (1, 4, 16):
+            inputs = {size: torch.randn(rows, size, dtype=dtype) for size in (576, 1536)}
+            kernel = cpu_ms(lambda: [cpp.linear(inputs[w.shape[1]], w, None) for w in weights], repeats=9)
+            if packed:
+                baseline = cpu_ms(lambda: [torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "")
+                                           for w, p in zip(weights, packed)], repeats=9)
+            else:
+                baseline = cpu_ms(lambda: [F.linear(inputs[w.shape[1]], w) for w in weights], repeats=9)
+            print(f"  linear {str(dtype):<15} {rows:>2} rows: C++ {kernel:7.2f} ({gigabytes / kernel * 1e3:5.1f} GB/s)   "
+                  f"torch {baseline:7.2f} ({gigabytes / baseline * 1e3:5.1f} GB/s)   (torch / C++ {baseline / kernel:4.2f}x)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--peak-tbps", type=float, help="HBM peak in TB/s (default: from the device name)")
@@ -268,6 +292,7 @@ def main() -> None:
         if not torch.cuda.is_available():
             print("the Triton kernel benchmarks need CUDA; running the CPU dispatch comparison instead\n")
         bench_cpu()
+        bench_cpu_linears()
         return
     peak = peak_tbps(args.peak_tbps)
     print(f"{torch.cuda.get_device_name()}, HBM peak {peak} TB/s\n")

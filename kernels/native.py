@@ -1,4 +1,4 @@
-"""The CPU kernels written in C++ (kernels/native/*.cpp), built on first use and called through ctypes.
+"""The CPU kernels written in C++ (kernels/native/*.cpp, one library), built on first use and called through ctypes.
 
 They include no torch headers, so the system compiler builds them in about a second (no ninja, no
 extension toolchain); the library is cached per source, flags and compiler under
@@ -25,7 +25,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "native" / "paged_attention.cpp"
+SOURCES = tuple(Path(__file__).parent / "native" / name for name in ("paged_attention.cpp", "linear.cpp"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 DISABLE_ENV = "PARROT_NATIVE_KERNELS"
 
@@ -33,22 +33,47 @@ _INT, _I64, _PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
 _DECODE_ARGS = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR,
                 _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _INT]
 _WRITE_ARGS = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64]
+_LINEAR_ARGS = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT]
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 HEAD_DIMS, MAX_GROUP = (32, 64, 80, 96, 128, 256), 48
+LINEAR_OUT_MULTIPLE, LINEAR_IN_MULTIPLE = 4, 32  # native/linear.cpp's tile: 4 weight rows, 32 inputs a step
 
 
 class NativeKernels:
     """The loaded library's entry points, with dispatch.decode_attention's and
-    dispatch.shared_prefix_decode_attention's contracts."""
+    dispatch.shared_prefix_decode_attention's contracts, and a linear layer over a few rows."""
 
     def __init__(self, library: ctypes.CDLL):
-        self._decode, self._write = {}, {}
+        self._decode, self._write, self._linear = {}, {}, {}
         for dtype, suffix in _SUFFIXES.items():
             self._decode[dtype] = _bound(library, f"parrot_decode_{suffix}", _DECODE_ARGS, _INT)
             self._write[dtype] = _bound(library, f"parrot_write_kv_{suffix}", _WRITE_ARGS, _INT)
+            self._linear[dtype] = _bound(library, f"parrot_linear_{suffix}", _LINEAR_ARGS, _INT)
+        # Built without a bf16 dot product (another CPU or compiler), the bf16 linear answers -2.
+        probe = torch.zeros(LINEAR_OUT_MULTIPLE, LINEAR_IN_MULTIPLE, dtype=torch.bfloat16)
+        self._linear_dtypes = {dtype for dtype in self._linear if self._run_linear(probe[:1].to(dtype), probe.to(dtype), None)[0] == 0}
 
     def supports(self, dtype: torch.dtype, head_dim: int, query_group: int) -> bool:
         return dtype in self._decode and head_dim in HEAD_DIMS and query_group <= MAX_GROUP
+
+    def supports_linear(self, weight: torch.Tensor) -> bool:
+        """Whether linear() takes this weight (its dtype, and sizes multiples of the kernel's tiles)."""
+        out_features, in_features = weight.shape
+        return (weight.dtype in self._linear_dtypes and weight.is_contiguous()
+                and out_features % LINEAR_OUT_MULTIPLE == 0 and in_features % LINEAR_IN_MULTIPLE == 0)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [rows, in] @ weight.T + bias, in x's dtype; for a few rows (see native/linear.cpp)."""
+        status, out = self._run_linear(x.contiguous(), weight, bias)
+        if status != 0:
+            raise ValueError(f"the native linear does not take a {weight.dtype} weight of shape {tuple(weight.shape)}")
+        return out
+
+    def _run_linear(self, x, weight, bias) -> tuple[int, torch.Tensor]:
+        out = x.new_empty(x.shape[0], weight.shape[0])
+        status = self._linear[x.dtype](x.data_ptr(), weight.data_ptr(), None if bias is None else bias.contiguous().data_ptr(),
+                                       out.data_ptr(), x.shape[0], weight.shape[0], weight.shape[1], torch.get_num_threads())
+        return status, out
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> bool:
         """dispatch.write_kv's contract; False (nothing written) where these tensors are not for it."""
@@ -130,15 +155,15 @@ def _cpu_signature() -> str:
 
 def _built(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    parts = [SOURCE.read_text(), *FLAGS, compiler, version, _cpu_signature()]
+    parts = [*(source.read_text() for source in SOURCES), *FLAGS, compiler, version, _cpu_signature()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("PARROT_CACHE_DIR") or Path.home() / ".cache" / "parrot") / "kernels"
-    target = cache / f"{SOURCE.stem}-{key}.so"
+    target = cache / f"parrot_kernels-{key}.so"
     if not target.exists():
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as scratch:
             built = Path(scratch) / target.name
-            result = subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True)
+            result = subprocess.run([compiler, *FLAGS, "-o", str(built), *map(str, SOURCES)], capture_output=True, text=True)
             if result.returncode != 0:
                 raise subprocess.CalledProcessError(result.returncode, result.args, stderr=result.stderr[-2000:])
             os.replace(built, target)

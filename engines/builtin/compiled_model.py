@@ -3,7 +3,7 @@
 Why: at 135M parameters a bf16 decode step is about half Python and op dispatch (some 1,200
 small ops over 30 layers; `benchmarks/engine_profile.py`, its "ops" column). Inductor fuses the
 norms, rope, SiLU and residual adds into a few C++ loops, and with freezing prepacks the linears
-for oneDNN as `packed_linear.py` does for the eager model.
+for oneDNN as `cpu_linear.py` does for the eager model (one-row calls go to the C++ row kernel in both).
 
 Attention stays eager behind a custom op: its per-step plans hold host lists that would make a
 graph recompile every step. The op reads the step's metadata from the ``CompiledForward`` it was

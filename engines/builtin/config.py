@@ -18,7 +18,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     model: str | None = None
     # "float32" (token-identical to HF's fp32 generate: what tests use), "bfloat16", or "auto":
     # bfloat16 where the device computes it natively (CPUs with AVX-512 BF16 / AMX, where its linears
-    # are prepacked for oneDNN: engines/builtin/packed_linear.py; CUDA with bf16), else float32.
+    # are prepacked for oneDNN: engines/builtin/cpu_linear.py; CUDA with bf16), else float32.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
     # CPU only: "int8" (fbgemm int8 GEMM, fastest for batches) or "int4" (weight-only, 4-bit groups
     # of 32 as in GGUF Q4_1, fastest single-stream); see engines/builtin/quantization.py.

@@ -22,7 +22,7 @@ from engines.builtin.errors import ContextBusy
 from engines.builtin.grammar import GrammarCompiler
 from engines.builtin.loader import DTYPES, ModelSource, build_model, load_checkpoint, load_tokenizer, resolve_dtype
 from engines.builtin.model_runner import ModelRunner, kv_block_bytes
-from engines.builtin.packed_linear import cpu_has_fast_bf16, prepack_linears
+from engines.builtin.cpu_linear import prepare_cpu_linears
 from engines.builtin.prometheus_metrics import EngineMetrics
 from engines.builtin.quantization import quantize_linears
 from engines.builtin.scheduler import Scheduler
@@ -76,9 +76,8 @@ class EngineCore(StepLoop):
         del hf_state
         if config.quantization:
             quantize_linears(model, config.quantization)
-        elif self.dtype == "bfloat16" and config.device == "cpu" and cpu_has_fast_bf16():
-            # Compiled, the decoder's linears are prepacked by freezing; the head stays eager.
-            prepack_linears(model, only=["lm_head"] if config.compile else None)
+        elif config.device == "cpu":
+            prepare_cpu_linears(model, compiled=config.compile)
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.seed, config.device,
                                   compile=config.compile)
         return hf_config

@@ -36,7 +36,7 @@ def resolve_dtype(dtype: str, device: str) -> str:
     """``dtype`` itself, or for "auto" bfloat16 where ``device`` computes it natively, else float32."""
     if dtype != "auto":
         return dtype
-    from engines.builtin.packed_linear import cpu_has_fast_bf16
+    from engines.builtin.cpu_linear import cpu_has_fast_bf16
 
     if device == "cpu":
         return "bfloat16" if cpu_has_fast_bf16() else "float32"

@@ -1,0 +1,55 @@
+"""The C++ linear over a few rows (kernels/native/linear.cpp) and its torch op: equal to F.linear up to
+summation order, and left for torch's path where it cannot take a weight."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import native, row_linear
+
+needs_bf16_dot = pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported(), reason="this CPU has no AVX-512 BF16")
+DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16_dot)]
+
+
+def _reference(x, weight, bias):
+    """In fp64, rounded once to x's dtype: what a kernel summing in fp32 should be within a rounding of."""
+    return F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 4, 6])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_matches_fp64(dtype, rows, with_bias):
+    torch.manual_seed(rows)
+    weight, x = torch.randn(200, 96, dtype=dtype), torch.randn(rows, 96, dtype=dtype)
+    bias = torch.randn(200, dtype=dtype) if with_bias else None
+    assert row_linear.fits(weight)
+
+    out = row_linear.row_linear(x, weight, bias)
+
+    expected = _reference(x, weight, bias)
+    assert out.dtype == dtype and out.shape == (rows, 200)
+    # fp32 sums in another order than fp64; bf16 rounds its fp32 sum once, as F.linear does.
+    step = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-20
+    assert ((out.double() - expected).abs() <= step * expected.abs() + 1e-4).all()
+    torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=step, atol=1e-4)
+
+
+def test_weights_off_its_tiles_are_left_to_torch():
+    kernels = native.library()
+    assert kernels.supports_linear(torch.zeros(8, 64))
+    assert not kernels.supports_linear(torch.zeros(8, 40)), "inputs not a multiple of 32"
+    assert not kernels.supports_linear(torch.zeros(6, 64)), "outputs not a multiple of 4"
+    assert not kernels.supports_linear(torch.zeros(8, 64, dtype=torch.float16))
+    assert not kernels.supports_linear(torch.zeros(64, 8).t()), "not contiguous"
+
+
+def test_compiled_graph_calls_the_op():
+    weight = torch.randn(64, 32)
+
+    @torch.compile(fullgraph=True, dynamic=False)
+    def step(x):
+        return torch.relu(row_linear.row_linear(x, weight, None)) + 1
+
+    x = torch.randn(1, 32)
+    torch.testing.assert_close(step(x), torch.relu(F.linear(x, weight)) + 1, rtol=2.0**-20, atol=1e-5)
