@@ -5,9 +5,11 @@ never imports it.
 
     python tests/engines/builtin/compiled_engine_run.py < request.json
 
-Request: {"model": DIR, "dtype": ..., "max_tokens": N, "batches": [[prompt, ...], ...]}. Prints JSON:
-the greedy tokens of each batch (run in turn), the graphs compiled when the engine was ready and after
-the batches, and the classes of the runner's forward and of the head."""
+Request: {"model": DIR, "dtype": ..., "max_tokens": N, "batches": [[prompt, ...], ...]}, optionally
+"quantization" and "then_model" (another model, compiled in the same process after the first, given
+the same batches). Prints JSON: the greedy tokens of each batch (run in turn), the graphs compiled
+when the engine was ready and after the batches, the classes of the runner's forward and of the head,
+and "then_outputs", the second model's tokens."""
 
 import json
 import sys
@@ -21,18 +23,30 @@ from engines.builtin.types import SamplingParams
 
 def main() -> None:
     request = json.load(sys.stdin)
-    engine = EngineCore(EngineConfig(model=request["model"], dtype=request["dtype"], compile=True))
-    engine.start()
+    params = SamplingParams(max_tokens=request["max_tokens"], temperature=0.0, ignore_eos=True)
+    engine = _started(request["model"], request)
     try:
         graphs_at_start = counters["stats"]["unique_graphs"]
-        params = SamplingParams(max_tokens=request["max_tokens"], temperature=0.0, ignore_eos=True)
         outputs = [engine.generate_batch(prompts, params) for prompts in request["batches"]]
         result = {"outputs": outputs, "graphs_at_start": graphs_at_start,
                   "graphs_after": counters["stats"]["unique_graphs"],
                   "forward": type(engine.runner.forward).__name__, "head": type(engine.runner.model.lm_head).__name__}
     finally:
         engine.shutdown()
+    if request.get("then_model"):
+        engine = _started(request["then_model"], request)
+        try:
+            result["then_outputs"] = [engine.generate_batch(prompts, params) for prompts in request["batches"]]
+        finally:
+            engine.shutdown()
     print(json.dumps(result))
+
+
+def _started(model: str, request: dict) -> EngineCore:
+    engine = EngineCore(EngineConfig(model=model, dtype=request["dtype"], quantization=request.get("quantization"),
+                                     compile=True))
+    engine.start()
+    return engine
 
 
 if __name__ == "__main__":

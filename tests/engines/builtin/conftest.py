@@ -25,7 +25,7 @@ def make_engine(tiny_model_dir):
     engines = []
 
     def make(**overrides):
-        engine = EngineCore(EngineConfig(model=str(tiny_model_dir), **overrides))
+        engine = EngineCore(EngineConfig(**{"model": str(tiny_model_dir), **overrides}))
         engine.start()
         engines.append(engine)
         return engine

@@ -23,8 +23,8 @@ RUNNER = Path(__file__).with_name("compiled_engine_run.py")
 ROOT = Path(__file__).parents[3]
 
 
-def run_compiled(model_dir, dtype: str, batches: list[list[list[int]]]) -> dict:
-    request = {"model": str(model_dir), "dtype": dtype, "max_tokens": MAX_TOKENS, "batches": batches}
+def run_compiled(model_dir, dtype: str, batches: list[list[list[int]]], **options) -> dict:
+    request = {"model": str(model_dir), "dtype": dtype, "max_tokens": MAX_TOKENS, "batches": batches, **options}
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     done = subprocess.run([sys.executable, str(RUNNER)], input=json.dumps(request), capture_output=True, text=True,
                           cwd=ROOT, env=env, timeout=540)
@@ -47,6 +47,42 @@ def test_compiled_fp32_gives_the_eager_tokens_and_compiles_only_at_start(make_en
     assert compiled["outputs"] == [eager.generate_batch(prompts, params) for prompts in batches]
     assert compiled["graphs_at_start"] > 0
     assert compiled["graphs_after"] == compiled["graphs_at_start"]  # nothing compiled while serving
+
+
+def test_compiled_int4_gives_the_eager_tokens(make_engine, tiny_model_dir):
+    batches = [mixed_prompts(), mixed_prompts()[2:3]]
+    compiled = run_compiled(tiny_model_dir, "float32", batches, quantization="int4")
+    eager = make_engine(quantization="int4")
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    assert compiled["outputs"] == [eager.generate_batch(prompts, params) for prompts in batches]
+    assert compiled["head"] == "Int8Linear"  # the head runs eagerly
+
+
+def test_a_second_compiled_model_runs_its_own_weights(make_engine, tiny_model_dir, smollm2_tokenizer_dir, tmp_path):
+    """Each graph has its model's weights frozen in, and the guards inside the model are dropped: the
+    forward's own number is what keeps one model's graph from running for another in the same process."""
+    other_dir = other_tiny_model(smollm2_tokenizer_dir, tmp_path)
+    batches = [mixed_prompts()[:2]]
+    compiled = run_compiled(tiny_model_dir, "float32", batches, then_model=str(other_dir))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    other = make_engine(model=str(other_dir)).generate_batch(batches[0], params)
+    assert compiled["then_outputs"] == [other]
+    assert compiled["outputs"] != compiled["then_outputs"], "the two models must answer differently for this to show"
+
+
+def other_tiny_model(tokenizer_dir, directory):
+    """The tiny model's architecture and tokenizer with other random weights (conftest.tiny_model_dir's seed is 0)."""
+    import shutil
+
+    from transformers import LlamaForCausalLM
+
+    from tests.conftest import tiny_llama_config
+
+    torch.manual_seed(1)
+    LlamaForCausalLM(tiny_llama_config()).save_pretrained(directory)
+    for item in tokenizer_dir.iterdir():
+        shutil.copy(item, directory)
+    return directory
 
 
 def test_compile_is_refused_where_it_does_not_run():
