@@ -64,23 +64,28 @@ class NativeKernels:
                 and out_features % LINEAR_OUT_MULTIPLE == 0 and in_features % LINEAR_IN_MULTIPLE == 0)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [rows, in] @ weight.T + bias, in x's dtype; for a few rows (see native/linear.cpp)."""
-        status, out = self._run_linear(x.contiguous(), weight, bias)
+        """x [rows, in] @ weight.T + bias, in x's dtype; for a few rows (see native/linear.cpp). Shapes and
+        dtypes are checked here: the kernel reads what the pointers say."""
+        out_features, in_features = weight.shape
+        if not (x.dim() == 2 and x.shape[1] == in_features and x.dtype == weight.dtype and self.supports_linear(weight)
+                and (bias is None or (bias.dtype == weight.dtype and bias.shape == (out_features,)))):
+            raise ValueError(f"the native linear does not take x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} "
+                             f"{weight.dtype}, bias {None if bias is None else (tuple(bias.shape), bias.dtype)}")
+        status, out = self._run_linear(x.contiguous(), weight, None if bias is None else bias.contiguous())
         if status != 0:
             raise ValueError(f"the native linear does not take a {weight.dtype} weight of shape {tuple(weight.shape)}")
         return out
 
     def _run_linear(self, x, weight, bias) -> tuple[int, torch.Tensor]:
         out = x.new_empty(x.shape[0], weight.shape[0])
-        status = self._linear[x.dtype](x.data_ptr(), weight.data_ptr(), None if bias is None else bias.contiguous().data_ptr(),
+        status = self._linear[x.dtype](x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
                                        out.data_ptr(), x.shape[0], weight.shape[0], weight.shape[1], torch.get_num_threads())
         return status, out
 
-    def pin_threads(self, cores: tuple[int, ...]) -> bool:
+    def pin_threads(self, cores: tuple[int, ...]) -> int:
         """The calling thread's OpenMP team (torch's intra-op threads) one thread to a core, thread i on
-        cores[i]; False where this platform cannot."""
-        table = torch.tensor(cores, dtype=torch.int32)
-        return self._pin_threads(table.data_ptr(), len(cores)) == 0
+        cores[i]: native/affinity.cpp's status (0: pinned)."""
+        return self._pin_threads((ctypes.c_int32 * len(cores))(*cores), len(cores))
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> bool:
         """dispatch.write_kv's contract; False (nothing written) where these tensors are not for it."""

@@ -55,13 +55,19 @@ def _(q, k, v, forward_id, layer_index):
 _attention_op = torch.ops.parrot.paged_attention
 
 
+FORWARD_ID_GUARD = "self.forward_id"  # dynamo's name for the guard on _Decoder.forward_id
+
+
 def _skip_guards_inside_the_model(entries) -> list[bool]:
     """Guards kept: on the inputs, and on the _Decoder's forward_id, which tells compiled models apart
     (each graph has its model's weights frozen in). Those on the modules inside the model are
     dropped: it never changes once built, and checking its 400 modules' attributes before every
     step cost ~0.45 ms of a ~18 ms batch-1 step."""
-    return [entry.name == "self.forward_id" or not entry.orig_guard.source.is_unspecialized_nn_module()
+    kept = [entry.name == FORWARD_ID_GUARD or not entry.orig_guard.source.is_unspecialized_nn_module()
             for entry in entries]
+    if not any(entry.name == FORWARD_ID_GUARD for entry in entries):  # dynamo names its guards otherwise now
+        raise RuntimeError(f"no {FORWARD_ID_GUARD!r} guard among the compiled decoder's: it would run for any model")
+    return kept
 
 
 class _Decoder(nn.Module):

@@ -70,10 +70,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
 
 
     def _check_cpu_cores(self) -> None:
-        from engines.builtin.cpu_affinity import available_cores, parse_cores
+        from engines.builtin.cpu_affinity import CAN_PIN, PROCESS_CORES, parse_cores
 
+        if not CAN_PIN:
+            raise ValueError("cpu_cores needs Linux (os.sched_setaffinity)")
         cores = parse_cores(self.cpu_cores)
-        if unavailable := set(cores) - available_cores():
+        if unavailable := set(cores) - PROCESS_CORES:
             raise ValueError(f"cpu_cores {self.cpu_cores!r}: cores {sorted(unavailable)} are not available to this process")
         if self.num_threads is None:
             self.num_threads = len(cores)

@@ -6,6 +6,7 @@ the step loop (step_loop.py) and their results awaited through asyncio futures a
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -42,7 +43,7 @@ class EngineCore(StepLoop):
         source = ModelSource(config.model)
         self.model_name = source.name
         self.tokenizer = load_tokenizer(source)
-        hf_config = on_a_passing_thread(lambda: self._load(source), config.num_threads)
+        hf_config = on_a_passing_thread(lambda: self._load(source), config.num_threads, config.compute_cores)
         self.eos_token_ids = eos_token_ids(hf_config, self.tokenizer, source)
         self.grammars = GrammarCompiler(self.tokenizer, self.eos_token_ids)
         self.block_manager = BlockManager(
@@ -54,7 +55,7 @@ class EngineCore(StepLoop):
         self.step_stall_timeout_s = config.step_stall_timeout_s
         super().__init__(config.num_threads, config.compute_cores)
         if config.compile:
-            on_a_passing_thread(self._compile, config.num_threads)
+            on_a_passing_thread(self._compile, config.num_threads, config.compute_cores)
 
     def _compile(self) -> None:
         """Runs the shapes the compiled forward specialises on (a prefill of several tokens, then decodes
@@ -327,17 +328,21 @@ def eos_token_ids(hf_config, tokenizer, source: ModelSource) -> list[int]:
     return sorted(ids)
 
 
-def on_a_passing_thread(work: Callable[[], T], num_threads: int | None = None) -> T:
+def on_a_passing_thread(work: Callable[[], T], num_threads: int | None = None,
+                        cores: tuple[int, ...] | None = None) -> T:
     """``work()`` on a thread of its own, joined. The engine computes on its step thread alone: torch's
     OpenMP workers belong to the thread that first ran a parallel op and live as long as it, and a second
     thread's workers beside an idle first set made every op of the second ~1.3x slower here (2 cores: the
     same small-GEMM loop 498 ms on the first thread, 689 ms on a second). Loading on a thread that then
     ends leaves the step thread's workers the only ones. ``num_threads``: torch's intra-op threads there (a
-    per-thread setting; None: torch's default)."""
+    per-thread setting; None: torch's default). ``cores``: the cores it computes on (the engine's
+    compute cores: the thread that starts it may be kept off them)."""
 
     def run() -> T:
         if num_threads:
             torch.set_num_threads(num_threads)
+        if cores:
+            os.sched_setaffinity(0, cores)
         return work()
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-load") as pool:

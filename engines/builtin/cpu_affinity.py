@@ -15,6 +15,10 @@ import os
 
 log = logging.getLogger(__name__)
 
+# The process's cores as it started, before any thread here was pinned (a thread's own mask may be narrower).
+PROCESS_CORES = frozenset(os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1))
+CAN_PIN = hasattr(os, "sched_setaffinity")
+
 
 def parse_cores(text: str) -> tuple[int, ...]:
     """'0-3,6' -> (0, 1, 2, 3, 6): the cores in the order given, each once; ValueError when malformed."""
@@ -28,25 +32,44 @@ def parse_cores(text: str) -> tuple[int, ...]:
     return tuple(cores)
 
 
-def available_cores() -> set[int]:
-    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+class ComputeThreads:
+    """The step thread's side: ``pin()`` before every step keeps the step thread and each OpenMP worker on
+    its core (through the native library, which shares torch's OpenMP runtime), re-pinning any worker the
+    runtime made since; a step that finds every thread in place pays one parallel region, no system call.
+    Without the native library the step thread and the workers it starts share the cores' set."""
 
+    def __init__(self, cores: tuple[int, ...]):
+        self.cores = cores
+        self._warned = False
 
-def pin_compute_threads(cores: tuple[int, ...]) -> None:
-    """On the step thread, before its first parallel op: itself on cores[0], each OpenMP worker on the next
-    core (through the native library, which shares torch's OpenMP runtime). Without the native library,
-    the step thread and the workers it starts share the cores' set."""
-    from kernels import native
+    def pin(self) -> None:
+        from kernels import native
 
-    os.sched_setaffinity(0, cores)
-    kernels = native.library()
-    if kernels is None or not kernels.pin_threads(cores):
-        log.warning("intra-op threads share cores %s without one core each (the native kernels are not built)", cores)
+        kernels = native.library()
+        status = kernels.pin_threads(self.cores) if kernels is not None else None
+        if status == 0:
+            return
+        if status is None or status == -2:
+            self._share_the_set()
+        self._warn_once({None: "the native kernels are not built: the intra-op threads share cores %s",
+                         -1: "pinning an intra-op thread to its core (of %s) failed",
+                         -2: "this platform cannot pin OpenMP threads: they share cores %s",
+                         -3: "OpenMP gave fewer threads than cores %s: some cores compute nothing"}[status])
+
+    def _share_the_set(self) -> None:
+        try:
+            os.sched_setaffinity(0, self.cores)
+        except OSError as exc:
+            self._warn_once(f"the step thread could not be moved onto cores %s: {exc}")
+
+    def _warn_once(self, message: str) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning(message, self.cores)
 
 
 def keep_off(cores: tuple[int, ...]) -> None:
-    """The calling thread (and the threads it starts later: the HTTP server's) on the process's other
-    cores, where it has any; else it stays where it was (a 2-core box computing on both)."""
-    others = available_cores() - set(cores)
-    if others:
+    """The calling thread (and the threads it starts later: the HTTP server's, the model loader's) on the
+    process's other cores, where it has any; else it stays where it was (a 2-core box computing on both)."""
+    if others := PROCESS_CORES - set(cores):
         os.sched_setaffinity(0, others)

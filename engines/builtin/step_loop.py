@@ -21,7 +21,7 @@ import torch
 from engines.builtin.block_manager import BlockManager
 from engines.builtin.context import Context, Status
 from engines.builtin.context_registry import ContextRegistry
-from engines.builtin.cpu_affinity import pin_compute_threads
+from engines.builtin.cpu_affinity import ComputeThreads
 from engines.builtin.model_runner import ModelRunner, ScheduledBatch, StepResult
 from engines.builtin.prometheus_metrics import EngineMetrics
 from engines.builtin.sampler import SampleResult
@@ -45,7 +45,7 @@ class StepLoop:
 
     def __init__(self, num_threads: int | None = None, cores: tuple[int, ...] | None = None) -> None:
         self._num_threads = num_threads  # torch's intra-op threads for the step thread; None: torch's default
-        self._cores = cores  # where those threads are pinned, one to a core; None: the OS places them
+        self._compute_threads = ComputeThreads(cores) if cores else None  # None: the OS places them
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
         self._thread: threading.Thread | None = None
@@ -93,8 +93,6 @@ class StepLoop:
     def _loop(self) -> None:
         if self._num_threads:
             torch.set_num_threads(self._num_threads)  # a setting of the calling thread's: this one computes
-        if self._cores:
-            pin_compute_threads(self._cores)
         while not self._stopping:
             if not self.has_work():
                 self._idle = True
@@ -104,6 +102,8 @@ class StepLoop:
                 self._idle = False
                 continue
             try:
+                if self._compute_threads:
+                    self._compute_threads.pin()  # cheap when every thread is in place (see ComputeThreads)
                 self.step()
             except Exception:  # a bug must not leave every waiter hanging silently
                 log.exception("engine step failed; aborting all requests")

@@ -6,7 +6,7 @@
 // torch's fp32 GEMV about the same; these loops reach ~24 GB/s (`python benchmarks/kernels.py --cpu`,
 // its "linear" rows). Each thread takes a contiguous band of output features, so every thread streams
 // its own part of the weight once; a tile is 4 weight rows x up to 4 input rows, the weight rows loaded
-// once per 32 inputs and kept in registers while each input row multiplies them.
+// once per vector of inputs (32 in bf16, 16 in fp32) and kept in registers while each input row multiplies them.
 //
 // bf16 multiplies on the CPU's bf16 dot product (pairs summed in fp32) and rounds the fp32 sums to bf16
 // as torch does (nearest even); fp32 uses fused multiply-adds. Built with the attention kernels by
@@ -120,8 +120,8 @@ int linear(const T *x, const T *weight, const T *bias, T *out, int64_t rows, int
         float sums[kTileRows][kTileOut];
         for (int64_t tile = first; tile < last; tile++) {
             const T *weight_rows = weight + tile * kTileOut * in_features;
-            // Two tiles ahead: the hardware prefetcher follows one stream per row only once it has begun.
-            __builtin_prefetch(weight_rows + 2 * kTileOut * in_features);
+            // The start of the tile two ahead: the hardware prefetcher follows a row's stream only once it has begun.
+            if (tile + 2 < last) __builtin_prefetch(weight_rows + 2 * kTileOut * in_features);
             for (int64_t row = 0; row < rows; row += kTileRows) {
                 const int64_t count = rows - row < kTileRows ? rows - row : kTileRows;
                 Tile<T>::sums(weight_rows, x + row * in_features, count, in_features, sums);

@@ -7,7 +7,8 @@ import torch.nn.functional as F
 
 from kernels import native, row_linear
 
-needs_bf16_dot = pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported(), reason="this CPU has no AVX-512 BF16")
+needs_bf16_dot = pytest.mark.skipif(not row_linear.fits(torch.zeros(4, 32, dtype=torch.bfloat16)),
+                                    reason="the kernels were built without a bf16 dot product (this CPU or compiler)")
 DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16_dot)]
 
 
@@ -44,8 +45,19 @@ def test_weights_off_its_tiles_are_left_to_torch():
     assert not kernels.supports_linear(torch.zeros(64, 8).t()), "not contiguous"
 
 
-def test_compiled_graph_calls_the_op():
+def test_inputs_it_cannot_take_are_refused_not_read():
+    weight = torch.randn(8, 32)
+    for x, bias in ((torch.randn(1, 64), None), (torch.randn(32), None), (torch.randn(1, 32, dtype=torch.bfloat16), None),
+                    (torch.randn(1, 32), torch.randn(4)), (torch.randn(1, 32), torch.randn(8, dtype=torch.float64))):
+        with pytest.raises(ValueError, match="does not take"):
+            row_linear.row_linear(x, weight, bias)
+
+
+def test_compiled_graph_calls_the_op(monkeypatch):
     weight = torch.randn(64, 32)
+    calls = []
+    kernels = native.library()
+    monkeypatch.setattr(kernels, "linear", lambda *args, run=kernels.linear: calls.append(args) or run(*args))
 
     @torch.compile(fullgraph=True, dynamic=False)
     def step(x):
@@ -53,3 +65,4 @@ def test_compiled_graph_calls_the_op():
 
     x = torch.randn(1, 32)
     torch.testing.assert_close(step(x), torch.relu(F.linear(x, weight)) + 1, rtol=2.0**-20, atol=1e-5)
+    assert calls, "the compiled graph ran the kernel"

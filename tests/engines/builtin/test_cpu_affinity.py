@@ -13,10 +13,10 @@ import httpx
 import pytest
 
 from engines.builtin.config import EngineConfig
-from engines.builtin.cpu_affinity import available_cores, parse_cores
+from engines.builtin.cpu_affinity import PROCESS_CORES, parse_cores
 from engines.builtin.types import SamplingParams
 
-two_cores = pytest.mark.skipif(len(available_cores()) < 2 or not Path("/proc/self/task").exists(),
+two_cores = pytest.mark.skipif(len(PROCESS_CORES) < 2 or not Path("/proc/self/task").exists(),
                                reason="needs Linux and two cores available to this process")
 
 
@@ -30,12 +30,12 @@ def test_cores_parse_from_ranges_and_lists():
 
 
 def test_config_gives_one_thread_per_core():
-    core = min(available_cores())
+    core = min(PROCESS_CORES)
     assert EngineConfig(cpu_cores=str(core)).num_threads == 1
     with pytest.raises(ValueError, match="one thread computes on each core"):
         EngineConfig(cpu_cores=str(core), num_threads=2)
     with pytest.raises(ValueError, match="not available"):
-        EngineConfig(cpu_cores=str(max(available_cores()) + 1000))
+        EngineConfig(cpu_cores=str(max(PROCESS_CORES) + 1000))
 
 
 def thread_cores(pid: int | str = "self") -> dict[int, set[int]]:
@@ -51,20 +51,20 @@ def thread_cores(pid: int | str = "self") -> dict[int, set[int]]:
 
 @two_cores
 def test_step_thread_and_its_worker_each_get_a_core(make_engine):
-    first, second = sorted(available_cores())[:2]
+    first, second = sorted(PROCESS_CORES)[:2]
     engine = make_engine(cpu_cores=f"{second},{first}")
     engine.generate_batch([[1, 2, 3] * 40], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     step_thread = next(thread for thread in threading.enumerate() if thread.name == "llm-engine-step")
     threads = thread_cores()
-    assert threads[step_thread.native_id] == {second}
+    assert [tid for tid, cores in threads.items() if cores == {second}] == [step_thread.native_id]
     on_first = [tid for tid, cores in threads.items() if cores == {first}]
-    assert len(on_first) == 1, "one intra-op worker, on the other core"
+    assert len(on_first) == 1 and on_first != [step_thread.native_id], "one intra-op worker, on the other core"
 
 
 @two_cores
 @pytest.mark.timeout(120)
 def test_engine_process_keeps_its_server_off_the_compute_cores(tiny_model_dir, wait_until):
-    compute, other = sorted(available_cores())[:2]
+    compute, other = sorted(PROCESS_CORES)[:2]
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
