@@ -266,11 +266,12 @@ def bench_cpu_linears() -> None:
     print(f"CPU linears, SmolLM2's 30 layers ({torch.get_num_threads()} threads), median ms and weight GB/s")
     for dtype in (torch.float32, torch.bfloat16):
         weights = [torch.randn(shape, dtype=dtype) for _ in range(30) for shape in SMOLLM2_LINEARS]
+        blocked = [native.pack_linear(w) for w in weights]
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights] if dtype == torch.bfloat16 else None
         gigabytes = sum(w.numel() * w.element_size() for w in weights) / 1e9
         for rows in (1, 4, 16):
             inputs = {size: torch.randn(rows, size, dtype=dtype) for size in (576, 1536)}
-            kernel = cpu_ms(lambda: [cpp.linear(inputs[w.shape[1]], w, None) for w in weights], repeats=9)
+            kernel = cpu_ms(lambda: [cpp.linear(inputs[w.shape[1]], b, None) for w, b in zip(weights, blocked)], repeats=9)
             if packed:
                 baseline = cpu_ms(lambda: [torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "")
                                            for w, p in zip(weights, packed)], repeats=9)

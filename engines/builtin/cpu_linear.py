@@ -1,17 +1,17 @@
 """The unquantized model's linears on CPU: one-row steps on the C++ row kernel, the rest on oneDNN.
 
 - ``RowLinear``: an nn.Linear whose one-row calls (batch-1 decode) go to ``kernels.row_linear``,
-  which streams the weight at ~24 GB/s where oneDNN's bf16 GEMM with one row reaches ~18 and
-  torch's fp32 GEMV less. Other calls are F.linear's, so a compiled graph's freezing still
-  prepacks them for oneDNN.
+  which streams its blocked copy of the weight at ~29 GB/s where oneDNN's bf16 GEMM with one row
+  reaches ~18 and torch's fp32 GEMV less. Other calls are F.linear's, so a compiled graph's
+  freezing still prepacks them for oneDNN. The copy costs the linears' memory once more.
 - ``PackedLinear`` (eager bf16, CPUs with AVX-512 BF16 or AMX): ``F.linear`` on bf16 CPU tensors
   re-lays the weight out for oneDNN's blocked format on every call; a decode step is one pass over
   all weights, so that copy is a large share of it. Packing once at load time
   (``mkldnn._reorder_linear_weight``, what inductor's freezing pass does) and calling
   ``mkldnn._linear_pointwise`` measured 1.5x faster over the 120 decoder linears of SmolLM2 at
   batch 1 and 16 here, and 2x on the vocabulary-wide head. Activations stay bf16; oneDNN
-  accumulates in fp32. Its one-row calls go to the row kernel too, which keeps the plain weight
-  beside the packed one (twice the linears' memory, as a compiled model's frozen graph holds).
+  accumulates in fp32. Its one-row calls go to the row kernel too, on its own blocked copy
+  beside oneDNN's (twice the linears' memory).
 """
 
 from __future__ import annotations
@@ -33,11 +33,13 @@ class RowLinear(nn.Linear):
         super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None,
                          device="meta", dtype=linear.weight.dtype)
         self.weight, self.bias = linear.weight, linear.bias  # shared, not copied (a tied head stays tied)
-        self.rows_on_kernel = row_linear.fits(self.weight)
+        # The row kernel's blocked copy (buffers move with the module; not saved: made from the weight).
+        self.register_buffer("row_weight", row_linear.pack(self.weight) if row_linear.fits(self.weight) else None,
+                             persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.rows_on_kernel and x.dim() == 2 and x.shape[0] == 1:
-            return row_linear.row_linear(x, self.weight, self.bias)
+        if self.row_weight is not None and x.dim() == 2 and x.shape[0] == 1:
+            return row_linear.row_linear(x, self.row_weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -50,7 +52,7 @@ class PackedLinear(nn.Module):
         # Plain attributes, not buffers: an opaque oneDNN tensor has no place in a state dict or in
         # Module.to(); the model is packed after it is on its device and in its dtype.
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-        self.row_weight = weight if row_linear.fits(weight) else None
+        self.row_weight = row_linear.pack(weight) if row_linear.fits(weight) else None
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
         self.in_features, self.out_features = linear.in_features, linear.out_features
 

@@ -1,12 +1,14 @@
-// A linear layer over a few rows (a batch-1 decode step): out = x @ weight.T (+ bias), weight [N, K]
-// row-major as the checkpoint holds it, x [M, K] and out [M, N] contiguous.
+// A linear layer over a few rows (a batch-1 decode step): out = x @ weight.T (+ bias), x [M, K] and out
+// [M, N] contiguous, the [N, K] weight blocked by kernels/row_linear.py's pack() as [N/4][K/S][4][S]: a
+// tile's 4 rows S inputs at a time (S = one vector: 32 bf16 or 16 fp32), so each thread reads its band of
+// the weight as one sequential stream.
 //
 // Why: a decode step of a small model is one pass over every weight, so it runs at the speed weights
-// stream from memory. oneDNN's bf16 GEMM with one row reaches ~18 GB/s here (2 cores, AVX-512 BF16),
-// torch's fp32 GEMV about the same; these loops reach ~24 GB/s (`python benchmarks/kernels.py --cpu`,
-// its "linear" rows). Each thread takes a contiguous band of output features, so every thread streams
-// its own part of the weight once; a tile is 4 weight rows x up to 4 input rows, the weight rows loaded
-// once per vector of inputs (32 in bf16, 16 in fp32) and kept in registers while each input row multiplies them.
+// stream from memory. oneDNN's bf16 GEMM with one row reaches ~18 GB/s over SmolLM2's layers here (2
+// cores, AVX-512 BF16), torch's fp32 GEMV less; this loop reaches ~29 GB/s, a plain read's rate
+// (`python benchmarks/kernels.py --cpu`, its "linear" rows; the same loop over row-major weights, four
+// streams a tile, reached ~23). Each thread takes a contiguous band of output features; a tile is 4
+// weight rows x up to 4 input rows, the weight vectors kept in registers while each input row multiplies them.
 //
 // bf16 multiplies on the CPU's bf16 dot product (pairs summed in fp32) and rounds the fp32 sums to bf16
 // as torch does (nearest even); fp32 uses fused multiply-adds. Built with the attention kernels by
@@ -63,7 +65,7 @@ struct Tile<float> {
         Vec acc[kTileRows][kTileOut] = {};
         for (int64_t k = 0; k < in_features; k += kStep) {
             Vec w[kTileOut];
-            for (int64_t o = 0; o < kTileOut; o++) w[o] = load(weight + o * in_features + k);
+            for (int64_t o = 0; o < kTileOut; o++) w[o] = load(weight + k * kTileOut + o * kStep);
             for (int64_t r = 0; r < kTileRows; r++) {
                 if (r >= rows) break;
                 Vec xv = load(x + r * in_features + k);
@@ -88,7 +90,7 @@ struct Tile<uint16_t> {
             for (int64_t o = 0; o < kTileOut; o++) acc[r][o] = _mm512_setzero_ps();
         for (int64_t k = 0; k < in_features; k += kStep) {
             __m512bh w[kTileOut];
-            for (int64_t o = 0; o < kTileOut; o++) w[o] = (__m512bh)_mm512_loadu_si512(weight + o * in_features + k);
+            for (int64_t o = 0; o < kTileOut; o++) w[o] = (__m512bh)_mm512_loadu_si512(weight + k * kTileOut + o * kStep);
             for (int64_t r = 0; r < kTileRows; r++) {
                 if (r >= rows) break;
                 __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * in_features + k);
@@ -120,8 +122,6 @@ int linear(const T *x, const T *weight, const T *bias, T *out, int64_t rows, int
         float sums[kTileRows][kTileOut];
         for (int64_t tile = first; tile < last; tile++) {
             const T *weight_rows = weight + tile * kTileOut * in_features;
-            // The start of the tile two ahead: the hardware prefetcher follows a row's stream only once it has begun.
-            if (tile + 2 < last) __builtin_prefetch(weight_rows + 2 * kTileOut * in_features);
             for (int64_t row = 0; row < rows; row += kTileRows) {
                 const int64_t count = rows - row < kTileRows ? rows - row : kTileRows;
                 Tile<T>::sums(weight_rows, x + row * in_features, count, in_features, sums);

@@ -26,7 +26,7 @@ def test_linear_matches_fp64(dtype, rows, with_bias):
     bias = torch.randn(200, dtype=dtype) if with_bias else None
     assert row_linear.fits(weight)
 
-    out = row_linear.row_linear(x, weight, bias)
+    out = row_linear.row_linear(x, row_linear.pack(weight), bias)
 
     expected = _reference(x, weight, bias)
     assert out.dtype == dtype and out.shape == (rows, 200)
@@ -42,26 +42,29 @@ def test_weights_off_its_tiles_are_left_to_torch():
     assert not kernels.supports_linear(torch.zeros(8, 40)), "inputs not a multiple of 32"
     assert not kernels.supports_linear(torch.zeros(6, 64)), "outputs not a multiple of 4"
     assert not kernels.supports_linear(torch.zeros(8, 64, dtype=torch.float16))
-    assert not kernels.supports_linear(torch.zeros(64, 8).t()), "not contiguous"
 
 
 def test_inputs_it_cannot_take_are_refused_not_read():
     weight = torch.randn(8, 32)
+    packed = row_linear.pack(weight)
     for x, bias in ((torch.randn(1, 64), None), (torch.randn(32), None), (torch.randn(1, 32, dtype=torch.bfloat16), None),
                     (torch.randn(1, 32), torch.randn(4)), (torch.randn(1, 32), torch.randn(8, dtype=torch.float64))):
         with pytest.raises(ValueError, match="does not take"):
-            row_linear.row_linear(x, weight, bias)
+            row_linear.row_linear(x, packed, bias)
+    with pytest.raises(ValueError, match="does not take"):  # a weight not packed for it
+        row_linear.row_linear(torch.randn(1, 32), weight, None)
 
 
 def test_compiled_graph_calls_the_op(monkeypatch):
     weight = torch.randn(64, 32)
+    packed = row_linear.pack(weight)
     calls = []
     kernels = native.library()
     monkeypatch.setattr(kernels, "linear", lambda *args, run=kernels.linear: calls.append(args) or run(*args))
 
     @torch.compile(fullgraph=True, dynamic=False)
     def step(x):
-        return torch.relu(row_linear.row_linear(x, weight, None)) + 1
+        return torch.relu(row_linear.row_linear(x, packed, None)) + 1
 
     x = torch.randn(1, 32)
     torch.testing.assert_close(step(x), torch.relu(F.linear(x, weight)) + 1, rtol=2.0**-20, atol=1e-5)

@@ -51,7 +51,7 @@ def test_fp32_model_gets_row_linears_sharing_its_weights():
     weight = model.proj.weight
     prepare_cpu_linears(model, compiled=False)
     assert isinstance(model.proj, RowLinear) and isinstance(model.lm_head, RowLinear)
-    assert model.proj.weight is weight and model.proj.rows_on_kernel
+    assert model.proj.weight is weight and model.proj.row_weight is not None
 
 
 @needs_bf16
@@ -67,5 +67,5 @@ def test_bf16_model_is_packed_where_not_compiled(compiled):
 def test_weights_the_kernel_cannot_take_stay_on_torch(row_calls):
     linear = RowLinear(nn.Linear(40, 6))  # off the kernel's tiles
     x = torch.randn(1, 40)
-    assert not linear.rows_on_kernel
+    assert linear.row_weight is None
     assert torch.equal(linear(x), F.linear(x, linear.weight, linear.bias)) and not row_calls
