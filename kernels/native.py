@@ -26,6 +26,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).parent / "native" / name for name in ("paged_attention.cpp", "linear.cpp", "affinity.cpp"))
+HEADER = Path(__file__).parent / "native" / "common.h"  # included by the sources: part of the build's key
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 DISABLE_ENV = "PARROT_NATIVE_KERNELS"
 
@@ -191,7 +192,7 @@ def _cpu_signature() -> str:
 
 def _built(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    parts = [*(source.read_text() for source in SOURCES), *FLAGS, compiler, version, _cpu_signature()]
+    parts = [*(source.read_text() for source in (*SOURCES, HEADER)), *FLAGS, compiler, version, _cpu_signature()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("PARROT_CACHE_DIR") or Path.home() / ".cache" / "parrot") / "kernels"
     target = cache / f"parrot_kernels-{key}.so"

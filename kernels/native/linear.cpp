@@ -23,37 +23,13 @@
 #include <omp.h>
 #endif
 
+#include "common.h"
+
 namespace {
+
 
 constexpr int64_t kTileOut = 4;   // weight rows per tile
 constexpr int64_t kTileRows = 4;  // input rows per tile
-constexpr int64_t kLanes = 16;
-typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
-typedef float UnalignedVec __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
-
-inline Vec load(const float *from) { return *reinterpret_cast<const UnalignedVec *>(from); }
-
-inline float sum_lanes(Vec x) {
-    float sum = 0;
-    for (int64_t i = 0; i < kLanes; i++) sum += x[i];
-    return sum;
-}
-
-inline uint16_t to_bf16(float x) {  // round to nearest even, as torch converts
-    uint32_t bits;
-    std::memcpy(&bits, &x, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return static_cast<uint16_t>(bits >> 16);
-}
-
-inline float from_bf16(uint16_t x) {
-    uint32_t bits = static_cast<uint32_t>(x) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 // The sums of one tile: kTileOut weight rows against `rows` (1..kTileRows) input rows.
 template <typename T>
 struct Tile;
@@ -100,8 +76,8 @@ struct Tile<uint16_t> {
         for (int64_t r = 0; r < rows; r++)
             for (int64_t o = 0; o < kTileOut; o++) out[r][o] = _mm512_reduce_add_ps(acc[r][o]);
     }
-    static float value(const uint16_t *from) { return from_bf16(*from); }
-    static void store(uint16_t *to, float x) { *to = to_bf16(x); }
+    static float value(const uint16_t *from) { return bf16_to_float(*from); }
+    static void store(uint16_t *to, float x) { *to = float_to_bf16(x); }
 };
 #endif
 

@@ -29,6 +29,8 @@
 #endif
 #include <vector>
 
+#include "common.h"
+
 namespace {
 
 constexpr int64_t kMaxHeadDim = 256;
@@ -41,25 +43,11 @@ struct BFloat16 {
 
 inline float to_float(float x) { return x; }
 
-inline float to_float(BFloat16 x) {
-    uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof f);
-    return f;
-}
+inline float to_float(BFloat16 x) { return bf16_to_float(x.bits); }
 
 inline void store(float &to, float x) { to = x; }
 
-inline void store(BFloat16 &to, float x) {  // round to nearest even, as torch converts
-    uint32_t bits;
-    std::memcpy(&bits, &x, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) {
-        to.bits = static_cast<uint16_t>((bits >> 16) | 0x40u);  // NaN stays NaN
-        return;
-    }
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    to.bits = static_cast<uint16_t>(bits >> 16);
-}
+inline void store(BFloat16 &to, float x) { to.bits = float_to_bf16(x); }
 
 // exp for x <= 0 (scores minus their running max), vectorisable where std::exp is a library call:
 // Cephes' expf polynomial after x = n ln2 + r; relative error ~1e-7.
@@ -93,24 +81,7 @@ struct Tokens {
     int64_t length;
 };
 
-// Lanes of a vector in GCC/Clang's vector extension: the compiler keeps these in registers and picks the
-// target's instructions (AVX-512 here, two AVX2 or four NEON registers elsewhere).
-constexpr int64_t kLanes = 16;
-typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
-typedef float UnalignedVec __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
 constexpr int64_t kChunkVecs = kChunk / kLanes;
-
-inline Vec load(const float *from) { return *reinterpret_cast<const UnalignedVec *>(from); }
-inline void save(float *to, Vec x) { *reinterpret_cast<UnalignedVec *>(to) = x; }
-
-// The sum of a vector's lanes as a tree (a loop over the lanes is one chain of dependent adds).
-inline float sum_lanes(Vec x) {
-    x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    x += __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-    return x[0];
-}
 
 // Per task: the online softmax state of up to kMaxTileRows query rows, and one chunk of keys (transposed,
 // [dim][kChunk], or as rows) and values ([kChunk][dim]) in fp32.

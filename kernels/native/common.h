@@ -1,0 +1,41 @@
+// What the CPU kernels share (kernels/native/*.cpp): bf16 <-> fp32 as torch converts, and a vector of
+// floats in GCC/Clang's vector extension (inline: each file's copy is the same definition).
+
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+inline float bf16_to_float(uint16_t x) {
+    uint32_t bits = static_cast<uint32_t>(x) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+inline uint16_t float_to_bf16(float x) {  // round to nearest even, as torch converts; NaN stays NaN
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return static_cast<uint16_t>(bits >> 16);
+}
+
+// Lanes of a vector in GCC/Clang's vector extension: the compiler keeps these in registers and picks the
+// target's instructions (AVX-512 here, two AVX2 or four NEON registers elsewhere).
+constexpr int64_t kLanes = 16;
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+typedef float UnalignedVec __attribute__((vector_size(kLanes * sizeof(float)), aligned(4)));
+
+inline Vec load(const float *from) { return *reinterpret_cast<const UnalignedVec *>(from); }
+inline void save(float *to, Vec x) { *reinterpret_cast<UnalignedVec *>(to) = x; }
+
+// The sum of a vector's lanes as a tree (a loop over the lanes is one chain of dependent adds).
+inline float sum_lanes(Vec x) {
+    x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    x += __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    return x[0];
+}
+
