@@ -260,25 +260,45 @@ SMOLLM2_LINEARS = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # a layer'
 
 
 def bench_cpu_linears() -> None:
-    """A decode step's 120 decoder linears (SmolLM2, 30 layers): the C++ row kernel against what torch
-    runs without it (bf16: oneDNN on prepacked weights; fp32: F.linear), with the weights' read rate."""
+    """SmolLM2's 120 decoder linears (30 layers) at decode (1-64 rows) and prefill (256, 1,000 rows): the
+    C++ kernel against what torch runs without it (bf16: oneDNN on prepacked weights; fp32: F.linear),
+    alternating per round, with the weights' read rate and the multiply-adds' rate."""
     cpp = native.library()
-    print(f"CPU linears, SmolLM2's 30 layers ({torch.get_num_threads()} threads), median ms and weight GB/s")
+    print(f"CPU linears, SmolLM2's 30 layers ({torch.get_num_threads()} threads), median ms, weight GB/s, GFLOP/s")
     for dtype in (torch.float32, torch.bfloat16):
         weights = [torch.randn(shape, dtype=dtype) for _ in range(30) for shape in SMOLLM2_LINEARS]
-        blocked = [native.pack_linear(w) for w in weights]
-        packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights] if dtype == torch.bfloat16 else None
+        native_packed = [native.pack_linear(w) for w in weights]
+        onednn_packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights] if dtype == torch.bfloat16 else None
         gigabytes = sum(w.numel() * w.element_size() for w in weights) / 1e9
-        for rows in (1, 4, 16):
+        for rows in (1, 4, 8, 16, 32, 64, 256, 1000):
             inputs = {size: torch.randn(rows, size, dtype=dtype) for size in (576, 1536)}
-            kernel = cpu_ms(lambda: [cpp.linear(inputs[w.shape[1]], b, None) for w, b in zip(weights, blocked)], repeats=9)
-            if packed:
-                baseline = cpu_ms(lambda: [torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "")
-                                           for w, p in zip(weights, packed)], repeats=9)
-            else:
-                baseline = cpu_ms(lambda: [F.linear(inputs[w.shape[1]], w) for w in weights], repeats=9)
-            print(f"  linear {str(dtype):<15} {rows:>2} rows: C++ {kernel:7.2f} ({gigabytes / kernel * 1e3:5.1f} GB/s)   "
-                  f"torch {baseline:7.2f} ({gigabytes / baseline * 1e3:5.1f} GB/s)   (torch / C++ {baseline / kernel:4.2f}x)")
+
+            def kernel():
+                return [cpp.linear(inputs[w.shape[1]], p, None) for w, p in zip(weights, native_packed)]
+
+            def baseline():
+                if onednn_packed:
+                    return [torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "")
+                            for w, p in zip(weights, onednn_packed)]
+                return [F.linear(inputs[w.shape[1]], w) for w in weights]
+
+            ours, theirs = alternating_cpu_ms(kernel, baseline, rounds=9 if rows <= 64 else 3)
+            gigaflops = 2 * rows * gigabytes / weights[0].element_size()
+            print(f"  linear {str(dtype):<15} {rows:>4} rows: C++ {ours:8.2f} ({gigabytes / ours * 1e3:5.1f} GB/s, "
+                  f"{gigaflops / ours * 1e3:4.0f} GFLOP/s)   torch {theirs:8.2f} ({gigabytes / theirs * 1e3:5.1f} GB/s, "
+                  f"{gigaflops / theirs * 1e3:4.0f} GFLOP/s)   (torch / C++ {theirs / ours:4.2f}x)")
+
+
+def alternating_cpu_ms(first, second, rounds: int) -> tuple[float, float]:
+    """Median ms of each function, run in turn each round (this box's speed drifts by ~10%)."""
+    first(), second()
+    times = ([], [])
+    for _ in range(rounds):
+        for fn, spent in zip((first, second), times):
+            start = time.perf_counter()
+            fn()
+            spent.append(time.perf_counter() - start)
+    return statistics.median(times[0]) * 1e3, statistics.median(times[1]) * 1e3
 
 
 def main() -> None:

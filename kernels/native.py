@@ -37,8 +37,8 @@ _WRITE_ARGS = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64]
 _LINEAR_ARGS = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT]
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 HEAD_DIMS, MAX_GROUP = (32, 64, 80, 96, 128, 256), 48
-LINEAR_OUT_MULTIPLE, LINEAR_IN_MULTIPLE = 4, 32  # native/linear.cpp's tile: 4 weight rows, inputs a vector at a time
-LINEAR_STEPS = {torch.float32: 16, torch.bfloat16: 32}  # inputs per vector: the blocked weight's last dimension
+LINEAR_BLOCK = 32  # native/linear.cpp's block of output features
+LINEAR_PACK = {torch.float32: 1, torch.bfloat16: 2}  # inputs a step takes: the packed weight's last dimension
 
 
 class NativeKernels:
@@ -53,7 +53,7 @@ class NativeKernels:
             self._linear[dtype] = _bound(library, f"parrot_linear_{suffix}", _LINEAR_ARGS, _INT)
         self._pin_threads = _bound(library, "parrot_pin_threads", [_PTR, _INT], _INT)
         # Built without a bf16 dot product (another CPU or compiler), the bf16 linear answers -2.
-        probe = torch.zeros(LINEAR_OUT_MULTIPLE, LINEAR_IN_MULTIPLE, dtype=torch.bfloat16)
+        probe = torch.zeros(LINEAR_BLOCK, 2, dtype=torch.bfloat16)
         self._linear_dtypes = {dtype for dtype in self._linear
                                if self._run_linear(probe[:1].to(dtype), pack_linear(probe.to(dtype)), None)[0] == 0}
 
@@ -63,15 +63,15 @@ class NativeKernels:
     def supports_linear(self, weight: torch.Tensor) -> bool:
         """Whether linear() takes this weight (its dtype, and sizes multiples of the kernel's tiles)."""
         out_features, in_features = weight.shape
-        return (weight.dtype in self._linear_dtypes and out_features % LINEAR_OUT_MULTIPLE == 0
-                and in_features % LINEAR_IN_MULTIPLE == 0)
+        return (weight.dtype in self._linear_dtypes and out_features % LINEAR_BLOCK == 0
+                and in_features % LINEAR_PACK[weight.dtype] == 0)
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [rows, in] @ weight.T + bias, in x's dtype, the weight as pack_linear() lays it out; for a few
         rows (see native/linear.cpp). Shapes and dtypes are checked here: the kernel reads what the
         pointers say."""
-        blocked = (packed.dim() == 4 and packed.shape[2] == LINEAR_OUT_MULTIPLE and packed.is_contiguous()
-                   and packed.shape[3] == LINEAR_STEPS.get(packed.dtype) and packed.dtype in self._linear_dtypes)
+        blocked = (packed.dim() == 4 and packed.shape[2] == LINEAR_BLOCK and packed.is_contiguous()
+                   and packed.shape[3] == LINEAR_PACK.get(packed.dtype) and packed.dtype in self._linear_dtypes)
         out_features, in_features = linear_shape(packed) if blocked else (0, 0)
         if not (blocked and x.dim() == 2 and x.shape[1] == in_features and x.dtype == packed.dtype
                 and (bias is None or (bias.dtype == packed.dtype and bias.shape == (out_features,)))):
@@ -79,7 +79,7 @@ class NativeKernels:
                              f"{tuple(packed.shape)} {packed.dtype}, bias {None if bias is None else (tuple(bias.shape), bias.dtype)}")
         status, out = self._run_linear(x.contiguous(), packed, None if bias is None else bias.contiguous())
         if status != 0:
-            raise ValueError(f"the native linear does not take a {weight.dtype} weight of shape {tuple(weight.shape)}")
+            raise ValueError(f"the native linear refused x {tuple(x.shape)} with a weight of {out_features}x{in_features}")
         return out
 
     def _run_linear(self, x, packed, bias) -> tuple[int, torch.Tensor]:
@@ -141,17 +141,17 @@ class NativeKernels:
 
 
 def pack_linear(weight: torch.Tensor) -> torch.Tensor:
-    """A [N, K] weight blocked for native/linear.cpp: [N/4, K/S, 4, S], S inputs a vector (LINEAR_STEPS)."""
+    """A [N, K] weight blocked for native/linear.cpp: [N/32, K/P, 32, P], P inputs a step (LINEAR_PACK)."""
     out_features, in_features = weight.shape
-    step = LINEAR_STEPS[weight.dtype]
-    tiles = weight.reshape(out_features // LINEAR_OUT_MULTIPLE, LINEAR_OUT_MULTIPLE, in_features // step, step)
-    return tiles.transpose(1, 2).contiguous()
+    pack = LINEAR_PACK[weight.dtype]
+    blocks = weight.reshape(out_features // LINEAR_BLOCK, LINEAR_BLOCK, in_features // pack, pack)
+    return blocks.transpose(1, 2).contiguous()
 
 
 def linear_shape(packed: torch.Tensor) -> tuple[int, int]:
     """(out_features, in_features) of a weight packed by pack_linear()."""
-    tiles, steps, rows, step = packed.shape
-    return tiles * rows, steps * step
+    blocks, steps, block, pack = packed.shape
+    return blocks * block, steps * pack
 
 
 def _bound(library: ctypes.CDLL, symbol: str, argtypes: list, restype):

@@ -2,8 +2,8 @@
 
 Why: at 135M parameters a bf16 decode step is about half Python and op dispatch (some 1,200
 small ops over 30 layers; `benchmarks/engine_profile.py`, its "ops" column). Inductor fuses the
-norms, rope, SiLU and residual adds into a few C++ loops, and with freezing prepacks the linears
-for oneDNN as `cpu_linear.py` does for the eager model (one-row calls go to the C++ row kernel in both).
+norms, rope, SiLU and residual adds into a few C++ loops; the linears are the C++ kernel's op in both
+(`cpu_linear.py`), and freezing makes the weights the graph's constants.
 
 Attention stays eager behind a custom op: its per-step plans hold host lists that would make a
 graph recompile every step. The op reads the step's metadata from the ``CompiledForward`` it was
@@ -33,7 +33,7 @@ _numbers = itertools.count()
 
 
 # Declared with torch.library.Library, not the custom_op decorator: its Python wrapper cost ~15 us a
-# call (30 a decode step) where this costs ~2 (as kernels/row_linear.py's op).
+# call (30 a decode step) where this costs ~2 (as kernels/native_linear.py's op).
 _library = torch.library.Library("parrot", "FRAGMENT")
 _library.define("paged_attention(Tensor q, Tensor k, Tensor v, int forward_id, int layer_index) -> Tensor")
 

@@ -78,7 +78,7 @@ class EngineCore(StepLoop):
         if config.quantization:
             quantize_linears(model, config.quantization)
         elif config.device == "cpu":
-            prepare_cpu_linears(model, compiled=config.compile)
+            prepare_cpu_linears(model)
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.seed, config.device,
                                   compile=config.compile)
         return hf_config

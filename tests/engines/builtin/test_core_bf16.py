@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from engines.builtin.cpu_linear import PackedLinear, cpu_has_fast_bf16
+from engines.builtin.cpu_linear import NativeLinear, cpu_has_fast_bf16
 from engines.builtin.loader import resolve_dtype
 from engines.builtin.types import SamplingParams
 
@@ -53,7 +53,7 @@ def test_bf16_scores_are_as_accurate_as_hf_bf16(make_engine, hf_bf16, tiny_model
 
     hf_fp32 = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     engine = make_engine(dtype="auto")
-    assert isinstance(engine.runner.model.lm_head, PackedLinear)
+    assert isinstance(engine.runner.model.lm_head, NativeLinear)
     for tokens in prompts():
         ours = torch.tensor([s.logprob for s in asyncio.run(engine.score(tokens))])
         ours_error, hf_error = (ours - _logprobs(hf_fp32, tokens)).abs(), (_logprobs(hf_bf16, tokens) - _logprobs(hf_fp32, tokens)).abs()
@@ -82,7 +82,7 @@ def test_compiled_bf16_follows_hf_bf16_up_to_ties(tiny_model_dir, hf_bf16):
     from test_compiled_model import MAX_TOKENS, run_compiled
 
     compiled = run_compiled(tiny_model_dir, "bfloat16", [prompts()])
-    assert compiled["head"] == "PackedLinear"  # the head runs eagerly, prepacked
+    assert compiled["head"] == "NativeLinear"  # the head runs eagerly, on the C++ kernel
     assert_follows_hf_up_to_ties(hf_bf16, compiled["outputs"][0], MAX_TOKENS)
 
 

@@ -1,71 +1,71 @@
-"""The unquantized model's CPU linears (engines/builtin/cpu_linear.py): one-row calls on the C++ row
-kernel, every other call as F.linear computes it."""
+"""The unquantized model's CPU linears (engines/builtin/cpu_linear.py): every call on the C++ kernel, at
+any row count and leading shape, equal to F.linear up to summation order; weights it cannot take stay
+torch's."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engines.builtin.cpu_linear import PackedLinear, RowLinear, cpu_has_fast_bf16, prepare_cpu_linears
-from kernels import row_linear
+from engines.builtin.cpu_linear import NativeLinear, prepare_cpu_linears
+from kernels import native_linear
 
-needs_bf16 = pytest.mark.skipif(not cpu_has_fast_bf16() or not row_linear.fits(torch.zeros(4, 32, dtype=torch.bfloat16)),
+needs_bf16 = pytest.mark.skipif(not native_linear.fits(torch.zeros(32, 2, dtype=torch.bfloat16)),
                                 reason="this CPU (or the kernels' compiler) has no bf16 dot product")
+DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16)]
 
 
 class _Tiny(nn.Module):
     def __init__(self, dtype):
         super().__init__()
+        self.embed = nn.Embedding(64, 96).to(dtype)
         self.proj = nn.Linear(96, 160, bias=True).to(dtype)
+        self.odd = nn.Linear(96, 6).to(dtype)  # off the kernel's blocks
         self.lm_head = nn.Linear(96, 64, bias=False).to(dtype)
+        self.lm_head.weight = self.embed.weight  # tied
 
 
 @pytest.fixture
-def row_calls(monkeypatch):
-    """How many times the row kernel's op ran."""
+def kernel_calls(monkeypatch):
+    """How many times the kernel's op ran."""
     calls = []
-    original = row_linear.row_linear
-    monkeypatch.setattr(row_linear, "row_linear", lambda *args: calls.append(args) or original(*args))
+    original = native_linear.native_linear
+    monkeypatch.setattr(native_linear, "native_linear", lambda *args: calls.append(args) or original(*args))
     return calls
 
 
-@pytest.mark.parametrize("module", [RowLinear, pytest.param(PackedLinear, marks=needs_bf16)])
-@pytest.mark.parametrize("rows", [1, 7, 300])
-def test_linear_equals_f_linear(module, rows, row_calls):
-    dtype = torch.float32 if module is RowLinear else torch.bfloat16
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1,), (7,), (300,), (2, 5)])
+def test_every_call_runs_the_kernel_and_equals_f_linear(dtype, shape, kernel_calls):
     linear = nn.Linear(96, 160, bias=True).to(dtype)
-    x = torch.randn(rows, 96, dtype=dtype)
+    x = torch.randn(*shape, 96, dtype=dtype)
 
-    out = module(linear)(x)
+    out = NativeLinear(linear)(x)
 
-    expected = F.linear(x, linear.weight, linear.bias)
-    if rows == 1:  # the row kernel: another summation order, one rounding
-        assert len(row_calls) == 1
-        torch.testing.assert_close(out, expected, rtol=2.0**-7 if dtype == torch.bfloat16 else 1e-5, atol=1e-4)
-    else:
-        assert not row_calls and torch.equal(out, expected)
+    assert len(kernel_calls) == 1 and out.shape == (*shape, 160) and out.dtype == dtype
+    # Another summation order than torch's, one rounding to bf16.
+    torch.testing.assert_close(out, F.linear(x, linear.weight, linear.bias),
+                               rtol=2.0**-7 if dtype == torch.bfloat16 else 1e-5, atol=1e-4)
 
 
-def test_fp32_model_gets_row_linears_sharing_its_weights():
-    model = _Tiny(torch.float32)
-    weight = model.proj.weight
-    prepare_cpu_linears(model, compiled=False)
-    assert isinstance(model.proj, RowLinear) and isinstance(model.lm_head, RowLinear)
-    assert model.proj.weight is weight and model.proj.row_weight is not None
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_model_linears_the_kernel_takes_are_replaced(dtype, kernel_calls):
+    model = _Tiny(dtype)
+    x = torch.randn(3, 96, dtype=dtype)
+    expected = {name: getattr(model, name)(x) for name in ("proj", "odd", "lm_head")}
+
+    prepare_cpu_linears(model)
+
+    assert isinstance(model.proj, NativeLinear) and isinstance(model.lm_head, NativeLinear)
+    assert type(model.odd) is nn.Linear
+    assert model.embed.weight.shape == (64, 96), "the tied embedding keeps its weight"
+    for name, value in expected.items():
+        torch.testing.assert_close(getattr(model, name)(x), value, rtol=2.0**-7 if dtype == torch.bfloat16 else 1e-5,
+                                   atol=1e-4)
+    assert len(kernel_calls) == 2  # proj and the head; odd ran on torch
 
 
-@needs_bf16
-@pytest.mark.parametrize("compiled", [False, True])
-def test_bf16_model_is_packed_where_not_compiled(compiled):
-    """Compiled, freezing packs the decoder's linears; the head runs eagerly, so it is packed either way."""
-    model = _Tiny(torch.bfloat16)
-    prepare_cpu_linears(model, compiled=compiled)
-    assert isinstance(model.lm_head, PackedLinear)
-    assert isinstance(model.proj, RowLinear if compiled else PackedLinear)
-
-
-def test_weights_the_kernel_cannot_take_stay_on_torch(row_calls):
-    linear = RowLinear(nn.Linear(40, 6))  # off the kernel's tiles
-    x = torch.randn(1, 40)
-    assert linear.row_weight is None
-    assert torch.equal(linear(x), F.linear(x, linear.weight, linear.bias)) and not row_calls
+def test_moves_with_the_module():
+    linear = NativeLinear(nn.Linear(96, 64))
+    assert {name for name, _ in linear.named_buffers()} == {"packed", "bias"}
+    assert not linear.state_dict(), "made from the checkpoint's weight at load, never saved"

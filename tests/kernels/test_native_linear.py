@@ -1,0 +1,75 @@
+"""The C++ linear (kernels/native/linear.cpp) and its torch op: equal to F.linear up to summation order
+at every row count the kernel splits differently, and refused where it cannot take a weight."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import native, native_linear
+
+needs_bf16_dot = pytest.mark.skipif(not native_linear.fits(torch.zeros(32, 2, dtype=torch.bfloat16)),
+                                    reason="the kernels were built without a bf16 dot product (this CPU or compiler)")
+DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16_dot)]
+
+
+def _reference(x, weight, bias):
+    """In fp64, rounded once to x's dtype: what a kernel summing in fp32 should be within a rounding of."""
+    return F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+
+
+# 1-6: unrolled steps; 7-12 one pass; 13, 16, 25: passes of equal rows; 0: nothing to do.
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 12, 13, 16, 25])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_matches_fp64(dtype, rows, with_bias):
+    torch.manual_seed(rows)
+    # 90 inputs: 45 bf16 pairs, an odd step count that leaves the unrolled loop a remainder.
+    weight, x = torch.randn(224, 90, dtype=dtype), torch.randn(rows, 90, dtype=dtype)
+    bias = torch.randn(224, dtype=dtype) if with_bias else None
+    assert native_linear.fits(weight)
+
+    out = native_linear.native_linear(x, native_linear.pack(weight), bias)
+
+    expected = _reference(x, weight, bias)
+    assert out.dtype == dtype and out.shape == (rows, 224)
+    # fp32 sums in another order than fp64; bf16 rounds its fp32 sum once, as F.linear does.
+    step = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-20
+    assert ((out.double() - expected).abs() <= step * expected.abs() + 1e-4).all()
+    torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=step, atol=1e-4)
+
+
+def test_weights_off_its_blocks_are_left_to_torch():
+    kernels = native.library()
+    assert kernels.supports_linear(torch.zeros(64, 33)), "fp32 takes any input count"
+    assert not kernels.supports_linear(torch.zeros(48, 64)), "outputs not a multiple of 32"
+    assert not kernels.supports_linear(torch.zeros(64, 64, dtype=torch.float16))
+    if native_linear.fits(torch.zeros(32, 2, dtype=torch.bfloat16)):
+        assert not kernels.supports_linear(torch.zeros(64, 33, dtype=torch.bfloat16)), "bf16 inputs in pairs"
+
+
+def test_inputs_it_cannot_take_are_refused_not_read():
+    weight = torch.randn(32, 32)
+    packed = native_linear.pack(weight)
+    for x, bias in ((torch.randn(1, 64), None), (torch.randn(32), None), (torch.randn(1, 32, dtype=torch.bfloat16), None),
+                    (torch.randn(1, 32), torch.randn(4)), (torch.randn(1, 32), torch.randn(32, dtype=torch.float64))):
+        with pytest.raises(ValueError, match="does not take"):
+            native_linear.native_linear(x, packed, bias)
+    with pytest.raises(ValueError, match="does not take"):  # a weight not packed for it
+        native_linear.native_linear(torch.randn(1, 32), weight, None)
+
+
+def test_compiled_graph_calls_the_op(monkeypatch):
+    weight = torch.randn(64, 32)
+    packed = native_linear.pack(weight)
+    calls = []
+    kernels = native.library()
+    monkeypatch.setattr(kernels, "linear", lambda *args, run=kernels.linear: calls.append(args) or run(*args))
+
+    @torch.compile(fullgraph=True, dynamic=True)
+    def step(x):
+        return torch.relu(native_linear.native_linear(x, packed, None)) + 1
+
+    for rows in (1, 5, 40):
+        x = torch.randn(rows, 32)
+        torch.testing.assert_close(step(x), torch.relu(F.linear(x, weight)) + 1, rtol=2.0**-20, atol=1e-5)
+    assert len(calls) == 3, "the compiled graph ran the kernel at every row count"
