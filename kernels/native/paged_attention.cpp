@@ -385,21 +385,43 @@ void run_task(const Task &task, Scratch &s, const T *q, const T *k_cache, const 
 }
 
 // Tiles: each prefix's members, at most kMaxTileRows query rows a tile; a sequence without one alone.
+// When that leaves fewer than two tasks a thread (16 forks of a 900-token prompt, 3 kv heads: 3 tasks
+// for 2 threads, one idle for a third of the call), a prefix's members split into more tiles of equal
+// size, each reading the prefix again: cheap beside the idle thread, as the tile's rows multiply each key.
 std::vector<Task> plan_tasks(int64_t batch, const int32_t *prefix_ids, const int32_t *prefix_tables,
                              int64_t prefix_stride, const int32_t *prefix_lens, int64_t num_prefixes,
-                             const Shape &shape) {
+                             const Shape &shape, int num_threads) {
+    const auto prefix_of = [&](int64_t b) {
+        const int64_t p = prefix_ids ? prefix_ids[b] : -1;
+        return p < 0 || p >= num_prefixes ? -1 : p;
+    };
+    const int64_t max_members = std::max<int64_t>(1, kMaxTileRows / shape.group());
+    std::vector<int64_t> members(num_prefixes, 0);
+    int64_t tiles_needed = 0;
+    for (int64_t b = 0; b < batch; b++) {
+        const int64_t p = prefix_of(b);
+        if (p < 0) tiles_needed++;
+        else if (members[p]++ % max_members == 0) tiles_needed++;
+    }
+    const int64_t wanted_tiles = (2 * num_threads + shape.num_kv_heads - 1) / shape.num_kv_heads;
+    const bool split = tiles_needed * shape.num_kv_heads < 2 * num_threads;
+    std::vector<int64_t> per_tile(num_prefixes);
+    for (int64_t p = 0; p < num_prefixes; p++) {
+        int64_t tiles = (members[p] + max_members - 1) / max_members;
+        if (split) tiles = std::max(tiles, std::min(members[p], wanted_tiles));
+        per_tile[p] = tiles ? (members[p] + tiles - 1) / tiles : 1;
+    }
     std::vector<std::vector<int64_t>> tiles;
     std::vector<int64_t> tile_prefix;
     std::vector<int64_t> open_tile(num_prefixes, -1);
-    const size_t per_tile = static_cast<size_t>(std::max<int64_t>(1, kMaxTileRows / shape.group()));
     for (int64_t b = 0; b < batch; b++) {
-        const int64_t p = prefix_ids ? prefix_ids[b] : -1;
-        if (p < 0 || p >= num_prefixes) {
+        const int64_t p = prefix_of(b);
+        if (p < 0) {
             tiles.push_back({b});
             tile_prefix.push_back(-1);
             continue;
         }
-        if (open_tile[p] < 0 || tiles[open_tile[p]].size() == per_tile) {
+        if (open_tile[p] < 0 || static_cast<int64_t>(tiles[open_tile[p]].size()) == per_tile[p]) {
             open_tile[p] = static_cast<int64_t>(tiles.size());
             tiles.emplace_back();
             tile_prefix.push_back(p);
@@ -444,7 +466,8 @@ int decode(const T *q, const T *k_cache, const T *v_cache, const int32_t *prefix
         if (!blocks_valid(own_tables + b * own_stride, own_lens[b])) return -2;
     for (int64_t p = 0; p < num_prefixes; p++)
         if (!blocks_valid(prefix_tables + p * prefix_stride, prefix_lens[p])) return -2;
-    const auto tasks = plan_tasks(batch, prefix_ids, prefix_tables, prefix_stride, prefix_lens, num_prefixes, shape);
+    const auto tasks = plan_tasks(batch, prefix_ids, prefix_tables, prefix_stride, prefix_lens, num_prefixes, shape,
+                                  num_threads);
     const auto run = [&](auto dim) {
         run_tasks<decltype(dim)::value>(tasks, q, k_cache, v_cache, own_tables, own_stride, own_lens, out, shape,
                                         num_threads);

@@ -48,9 +48,11 @@ def test_shared_prefix_decode_matches_reference(kernels, kv, tol):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16], ids=["bf16"])
 @pytest.mark.parametrize("block_size", [16], ids=["page16"])
-def test_a_prefix_with_more_members_than_one_tile_holds(kernels, kv, tol):
-    """Members past a tile's 48 query rows (16 sequences here) share the prefix in a second tile."""
-    members = 21
+@pytest.mark.parametrize("members", [21, 16, 2])
+def test_a_prefix_with_more_members_than_one_tile_holds(kernels, kv, tol, members):
+    """Members past a tile's 48 query rows (16 sequences here) share the prefix in a second tile; with
+    fewer tasks than two a thread (16 or 2 members, 3 kv heads, 2 threads) they split into tiles of
+    equal size."""
     args = shared_args(kv, [0] * members, [150], [1 + i % 5 for i in range(members)])
 
     torch.testing.assert_close(kernels.shared_prefix_decode(*args), reference.shared_prefix_decode(*args), **tol)
