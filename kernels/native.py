@@ -96,48 +96,126 @@ class NativeKernels:
 
     def write_kv(self, key, value, k_cache, v_cache, slot_mapping) -> bool:
         """dispatch.write_kv's contract; False (nothing written) where these tensors are not for it."""
-        if not (key.dtype == value.dtype == k_cache.dtype in self._write and k_cache.is_contiguous()
-                and v_cache.is_contiguous()):
-            return False
-        key, value, slots = key.contiguous(), value.contiguous(), slot_mapping.long().contiguous()
-        row_elems = k_cache.shape[2] * k_cache.shape[3]
-        status = self._write[key.dtype](key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                                        slots.data_ptr(), len(slots), row_elems, k_cache.shape[0] * k_cache.shape[1])
-        if status != 0:
-            raise IndexError(f"a slot in slot_mapping is past the cache's {k_cache.shape[0] * k_cache.shape[1]} slots")
-        return True
+        return self.prepare_kv_write(slot_mapping)(key, value, k_cache, v_cache)
 
     def decode(self, q, k_cache, v_cache, block_tables, context_lens, scale: float) -> torch.Tensor:
-        return self._run(q, k_cache, v_cache, None, block_tables, context_lens, scale)
+        return self.prepare_decode(block_tables, context_lens)(q, k_cache, v_cache, scale)
 
     def shared_prefix_decode(self, q, k_cache, v_cache, prefix_ids, prefix_block_tables, prefix_lens,
                              suffix_block_tables, suffix_lens, scale: float) -> torch.Tensor:
-        prefixes = (prefix_ids.contiguous(), prefix_block_tables.contiguous(), prefix_lens.contiguous())
-        return self._run(q, k_cache, v_cache, prefixes, suffix_block_tables, suffix_lens, scale)
+        prepared = self.prepare_decode(suffix_block_tables, suffix_lens, (prefix_ids, prefix_block_tables, prefix_lens))
+        return prepared(q, k_cache, v_cache, scale)
 
-    def _run(self, q, k_cache, v_cache, prefixes, own_tables, own_lens, scale: float) -> torch.Tensor:
-        q, own_tables, own_lens = q.contiguous(), own_tables.contiguous(), own_lens.contiguous()
-        assert k_cache.is_contiguous() and v_cache.is_contiguous()
-        assert own_tables.dtype == own_lens.dtype == torch.int32
+    def prepare_kv_write(self, slot_mapping: torch.Tensor) -> PreparedKvWrite:
+        return PreparedKvWrite(self._write, slot_mapping)
+
+    def prepare_decode(self, own_tables: torch.Tensor, own_lens: torch.Tensor,
+                       prefixes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> PreparedDecode:
+        """A step's decode for each of its layers (see PreparedDecode): own_tables [B, blocks] and own_lens [B]
+        int32; prefixes (prefix_ids [B], prefix_tables [P, blocks], prefix_lens [P]) int32, or None."""
+        return PreparedDecode(self, own_tables, own_lens, prefixes)
+
+    def decode_function(self, dtype: torch.dtype):
+        return self._decode[dtype]
+
+
+def _int32_rows(tensor: torch.Tensor, name: str, ndim: int, rows: int | None = None) -> torch.Tensor:
+    """tensor as the kernels read it (contiguous int32 with `ndim` dims and `rows` rows), or ValueError."""
+    if not (isinstance(tensor, torch.Tensor) and tensor.dtype == torch.int32 and tensor.dim() == ndim
+            and tensor.device.type == "cpu" and (rows is None or tensor.shape[0] == rows)):
+        raise ValueError(f"{name} must be a CPU int32 tensor with {ndim} dims" + (f" and {rows} rows" if rows else "")
+                         + f", got {getattr(tensor, 'dtype', type(tensor))} {tuple(getattr(tensor, 'shape', ()))}")
+    return tensor.contiguous()
+
+
+class PreparedDecode:
+    """One step's decode attention on the C++ kernel, for each of its layers.
+
+    The step's block tables, lengths and shared prefixes are checked and made into the kernel's arguments
+    once: checking and converting them again in each of 30 layer calls cost twice a batch-1 decode's
+    own work (~55 of ~80 us a call here). A layer's query and caches are checked in full the first time
+    their shapes are seen, then only compared with those.
+    """
+
+    def __init__(self, kernels: NativeKernels, own_tables, own_lens, prefixes=None):
+        own_tables = _int32_rows(own_tables, "block_tables", 2)
+        own_lens = _int32_rows(own_lens, "context_lens", 1, own_tables.shape[0])
+        self.batch = own_tables.shape[0]
         prefix_args = (None, None, 0, None, 0)  # null prefix ids: no sequence has one, no prefix table is read
+        kept = [own_tables, own_lens]
         if prefixes is not None:
-            ids, tables, lens = prefixes
-            assert ids.dtype == tables.dtype == lens.dtype == torch.int32
-            prefix_args = (ids.data_ptr(), tables.data_ptr(), tables.stride(0) if tables.dim() == 2 else 0,
-                           lens.data_ptr(), len(lens))
+            ids = _int32_rows(prefixes[0], "prefix_ids", 1, self.batch)
+            tables = _int32_rows(prefixes[1], "prefix_block_tables", 2)
+            lens = _int32_rows(prefixes[2], "prefix_lens", 1, tables.shape[0])
+            kept += [ids, tables, lens]
+            prefix_args = (ids.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(), len(lens))
+        self._kernels, self._kept = kernels, kept  # kept alive: the kernel reads them by pointer
+        self._table_args = (*prefix_args, own_tables.data_ptr(), own_tables.stride(0), own_lens.data_ptr())
+        self._fits: tuple | None = None  # the (query, cache) shapes and dtype already checked
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        q = q.contiguous()
+        shapes = (q.shape, q.dtype, k_cache.shape, v_cache.shape, v_cache.dtype)
+        if shapes != self._fits:
+            self._check(q, k_cache, v_cache)
+            self._fits = shapes
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("the native decode reads contiguous caches")
         out = torch.empty_like(q)
-        batch, num_heads, head_dim = q.shape
+        _, num_heads, head_dim = q.shape
         num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-        status = self._decode[q.dtype](
-            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *prefix_args, own_tables.data_ptr(), own_tables.stride(0),
-            own_lens.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads, head_dim, block_size, num_blocks,
-            scale, torch.get_num_threads(),
+        status = self._kernels.decode_function(q.dtype)(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *self._table_args, out.data_ptr(), self.batch,
+            num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, torch.get_num_threads(),
         )
         if status == -2:
             raise IndexError(f"a block table names a block past the cache's {num_blocks} blocks")
         if status != 0:
             raise ValueError(f"the native decode kernel does not take head_dim {head_dim} with {num_heads} heads")
         return out
+
+    def _check(self, q, k_cache, v_cache) -> None:
+        fits = (q.dim() == 3 and q.shape[0] == self.batch and k_cache.dim() == 4 and v_cache.shape == k_cache.shape
+                and q.dtype == k_cache.dtype == v_cache.dtype and q.device.type == k_cache.device.type == "cpu"
+                and q.shape[2] == k_cache.shape[3] and q.shape[1] % k_cache.shape[2] == 0
+                and self._kernels.supports(q.dtype, q.shape[2], q.shape[1] // k_cache.shape[2]))
+        if not fits:
+            raise ValueError(f"the native decode does not take q {tuple(q.shape)} {q.dtype} for {self.batch} sequences "
+                             f"over caches {tuple(k_cache.shape)} {k_cache.dtype} / {tuple(v_cache.shape)} {v_cache.dtype}")
+
+
+class PreparedKvWrite:
+    """One step's KV writes on the C++ kernel, for each of its layers: the slots made into the kernel's
+    argument once (see PreparedDecode); a layer's keys and caches checked in full the first time their
+    shapes are seen. Calls answer False (nothing written) where the tensors are not for the kernel."""
+
+    def __init__(self, write_functions: dict, slot_mapping: torch.Tensor):
+        self._functions = write_functions
+        self._slots = slot_mapping.long().contiguous()
+        self._fits: tuple | None = None
+
+    def __call__(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+        shapes = (key.shape, key.dtype, value.shape, value.dtype, k_cache.shape, k_cache.dtype, v_cache.shape, v_cache.dtype)
+        if shapes != self._fits:
+            if not self._takes(key, value, k_cache, v_cache):
+                return False
+            self._fits = shapes
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            return False
+        key, value = key.contiguous(), value.contiguous()
+        row_elems = k_cache.shape[2] * k_cache.shape[3]
+        status = self._functions[key.dtype](key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                            self._slots.data_ptr(), len(self._slots), row_elems,
+                                            k_cache.shape[0] * k_cache.shape[1])
+        if status != 0:
+            raise IndexError(f"a slot in slot_mapping is past the cache's {k_cache.shape[0] * k_cache.shape[1]} slots")
+        return True
+
+    def _takes(self, key, value, k_cache, v_cache) -> bool:
+        return (key.dtype == value.dtype == k_cache.dtype == v_cache.dtype and key.dtype in self._functions
+                and key.device.type == value.device.type == k_cache.device.type == v_cache.device.type == "cpu"
+                and k_cache.dim() == 4 and v_cache.shape == k_cache.shape
+                and key.shape == value.shape == (len(self._slots), *k_cache.shape[2:]))
 
 
 def pack_linear(weight: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from engines.builtin.sampler import SampleResult, Sampler, score_tokens
 from engines.builtin.context import Context
 from engines.builtin.types import TokenScore
 from kernels import cpu_attention, dispatch
+from kernels import native as native_kernels
 
 # The Triton and C++ shared-prefix kernels always beat paged decode (the C++ one: 16 forks over a
 # 64-token prefix in 0.92x the time, 0.63x at 400); the torch CPU path only once the prefix it spares
@@ -93,6 +94,8 @@ class ModelRunner:
         # CPU: their chunks laid out in tiles for the native kernel where it runs).
         self.plans_torch_decode = not triton and not native
         self.native_chunks = native
+        # The C++ kernels' arguments for a step's KV writes and decodes, made once for all its layers.
+        self.native_kernels = native_kernels.library() if native else None
 
     def copy_rows(self, src_block: int, dst_block: int, num_rows: int) -> None:
         for layer in self.model.model.layers:
@@ -151,6 +154,8 @@ class ModelRunner:
                 score_rows += range(row, row + end - start)
                 scored.append((ctx, start, end))
         meta = AttentionMetadata(slot_mapping=self._tensor(slots, torch.long), num_decodes=len(decodes))
+        if self.native_kernels:
+            meta.kv_write = self.native_kernels.prepare_kv_write(meta.slot_mapping)
         if decodes and self._worth_sharing(batch.prefix_groups, len(decodes)):
             meta.shared_prefix = self._shared_prefix(decodes, batch.prefix_groups)
         elif decodes:
@@ -185,6 +190,8 @@ class ModelRunner:
         lens = [ctx.num_computed_tokens + 1 for ctx in seqs]
         tables = [ctx.block_table[: self._blocks(n)] for ctx, n in zip(seqs, lens)]
         meta = DecodeMetadata(self._tables(tables), self._tensor(lens))
+        if self.native_kernels:
+            meta.native = self.native_kernels.prepare_decode(meta.block_tables, meta.context_lens)
         if self.plans_torch_decode:
             meta.plan = cpu_attention.plan_decode(meta.block_tables, meta.context_lens, self.block_size)
         return meta
@@ -207,6 +214,9 @@ class ModelRunner:
             suffix_block_tables=self._tables(suffix_tables),
             suffix_lens=self._tensor(lens),
         )
+        if self.native_kernels:
+            meta.native = self.native_kernels.prepare_decode(
+                meta.suffix_block_tables, meta.suffix_lens, (meta.prefix_ids, meta.prefix_block_tables, meta.prefix_lens))
         if self.plans_torch_decode:
             meta.plan = cpu_attention.plan_shared_prefix(
                 meta.prefix_ids, meta.prefix_block_tables, meta.prefix_lens, meta.suffix_block_tables,

@@ -11,6 +11,7 @@ from tests.triton_mode import DEVICE
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from engines.builtin.model_runner import ModelRunner  # noqa: E402
 from engines.builtin.types import SamplingParams  # noqa: E402
 from kernels import dispatch  # noqa: E402
 
@@ -75,15 +76,18 @@ def triton_calls(monkeypatch) -> dict[str, int]:
 
 @pytest.fixture
 def shared_prefix_calls(monkeypatch) -> list[torch.Tensor]:
-    """Records the prefix_ids of every shared-prefix decode the engine's attention makes."""
+    """Records the prefix_ids of every step whose decodes go through shared-prefix attention (the C++
+    kernel, prepared for the step, or dispatch's)."""
     seen = []
-    original = dispatch.shared_prefix_decode_attention
+    original = ModelRunner.prepare
 
-    def recorded(q, k_cache, v_cache, prefix_ids, *args):
-        seen.append(prefix_ids.clone())
-        return original(q, k_cache, v_cache, prefix_ids, *args)
+    def recorded(self, batch):
+        prepared = original(self, batch)
+        if (shared := prepared[2].shared_prefix) is not None:
+            seen.append(shared.prefix_ids.clone())
+        return prepared
 
-    monkeypatch.setattr(dispatch, "shared_prefix_decode_attention", recorded)
+    monkeypatch.setattr(ModelRunner, "prepare", recorded)
     return seen
 
 
@@ -146,3 +150,36 @@ def test_prefix_caching_flags(argv, enabled):
     from engines.builtin.cli import build_parser, engine_config
 
     assert engine_config(build_parser().parse_args(argv)).enable_prefix_caching is enabled
+
+
+async def test_cpu_steps_run_the_cpp_kernels_prepared_once_per_step(make_engine, monkeypatch, tiny_hf_model):
+    """On CPU with the C++ kernels built, a step's KV writes and decodes take the arguments prepared for the
+    step (not dispatch's per-layer checks), and greedy output still equals HF's."""
+    from kernels import native
+
+    if DEVICE.type != "cpu" or native.library() is None:
+        pytest.skip("the C++ kernels serve CPU engines only")
+    calls: dict[int, tuple[str, int]] = {}  # per prepared object: its kind, its calls
+    alive = []  # the objects themselves, so that no id is reused
+    for cls, kind in ((native.PreparedDecode, "decode"), (native.PreparedKvWrite, "write")):
+        original = cls.__call__
+
+        def counted(self, *args, _original=original, _kind=kind):
+            if id(self) not in calls:
+                alive.append(self)
+            calls[id(self)] = (_kind, calls.get(id(self), (_kind, 0))[1] + 1)
+            return _original(self, *args)
+
+        monkeypatch.setattr(cls, "__call__", counted)
+    monkeypatch.setattr(dispatch, "decode_attention", lambda *a, **k: pytest.fail("dispatch's decode ran"))
+    monkeypatch.setattr(dispatch, "write_kv", lambda *a, **k: pytest.fail("dispatch's KV write ran"))
+    engine = make_engine()
+    prompt = random_tokens((21,), seed=8)[0]
+    output = (await concurrent_prompts(engine, [prompt]))[0]
+    expected = tiny_hf_model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None)
+    assert output == expected[0, len(prompt):].tolist()
+    layers = len(engine.runner.model.model.layers)
+    assert layers > 1
+    # One preparation a step, called by every layer: MAX_TOKENS steps write, all but the prefill decode.
+    assert sorted(count for kind, count in calls.values() if kind == "write") == [layers] * MAX_TOKENS
+    assert [count for kind, count in calls.values() if kind == "decode" and count > 1] == [layers] * (MAX_TOKENS - 1)
