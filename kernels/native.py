@@ -43,7 +43,8 @@ LINEAR_PACK = {torch.float32: 1, torch.bfloat16: 2}  # inputs a step takes: the 
 
 class NativeKernels:
     """The loaded library's entry points, with dispatch.decode_attention's and
-    dispatch.shared_prefix_decode_attention's contracts, and a linear layer over a few rows."""
+    dispatch.shared_prefix_decode_attention's contracts (or prepared once for a step's layers), and the
+    linear layers."""
 
     def __init__(self, library: ctypes.CDLL):
         self._decode, self._write, self._linear = {}, {}, {}
@@ -67,9 +68,8 @@ class NativeKernels:
                 and in_features % LINEAR_PACK[weight.dtype] == 0)
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [rows, in] @ weight.T + bias, in x's dtype, the weight as pack_linear() lays it out; for a few
-        rows (see native/linear.cpp). Shapes and dtypes are checked here: the kernel reads what the
-        pointers say."""
+        """x [rows, in] @ weight.T + bias, in x's dtype, the weight as pack_linear() lays it out (see
+        native/linear.cpp). Shapes and dtypes are checked here: the kernel reads what the pointers say."""
         blocked = (packed.dim() == 4 and packed.shape[2] == LINEAR_BLOCK and packed.is_contiguous()
                    and packed.shape[3] == LINEAR_PACK.get(packed.dtype) and packed.dtype in self._linear_dtypes)
         out_features, in_features = linear_shape(packed) if blocked else (0, 0)
@@ -116,6 +116,7 @@ class NativeKernels:
         return PreparedDecode(self, own_tables, own_lens, prefixes)
 
     def decode_function(self, dtype: torch.dtype):
+        """The kernel's entry point for this dtype (PreparedDecode calls it with the step's arguments)."""
         return self._decode[dtype]
 
 
