@@ -70,6 +70,62 @@ inline float exp_nonpositive(float x) {
     return p * two_to_n;
 }
 
+typedef int32_t IntVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+// exp_nonpositive on a vector of floats: n rounded by the 1.5 x 2^23 trick, 2^n made from its bits.
+inline Vec exp_nonpositive(Vec x) {
+    x = x < -87.0f ? Vec{} - 87.0f : x;
+    const Vec magic = Vec{} + 12582912.0f;
+    const Vec n = (x * 1.44269504088896341f + magic) - magic;
+    Vec r = n * -0.693359375f + x;
+    r = n * 2.12194440e-4f + r;
+    Vec p = Vec{} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    const IntVec bits = (__builtin_convertvector(n, IntVec) + 127) << 23;
+    Vec two_to_n;
+    std::memcpy(&two_to_n, &bits, sizeof two_to_n);
+    return p * two_to_n;
+}
+
+// The largest of a vector's lanes, as a tree (as sum_lanes).
+inline float max_lanes(Vec x) {
+    Vec y = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    x = x > y ? x : y;
+    y = __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    x = x > y ? x : y;
+    y = __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    x = x > y ? x : y;
+    y = __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    x = x > y ? x : y;
+    return x[0];
+}
+
+// One row's online softmax step over a chunk's n scores, in vectors: the running max and total move on,
+// the chunk's weights (zeros past n) are written, and the factor the row's earlier sums are scaled by
+// is returned. Lane by lane, where a loop over the tokens waited on each comparison before the next.
+inline float softmax_step(const float *score, int64_t n, float &running_max, float &total, float *weight) {
+    static_assert(kChunk == 2 * kLanes, "a chunk is two vectors");
+    const IntVec lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const IntVec valid_low = lane < static_cast<int32_t>(n), valid_high = lane + kLanes < static_cast<int32_t>(n);
+    const Vec low = load(score), high = load(score + kLanes), lowest = Vec{} - INFINITY;
+    const Vec low_max = valid_low ? low : lowest, high_max = valid_high ? high : lowest;
+    const float chunk_max = max_lanes(low_max > high_max ? low_max : high_max);
+    const float new_max = chunk_max > running_max ? chunk_max : running_max;
+    const float rescale = exp_nonpositive(running_max - new_max);
+    running_max = new_max;
+    const Vec low_weight = valid_low ? exp_nonpositive(low - new_max) : Vec{};
+    const Vec high_weight = valid_high ? exp_nonpositive(high - new_max) : Vec{};
+    save(weight, low_weight);
+    save(weight + kLanes, high_weight);
+    total = total * rescale + sum_lanes(low_weight + high_weight);
+    return rescale;
+}
+
 struct Shape {
     int64_t num_heads, num_kv_heads, head_dim, block_size, num_blocks;
     float scale;
@@ -342,21 +398,9 @@ void score_and_accumulate(Scratch &s, int64_t first, int64_t count, int64_t n, b
     } else {
         with_rows(count, [&](auto rows) { dot_rows<decltype(rows)::value, DIM>(queries, s.keys.data(), n, scores); });
     }
-    for (r = 0; r < count; r++) {  // the online softmax step of each row
-        float *score = scores + r * kChunk, *weight = weights + r * kChunk;
-        float &running_max = s.running_max[first + r];
-        float new_max = running_max;
-        for (int64_t t = 0; t < n; t++) new_max = score[t] > new_max ? score[t] : new_max;
-        rescale[r] = exp_nonpositive(running_max - new_max);
-        running_max = new_max;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < kChunk; t++) {
-            weight[t] = t < n ? exp_nonpositive(score[t] - new_max) : 0.0f;
-            sum += weight[t];
-        }
-        s.total[first + r] = s.total[first + r] * rescale[r] + sum;
-    }
+    for (r = 0; r < count; r++)
+        rescale[r] = softmax_step(scores + r * kChunk, n, s.running_max[first + r], s.total[first + r],
+                                  weights + r * kChunk);
     float *acc = s.acc.data() + first * DIM;
     if (pairs) {  // the values too go through the bf16 dot product, weights rounded to bf16 (as flash attention does)
         uint32_t *weight_pairs = s.weight_pairs.data() + first * kChunk / 2;
