@@ -1,4 +1,4 @@
-"""Where a builtin-engine step's time goes: decode at batch 1 and 16, and a 1,000-token prefill.
+"""Where a builtin-engine step's time goes: decode at batch 1 and 16, 16 forks of a ~900-token prompt, and a 1,000-token prefill.
 
     python -m benchmarks.engine_profile [--dtype bfloat16] [--quantization int8 | --compile] [--steps 32]
 

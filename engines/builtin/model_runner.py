@@ -13,7 +13,6 @@ from engines.builtin.sampler import SampleResult, Sampler, score_tokens
 from engines.builtin.context import Context
 from engines.builtin.types import TokenScore
 from kernels import cpu_attention, dispatch
-from kernels import native as native_kernels
 
 # The Triton and C++ shared-prefix kernels always beat paged decode (the C++ one: 16 forks over a
 # 64-token prefix in 0.92x the time, 0.63x at 400); the torch CPU path only once the prefix it spares
@@ -87,15 +86,16 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         triton = dispatch.uses_triton(self.device)
         query = torch.empty(1, config.num_attention_heads, shape[-1], dtype=dtype, device=self.device)
-        native = not triton and dispatch.native_decode(query, model.model.layers[0].self_attn.k_cache) is not None
+        # The C++ kernels where they take this model's attention; they also take a step's KV writes and
+        # decodes with arguments prepared once for all layers.
+        self.native_kernels = None if triton else dispatch.native_decode(query, model.model.layers[0].self_attn.k_cache)
+        native = self.native_kernels is not None
         # Mean shared-prefix tokens per decode from which prefix groups go to the shared-prefix kernel.
         self.min_shared_tokens = 0 if triton or native else CPU_MIN_SHARED_TOKENS
         # Whether decodes run the torch CPU paths, whose reads are planned once per step (prefills always do on
         # CPU: their chunks laid out in tiles for the native kernel where it runs).
         self.plans_torch_decode = not triton and not native
         self.native_chunks = native
-        # The C++ kernels' arguments for a step's KV writes and decodes, made once for all its layers.
-        self.native_kernels = native_kernels.library() if native else None
 
     def copy_rows(self, src_block: int, dst_block: int, num_rows: int) -> None:
         for layer in self.model.model.layers:
