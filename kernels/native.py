@@ -107,17 +107,13 @@ class NativeKernels:
         return prepared(q, k_cache, v_cache, scale)
 
     def prepare_kv_write(self, slot_mapping: torch.Tensor) -> PreparedKvWrite:
-        return PreparedKvWrite(self._write, slot_mapping)
+        return PreparedKvWrite(self, slot_mapping)
 
     def prepare_decode(self, own_tables: torch.Tensor, own_lens: torch.Tensor,
                        prefixes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> PreparedDecode:
         """A step's decode for each of its layers (see PreparedDecode): own_tables [B, blocks] and own_lens [B]
         int32; prefixes (prefix_ids [B], prefix_tables [P, blocks], prefix_lens [P]) int32, or None."""
         return PreparedDecode(self, own_tables, own_lens, prefixes)
-
-    def decode_function(self, dtype: torch.dtype):
-        """The kernel's entry point for this dtype (PreparedDecode calls it with the step's arguments)."""
-        return self._decode[dtype]
 
 
 def _int32_rows(tensor: torch.Tensor, name: str, ndim: int, rows: int | None = None) -> torch.Tensor:
@@ -165,7 +161,7 @@ class PreparedDecode:
         out = torch.empty_like(q)
         _, num_heads, head_dim = q.shape
         num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-        status = self._kernels.decode_function(q.dtype)(
+        status = self._kernels._decode[q.dtype](
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *self._table_args, out.data_ptr(), self.batch,
             num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, torch.get_num_threads(),
         )
@@ -190,8 +186,8 @@ class PreparedKvWrite:
     argument once (see PreparedDecode); a layer's keys and caches checked in full the first time their
     shapes are seen. Calls answer False (nothing written) where the tensors are not for the kernel."""
 
-    def __init__(self, write_functions: dict, slot_mapping: torch.Tensor):
-        self._functions = write_functions
+    def __init__(self, kernels: NativeKernels, slot_mapping: torch.Tensor):
+        self._functions = kernels._write
         self._slots = slot_mapping.long().contiguous()
         self._fits: tuple | None = None
 

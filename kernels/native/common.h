@@ -30,12 +30,21 @@ typedef float UnalignedVec __attribute__((vector_size(kLanes * sizeof(float)), a
 inline Vec load(const float *from) { return *reinterpret_cast<const UnalignedVec *>(from); }
 inline void save(float *to, Vec x) { *reinterpret_cast<UnalignedVec *>(to) = x; }
 
-// The sum of a vector's lanes as a tree (a loop over the lanes is one chain of dependent adds).
-inline float sum_lanes(Vec x) {
-    x += __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    x += __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    x += __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    x += __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+// One value from a vector's lanes, combined as a tree by `combine` (a loop over the lanes is one chain
+// of dependent operations).
+template <typename Combine>
+inline float reduce_lanes(Vec x, Combine combine) {
+    x = combine(x, __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+    x = combine(x, __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+    x = combine(x, __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+    x = combine(x, __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
     return x[0];
 }
 
+inline float sum_lanes(Vec x) {
+    return reduce_lanes(x, [](Vec a, Vec b) { return a + b; });
+}
+
+inline float max_lanes(Vec x) {
+    return reduce_lanes(x, [](Vec a, Vec b) { return a > b ? a : b; });
+}

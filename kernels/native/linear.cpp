@@ -13,7 +13,6 @@
 // bf16 sums pairs in fp32 (vdpbf16ps) and rounds to bf16 to nearest even, as torch does; fp32 uses fused
 // multiply-adds. Built with the attention kernels by kernels/native.py.
 
-#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #if defined(__AVX512BF16__)

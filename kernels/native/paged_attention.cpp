@@ -50,31 +50,12 @@ inline void store(float &to, float x) { to = x; }
 
 inline void store(BFloat16 &to, float x) { to.bits = float_to_bf16(x); }
 
-// exp for x <= 0 (scores minus their running max), vectorisable where std::exp is a library call:
-// Cephes' expf polynomial after x = n ln2 + r; relative error ~1e-7.
-inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;  // exp(-87) ~ 1.6e-38; a masked score is -inf, its weight ~0
-    const float n = std::nearbyint(x * 1.44269504088896341f);
-    float r = std::fma(n, -0.693359375f, x);
-    r = std::fma(n, 2.12194440e-4f, r);
-    float p = 1.9875691500e-4f;
-    p = std::fma(p, r, 1.3981999507e-3f);
-    p = std::fma(p, r, 8.3334519073e-3f);
-    p = std::fma(p, r, 4.1665795894e-2f);
-    p = std::fma(p, r, 1.6666665459e-1f);
-    p = std::fma(p, r, 5.0000001201e-1f);
-    p = std::fma(p, r * r, r) + 1.0f;
-    const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
-    float two_to_n;
-    std::memcpy(&two_to_n, &bits, sizeof two_to_n);
-    return p * two_to_n;
-}
-
 typedef int32_t IntVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
-// exp_nonpositive on a vector of floats: n rounded by the 1.5 x 2^23 trick, 2^n made from its bits.
+// exp for x <= 0 (scores minus their running max), lane by lane: Cephes' expf polynomial after
+// x = n ln2 + r, n rounded by the 1.5 x 2^23 trick and 2^n made from its bits; relative error ~1e-7.
 inline Vec exp_nonpositive(Vec x) {
-    x = x < -87.0f ? Vec{} - 87.0f : x;
+    x = x < -87.0f ? Vec{} - 87.0f : x;  // exp(-87) ~ 1.6e-38; a masked score is -inf, its weight ~0
     const Vec magic = Vec{} + 12582912.0f;
     const Vec n = (x * 1.44269504088896341f + magic) - magic;
     Vec r = n * -0.693359375f + x;
@@ -92,18 +73,7 @@ inline Vec exp_nonpositive(Vec x) {
     return p * two_to_n;
 }
 
-// The largest of a vector's lanes, as a tree (as sum_lanes).
-inline float max_lanes(Vec x) {
-    Vec y = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    x = x > y ? x : y;
-    y = __builtin_shufflevector(x, x, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    x = x > y ? x : y;
-    y = __builtin_shufflevector(x, x, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    x = x > y ? x : y;
-    y = __builtin_shufflevector(x, x, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-    x = x > y ? x : y;
-    return x[0];
-}
+inline float exp_nonpositive(float x) { return exp_nonpositive(Vec{} + x)[0]; }
 
 // One row's online softmax step over a chunk's n scores, in vectors: the running max and total move on,
 // the chunk's weights (zeros past n) are written, and the factor the row's earlier sums are scaled by
@@ -514,19 +484,19 @@ std::vector<Task> plan_tasks(int64_t batch, const int32_t *prefix_ids, const int
         return p < 0 || p >= num_prefixes ? -1 : p;
     };
     const int64_t max_members = std::max<int64_t>(1, kMaxTileRows / shape.group());
-    std::vector<int64_t> members(num_prefixes, 0);
-    int64_t tiles_needed = 0;
+    std::vector<int64_t> members(num_prefixes, 0), prefix_tiles(num_prefixes);
+    int64_t tiles_needed = 0;  // one a sequence without a prefix, as few as fit a prefix's members
     for (int64_t b = 0; b < batch; b++) {
         const int64_t p = prefix_of(b);
-        if (p < 0) tiles_needed++;
-        else if (members[p]++ % max_members == 0) tiles_needed++;
+        p < 0 ? tiles_needed++ : members[p]++;
     }
+    for (int64_t p = 0; p < num_prefixes; p++)
+        tiles_needed += prefix_tiles[p] = (members[p] + max_members - 1) / max_members;
     const int64_t wanted_tiles = (2 * num_threads + shape.num_kv_heads - 1) / shape.num_kv_heads;
-    const bool split = tiles_needed * shape.num_kv_heads < 2 * num_threads;
     std::vector<int64_t> per_tile(num_prefixes);
     for (int64_t p = 0; p < num_prefixes; p++) {
-        int64_t tiles = (members[p] + max_members - 1) / max_members;
-        if (split) tiles = std::max(tiles, std::min(members[p], wanted_tiles));
+        int64_t tiles = prefix_tiles[p];
+        if (tiles_needed * shape.num_kv_heads < 2 * num_threads) tiles = std::max(tiles, std::min(members[p], wanted_tiles));
         per_tile[p] = tiles ? (members[p] + tiles - 1) / tiles : 1;
     }
     std::vector<std::vector<int64_t>> tiles;
