@@ -105,16 +105,51 @@ def decode_per_sequence(q, k_cache, v_cache, block_tables, context_lens, scale, 
 
 
 @dataclass(frozen=True)
-class CachedPrefixRows:
-    """A prefill chunk as the native kernel's shared-prefix decode sees it: the chunk's new tokens in tiles of
-    ``NATIVE_TILE_TOKENS``, each tile a prefix group. A tile's rows read the whole blocks before its first
-    token once, together, then each row its own few tokens up to itself (causal)."""
+class NativeRows:
+    """Query rows as the native kernel takes them: each row attends to a prefix (or none), then its own run.
 
-    prefix_ids: torch.Tensor  # [n] each row's tile
-    prefix_table: torch.Tensor  # [tiles, whole blocks before the last tile]: one table, each tile reads its part
-    prefix_len: torch.Tensor  # [tiles] tokens in the whole blocks before each tile
-    own_tables: torch.Tensor  # [n, blocks] the blocks after row j's tile prefix
-    own_lens: torch.Tensor  # [n] tokens row j reads past its tile's prefix, itself included
+    A prefill chunk's new tokens go in tiles of ``NATIVE_TILE_TOKENS``, each tile a prefix: a tile's rows read
+    the whole blocks before its first token once, together, then each row its own few tokens up to itself
+    (causal). A decode's row has its context as its own run, or a shared prefix and its suffix.
+    """
+
+    prefix_ids: torch.Tensor  # [n] each row's prefix (a tile, a shared prefix), -1: none
+    prefix_table: torch.Tensor  # [prefixes, blocks] each prefix's blocks
+    prefix_len: torch.Tensor  # [prefixes] tokens in each prefix
+    own_tables: torch.Tensor  # [n, blocks] the blocks after row j's prefix
+    own_lens: torch.Tensor  # [n] tokens row j reads past its prefix, itself included
+
+
+def decode_rows(block_tables: torch.Tensor, context_lens: torch.Tensor,
+                prefixes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> NativeRows:
+    """Decodes as rows: each over its block table's context, or (``prefixes``: prefix_ids, prefix tables,
+    prefix lengths) over its shared prefix and then its suffix (block_tables and context_lens are then the suffixes')."""
+    if prefixes is None:
+        prefixes = (torch.full((len(context_lens),), -1, dtype=torch.int32), block_tables[:0], context_lens[:0])
+    return NativeRows(*prefixes, block_tables, context_lens)
+
+
+def join_rows(parts: list[NativeRows]) -> NativeRows:
+    """One step's rows in one layout, in the order given (the step's tokens: decodes, then prefill chunks), for
+    one kernel call a layer: the chunks' tiles and the decodes share the call's threads, and its Python cost is
+    paid once, not once a chunk. Tables are padded with block 0, never read past a row's length."""
+    if len(parts) == 1:
+        return parts[0]
+    offsets = torch.tensor([0] + [len(part.prefix_len) for part in parts]).cumsum(0).tolist()
+    ids = [torch.where(part.prefix_ids < 0, part.prefix_ids, part.prefix_ids + offset)
+           for part, offset in zip(parts, offsets)]
+    return NativeRows(
+        prefix_ids=torch.cat(ids).to(torch.int32),
+        prefix_table=_padded_rows([part.prefix_table for part in parts]),
+        prefix_len=torch.cat([part.prefix_len for part in parts]).to(torch.int32),
+        own_tables=_padded_rows([part.own_tables for part in parts]),
+        own_lens=torch.cat([part.own_lens for part in parts]).to(torch.int32),
+    )
+
+
+def _padded_rows(tables: list[torch.Tensor]) -> torch.Tensor:
+    width = max(1, max(table.shape[1] for table in tables))
+    return torch.cat([F.pad(table, (0, width - table.shape[1])) for table in tables]).to(torch.int32)
 
 
 @dataclass(frozen=True)
@@ -125,7 +160,7 @@ class PrefillChunk:
     end: int
     length: int
     blocks: torch.Tensor  # the blocks holding those ``length`` tokens
-    cached_rows: CachedPrefixRows | None = None  # set for a short chunk over a cached prefix
+    cached_rows: NativeRows | None = None  # the chunk in tiles, for the native kernel (rows_for_native)
 
     @functools.cached_property
     def mask(self) -> torch.Tensor | None:
@@ -157,7 +192,7 @@ def plan_prefill(block_tables, cu_seqlens_q, context_lens, block_size: int, *,
     return chunks
 
 
-def _tiled_rows(blocks: torch.Tensor, cached: int, n: int, block_size: int) -> CachedPrefixRows:
+def _tiled_rows(blocks: torch.Tensor, cached: int, n: int, block_size: int) -> NativeRows:
     tile, tiles = NATIVE_TILE_TOKENS, -(-n // NATIVE_TILE_TOKENS)
     tile_of_row = torch.arange(n) // tile
     whole = (cached + torch.arange(tiles) * tile) // block_size  # whole blocks before each tile
@@ -168,7 +203,7 @@ def _tiled_rows(blocks: torch.Tensor, cached: int, n: int, block_size: int) -> C
     own_blocks = max(-(-(cached + min(n, (t + 1) * tile) - (cached + t * tile) // block_size * block_size)
                        // block_size) for t in range(tiles))
     own_index = (own_start[:, None] + torch.arange(own_blocks)[None, :]).clamp_max(len(blocks) - 1)
-    return CachedPrefixRows(
+    return NativeRows(
         prefix_ids=tile_of_row.to(torch.int32),
         prefix_table=blocks[: (cached + (tiles - 1) * tile) // block_size][None].expand(tiles, -1).contiguous(),
         prefix_len=(whole * block_size).to(torch.int32),

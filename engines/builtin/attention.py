@@ -1,7 +1,9 @@
 """Attention over the paged KV cache, through ``kernels.dispatch`` (Triton on CUDA, C++ or torch on CPU).
-Where the C++ kernels run, a step's KV writes and decodes call them with arguments the model runner
-prepared once for all layers (``kernels.native.PreparedDecode``): dispatch's checks and conversions,
-repeated in each layer, cost more than a batch-1 decode's own work.
+Where the C++ kernels run, a step's KV writes and its whole attention (decodes and prefill chunks as one
+call) run them with arguments the model runner prepared once for all layers
+(``kernels.native.PreparedDecode``): dispatch's checks and conversions, repeated in each layer, cost more
+than a batch-1 decode's own work, and a call per chunk left threads idle (16 chunks over one cached
+prompt: three tasks a call for two threads).
 
 Cache layout (the kernels in ``kernels/`` code against it): per layer ``k_cache`` and
 ``v_cache`` of shape [num_blocks, block_size, num_kv_heads, head_dim]; the cache row of a token
@@ -31,7 +33,6 @@ class DecodeMetadata:
     block_tables: torch.Tensor  # [num_decodes, max_blocks] int32
     context_lens: torch.Tensor  # [num_decodes] int32, the new token included
     plan: PaddedGather | None = None  # the CPU path's reads of the above, made once for all layers
-    native: PreparedDecode | None = None  # or the C++ kernel's arguments, made once for all layers
 
 
 @dataclass
@@ -42,7 +43,6 @@ class SharedPrefixMetadata:
     suffix_block_tables: torch.Tensor  # [num_decodes, max_suffix_blocks] int32
     suffix_lens: torch.Tensor  # [num_decodes] int32
     plan: SharedPrefixPlan | None = None
-    native: PreparedDecode | None = None
 
 
 @dataclass
@@ -58,6 +58,7 @@ class PrefillMetadata:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's key/value is stored
     kv_write: PreparedKvWrite | None = None  # the C++ kernel's writes at slot_mapping, made once for all layers
+    native: PreparedDecode | None = None  # the C++ kernel over all the step's rows, made once for all layers
     num_decodes: int = 0
     decode: DecodeMetadata | None = None
     shared_prefix: SharedPrefixMetadata | None = None  # set instead of decode when groups pay
@@ -75,6 +76,8 @@ def paged_attention(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     if meta.kv_write is None or not meta.kv_write(k, v, k_cache, v_cache):
         dispatch.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    if meta.native is not None:
+        return meta.native(q, k_cache, v_cache, scale)
     num_decodes = meta.num_decodes
     if meta.prefill is None:
         return _decode(q, k_cache, v_cache, meta, scale)
@@ -90,14 +93,10 @@ def paged_attention(
 
 def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     shared = meta.shared_prefix
-    if shared is not None and shared.native is not None:
-        return shared.native(q, k_cache, v_cache, scale)
     if shared is not None:
         return dispatch.shared_prefix_decode_attention(
             q, k_cache, v_cache, shared.prefix_ids, shared.prefix_block_tables, shared.prefix_lens,
             shared.suffix_block_tables, shared.suffix_lens, scale, shared.plan,
         )
     decode = meta.decode
-    if decode.native is not None:
-        return decode.native(q, k_cache, v_cache, scale)
     return dispatch.decode_attention(q, k_cache, v_cache, decode.block_tables, decode.context_lens, scale, decode.plan)

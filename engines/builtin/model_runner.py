@@ -13,6 +13,7 @@ from engines.builtin.sampler import SampleResult, Sampler, score_tokens
 from engines.builtin.context import Context
 from engines.builtin.types import TokenScore
 from kernels import cpu_attention, dispatch
+from kernels.native import PreparedDecode
 
 # The Triton and C++ shared-prefix kernels always beat paged decode (the C++ one: 16 forks over a
 # 64-token prefix in 0.92x the time, 0.63x at 400); the torch CPU path only once the prefix it spares
@@ -162,6 +163,8 @@ class ModelRunner:
             meta.decode = self._decode(decodes)
         if prefills:
             meta.prefill = self._prefill(prefills)
+        if self.native_kernels:
+            meta.native = self._native(meta)
         logit_rows += score_rows
         rows = self._tensor(logit_rows, torch.long) if logit_rows else None
         return self._tensor(token_ids, torch.long), self._tensor(positions, torch.long), meta, rows, sampled, scored
@@ -190,8 +193,6 @@ class ModelRunner:
         lens = [ctx.num_computed_tokens + 1 for ctx in seqs]
         tables = [ctx.block_table[: self._blocks(n)] for ctx, n in zip(seqs, lens)]
         meta = DecodeMetadata(self._tables(tables), self._tensor(lens))
-        if self.native_kernels:
-            meta.native = self.native_kernels.prepare_decode(meta.block_tables, meta.context_lens)
         if self.plans_torch_decode:
             meta.plan = cpu_attention.plan_decode(meta.block_tables, meta.context_lens, self.block_size)
         return meta
@@ -214,9 +215,6 @@ class ModelRunner:
             suffix_block_tables=self._tables(suffix_tables),
             suffix_lens=self._tensor(lens),
         )
-        if self.native_kernels:
-            meta.native = self.native_kernels.prepare_decode(
-                meta.suffix_block_tables, meta.suffix_lens, (meta.prefix_ids, meta.prefix_block_tables, meta.prefix_lens))
         if self.plans_torch_decode:
             meta.plan = cpu_attention.plan_shared_prefix(
                 meta.prefix_ids, meta.prefix_block_tables, meta.prefix_lens, meta.suffix_block_tables,
@@ -236,3 +234,18 @@ class ModelRunner:
             meta.plan = cpu_attention.plan_prefill(meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
                                                    self.block_size, rows_for_native=self.native_chunks)
         return meta
+
+    def _native(self, meta: AttentionMetadata) -> PreparedDecode:
+        """The step's decodes and prefill chunks as one call of the C++ kernel (cpu_attention.join_rows)."""
+        parts = []
+        if meta.shared_prefix is not None:
+            shared = meta.shared_prefix
+            parts.append(cpu_attention.decode_rows(shared.suffix_block_tables, shared.suffix_lens,
+                                                   (shared.prefix_ids, shared.prefix_block_tables, shared.prefix_lens)))
+        elif meta.decode is not None:
+            parts.append(cpu_attention.decode_rows(meta.decode.block_tables, meta.decode.context_lens))
+        if meta.prefill is not None:
+            parts += [chunk.cached_rows for chunk in meta.prefill.plan]
+        rows = cpu_attention.join_rows(parts)
+        return self.native_kernels.prepare_decode(rows.own_tables, rows.own_lens,
+                                                  (rows.prefix_ids, rows.prefix_table, rows.prefix_len))

@@ -18,7 +18,8 @@
 //
 // A causal prefill is the same call (kernels/cpu_attention.py lays it out): its new tokens in tiles of
 // 16, a tile's "prefix" the whole blocks before its first token, each row's own tokens the rest up to
-// itself.
+// itself (runs nested in one table, which the tile's rows take in one pass). The engine makes a step's
+// decodes and prefill chunks one call (cpu_attention.join_rows); tasks run longest first.
 
 #include <cmath>
 #include <cstdint>
@@ -80,6 +81,11 @@ inline float exp_nonpositive(float x) { return exp_nonpositive(Vec{} + x)[0]; }
 // is returned. Lane by lane, where a loop over the tokens waited on each comparison before the next.
 inline float softmax_step(const float *score, int64_t n, float &running_max, float &total, float *weight) {
     static_assert(kChunk == 2 * kLanes, "a chunk is two vectors");
+    if (n <= 0) {  // a row whose run ended in an earlier chunk (nested runs): its state stays as it is
+        save(weight, Vec{});
+        save(weight + kLanes, Vec{});
+        return 1.0f;
+    }
     const IntVec lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     const IntVec valid_low = lane < static_cast<int32_t>(n), valid_high = lane + kLanes < static_cast<int32_t>(n);
     const Vec low = load(score), high = load(score + kLanes), lowest = Vec{} - INFINITY;
@@ -342,8 +348,10 @@ inline void with_rows(int64_t rows, F f) {
 static_assert(kRowBlock == 4, "with_rows covers 1..kRowBlock rows");
 
 // `pairs`: the chunk's keys are in s.key_pairs (the bf16 dot-product path), scaled by `scale` once scored.
+// `row_ends` (or null: all n): the tokens of this chunk each row reads, rows of nested runs (see attend).
 template <int64_t DIM>
-void score_and_accumulate(Scratch &s, int64_t first, int64_t count, int64_t n, bool pairs, float scale) {
+void score_and_accumulate(Scratch &s, int64_t first, int64_t count, int64_t n, const int64_t *row_ends, bool pairs,
+                          float scale) {
     float scores[kMaxTileRows * kChunk], rescale[kMaxTileRows];
     float *queries = s.queries.data() + first * DIM, *weights = s.weights.data() + first * kChunk;
     int64_t r = 0;
@@ -369,8 +377,8 @@ void score_and_accumulate(Scratch &s, int64_t first, int64_t count, int64_t n, b
         with_rows(count, [&](auto rows) { dot_rows<decltype(rows)::value, DIM>(queries, s.keys.data(), n, scores); });
     }
     for (r = 0; r < count; r++)
-        rescale[r] = softmax_step(scores + r * kChunk, n, s.running_max[first + r], s.total[first + r],
-                                  weights + r * kChunk);
+        rescale[r] = softmax_step(scores + r * kChunk, row_ends ? std::min(row_ends[r], n) : n, s.running_max[first + r],
+                                  s.total[first + r], weights + r * kChunk);
     float *acc = s.acc.data() + first * DIM;
     if (pairs) {  // the values too go through the bf16 dot product, weights rounded to bf16 (as flash attention does)
         uint32_t *weight_pairs = s.weight_pairs.data() + first * kChunk / 2;
@@ -392,10 +400,12 @@ void score_and_accumulate(Scratch &s, int64_t first, int64_t count, int64_t n, b
     });
 }
 
-// Attends rows [first, first + count) of the scratch state over `tokens` of one kv head.
+// Attends rows [first, first + count) of the scratch state over `tokens` of one kv head; with `row_lengths`,
+// row r over only the first row_lengths[r] of them (runs nested in one table: a prefill tile's rows, each
+// causal up to itself).
 template <int64_t DIM, typename T>
 void attend(Scratch &s, int64_t first, int64_t count, const T *k_cache, const T *v_cache, Tokens tokens,
-            int64_t kv_head, const Shape &shape) {
+            int64_t kv_head, const Shape &shape, const int64_t *row_lengths = nullptr) {
     float *__restrict keys_t = s.keys_t.data(), *__restrict keys = s.keys.data(), *__restrict values = s.values.data();
     const bool by_token = !transposed(count);
     // bf16 scores and sums values through the CPU's bf16 dot product where it has one: the chunk's keys
@@ -431,7 +441,10 @@ void attend(Scratch &s, int64_t first, int64_t count, const T *k_cache, const T 
             for (int64_t t = n; t < kChunk; t++)
                 for (int64_t d = 0; d < DIM; d++) keys_t[d * kChunk + t] = 0.0f;
         }
-        score_and_accumulate<DIM>(s, first, count, n, pairs, shape.scale);
+        int64_t row_ends[kMaxTileRows];
+        if (row_lengths)
+            for (int64_t r = 0; r < count; r++) row_ends[r] = row_lengths[r] - start;
+        score_and_accumulate<DIM>(s, first, count, n, row_lengths ? row_ends : nullptr, pairs, shape.scale);
     }
 }
 
@@ -442,6 +455,24 @@ struct Task {
     Tokens prefix;  // length 0: none
     std::vector<int64_t> members;
 };
+
+// The member whose own run holds every other member's as its start (the same blocks up to their lengths), or
+// -1: a prefill tile's rows, each reading its tile's tokens up to itself, take one pass over the longest run
+// (16 passes of 3 rows over a few tokens each cost a fifth of a 1,000-token prefill's attention). A task of
+// one member gains nothing from it.
+inline int64_t longest_run_nesting_the_others(const Task &task, const int32_t *own_tables, int64_t own_stride,
+                                              const int32_t *own_lens, int64_t block_size) {
+    if (task.members.size() < 2) return -1;
+    int64_t longest = task.members[0];
+    for (const int64_t b : task.members)
+        if (own_lens[b] > own_lens[longest]) longest = b;
+    const int32_t *table = own_tables + longest * own_stride;
+    for (const int64_t b : task.members) {
+        const int64_t blocks = (own_lens[b] + block_size - 1) / block_size;
+        if (std::memcmp(own_tables + b * own_stride, table, blocks * sizeof(int32_t)) != 0) return -1;
+    }
+    return longest;
+}
 
 template <int64_t DIM, typename T>
 void run_task(const Task &task, Scratch &s, const T *q, const T *k_cache, const T *v_cache,
@@ -459,10 +490,17 @@ void run_task(const Task &task, Scratch &s, const T *q, const T *k_cache, const 
     std::fill(s.running_max.begin(), s.running_max.begin() + rows, -INFINITY);
     std::fill(s.total.begin(), s.total.begin() + rows, 0.0f);
     if (task.prefix.length > 0) attend<DIM>(s, 0, rows, k_cache, v_cache, task.prefix, task.kv_head, shape);
+    const int64_t longest = longest_run_nesting_the_others(task, own_tables, own_stride, own_lens, shape.block_size);
+    if (longest >= 0) {  // all rows over the longest run together, each up to its own length
+        int64_t lengths[kMaxTileRows];
+        for (int64_t r = 0; r < rows; r++) lengths[r] = own_lens[task.members[r / group]];
+        const Tokens own{own_tables + longest * own_stride, own_lens[longest]};
+        if (own.length > 0) attend<DIM>(s, 0, rows, k_cache, v_cache, own, task.kv_head, shape, lengths);
+    }
     for (size_t m = 0; m < task.members.size(); m++) {
         const int64_t b = task.members[m];
         const Tokens own{own_tables + b * own_stride, own_lens[b]};
-        if (own.length > 0) attend<DIM>(s, m * group, group, k_cache, v_cache, own, task.kv_head, shape);
+        if (longest < 0 && own.length > 0) attend<DIM>(s, m * group, group, k_cache, v_cache, own, task.kv_head, shape);
         T *to = out + (b * shape.num_heads + task.kv_head * group) * dim;
         for (int64_t g = 0; g < group; g++) {
             const int64_t r = m * group + g;
@@ -478,7 +516,7 @@ void run_task(const Task &task, Scratch &s, const T *q, const T *k_cache, const 
 // size, each reading the prefix again: cheap beside the idle thread, as the tile's rows multiply each key.
 std::vector<Task> plan_tasks(int64_t batch, const int32_t *prefix_ids, const int32_t *prefix_tables,
                              int64_t prefix_stride, const int32_t *prefix_lens, int64_t num_prefixes,
-                             const Shape &shape, int num_threads) {
+                             const int32_t *own_lens, const Shape &shape, int num_threads) {
     const auto prefix_of = [&](int64_t b) {
         const int64_t p = prefix_ids ? prefix_ids[b] : -1;
         return p < 0 || p >= num_prefixes ? -1 : p;
@@ -522,7 +560,20 @@ std::vector<Task> plan_tasks(int64_t batch, const int32_t *prefix_ids, const int
         const Tokens prefix = p < 0 ? Tokens{nullptr, 0} : Tokens{prefix_tables + p * prefix_stride, prefix_lens[p]};
         for (int64_t h = 0; h < shape.num_kv_heads; h++) tasks.push_back({h, prefix, tiles[i]});
     }
-    return tasks;
+    // Longest first: threads take tasks in order, and a long one taken last (a prefill's last tile, after
+    // the step's decodes) would leave the other threads idle while it runs.
+    const auto work = [&](const Task &task) {
+        int64_t tokens = task.prefix.length * static_cast<int64_t>(task.members.size());
+        for (const int64_t b : task.members) tokens += own_lens[b];
+        return tokens;
+    };
+    std::vector<int64_t> order(tasks.size()), costs(tasks.size());
+    for (size_t i = 0; i < tasks.size(); i++) order[i] = static_cast<int64_t>(i), costs[i] = work(tasks[i]);
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return costs[a] > costs[b]; });
+    std::vector<Task> sorted;
+    sorted.reserve(tasks.size());
+    for (const int64_t i : order) sorted.push_back(std::move(tasks[i]));
+    return sorted;
 }
 
 template <int64_t DIM, typename T>
@@ -554,8 +605,8 @@ int decode(const T *q, const T *k_cache, const T *v_cache, const int32_t *prefix
         if (!blocks_valid(own_tables + b * own_stride, own_lens[b])) return -2;
     for (int64_t p = 0; p < num_prefixes; p++)
         if (!blocks_valid(prefix_tables + p * prefix_stride, prefix_lens[p])) return -2;
-    const auto tasks = plan_tasks(batch, prefix_ids, prefix_tables, prefix_stride, prefix_lens, num_prefixes, shape,
-                                  num_threads);
+    const auto tasks = plan_tasks(batch, prefix_ids, prefix_tables, prefix_stride, prefix_lens, num_prefixes, own_lens,
+                                  shape, num_threads);
     const auto run = [&](auto dim) {
         run_tasks<decltype(dim)::value>(tasks, q, k_cache, v_cache, own_tables, own_stride, own_lens, out, shape,
                                         num_threads);

@@ -153,8 +153,8 @@ def test_prefix_caching_flags(argv, enabled):
 
 
 async def test_cpu_steps_run_the_cpp_kernels_prepared_once_per_step(make_engine, monkeypatch, tiny_hf_model):
-    """On CPU with the C++ kernels built, a step's KV writes and decodes take the arguments prepared for the
-    step (not dispatch's per-layer checks), and greedy output still equals HF's."""
+    """On CPU with the C++ kernels built, a step's KV writes and attention (its prefill too) take the arguments
+    prepared for the step (not dispatch's per-layer checks), and greedy output still equals HF's."""
     from kernels import native
 
     if DEVICE.type != "cpu" or native.library() is None:
@@ -173,6 +173,7 @@ async def test_cpu_steps_run_the_cpp_kernels_prepared_once_per_step(make_engine,
         monkeypatch.setattr(cls, "__call__", counted)
     monkeypatch.setattr(dispatch, "decode_attention", lambda *a, **k: pytest.fail("dispatch's decode ran"))
     monkeypatch.setattr(dispatch, "write_kv", lambda *a, **k: pytest.fail("dispatch's KV write ran"))
+    monkeypatch.setattr(dispatch, "prefill_attention", lambda *a, **k: pytest.fail("dispatch's prefill ran"))
     engine = make_engine()
     prompt = random_tokens((21,), seed=8)[0]
     output = (await concurrent_prompts(engine, [prompt]))[0]
@@ -180,6 +181,6 @@ async def test_cpu_steps_run_the_cpp_kernels_prepared_once_per_step(make_engine,
     assert output == expected[0, len(prompt):].tolist()
     layers = len(engine.runner.model.model.layers)
     assert layers > 1
-    # One preparation a step, called by every layer: MAX_TOKENS steps write, all but the prefill decode.
-    assert sorted(count for kind, count in calls.values() if kind == "write") == [layers] * MAX_TOKENS
-    assert [count for kind, count in calls.values() if kind == "decode" and count > 1] == [layers] * (MAX_TOKENS - 1)
+    # One preparation of each a step (the prefill's and MAX_TOKENS - 1 decodes'), called by every layer.
+    assert [count for kind, count in calls.values() if kind == "write"] == [layers] * MAX_TOKENS
+    assert [count for kind, count in calls.values() if kind == "decode"] == [layers] * MAX_TOKENS
