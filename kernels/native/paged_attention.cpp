@@ -10,8 +10,9 @@
 // prefix (at most kMaxTileRows query rows), or a single sequence with none. A task keeps an online
 // softmax state per query row (running max, sum, fp32 accumulator); it reads each prefix token's key
 // and value once for all the tile's rows, then each member's rows go on over that member's own
-// tokens. Keys are converted to fp32 a chunk at a time, transposed, so the scores of a chunk are
-// vector FMAs over its tokens; nothing is gathered into padded copies (the torch path's cost). bf16
+// tokens. Tokens go a segment of 256 at a time: all the segment's scores, then each row's softmax step,
+// then the values. Keys are converted to fp32 a segment at a time, transposed, so the scores of a chunk
+// are vector FMAs over its tokens; nothing is gathered into padded copies (the torch path's cost). bf16
 // with 8 rows or more, or over a run of 32 tokens or more, scores and sums values with the CPU's bf16
 // dot product instead (keys and values rearranged into pairs in registers), its softmax weights
 // rounded to bf16 for the values' sums (as flash attention does).
@@ -36,7 +37,10 @@
 namespace {
 
 constexpr int64_t kMaxHeadDim = 256;
-constexpr int64_t kChunk = 32;  // tokens per step of the online softmax
+constexpr int64_t kChunk = 32;  // tokens a block of scores covers (two vectors)
+// Tokens whose scores are all made before any is exponentiated: the online softmax's max, rescale and sum
+// then move once a segment instead of once a chunk (they were a fifth of a long prefill's attention).
+constexpr int64_t kSegment = 256;
 constexpr int64_t kMaxTileRows = 48;  // query rows sharing one pass over a prefix
 
 struct BFloat16 {
@@ -76,29 +80,39 @@ inline Vec exp_nonpositive(Vec x) {
 
 inline float exp_nonpositive(float x) { return exp_nonpositive(Vec{} + x)[0]; }
 
-// One row's online softmax step over a chunk's n scores, in vectors: the running max and total move on,
-// the chunk's weights (zeros past n) are written, and the factor the row's earlier sums are scaled by
-// is returned. Lane by lane, where a loop over the tokens waited on each comparison before the next.
-inline float softmax_step(const float *score, int64_t n, float &running_max, float &total, float *weight) {
-    static_assert(kChunk == 2 * kLanes, "a chunk is two vectors");
-    if (n <= 0) {  // a row whose run ended in an earlier chunk (nested runs): its state stays as it is
-        save(weight, Vec{});
-        save(weight + kLanes, Vec{});
+// One row's online softmax step over a segment's scores (`valid` of them its own; `padded`, the segment's
+// tokens rounded up to whole chunks), in vectors: the running max and total move on, the weights (zeros
+// past `valid`) are written, and the factor the row's earlier sums are scaled by is returned.
+inline float softmax_step(const float *score, int64_t valid, int64_t padded, float &running_max, float &total,
+                          float *weight) {
+    if (valid <= 0) {  // a row whose run ended in an earlier segment (nested runs): its state stays as it is
+        for (int64_t t = 0; t < padded; t += kLanes) save(weight + t, Vec{});
         return 1.0f;
     }
     const IntVec lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    const IntVec valid_low = lane < static_cast<int32_t>(n), valid_high = lane + kLanes < static_cast<int32_t>(n);
-    const Vec low = load(score), high = load(score + kLanes), lowest = Vec{} - INFINITY;
-    const Vec low_max = valid_low ? low : lowest, high_max = valid_high ? high : lowest;
-    const float chunk_max = max_lanes(low_max > high_max ? low_max : high_max);
-    const float new_max = chunk_max > running_max ? chunk_max : running_max;
+    const int64_t last = (valid - 1) / kLanes * kLanes;  // the vector holding the last valid score
+    const IntVec valid_in_last = lane < static_cast<int32_t>(valid - last);
+    const Vec lowest = Vec{} - INFINITY;
+    Vec maxes = valid_in_last ? load(score + last) : lowest;
+    for (int64_t t = 0; t < last; t += kLanes) {
+        const Vec x = load(score + t);
+        maxes = x > maxes ? x : maxes;
+    }
+    const float segment_max = max_lanes(maxes);
+    const float new_max = segment_max > running_max ? segment_max : running_max;
     const float rescale = exp_nonpositive(running_max - new_max);
     running_max = new_max;
-    const Vec low_weight = valid_low ? exp_nonpositive(low - new_max) : Vec{};
-    const Vec high_weight = valid_high ? exp_nonpositive(high - new_max) : Vec{};
-    save(weight, low_weight);
-    save(weight + kLanes, high_weight);
-    total = total * rescale + sum_lanes(low_weight + high_weight);
+    Vec sums{};
+    for (int64_t t = 0; t < last; t += kLanes) {
+        const Vec w = exp_nonpositive(load(score + t) - new_max);
+        save(weight + t, w);
+        sums += w;
+    }
+    const Vec w = valid_in_last ? exp_nonpositive(load(score + last) - new_max) : Vec{};
+    save(weight + last, w);
+    sums += w;
+    for (int64_t t = last + kLanes; t < padded; t += kLanes) save(weight + t, Vec{});
+    total = total * rescale + sum_lanes(sums);
     return rescale;
 }
 
@@ -116,23 +130,23 @@ struct Tokens {
 
 constexpr int64_t kChunkVecs = kChunk / kLanes;
 
-// Per task: the online softmax state of up to kMaxTileRows query rows, and one chunk of keys (transposed,
-// [dim][kChunk], or as rows) and values ([kChunk][dim]) in fp32.
+// Per task: the online softmax state of up to kMaxTileRows query rows; a segment's scores and weights
+// ([rows][kSegment]); its keys (transposed, [dim][kSegment], or as rows) and values ([kSegment][dim]) in fp32.
 struct Scratch {
-    std::vector<float> queries, acc, running_max, total, keys_t, keys, values, weights;
-    // bf16 pairs (the bf16 dot-product path): queries [rows][dim/2], keys [dim/2][kChunk], values
-    // [kChunk/2][dim] (tokens 2t and 2t+1 of one dimension), weights [rows][kChunk/2].
+    std::vector<float> queries, acc, running_max, total, scores, weights, keys_t, keys, values;
+    // bf16 pairs (the bf16 dot-product path): queries [rows][dim/2], keys [dim/2][kSegment], values
+    // [kSegment/2][dim] (tokens 2t and 2t+1 of one dimension), weights [rows][kSegment/2].
     std::vector<uint32_t> query_pairs, key_pairs, value_pairs, weight_pairs;
     explicit Scratch(int64_t dim)
         : queries(kMaxTileRows * dim), acc(kMaxTileRows * dim), running_max(kMaxTileRows), total(kMaxTileRows),
-          keys_t(dim * kChunk), keys(kChunk * dim), values(kChunk * dim), weights(kMaxTileRows * kChunk),
-          query_pairs(kMaxTileRows * dim / 2), key_pairs(dim / 2 * kChunk), value_pairs(kChunk / 2 * dim),
-          weight_pairs(kMaxTileRows * kChunk / 2) {}
+          scores(kMaxTileRows * kSegment), weights(kMaxTileRows * kSegment), keys_t(dim * kSegment),
+          keys(kSegment * dim), values(kSegment * dim), query_pairs(kMaxTileRows * dim / 2),
+          key_pairs(dim / 2 * kSegment), value_pairs(kSegment / 2 * dim), weight_pairs(kMaxTileRows * kSegment / 2) {}
 };
 
-// Scores of ROWS query rows against the chunk's keys, the accumulators kept in registers. Fewer than four
-// rows split the head dimension over two sets of accumulators: independent FMAs overlap, where one chain
-// would wait on each FMA's latency.
+// Scores of ROWS query rows against a chunk's keys (keys_t: the chunk's column of [DIM][kSegment]; scores:
+// rows of kSegment), the accumulators kept in registers. Fewer than four rows split the head dimension over
+// two sets of accumulators: independent FMAs overlap, where one chain would wait on each FMA's latency.
 template <int64_t ROWS, int64_t DIM>
 inline void score_rows(const float *__restrict queries, const float *__restrict keys_t, float *__restrict scores) {
     constexpr int64_t kSets = ROWS >= 4 ? 1 : 2;
@@ -140,7 +154,7 @@ inline void score_rows(const float *__restrict queries, const float *__restrict 
     for (int64_t d = 0; d < DIM; d += kSets) {
         for (int64_t set = 0; set < kSets; set++) {
             Vec keys[kChunkVecs];
-            for (int64_t c = 0; c < kChunkVecs; c++) keys[c] = load(keys_t + (d + set) * kChunk + c * kLanes);
+            for (int64_t c = 0; c < kChunkVecs; c++) keys[c] = load(keys_t + (d + set) * kSegment + c * kLanes);
             for (int64_t r = 0; r < ROWS; r++) {
                 const float q = queries[r * DIM + d + set];
                 for (int64_t c = 0; c < kChunkVecs; c++) sums[set][r][c] += q * keys[c];
@@ -151,11 +165,11 @@ inline void score_rows(const float *__restrict queries, const float *__restrict 
         for (int64_t c = 0; c < kChunkVecs; c++) {
             Vec total = sums[0][r][c];
             for (int64_t set = 1; set < kSets; set++) total += sums[set][r][c];
-            save(scores + r * kChunk + c * kLanes, total);
+            save(scores + r * kSegment + c * kLanes, total);
         }
 }
 
-// The same scores for a few rows, from keys as rows ([kChunk][DIM]): a dot product per (row, token),
+// The same scores for a few rows, from a chunk's n keys as rows ([n][DIM]): a dot product per (row, token),
 // each ending in a sum across lanes. Cheaper than transposing the keys when few rows read them.
 template <int64_t ROWS, int64_t DIM>
 inline void dot_rows(const float *__restrict queries, const float *__restrict keys, int64_t n,
@@ -170,12 +184,12 @@ inline void dot_rows(const float *__restrict queries, const float *__restrict ke
         for (int64_t r = 0; r < ROWS; r++) {
             Vec products = query[r][0] * key[0];
             for (int64_t v = 1; v < kVecs; v++) products += query[r][v] * key[v];
-            scores[r * kChunk + t] = sum_lanes(products);
+            scores[r * kSegment + t] = sum_lanes(products);
         }
     }
 }
 
-// acc[r] = acc[r] * rescale[r] + sum over the chunk's n tokens of weight[r][t] * value[t], for ROWS rows.
+// acc[r] = acc[r] * rescale[r] + sum over the segment's n tokens of weight[r][t] * value[t], for ROWS rows.
 template <int64_t ROWS, int64_t DIM>
 inline void accumulate_rows(float *__restrict acc, const float *__restrict rescale, const float *__restrict weights,
                             const float *__restrict values, int64_t n) {
@@ -187,7 +201,7 @@ inline void accumulate_rows(float *__restrict acc, const float *__restrict resca
         Vec value[kVecs];
         for (int64_t v = 0; v < kVecs; v++) value[v] = load(values + t * DIM + v * kLanes);
         for (int64_t r = 0; r < ROWS; r++) {
-            const float w = weights[r * kChunk + t];
+            const float w = weights[r * kSegment + t];
             for (int64_t v = 0; v < kVecs; v++) sums[r][v] += w * value[v];
         }
     }
@@ -199,7 +213,8 @@ inline void accumulate_rows(float *__restrict acc, const float *__restrict resca
 constexpr bool kBf16Dot = true;
 // Scores from bf16 pairs with the CPU's bf16 dot product (AVX512_BF16: 32 products a instruction, the
 // fp32 path's 16, and the keys copied as 32-bit pairs instead of converted): key_pairs [DIM/2][kChunk]
-// holds (k[t][2i], k[t][2i+1]) per token t, query_pairs [ROWS][DIM/2] the unscaled bf16 queries.
+// holds (k[t][2i], k[t][2i+1]) per token t (the chunk's column of [DIM/2][kSegment]), query_pairs [ROWS][DIM/2]
+// the unscaled bf16 queries; scores in rows of kSegment.
 template <int64_t ROWS, int64_t DIM>
 inline void score_rows_bf16(const uint32_t *__restrict query_pairs, const uint32_t *__restrict key_pairs,
                             float scale, float *__restrict scores) {
@@ -209,7 +224,7 @@ inline void score_rows_bf16(const uint32_t *__restrict query_pairs, const uint32
     for (int64_t i = 0; i < DIM / 2; i++) {
         __m512bh keys[kChunkVecs];
         for (int64_t c = 0; c < kChunkVecs; c++)
-            keys[c] = (__m512bh)_mm512_loadu_si512(key_pairs + i * kChunk + c * kLanes);
+            keys[c] = (__m512bh)_mm512_loadu_si512(key_pairs + i * kSegment + c * kLanes);
         for (int64_t r = 0; r < ROWS; r++) {
             const __m512bh query = (__m512bh)_mm512_set1_epi32(static_cast<int>(query_pairs[r * DIM / 2 + i]));
             for (int64_t c = 0; c < kChunkVecs; c++) sums[r][c] = _mm512_dpbf16_ps(sums[r][c], keys[c], query);
@@ -217,12 +232,12 @@ inline void score_rows_bf16(const uint32_t *__restrict query_pairs, const uint32
     }
     for (int64_t r = 0; r < ROWS; r++)
         for (int64_t c = 0; c < kChunkVecs; c++)
-            _mm512_storeu_ps(scores + r * kChunk + c * kLanes, _mm512_mul_ps(sums[r][c], _mm512_set1_ps(scale)));
+            _mm512_storeu_ps(scores + r * kSegment + c * kLanes, _mm512_mul_ps(sums[r][c], _mm512_set1_ps(scale)));
 }
 
-// acc[r] = acc[r] * rescale[r] + sum over the chunk of weight[r][t] * value[t], two tokens a bf16 dot
-// product: weight_pairs [ROWS][kChunk/2] and value_pairs [kChunk/2][DIM] as Scratch holds them (weights past
-// the chunk's tokens are 0, and so are their values).
+// acc[r] = acc[r] * rescale[r] + sum over the segment's n tokens of weight[r][t] * value[t], two tokens a bf16
+// dot product: weight_pairs [ROWS][kSegment/2] and value_pairs [kSegment/2][DIM] as Scratch holds them (weights
+// past a row's tokens are 0, and values past the segment's).
 template <int64_t ROWS, int64_t DIM>
 inline void accumulate_rows_bf16(float *__restrict acc, const float *__restrict rescale,
                                  const uint32_t *__restrict weight_pairs, const uint32_t *__restrict value_pairs,
@@ -237,7 +252,7 @@ inline void accumulate_rows_bf16(float *__restrict acc, const float *__restrict 
         for (int64_t v = 0; v < kVecs; v++)
             value[v] = (__m512bh)_mm512_loadu_si512(value_pairs + t * DIM + v * kLanes);
         for (int64_t r = 0; r < ROWS; r++) {
-            const __m512bh weight = (__m512bh)_mm512_set1_epi32(static_cast<int>(weight_pairs[r * kChunk / 2 + t]));
+            const __m512bh weight = (__m512bh)_mm512_set1_epi32(static_cast<int>(weight_pairs[r * kSegment / 2 + t]));
             for (int64_t v = 0; v < kVecs; v++) sums[r][v] = _mm512_dpbf16_ps(sums[r][v], value[v], weight);
         }
     }
@@ -245,11 +260,13 @@ inline void accumulate_rows_bf16(float *__restrict acc, const float *__restrict 
         for (int64_t v = 0; v < kVecs; v++) _mm512_storeu_ps(acc + r * DIM + v * kLanes, sums[r][v]);
 }
 
-// A row's kChunk weights as bf16 pairs (round to nearest even, as torch converts).
-inline void weights_to_pairs(const float *weights, uint32_t *pairs) {
+// A row's first `padded` weights (whole chunks) as bf16 pairs (round to nearest even, as torch converts).
+inline void weights_to_pairs(const float *weights, int64_t padded, uint32_t *pairs) {
     static_assert(kChunk == 2 * kLanes, "one conversion per chunk");
-    const __m512bh converted = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(weights + kLanes), _mm512_loadu_ps(weights));
-    _mm512_storeu_si512(pairs, (__m512i)converted);
+    for (int64_t t = 0; t < padded; t += kChunk) {
+        const __m512bh converted = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(weights + t + kLanes), _mm512_loadu_ps(weights + t));
+        _mm512_storeu_si512(pairs + t / 2, (__m512i)converted);
+    }
 }
 
 // 16 vectors of 16 32-bit lanes transposed in registers: rows[c] lane r <- rows[r] lane c.
@@ -276,13 +293,13 @@ inline void transpose16(__m512i rows[16]) {
     }
 }
 
-// A chunk's keys as bf16 pairs, [DIM/2][kChunk] (token t's pair i at i * kChunk + t; zeros past n tokens),
-// transposed 16 tokens x 16 pairs at a time in registers: a 4-byte copy per pair cost as much as the
-// scores' arithmetic.
+// A segment's keys as bf16 pairs, [DIM/2][kSegment] (token t's pair i at i * kSegment + t; zeros past n tokens
+// to the end of their chunk), transposed 16 tokens x 16 pairs at a time in registers: a 4-byte copy per pair
+// cost as much as the scores' arithmetic.
 template <int64_t DIM>
 inline void keys_to_pairs(const uint16_t *const *keys, int64_t n, uint32_t *key_pairs) {
     constexpr int64_t kPairs = DIM / 2;
-    for (int64_t token0 = 0; token0 < kChunk; token0 += 16)
+    for (int64_t token0 = 0; token0 < (n + kChunk - 1) / kChunk * kChunk; token0 += 16)
         for (int64_t pair0 = 0; pair0 < kPairs; pair0 += 16) {
             const int64_t cols = kPairs - pair0 < 16 ? kPairs - pair0 : 16;
             const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
@@ -292,11 +309,11 @@ inline void keys_to_pairs(const uint16_t *const *keys, int64_t n, uint32_t *key_
                                          : _mm512_setzero_si512();
             transpose16(rows);
             for (int64_t c = 0; c < cols; c++)
-                _mm512_storeu_si512(key_pairs + (pair0 + c) * kChunk + token0, rows[c]);
+                _mm512_storeu_si512(key_pairs + (pair0 + c) * kSegment + token0, rows[c]);
         }
 }
 
-// A chunk's values as bf16 pairs of tokens, [kChunk/2][DIM] (tokens 2t and 2t+1 of dimension d at
+// A segment's values as bf16 pairs of tokens, [kSegment/2][DIM] (tokens 2t and 2t+1 of dimension d at
 // t * DIM + d, the second zero past n tokens), interleaved 32 dimensions at a time.
 template <int64_t DIM>
 inline void values_to_pairs(const uint16_t *const *values, int64_t n, uint32_t *value_pairs) {
@@ -320,7 +337,7 @@ template <int64_t ROWS, int64_t DIM>
 inline void score_rows_bf16(const uint32_t *, const uint32_t *, float, float *) {}
 template <int64_t ROWS, int64_t DIM>
 inline void accumulate_rows_bf16(float *, const float *, const uint32_t *, const uint32_t *, int64_t) {}
-inline void weights_to_pairs(const float *, uint32_t *) {}
+inline void weights_to_pairs(const float *, int64_t, uint32_t *) {}
 template <int64_t DIM>
 inline void keys_to_pairs(const uint16_t *const *, int64_t, uint32_t *) {}
 template <int64_t DIM>
@@ -347,57 +364,92 @@ inline void with_rows(int64_t rows, F f) {
 }
 static_assert(kRowBlock == 4, "with_rows covers 1..kRowBlock rows");
 
-// `pairs`: the chunk's keys are in s.key_pairs (the bf16 dot-product path), scaled by `scale` once scored.
-// `row_ends` (or null: all n): the tokens of this chunk each row reads, rows of nested runs (see attend).
+// Scores of rows [first, first + count) against a chunk's keys: those at `chunk` tokens into the segment's
+// (s.key_pairs on the bf16 dot-product path, scaled by `scale` once scored; else s.keys_t or s.keys).
 template <int64_t DIM>
-void score_and_accumulate(Scratch &s, int64_t first, int64_t count, int64_t n, const int64_t *row_ends, bool pairs,
-                          float scale) {
-    float scores[kMaxTileRows * kChunk], rescale[kMaxTileRows];
-    float *queries = s.queries.data() + first * DIM, *weights = s.weights.data() + first * kChunk;
+void score_chunk(Scratch &s, int64_t first, int64_t count, int64_t chunk, int64_t n, bool pairs, float scale) {
+    float *scores = s.scores.data() + first * kSegment + chunk;
+    const float *queries = s.queries.data() + first * DIM;
     int64_t r = 0;
     if (pairs) {
-        const uint32_t *query_pairs = s.query_pairs.data() + first * DIM / 2;
+        const uint32_t *query_pairs = s.query_pairs.data() + first * DIM / 2, *keys = s.key_pairs.data() + chunk;
         for (; r + kScoreRows <= count; r += kScoreRows)
-            score_rows_bf16<kScoreRows, DIM>(query_pairs + r * DIM / 2, s.key_pairs.data(), scale, scores + r * kChunk);
+            score_rows_bf16<kScoreRows, DIM>(query_pairs + r * DIM / 2, keys, scale, scores + r * kSegment);
         for (; r + kRowBlock <= count; r += kRowBlock)
-            score_rows_bf16<kRowBlock, DIM>(query_pairs + r * DIM / 2, s.key_pairs.data(), scale, scores + r * kChunk);
+            score_rows_bf16<kRowBlock, DIM>(query_pairs + r * DIM / 2, keys, scale, scores + r * kSegment);
         with_rows(count - r, [&](auto rows) {
-            score_rows_bf16<decltype(rows)::value, DIM>(query_pairs + r * DIM / 2, s.key_pairs.data(), scale,
-                                                        scores + r * kChunk);
+            score_rows_bf16<decltype(rows)::value, DIM>(query_pairs + r * DIM / 2, keys, scale, scores + r * kSegment);
         });
     } else if (transposed(count)) {
+        const float *keys_t = s.keys_t.data() + chunk;
         for (; r + kScoreRows <= count; r += kScoreRows)
-            score_rows<kScoreRows, DIM>(queries + r * DIM, s.keys_t.data(), scores + r * kChunk);
+            score_rows<kScoreRows, DIM>(queries + r * DIM, keys_t, scores + r * kSegment);
         for (; r + kRowBlock <= count; r += kRowBlock)
-            score_rows<kRowBlock, DIM>(queries + r * DIM, s.keys_t.data(), scores + r * kChunk);
+            score_rows<kRowBlock, DIM>(queries + r * DIM, keys_t, scores + r * kSegment);
         with_rows(count - r, [&](auto rows) {
-            score_rows<decltype(rows)::value, DIM>(queries + r * DIM, s.keys_t.data(), scores + r * kChunk);
+            score_rows<decltype(rows)::value, DIM>(queries + r * DIM, keys_t, scores + r * kSegment);
         });
     } else {
-        with_rows(count, [&](auto rows) { dot_rows<decltype(rows)::value, DIM>(queries, s.keys.data(), n, scores); });
+        with_rows(count, [&](auto rows) {
+            dot_rows<decltype(rows)::value, DIM>(queries, s.keys.data() + chunk * DIM, n, scores);
+        });
     }
-    for (r = 0; r < count; r++)
-        rescale[r] = softmax_step(scores + r * kChunk, row_ends ? std::min(row_ends[r], n) : n, s.running_max[first + r],
-                                  s.total[first + r], weights + r * kChunk);
+}
+
+// The segment's weighted values added to rows [first, first + count), their sums first scaled by `rescale`.
+template <int64_t DIM>
+void accumulate_segment(Scratch &s, int64_t first, int64_t count, const float *rescale, int64_t n, bool pairs) {
     float *acc = s.acc.data() + first * DIM;
+    int64_t r = 0;
     if (pairs) {  // the values too go through the bf16 dot product, weights rounded to bf16 (as flash attention does)
-        uint32_t *weight_pairs = s.weight_pairs.data() + first * kChunk / 2;
-        for (r = 0; r < count; r++) weights_to_pairs(weights + r * kChunk, weight_pairs + r * kChunk / 2);
-        for (r = 0; r + kRowBlock <= count; r += kRowBlock)
-            accumulate_rows_bf16<kRowBlock, DIM>(acc + r * DIM, rescale + r, weight_pairs + r * kChunk / 2,
-                                                 s.value_pairs.data(), n);
+        const uint32_t *weight_pairs = s.weight_pairs.data() + first * kSegment / 2, *values = s.value_pairs.data();
+        for (; r + kRowBlock <= count; r += kRowBlock)
+            accumulate_rows_bf16<kRowBlock, DIM>(acc + r * DIM, rescale + r, weight_pairs + r * kSegment / 2, values, n);
         with_rows(count - r, [&](auto rows) {
-            accumulate_rows_bf16<decltype(rows)::value, DIM>(acc + r * DIM, rescale + r, weight_pairs + r * kChunk / 2,
-                                                             s.value_pairs.data(), n);
+            accumulate_rows_bf16<decltype(rows)::value, DIM>(acc + r * DIM, rescale + r, weight_pairs + r * kSegment / 2,
+                                                             values, n);
         });
         return;
     }
-    for (r = 0; r + kRowBlock <= count; r += kRowBlock)
-        accumulate_rows<kRowBlock, DIM>(acc + r * DIM, rescale + r, weights + r * kChunk, s.values.data(), n);
+    const float *weights = s.weights.data() + first * kSegment;
+    for (; r + kRowBlock <= count; r += kRowBlock)
+        accumulate_rows<kRowBlock, DIM>(acc + r * DIM, rescale + r, weights + r * kSegment, s.values.data(), n);
     with_rows(count - r, [&](auto rows) {
-        accumulate_rows<decltype(rows)::value, DIM>(acc + r * DIM, rescale + r, weights + r * kChunk,
-                                                    s.values.data(), n);
+        accumulate_rows<decltype(rows)::value, DIM>(acc + r * DIM, rescale + r, weights + r * kSegment, s.values.data(), n);
     });
+}
+
+// Rows [first, first + count) over a segment's n tokens (key and value rows of one kv head), row r over its
+// first row_ends[r]: all scores, then each row's softmax step, then the values.
+template <int64_t DIM, typename T>
+void attend_segment(Scratch &s, int64_t first, int64_t count, const T *const *key_rows, const T *const *value_rows,
+                    int64_t n, const int64_t *row_ends, bool pairs, float scale) {
+    const int64_t padded = (n + kChunk - 1) / kChunk * kChunk;
+    const bool by_token = !transposed(count);
+    if (pairs) {  // zeros past the segment's last token (their weights are 0 too)
+        keys_to_pairs<DIM>(reinterpret_cast<const uint16_t *const *>(key_rows), n, s.key_pairs.data());
+    } else if (by_token) {
+        for (int64_t t = 0; t < n; t++)
+            for (int64_t d = 0; d < DIM; d++) s.keys[t * DIM + d] = to_float(key_rows[t][d]);
+    } else {
+        for (int64_t t = 0; t < padded; t++)
+            for (int64_t d = 0; d < DIM; d++) s.keys_t[d * kSegment + t] = t < n ? to_float(key_rows[t][d]) : 0.0f;
+    }
+    for (int64_t chunk = 0; chunk < n; chunk += kChunk)
+        score_chunk<DIM>(s, first, count, chunk, std::min(kChunk, n - chunk), pairs, scale);
+    float rescale[kMaxTileRows];
+    for (int64_t r = 0; r < count; r++)
+        rescale[r] = softmax_step(s.scores.data() + (first + r) * kSegment, row_ends[r], padded, s.running_max[first + r],
+                                  s.total[first + r], s.weights.data() + (first + r) * kSegment);
+    if (pairs) {
+        for (int64_t r = first; r < first + count; r++)
+            weights_to_pairs(s.weights.data() + r * kSegment, padded, s.weight_pairs.data() + r * kSegment / 2);
+        values_to_pairs<DIM>(reinterpret_cast<const uint16_t *const *>(value_rows), n, s.value_pairs.data());
+    } else {
+        for (int64_t t = 0; t < n; t++)
+            for (int64_t d = 0; d < DIM; d++) s.values[t * DIM + d] = to_float(value_rows[t][d]);
+    }
+    accumulate_segment<DIM>(s, first, count, rescale, n, pairs);
 }
 
 // Attends rows [first, first + count) of the scratch state over `tokens` of one kv head; with `row_lengths`,
@@ -406,45 +458,24 @@ void score_and_accumulate(Scratch &s, int64_t first, int64_t count, int64_t n, c
 template <int64_t DIM, typename T>
 void attend(Scratch &s, int64_t first, int64_t count, const T *k_cache, const T *v_cache, Tokens tokens,
             int64_t kv_head, const Shape &shape, const int64_t *row_lengths = nullptr) {
-    float *__restrict keys_t = s.keys_t.data(), *__restrict keys = s.keys.data(), *__restrict values = s.values.data();
-    const bool by_token = !transposed(count);
-    // bf16 scores and sums values through the CPU's bf16 dot product where it has one: the chunk's keys
-    // and values rearranged into pairs (in registers) once for all rows. Worth it for many rows (a
-    // prefix's tile) or a run of a chunk or more; a short run of few rows (a decode's last tokens)
-    // converts its keys to fp32 for less. A decode of 16 x 3 rows over 150 tokens: 107 -> 73 us.
+    // bf16 scores and sums values through the CPU's bf16 dot product where it has one: the keys and values
+    // rearranged into pairs (in registers) once for all rows. Worth it for many rows (a prefix's tile) or a
+    // run of a chunk or more; a short run of few rows (a decode's last tokens) converts its keys to fp32 for
+    // less. A decode of 16 x 3 rows over 150 tokens: 107 -> 73 us.
     const bool pairs = kBf16Dot && std::is_same_v<T, BFloat16> && (count >= kScoreRows || tokens.length >= kChunk);
-    uint32_t *__restrict key_pairs = s.key_pairs.data(), *__restrict value_pairs = s.value_pairs.data();
-    int64_t block = 0, offset = 0;
-    const uint16_t *key_rows[kChunk], *value_rows[kChunk];  // the chunk's tokens (the bf16 pairs path)
-    for (int64_t start = 0; start < tokens.length; start += kChunk) {
-        const int64_t n = tokens.length - start < kChunk ? tokens.length - start : kChunk;
+    const T *key_rows[kSegment], *value_rows[kSegment];
+    int64_t row_ends[kMaxTileRows], block = 0, offset = 0;
+    for (int64_t start = 0; start < tokens.length; start += kSegment) {
+        const int64_t n = std::min(kSegment, tokens.length - start);
         for (int64_t t = 0; t < n; t++) {
             const int64_t slot = static_cast<int64_t>(tokens.table[block]) * shape.block_size + offset;
-            const T *key = k_cache + (slot * shape.num_kv_heads + kv_head) * DIM;
-            const T *value = v_cache + (slot * shape.num_kv_heads + kv_head) * DIM;
-            if (pairs) {
-                key_rows[t] = reinterpret_cast<const uint16_t *>(key);
-                value_rows[t] = reinterpret_cast<const uint16_t *>(value);
-            } else {
-                if (by_token)
-                    for (int64_t d = 0; d < DIM; d++) keys[t * DIM + d] = to_float(key[d]);
-                else
-                    for (int64_t d = 0; d < DIM; d++) keys_t[d * kChunk + t] = to_float(key[d]);
-                for (int64_t d = 0; d < DIM; d++) values[t * DIM + d] = to_float(value[d]);
-            }
+            key_rows[t] = k_cache + (slot * shape.num_kv_heads + kv_head) * DIM;
+            value_rows[t] = v_cache + (slot * shape.num_kv_heads + kv_head) * DIM;
             if (++offset == shape.block_size) offset = 0, block++;
         }
-        if (pairs) {  // zeros past the chunk's last token (their weights are 0 too)
-            keys_to_pairs<DIM>(key_rows, n, key_pairs);
-            values_to_pairs<DIM>(value_rows, n, value_pairs);
-        } else if (!by_token) {
-            for (int64_t t = n; t < kChunk; t++)
-                for (int64_t d = 0; d < DIM; d++) keys_t[d * kChunk + t] = 0.0f;
-        }
-        int64_t row_ends[kMaxTileRows];
-        if (row_lengths)
-            for (int64_t r = 0; r < count; r++) row_ends[r] = row_lengths[r] - start;
-        score_and_accumulate<DIM>(s, first, count, n, row_lengths ? row_ends : nullptr, pairs, shape.scale);
+        for (int64_t r = 0; r < count; r++)
+            row_ends[r] = row_lengths ? std::max<int64_t>(0, std::min(row_lengths[r] - start, n)) : n;
+        attend_segment<DIM>(s, first, count, key_rows, value_rows, n, row_ends, pairs, shape.scale);
     }
 }
 

@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 
-from kernels import dispatch, native, reference
+from kernels import cpu_attention, dispatch, native, reference
 
 RAGGED = [1, 37, 100, 0, 64, 16, 129]  # one token, mid-block, block edges, an empty (padding) row
 PREFIX_LENS = [70, 0, 33]  # a multi-chunk prefix, an empty one, one ending mid-block
@@ -56,6 +56,43 @@ def test_a_prefix_with_more_members_than_one_tile_holds(kernels, kv, tol, member
     args = shared_args(kv, [0] * members, [150], [1 + i % 5 for i in range(members)])
 
     torch.testing.assert_close(kernels.shared_prefix_decode(*args), reference.shared_prefix_decode(*args), **tol)
+
+
+@pytest.mark.parametrize("block_size", [16], ids=["page16"])
+def test_runs_longer_than_a_segment(kernels, kv, tol):
+    """The kernel's softmax moves once per 256-token segment: decodes over 600 and 257 tokens, and a prefill
+    chunk of 300 tokens over 200 cached, whose tiles' nested runs and prefixes cross segment ends."""
+    lens = torch.tensor([600, 257, 1], dtype=torch.int32)
+    args = (kv.queries(3), kv.k_cache, kv.v_cache, kv.block_tables(lens.tolist()), lens, kv.scale)
+    torch.testing.assert_close(kernels.decode(*args), reference.paged_decode(*args), **tol)
+
+    tables, cu, context = kv.block_tables([500]), torch.tensor([0, 300], dtype=torch.int32), torch.tensor([500], dtype=torch.int32)
+    q = kv.queries(300)
+    plan = cpu_attention.plan_prefill(tables, cu, context, kv.block_size, rows_for_native=True)
+    out = cpu_attention.prefill(q, kv.k_cache, kv.v_cache, tables, cu, context, kv.scale, plan=plan, native=kernels)
+    torch.testing.assert_close(out, reference.paged_prefill(q, kv.k_cache, kv.v_cache, tables, cu, context, kv.scale), **tol)
+
+
+@pytest.mark.parametrize("block_size", [16], ids=["page16"])
+def test_a_steps_rows_joined_in_one_call(kernels, kv, tol):
+    """As the engine calls it: shared-prefix decodes, then two prefill chunks (one over a cached prefix), as one
+    call over cpu_attention.join_rows' layout, equal to each part's reference."""
+    prefix_ids, prefix_lens, suffix_lens = [0, 0, -1], [64], [3, 1, 40]
+    shared = shared_args(kv, prefix_ids, prefix_lens, suffix_lens)
+    q_lens, context = [70, 20], [70, 150]
+    tables, context_lens = kv.block_tables(context), torch.tensor(context, dtype=torch.int32)
+    cu = torch.tensor([0, 70, 90], dtype=torch.int32)
+    prefill_q = kv.queries(sum(q_lens))
+    plan = cpu_attention.plan_prefill(tables, cu, context_lens, kv.block_size, rows_for_native=True)
+    rows = cpu_attention.join_rows([cpu_attention.decode_rows(shared[6], shared[7], shared[3:6]),
+                                    *(chunk.cached_rows for chunk in plan)])
+    prepared = kernels.prepare_decode(rows.own_tables, rows.own_lens, (rows.prefix_ids, rows.prefix_table, rows.prefix_len))
+
+    out = prepared(torch.cat([shared[0], prefill_q]), kv.k_cache, kv.v_cache, kv.scale)
+
+    torch.testing.assert_close(out[:3], reference.shared_prefix_decode(*shared), **tol)
+    expected = reference.paged_prefill(prefill_q, kv.k_cache, kv.v_cache, tables, cu, context_lens, kv.scale)
+    torch.testing.assert_close(out[3:], expected, **tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
