@@ -32,8 +32,8 @@ DISABLE_ENV = "PARROT_NATIVE_KERNELS"
 
 _INT, _I64, _PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
 _DECODE_ARGS = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR,
-                _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _INT]
-_WRITE_ARGS = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64]
+                _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _I64, _INT]
+_WRITE_ARGS = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64]
 _LINEAR_ARGS = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT]
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 HEAD_DIMS, MAX_GROUP = (32, 64, 80, 96, 128, 256), 48
@@ -151,19 +151,19 @@ class PreparedDecode:
         self._fits: tuple | None = None  # the (query, cache) shapes and dtype already checked
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        q = q.contiguous()
         shapes = (q.shape, q.dtype, k_cache.shape, v_cache.shape, v_cache.dtype)
         if shapes != self._fits:
             self._check(q, k_cache, v_cache)
             self._fits = shapes
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("the native decode reads contiguous caches")
-        out = torch.empty_like(q)
+        q = _token_rows(q)
+        out = q.new_empty(q.shape)
         _, num_heads, head_dim = q.shape
         num_blocks, block_size, num_kv_heads, _ = k_cache.shape
         status = self._kernels._decode[q.dtype](
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), *self._table_args, out.data_ptr(), self.batch,
-            num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, torch.get_num_threads(),
+            num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, q.stride(0), torch.get_num_threads(),
         )
         if status == -2:
             raise IndexError(f"a block table names a block past the cache's {num_blocks} blocks")
@@ -199,11 +199,11 @@ class PreparedKvWrite:
             self._fits = shapes
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             return False
-        key, value = key.contiguous(), value.contiguous()
+        key, value = _token_rows(key), _token_rows(value)
         row_elems = k_cache.shape[2] * k_cache.shape[3]
         status = self._functions[key.dtype](key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                             self._slots.data_ptr(), len(self._slots), row_elems,
-                                            k_cache.shape[0] * k_cache.shape[1])
+                                            k_cache.shape[0] * k_cache.shape[1], key.stride(0), value.stride(0))
         if status != 0:
             raise IndexError(f"a slot in slot_mapping is past the cache's {k_cache.shape[0] * k_cache.shape[1]} slots")
         return True
@@ -213,6 +213,12 @@ class PreparedKvWrite:
                 and key.device.type == value.device.type == k_cache.device.type == v_cache.device.type == "cpu"
                 and k_cache.dim() == 4 and v_cache.shape == k_cache.shape
                 and key.shape == value.shape == (len(self._slots), *k_cache.shape[2:]))
+
+
+def _token_rows(x: torch.Tensor) -> torch.Tensor:
+    """[tokens, heads, D] with each token's heads contiguous, as the kernels read it (any token stride: q, k and
+    v are views of one fused projection, and copying them cost three copies a layer), else a contiguous copy."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
 
 
 def pack_linear(weight: torch.Tensor) -> torch.Tensor:

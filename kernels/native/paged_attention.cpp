@@ -119,6 +119,7 @@ inline float softmax_step(const float *score, int64_t valid, int64_t padded, flo
 struct Shape {
     int64_t num_heads, num_kv_heads, head_dim, block_size, num_blocks;
     float scale;
+    int64_t q_stride;  // elements from one token's queries to the next's (its heads are head_dim apart)
     int64_t group() const { return num_heads / num_kv_heads; }
 };
 
@@ -419,11 +420,31 @@ void accumulate_segment(Scratch &s, int64_t first, int64_t count, const float *r
     });
 }
 
-// Rows [first, first + count) over a segment's n tokens (key and value rows of one kv head), row r over its
+// Cache rows (count of them) asked into L2 before they are read: a step's caches are cold (the layers' weights
+// streamed through since), and a decode of 16 sequences over 900 tokens ran 1.5-2x slower from DRAM than from
+// cache. A segment's values are asked for before its scores are made, the next segment's rows while they are.
+template <int64_t DIM, typename T>
+inline void prefetch_rows(const T *const *rows, int64_t count) {
+    for (int64_t t = 0; t < count; t++)
+        for (size_t byte = 0; byte < DIM * sizeof(T); byte += 64)
+            __builtin_prefetch(reinterpret_cast<const char *>(rows[t]) + byte, 0, 2);
+}
+
+// The rows of a segment's keys and values, and how many: the next's, prefetched during this one.
+template <typename T>
+struct SegmentRows {
+    const T *keys[kSegment], *values[kSegment];
+    int64_t n = 0;
+};
+
+// Rows [first, first + count) over a segment's tokens (key and value rows of one kv head), row r over its
 // first row_ends[r]: all scores, then each row's softmax step, then the values.
 template <int64_t DIM, typename T>
-void attend_segment(Scratch &s, int64_t first, int64_t count, const T *const *key_rows, const T *const *value_rows,
-                    int64_t n, const int64_t *row_ends, bool pairs, float scale) {
+void attend_segment(Scratch &s, int64_t first, int64_t count, const SegmentRows<T> &rows, const SegmentRows<T> &next,
+                    const int64_t *row_ends, bool pairs, float scale) {
+    const T *const *key_rows = rows.keys, *const *value_rows = rows.values;
+    const int64_t n = rows.n;
+    prefetch_rows<DIM>(value_rows, n);
     const int64_t padded = (n + kChunk - 1) / kChunk * kChunk;
     const bool by_token = !transposed(count);
     if (pairs) {  // zeros past the segment's last token (their weights are 0 too)
@@ -435,8 +456,11 @@ void attend_segment(Scratch &s, int64_t first, int64_t count, const T *const *ke
         for (int64_t t = 0; t < padded; t++)
             for (int64_t d = 0; d < DIM; d++) s.keys_t[d * kSegment + t] = t < n ? to_float(key_rows[t][d]) : 0.0f;
     }
-    for (int64_t chunk = 0; chunk < n; chunk += kChunk)
+    const int64_t chunks = (n + kChunk - 1) / kChunk, per_chunk = (next.n + chunks - 1) / chunks;
+    for (int64_t chunk = 0, ahead = 0; chunk < n; chunk += kChunk, ahead += per_chunk) {
+        if (ahead < next.n) prefetch_rows<DIM>(next.keys + ahead, std::min(per_chunk, next.n - ahead));
         score_chunk<DIM>(s, first, count, chunk, std::min(kChunk, n - chunk), pairs, scale);
+    }
     float rescale[kMaxTileRows];
     for (int64_t r = 0; r < count; r++)
         rescale[r] = softmax_step(s.scores.data() + (first + r) * kSegment, row_ends[r], padded, s.running_max[first + r],
@@ -463,19 +487,36 @@ void attend(Scratch &s, int64_t first, int64_t count, const T *k_cache, const T 
     // run of a chunk or more; a short run of few rows (a decode's last tokens) converts its keys to fp32 for
     // less. A decode of 16 x 3 rows over 150 tokens: 107 -> 73 us.
     const bool pairs = kBf16Dot && std::is_same_v<T, BFloat16> && (count >= kScoreRows || tokens.length >= kChunk);
-    const T *key_rows[kSegment], *value_rows[kSegment];
-    int64_t row_ends[kMaxTileRows], block = 0, offset = 0;
-    for (int64_t start = 0; start < tokens.length; start += kSegment) {
-        const int64_t n = std::min(kSegment, tokens.length - start);
-        for (int64_t t = 0; t < n; t++) {
+    SegmentRows<T> segments[2];  // this segment's rows and the next's
+    int64_t row_ends[kMaxTileRows], block = 0, offset = 0, start = 0;
+    const auto gather = [&](SegmentRows<T> &rows) {  // the next segment's token rows, walking the block table
+        rows.n = std::min(kSegment, tokens.length - start);
+        for (int64_t t = 0; t < rows.n; t++) {
             const int64_t slot = static_cast<int64_t>(tokens.table[block]) * shape.block_size + offset;
-            key_rows[t] = k_cache + (slot * shape.num_kv_heads + kv_head) * DIM;
-            value_rows[t] = v_cache + (slot * shape.num_kv_heads + kv_head) * DIM;
+            rows.keys[t] = k_cache + (slot * shape.num_kv_heads + kv_head) * DIM;
+            rows.values[t] = v_cache + (slot * shape.num_kv_heads + kv_head) * DIM;
             if (++offset == shape.block_size) offset = 0, block++;
         }
+        start += rows.n;
+    };
+    gather(segments[0]);
+    for (int64_t i = 0, done = 0; segments[i % 2].n > 0; done += segments[i % 2].n, i++) {
+        SegmentRows<T> &rows = segments[i % 2], &next = segments[(i + 1) % 2];
+        gather(next);
         for (int64_t r = 0; r < count; r++)
-            row_ends[r] = row_lengths ? std::max<int64_t>(0, std::min(row_lengths[r] - start, n)) : n;
-        attend_segment<DIM>(s, first, count, key_rows, value_rows, n, row_ends, pairs, shape.scale);
+            row_ends[r] = row_lengths ? std::max<int64_t>(0, std::min(row_lengths[r] - done, rows.n)) : rows.n;
+        attend_segment<DIM>(s, first, count, rows, next, row_ends, pairs, shape.scale);
+    }
+}
+
+// The first segment of a run's keys and values of one kv head, asked into L2 (see prefetch_rows).
+template <int64_t DIM, typename T>
+void prefetch_run(const T *k_cache, const T *v_cache, Tokens tokens, int64_t kv_head, const Shape &shape) {
+    for (int64_t t = 0; t < std::min(tokens.length, kSegment); t++) {
+        const int64_t slot = static_cast<int64_t>(tokens.table[t / shape.block_size]) * shape.block_size + t % shape.block_size;
+        const T *rows[2] = {k_cache + (slot * shape.num_kv_heads + kv_head) * DIM,
+                            v_cache + (slot * shape.num_kv_heads + kv_head) * DIM};
+        prefetch_rows<DIM>(rows, 2);
     }
 }
 
@@ -512,7 +553,7 @@ void run_task(const Task &task, Scratch &s, const T *q, const T *k_cache, const 
     const int64_t group = shape.group();
     const int64_t rows = group * static_cast<int64_t>(task.members.size());
     for (size_t m = 0; m < task.members.size(); m++) {
-        const T *from = q + (task.members[m] * shape.num_heads + task.kv_head * group) * dim;
+        const T *from = q + task.members[m] * shape.q_stride + task.kv_head * group * dim;
         for (int64_t i = 0; i < group * dim; i++) s.queries[m * group * dim + i] = to_float(from[i]) * shape.scale;
         if constexpr (std::is_same_v<T, BFloat16>)  // unscaled: q x scale would round in bf16
             std::memcpy(s.query_pairs.data() + m * group * dim / 2, from, sizeof(T) * group * dim);
@@ -520,7 +561,13 @@ void run_task(const Task &task, Scratch &s, const T *q, const T *k_cache, const 
     std::fill(s.acc.begin(), s.acc.begin() + rows * dim, 0.0f);
     std::fill(s.running_max.begin(), s.running_max.begin() + rows, -INFINITY);
     std::fill(s.total.begin(), s.total.begin() + rows, 0.0f);
-    if (task.prefix.length > 0) attend<DIM>(s, 0, rows, k_cache, v_cache, task.prefix, task.kv_head, shape);
+    if (task.prefix.length > 0) {
+        // The members' own runs asked into L2 first, to arrive while the prefix computes: a fork's own tokens
+        // are few, with little arithmetic a row to hide their DRAM latency behind.
+        for (const int64_t b : task.members)
+            prefetch_run<DIM>(k_cache, v_cache, Tokens{own_tables + b * own_stride, own_lens[b]}, task.kv_head, shape);
+        attend<DIM>(s, 0, rows, k_cache, v_cache, task.prefix, task.kv_head, shape);
+    }
     const int64_t longest = longest_run_nesting_the_others(task, own_tables, own_stride, own_lens, shape.block_size);
     if (longest >= 0) {  // all rows over the longest run together, each up to its own length
         int64_t lengths[kMaxTileRows];
@@ -659,7 +706,8 @@ int decode(const T *q, const T *k_cache, const T *v_cache, const int32_t *prefix
 extern "C" {
 
 // Each sequence b attends to prefix prefix_ids[b] (rows of prefix_tables / prefix_lens; -1 or a null
-// prefix_ids: none), then to the first own_lens[b] tokens of own_tables' row b. Returns 0; -1 when
+// prefix_ids: none), then to the first own_lens[b] tokens of own_tables' row b; its queries are at
+// q + b * q_stride, out is contiguous [batch, num_heads, head_dim]. Returns 0; -1 when
 // this build has no kernel for head_dim or the query group; -2 when a table names a block past
 // num_blocks (nothing is read then).
 #define PARROT_DECODE(NAME, T)                                                                               \
@@ -667,8 +715,8 @@ extern "C" {
              const int32_t *prefix_tables, int64_t prefix_stride, const int32_t *prefix_lens,                \
              int64_t num_prefixes, const int32_t *own_tables, int64_t own_stride, const int32_t *own_lens,   \
              T *out, int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,               \
-             int64_t block_size, int64_t num_blocks, float scale, int num_threads) {                                             \
-        const Shape shape{num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale};                             \
+             int64_t block_size, int64_t num_blocks, float scale, int64_t q_stride, int num_threads) {       \
+        const Shape shape{num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, q_stride};      \
         return decode(q, k_cache, v_cache, prefix_ids, prefix_tables, prefix_stride, prefix_lens, num_prefixes, \
                       own_tables, own_stride, own_lens, out, batch, shape, num_threads);                     \
     }
@@ -676,17 +724,18 @@ extern "C" {
 PARROT_DECODE(parrot_decode_f32, float)
 PARROT_DECODE(parrot_decode_bf16, BFloat16)
 
-// Stores each new token's key and value rows (row_elems = KVH x D each) at its slot; slot -1 is skipped.
-// Returns 0, or -1 (nothing written) when a slot is past the cache's num_slots.
+// Stores each new token's key and value rows (row_elems = KVH x D each, contiguous; key_stride and
+// value_stride elements from one token's to the next's) at its slot; slot -1 is skipped. Returns 0, or -1
+// (nothing written) when a slot is past the cache's num_slots.
 #define PARROT_WRITE_KV(NAME, T)                                                                             \
     int NAME(const T *key, const T *value, T *k_cache, T *v_cache, const int64_t *slots, int64_t num_tokens, \
-             int64_t row_elems, int64_t num_slots) {                                                         \
+             int64_t row_elems, int64_t num_slots, int64_t key_stride, int64_t value_stride) {               \
         for (int64_t t = 0; t < num_tokens; t++)                                                             \
             if (slots[t] >= num_slots || slots[t] < -1) return -1;                                           \
         for (int64_t t = 0; t < num_tokens; t++) {                                                           \
             if (slots[t] < 0) continue;                                                                      \
-            std::memcpy(k_cache + slots[t] * row_elems, key + t * row_elems, sizeof(T) * row_elems);         \
-            std::memcpy(v_cache + slots[t] * row_elems, value + t * row_elems, sizeof(T) * row_elems);       \
+            std::memcpy(k_cache + slots[t] * row_elems, key + t * key_stride, sizeof(T) * row_elems);        \
+            std::memcpy(v_cache + slots[t] * row_elems, value + t * value_stride, sizeof(T) * row_elems);    \
         }                                                                                                    \
         return 0;                                                                                            \
     }

@@ -165,3 +165,26 @@ def test_write_kv_and_out_of_range_indices(kernels, kv):
     tables = torch.tensor([[0, kv.k_cache.shape[0]]], dtype=torch.int32)
     with pytest.raises(IndexError, match="block"):
         kernels.decode(kv.queries(1), kv.k_cache, kv.v_cache, tables, torch.tensor([20], dtype=torch.int32), kv.scale)
+
+
+@pytest.mark.parametrize("block_size", [16], ids=["page16"])
+def test_views_of_one_fused_projection_read_in_place(kernels, kv, monkeypatch):
+    """q, k and v as the model makes them (token-strided views of one qkv projection) are read where they are:
+    no copy is made, and the cache and outputs equal those from contiguous copies."""
+    heads, kv_heads, dim = kv.num_heads, kv.num_kv_heads, kv.head_dim
+    fused = torch.randn(5, (heads + 2 * kv_heads) * dim).to(kv.k_cache.dtype)
+    q, k, v = (part.view(5, -1, dim) for part in fused.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=1))
+    slots, lens = torch.arange(5) * 3, torch.tensor([1, 7, 30, 16, 2], dtype=torch.int32)
+    tables = kv.block_tables(lens.tolist())
+    expected_caches = (kv.k_cache.clone(), kv.v_cache.clone())
+    kernels.write_kv(k.contiguous(), v.contiguous(), *expected_caches, slots)
+    expected = kernels.decode(q.contiguous(), *expected_caches, tables, lens, kv.scale)
+    contiguous = torch.Tensor.contiguous
+    monkeypatch.setattr(torch.Tensor, "contiguous", lambda self, *a, **kw: pytest.fail("a copy of q, k or v was made")
+                        if self.is_floating_point() else contiguous(self, *a, **kw))
+
+    assert kernels.write_kv(k, v, kv.k_cache, kv.v_cache, slots)
+    out = kernels.decode(q, kv.k_cache, kv.v_cache, tables, lens, kv.scale)
+
+    assert torch.equal(kv.k_cache, expected_caches[0]) and torch.equal(kv.v_cache, expected_caches[1])
+    assert torch.equal(out, expected)
