@@ -528,22 +528,16 @@ struct Task {
     std::vector<int64_t> members;
 };
 
-// The member whose own run holds every other member's as its start (the same blocks up to their lengths), or
-// -1: a prefill tile's rows, each reading its tile's tokens up to itself, take one pass over the longest run
-// (16 passes of 3 rows over a few tokens each cost a fifth of a 1,000-token prefill's attention). A task of
-// one member gains nothing from it.
-inline int64_t longest_run_nesting_the_others(const Task &task, const int32_t *own_tables, int64_t own_stride,
-                                              const int32_t *own_lens, int64_t block_size) {
-    if (task.members.size() < 2) return -1;
-    int64_t longest = task.members[0];
-    for (const int64_t b : task.members)
-        if (own_lens[b] > own_lens[longest]) longest = b;
-    const int32_t *table = own_tables + longest * own_stride;
-    for (const int64_t b : task.members) {
-        const int64_t blocks = (own_lens[b] + block_size - 1) / block_size;
-        if (std::memcmp(own_tables + b * own_stride, table, blocks * sizeof(int32_t)) != 0) return -1;
-    }
-    return longest;
+// How many members from `first` on read the same own table (a prefill tile's rows: each reads its tile's
+// tokens up to itself): those take one pass over the longest of their runs, each row up to its own length
+// (16 passes of 3 rows over a few tokens each cost a fifth of a 1,000-token prefill's attention).
+inline size_t members_sharing_a_table(const Task &task, size_t first, const int32_t *own_tables, int64_t own_stride) {
+    const int32_t *table = own_tables + task.members[first] * own_stride;
+    size_t end = first + 1;
+    while (end < task.members.size() &&
+           std::memcmp(own_tables + task.members[end] * own_stride, table, own_stride * sizeof(int32_t)) == 0)
+        end++;
+    return end - first;
 }
 
 template <int64_t DIM, typename T>
@@ -568,23 +562,27 @@ void run_task(const Task &task, Scratch &s, const T *q, const T *k_cache, const 
             prefetch_run<DIM>(k_cache, v_cache, Tokens{own_tables + b * own_stride, own_lens[b]}, task.kv_head, shape);
         attend<DIM>(s, 0, rows, k_cache, v_cache, task.prefix, task.kv_head, shape);
     }
-    const int64_t longest = longest_run_nesting_the_others(task, own_tables, own_stride, own_lens, shape.block_size);
-    if (longest >= 0) {  // all rows over the longest run together, each up to its own length
-        int64_t lengths[kMaxTileRows];
-        for (int64_t r = 0; r < rows; r++) lengths[r] = own_lens[task.members[r / group]];
-        const Tokens own{own_tables + longest * own_stride, own_lens[longest]};
-        if (own.length > 0) attend<DIM>(s, 0, rows, k_cache, v_cache, own, task.kv_head, shape, lengths);
-    }
-    for (size_t m = 0; m < task.members.size(); m++) {
-        const int64_t b = task.members[m];
-        const Tokens own{own_tables + b * own_stride, own_lens[b]};
-        if (longest < 0 && own.length > 0) attend<DIM>(s, m * group, group, k_cache, v_cache, own, task.kv_head, shape);
-        T *to = out + (b * shape.num_heads + task.kv_head * group) * dim;
-        for (int64_t g = 0; g < group; g++) {
-            const int64_t r = m * group + g;
-            const float inverse = s.total[r] > 0.0f ? 1.0f / s.total[r] : 0.0f;  // no tokens at all: zeros
-            for (int64_t d = 0; d < dim; d++) store(to[g * dim + d], s.acc[r * dim + d] * inverse);
+    for (size_t m = 0; m < task.members.size();) {
+        const size_t count = members_sharing_a_table(task, m, own_tables, own_stride);
+        int64_t lengths[kMaxTileRows], longest = task.members[m];
+        for (size_t i = m; i < m + count; i++) {
+            const int64_t b = task.members[i];
+            for (int64_t g = 0; g < group; g++) lengths[(i - m) * group + g] = own_lens[b];
+            if (own_lens[b] > own_lens[longest]) longest = b;
         }
+        const Tokens own{own_tables + longest * own_stride, own_lens[longest]};
+        if (own.length > 0)
+            attend<DIM>(s, m * group, count * group, k_cache, v_cache, own, task.kv_head, shape, count > 1 ? lengths : nullptr);
+        for (size_t i = m; i < m + count; i++) {
+            const int64_t b = task.members[i];
+            T *to = out + (b * shape.num_heads + task.kv_head * group) * dim;
+            for (int64_t g = 0; g < group; g++) {
+                const int64_t r = i * group + g;
+                const float inverse = s.total[r] > 0.0f ? 1.0f / s.total[r] : 0.0f;  // no tokens at all: zeros
+                for (int64_t d = 0; d < dim; d++) store(to[g * dim + d], s.acc[r * dim + d] * inverse);
+            }
+        }
+        m += count;
     }
 }
 
