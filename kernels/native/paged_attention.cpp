@@ -41,6 +41,9 @@ constexpr int64_t kChunk = 32;  // tokens a block of scores covers (two vectors)
 // Tokens whose scores are all made before any is exponentiated: the online softmax's max, rescale and sum
 // then move once a segment instead of once a chunk (they were a fifth of a long prefill's attention).
 constexpr int64_t kSegment = 256;
+// A row of a segment's scores, weights or transposed keys: a segment and a vector, so that rows a whole 1 KB
+// apart do not all fall in the same few L1 sets (fp32 attention ran 1.2-1.7x slower with rows 1 KB apart).
+constexpr int64_t kStride = kSegment + kLanes;
 constexpr int64_t kMaxTileRows = 48;  // query rows sharing one pass over a prefix
 
 struct BFloat16 {
@@ -132,21 +135,21 @@ struct Tokens {
 constexpr int64_t kChunkVecs = kChunk / kLanes;
 
 // Per task: the online softmax state of up to kMaxTileRows query rows; a segment's scores and weights
-// ([rows][kSegment]); its keys (transposed, [dim][kSegment], or as rows) and values ([kSegment][dim]) in fp32.
+// ([rows][kStride]); its keys (transposed, [dim][kStride], or as rows) and values ([kSegment][dim]) in fp32.
 struct Scratch {
     std::vector<float> queries, acc, running_max, total, scores, weights, keys_t, keys, values;
-    // bf16 pairs (the bf16 dot-product path): queries [rows][dim/2], keys [dim/2][kSegment], values
-    // [kSegment/2][dim] (tokens 2t and 2t+1 of one dimension), weights [rows][kSegment/2].
+    // bf16 pairs (the bf16 dot-product path): queries [rows][dim/2], keys [dim/2][kStride], values
+    // [kSegment/2][dim] (tokens 2t and 2t+1 of one dimension), weights [rows][kStride/2].
     std::vector<uint32_t> query_pairs, key_pairs, value_pairs, weight_pairs;
     explicit Scratch(int64_t dim)
         : queries(kMaxTileRows * dim), acc(kMaxTileRows * dim), running_max(kMaxTileRows), total(kMaxTileRows),
-          scores(kMaxTileRows * kSegment), weights(kMaxTileRows * kSegment), keys_t(dim * kSegment),
+          scores(kMaxTileRows * kStride), weights(kMaxTileRows * kStride), keys_t(dim * kStride),
           keys(kSegment * dim), values(kSegment * dim), query_pairs(kMaxTileRows * dim / 2),
-          key_pairs(dim / 2 * kSegment), value_pairs(kSegment / 2 * dim), weight_pairs(kMaxTileRows * kSegment / 2) {}
+          key_pairs(dim / 2 * kStride), value_pairs(kSegment / 2 * dim), weight_pairs(kMaxTileRows * kStride / 2) {}
 };
 
-// Scores of ROWS query rows against a chunk's keys (keys_t: the chunk's column of [DIM][kSegment]; scores:
-// rows of kSegment), the accumulators kept in registers. Fewer than four rows split the head dimension over
+// Scores of ROWS query rows against a chunk's keys (keys_t: the chunk's column of [DIM][kStride]; scores:
+// rows of kStride), the accumulators kept in registers. Fewer than four rows split the head dimension over
 // two sets of accumulators: independent FMAs overlap, where one chain would wait on each FMA's latency.
 template <int64_t ROWS, int64_t DIM>
 inline void score_rows(const float *__restrict queries, const float *__restrict keys_t, float *__restrict scores) {
@@ -155,7 +158,7 @@ inline void score_rows(const float *__restrict queries, const float *__restrict 
     for (int64_t d = 0; d < DIM; d += kSets) {
         for (int64_t set = 0; set < kSets; set++) {
             Vec keys[kChunkVecs];
-            for (int64_t c = 0; c < kChunkVecs; c++) keys[c] = load(keys_t + (d + set) * kSegment + c * kLanes);
+            for (int64_t c = 0; c < kChunkVecs; c++) keys[c] = load(keys_t + (d + set) * kStride + c * kLanes);
             for (int64_t r = 0; r < ROWS; r++) {
                 const float q = queries[r * DIM + d + set];
                 for (int64_t c = 0; c < kChunkVecs; c++) sums[set][r][c] += q * keys[c];
@@ -166,7 +169,7 @@ inline void score_rows(const float *__restrict queries, const float *__restrict 
         for (int64_t c = 0; c < kChunkVecs; c++) {
             Vec total = sums[0][r][c];
             for (int64_t set = 1; set < kSets; set++) total += sums[set][r][c];
-            save(scores + r * kSegment + c * kLanes, total);
+            save(scores + r * kStride + c * kLanes, total);
         }
 }
 
@@ -185,7 +188,7 @@ inline void dot_rows(const float *__restrict queries, const float *__restrict ke
         for (int64_t r = 0; r < ROWS; r++) {
             Vec products = query[r][0] * key[0];
             for (int64_t v = 1; v < kVecs; v++) products += query[r][v] * key[v];
-            scores[r * kSegment + t] = sum_lanes(products);
+            scores[r * kStride + t] = sum_lanes(products);
         }
     }
 }
@@ -202,7 +205,7 @@ inline void accumulate_rows(float *__restrict acc, const float *__restrict resca
         Vec value[kVecs];
         for (int64_t v = 0; v < kVecs; v++) value[v] = load(values + t * DIM + v * kLanes);
         for (int64_t r = 0; r < ROWS; r++) {
-            const float w = weights[r * kSegment + t];
+            const float w = weights[r * kStride + t];
             for (int64_t v = 0; v < kVecs; v++) sums[r][v] += w * value[v];
         }
     }
@@ -214,8 +217,8 @@ inline void accumulate_rows(float *__restrict acc, const float *__restrict resca
 constexpr bool kBf16Dot = true;
 // Scores from bf16 pairs with the CPU's bf16 dot product (AVX512_BF16: 32 products a instruction, the
 // fp32 path's 16, and the keys copied as 32-bit pairs instead of converted): key_pairs [DIM/2][kChunk]
-// holds (k[t][2i], k[t][2i+1]) per token t (the chunk's column of [DIM/2][kSegment]), query_pairs [ROWS][DIM/2]
-// the unscaled bf16 queries; scores in rows of kSegment.
+// holds (k[t][2i], k[t][2i+1]) per token t (the chunk's column of [DIM/2][kStride]), query_pairs [ROWS][DIM/2]
+// the unscaled bf16 queries; scores in rows of kStride.
 template <int64_t ROWS, int64_t DIM>
 inline void score_rows_bf16(const uint32_t *__restrict query_pairs, const uint32_t *__restrict key_pairs,
                             float scale, float *__restrict scores) {
@@ -225,7 +228,7 @@ inline void score_rows_bf16(const uint32_t *__restrict query_pairs, const uint32
     for (int64_t i = 0; i < DIM / 2; i++) {
         __m512bh keys[kChunkVecs];
         for (int64_t c = 0; c < kChunkVecs; c++)
-            keys[c] = (__m512bh)_mm512_loadu_si512(key_pairs + i * kSegment + c * kLanes);
+            keys[c] = (__m512bh)_mm512_loadu_si512(key_pairs + i * kStride + c * kLanes);
         for (int64_t r = 0; r < ROWS; r++) {
             const __m512bh query = (__m512bh)_mm512_set1_epi32(static_cast<int>(query_pairs[r * DIM / 2 + i]));
             for (int64_t c = 0; c < kChunkVecs; c++) sums[r][c] = _mm512_dpbf16_ps(sums[r][c], keys[c], query);
@@ -233,11 +236,11 @@ inline void score_rows_bf16(const uint32_t *__restrict query_pairs, const uint32
     }
     for (int64_t r = 0; r < ROWS; r++)
         for (int64_t c = 0; c < kChunkVecs; c++)
-            _mm512_storeu_ps(scores + r * kSegment + c * kLanes, _mm512_mul_ps(sums[r][c], _mm512_set1_ps(scale)));
+            _mm512_storeu_ps(scores + r * kStride + c * kLanes, _mm512_mul_ps(sums[r][c], _mm512_set1_ps(scale)));
 }
 
 // acc[r] = acc[r] * rescale[r] + sum over the segment's n tokens of weight[r][t] * value[t], two tokens a bf16
-// dot product: weight_pairs [ROWS][kSegment/2] and value_pairs [kSegment/2][DIM] as Scratch holds them (weights
+// dot product: weight_pairs [ROWS][kStride/2] and value_pairs [kSegment/2][DIM] as Scratch holds them (weights
 // past a row's tokens are 0, and values past the segment's).
 template <int64_t ROWS, int64_t DIM>
 inline void accumulate_rows_bf16(float *__restrict acc, const float *__restrict rescale,
@@ -253,7 +256,7 @@ inline void accumulate_rows_bf16(float *__restrict acc, const float *__restrict 
         for (int64_t v = 0; v < kVecs; v++)
             value[v] = (__m512bh)_mm512_loadu_si512(value_pairs + t * DIM + v * kLanes);
         for (int64_t r = 0; r < ROWS; r++) {
-            const __m512bh weight = (__m512bh)_mm512_set1_epi32(static_cast<int>(weight_pairs[r * kSegment / 2 + t]));
+            const __m512bh weight = (__m512bh)_mm512_set1_epi32(static_cast<int>(weight_pairs[r * kStride / 2 + t]));
             for (int64_t v = 0; v < kVecs; v++) sums[r][v] = _mm512_dpbf16_ps(sums[r][v], value[v], weight);
         }
     }
@@ -294,7 +297,7 @@ inline void transpose16(__m512i rows[16]) {
     }
 }
 
-// A segment's keys as bf16 pairs, [DIM/2][kSegment] (token t's pair i at i * kSegment + t; zeros past n tokens
+// A segment's keys as bf16 pairs, [DIM/2][kStride] (token t's pair i at i * kStride + t; zeros past n tokens
 // to the end of their chunk), transposed 16 tokens x 16 pairs at a time in registers: a 4-byte copy per pair
 // cost as much as the scores' arithmetic.
 template <int64_t DIM>
@@ -310,7 +313,7 @@ inline void keys_to_pairs(const uint16_t *const *keys, int64_t n, uint32_t *key_
                                          : _mm512_setzero_si512();
             transpose16(rows);
             for (int64_t c = 0; c < cols; c++)
-                _mm512_storeu_si512(key_pairs + (pair0 + c) * kSegment + token0, rows[c]);
+                _mm512_storeu_si512(key_pairs + (pair0 + c) * kStride + token0, rows[c]);
         }
 }
 
@@ -369,26 +372,26 @@ static_assert(kRowBlock == 4, "with_rows covers 1..kRowBlock rows");
 // (s.key_pairs on the bf16 dot-product path, scaled by `scale` once scored; else s.keys_t or s.keys).
 template <int64_t DIM>
 void score_chunk(Scratch &s, int64_t first, int64_t count, int64_t chunk, int64_t n, bool pairs, float scale) {
-    float *scores = s.scores.data() + first * kSegment + chunk;
+    float *scores = s.scores.data() + first * kStride + chunk;
     const float *queries = s.queries.data() + first * DIM;
     int64_t r = 0;
     if (pairs) {
         const uint32_t *query_pairs = s.query_pairs.data() + first * DIM / 2, *keys = s.key_pairs.data() + chunk;
         for (; r + kScoreRows <= count; r += kScoreRows)
-            score_rows_bf16<kScoreRows, DIM>(query_pairs + r * DIM / 2, keys, scale, scores + r * kSegment);
+            score_rows_bf16<kScoreRows, DIM>(query_pairs + r * DIM / 2, keys, scale, scores + r * kStride);
         for (; r + kRowBlock <= count; r += kRowBlock)
-            score_rows_bf16<kRowBlock, DIM>(query_pairs + r * DIM / 2, keys, scale, scores + r * kSegment);
+            score_rows_bf16<kRowBlock, DIM>(query_pairs + r * DIM / 2, keys, scale, scores + r * kStride);
         with_rows(count - r, [&](auto rows) {
-            score_rows_bf16<decltype(rows)::value, DIM>(query_pairs + r * DIM / 2, keys, scale, scores + r * kSegment);
+            score_rows_bf16<decltype(rows)::value, DIM>(query_pairs + r * DIM / 2, keys, scale, scores + r * kStride);
         });
     } else if (transposed(count)) {
         const float *keys_t = s.keys_t.data() + chunk;
         for (; r + kScoreRows <= count; r += kScoreRows)
-            score_rows<kScoreRows, DIM>(queries + r * DIM, keys_t, scores + r * kSegment);
+            score_rows<kScoreRows, DIM>(queries + r * DIM, keys_t, scores + r * kStride);
         for (; r + kRowBlock <= count; r += kRowBlock)
-            score_rows<kRowBlock, DIM>(queries + r * DIM, keys_t, scores + r * kSegment);
+            score_rows<kRowBlock, DIM>(queries + r * DIM, keys_t, scores + r * kStride);
         with_rows(count - r, [&](auto rows) {
-            score_rows<decltype(rows)::value, DIM>(queries + r * DIM, keys_t, scores + r * kSegment);
+            score_rows<decltype(rows)::value, DIM>(queries + r * DIM, keys_t, scores + r * kStride);
         });
     } else {
         with_rows(count, [&](auto rows) {
@@ -403,20 +406,20 @@ void accumulate_segment(Scratch &s, int64_t first, int64_t count, const float *r
     float *acc = s.acc.data() + first * DIM;
     int64_t r = 0;
     if (pairs) {  // the values too go through the bf16 dot product, weights rounded to bf16 (as flash attention does)
-        const uint32_t *weight_pairs = s.weight_pairs.data() + first * kSegment / 2, *values = s.value_pairs.data();
+        const uint32_t *weight_pairs = s.weight_pairs.data() + first * kStride / 2, *values = s.value_pairs.data();
         for (; r + kRowBlock <= count; r += kRowBlock)
-            accumulate_rows_bf16<kRowBlock, DIM>(acc + r * DIM, rescale + r, weight_pairs + r * kSegment / 2, values, n);
+            accumulate_rows_bf16<kRowBlock, DIM>(acc + r * DIM, rescale + r, weight_pairs + r * kStride / 2, values, n);
         with_rows(count - r, [&](auto rows) {
-            accumulate_rows_bf16<decltype(rows)::value, DIM>(acc + r * DIM, rescale + r, weight_pairs + r * kSegment / 2,
+            accumulate_rows_bf16<decltype(rows)::value, DIM>(acc + r * DIM, rescale + r, weight_pairs + r * kStride / 2,
                                                              values, n);
         });
         return;
     }
-    const float *weights = s.weights.data() + first * kSegment;
+    const float *weights = s.weights.data() + first * kStride;
     for (; r + kRowBlock <= count; r += kRowBlock)
-        accumulate_rows<kRowBlock, DIM>(acc + r * DIM, rescale + r, weights + r * kSegment, s.values.data(), n);
+        accumulate_rows<kRowBlock, DIM>(acc + r * DIM, rescale + r, weights + r * kStride, s.values.data(), n);
     with_rows(count - r, [&](auto rows) {
-        accumulate_rows<decltype(rows)::value, DIM>(acc + r * DIM, rescale + r, weights + r * kSegment, s.values.data(), n);
+        accumulate_rows<decltype(rows)::value, DIM>(acc + r * DIM, rescale + r, weights + r * kStride, s.values.data(), n);
     });
 }
 
@@ -454,7 +457,7 @@ void attend_segment(Scratch &s, int64_t first, int64_t count, const SegmentRows<
             for (int64_t d = 0; d < DIM; d++) s.keys[t * DIM + d] = to_float(key_rows[t][d]);
     } else {
         for (int64_t t = 0; t < padded; t++)
-            for (int64_t d = 0; d < DIM; d++) s.keys_t[d * kSegment + t] = t < n ? to_float(key_rows[t][d]) : 0.0f;
+            for (int64_t d = 0; d < DIM; d++) s.keys_t[d * kStride + t] = t < n ? to_float(key_rows[t][d]) : 0.0f;
     }
     const int64_t chunks = (n + kChunk - 1) / kChunk, per_chunk = (next.n + chunks - 1) / chunks;
     for (int64_t chunk = 0, ahead = 0; chunk < n; chunk += kChunk, ahead += per_chunk) {
@@ -463,11 +466,11 @@ void attend_segment(Scratch &s, int64_t first, int64_t count, const SegmentRows<
     }
     float rescale[kMaxTileRows];
     for (int64_t r = 0; r < count; r++)
-        rescale[r] = softmax_step(s.scores.data() + (first + r) * kSegment, row_ends[r], padded, s.running_max[first + r],
-                                  s.total[first + r], s.weights.data() + (first + r) * kSegment);
+        rescale[r] = softmax_step(s.scores.data() + (first + r) * kStride, row_ends[r], padded, s.running_max[first + r],
+                                  s.total[first + r], s.weights.data() + (first + r) * kStride);
     if (pairs) {
         for (int64_t r = first; r < first + count; r++)
-            weights_to_pairs(s.weights.data() + r * kSegment, padded, s.weight_pairs.data() + r * kSegment / 2);
+            weights_to_pairs(s.weights.data() + r * kStride, padded, s.weight_pairs.data() + r * kStride / 2);
         values_to_pairs<DIM>(reinterpret_cast<const uint16_t *const *>(value_rows), n, s.value_pairs.data());
     } else {
         for (int64_t t = 0; t < n; t++)
