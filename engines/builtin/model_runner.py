@@ -96,7 +96,6 @@ class ModelRunner:
         # Whether decodes run the torch CPU paths, whose reads are planned once per step (prefills always do on
         # CPU: their chunks laid out in tiles for the native kernel where it runs).
         self.plans_torch_decode = not triton and not native
-        self.native_chunks = native
 
     def copy_rows(self, src_block: int, dst_block: int, num_rows: int) -> None:
         for layer in self.model.model.layers:
@@ -232,7 +231,7 @@ class ModelRunner:
         )
         if self.plans_cpu_attention:
             meta.plan = cpu_attention.plan_prefill(meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
-                                                   self.block_size, rows_for_native=self.native_chunks)
+                                                   self.block_size, rows_for_native=self.native_kernels is not None)
         return meta
 
     def _native(self, meta: AttentionMetadata) -> PreparedDecode:
