@@ -74,6 +74,22 @@ def test_runs_longer_than_a_segment(kernels, kv, tol):
 
 
 @pytest.mark.parametrize("block_size", [16], ids=["page16"])
+def test_peaked_scores(kernels, kv, tol):
+    """Queries 30x as large: scores far apart, most weights deep in exp's underflow (bf16's exp clamps at
+    2^-126 and scales by 2^n in one instruction), one or two tokens carrying a row; decodes and a prefill chunk."""
+    lens = torch.tensor([300, 37, 129, 500], dtype=torch.int32)
+    q = (kv.queries(4).float() * 30).to(kv.k_cache.dtype)
+    args = (q, kv.k_cache, kv.v_cache, kv.block_tables(lens.tolist()), lens, kv.scale)
+    torch.testing.assert_close(kernels.decode(*args), reference.paged_decode(*args), **tol)
+
+    tables, cu, context = kv.block_tables([300]), torch.tensor([0, 100], dtype=torch.int32), torch.tensor([300], dtype=torch.int32)
+    q = (kv.queries(100).float() * 30).to(kv.k_cache.dtype)
+    plan = cpu_attention.plan_prefill(tables, cu, context, kv.block_size, rows_for_native=True)
+    out = cpu_attention.prefill(q, kv.k_cache, kv.v_cache, tables, cu, context, kv.scale, plan=plan, native=kernels)
+    torch.testing.assert_close(out, reference.paged_prefill(q, kv.k_cache, kv.v_cache, tables, cu, context, kv.scale), **tol)
+
+
+@pytest.mark.parametrize("block_size", [16], ids=["page16"])
 def test_a_steps_rows_joined_in_one_call(kernels, kv, tol):
     """As the engine calls it: shared-prefix decodes, then two prefill chunks (one over a cached prefix), as one
     call over cpu_attention.join_rows' layout, equal to each part's reference."""
