@@ -58,7 +58,7 @@ class EngineCore(StepLoop):
             on_a_passing_thread(self._compile, config.num_threads, config.compute_cores)
 
     def _compile(self) -> None:
-        """Runs the shapes the compiled forward specialises on (a prefill of several tokens, then decodes
+        """Runs the shapes the compiled forward specialises on (prefills finishing 2 and 1 rows, then decodes
         of 2 and of 1 sequence), so that they are compiled before the engine serves."""
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         self.generate_batch([[1, 2, 3], [4, 5, 6]], params)

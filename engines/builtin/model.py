@@ -85,7 +85,8 @@ class Attention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def forward(self, x, cos, sin, attend: Attend) -> torch.Tensor:
+    def forward(self, x, cos, sin, attend: Attend, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention's output for every token, or only for `rows` (the cache is written for all)."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         qk, v = qkv.split([(self.num_heads + self.num_kv_heads) * self.head_dim, self.num_kv_heads * self.head_dim], dim=-1)
@@ -93,8 +94,8 @@ class Attention(nn.Module):
         qk = apply_rope(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = attend(q, k, v, self.layer_index)
-        return self.o_proj(out.reshape(num_tokens, -1))
+        out = attend(q, k, v, self.layer_index).reshape(num_tokens, -1)
+        return self.o_proj(out if rows is None else out[rows])
 
 
 class MLP(nn.Module):
@@ -116,8 +117,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, attend: Attend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
+    def forward(self, x, cos, sin, attend: Attend, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Every token's output, or only `rows`' (the last layer's, where only some tokens' logits are wanted)."""
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, attend, rows)
+        x = (x if rows is None else x[rows]) + attended
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -128,6 +131,14 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_len)
+
+
+def rows_to_finish(input_ids: torch.Tensor, logit_rows: torch.Tensor | None) -> torch.Tensor:
+    """The rows the last layer finishes: those whose logits are wanted, or (none wanted: a prompt's chunk)
+    the last token's alone, so that a compiled graph never sees an empty dimension."""
+    if logit_rows is not None:
+        return logit_rows
+    return torch.full((1,), input_ids.shape[0] - 1, dtype=torch.long, device=input_ids.device)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -153,21 +164,24 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         logit_rows: torch.Tensor | None,  # [num_samples] rows whose next-token logits are wanted
     ) -> torch.Tensor | None:  # [num_samples, vocab] float32
-        return self.logits(self.decoder(input_ids, positions, self.paged_attention(meta)), logit_rows)
+        hidden = self.decoder(input_ids, positions, self.paged_attention(meta), rows_to_finish(input_ids, logit_rows))
+        return None if logit_rows is None else self.logits(hidden)
 
-    def decoder(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
-        """Hidden states after the last layer, [num_tokens, hidden]."""
+    def decoder(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend, rows: torch.Tensor) -> torch.Tensor:
+        """Hidden states after the last layer of the tokens at `rows`, [len(rows), hidden].
+
+        Only those go through the last layer's o_proj and MLP: every token's keys and values are cached by
+        then, and a prefill wants one token's logits (1/30 of a 1,000-token prefill's linears, SmolLM2)."""
         cos, sin = self.model.rotary(positions)
         x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
+        *layers, last = self.model.layers
+        for layer in layers:
             x = layer(x, cos, sin, attend)
-        return x
+        return last(x, cos, sin, attend, rows)
 
-    def logits(self, hidden: torch.Tensor, logit_rows: torch.Tensor | None) -> torch.Tensor | None:
-        if logit_rows is None:
-            return None
-        # Only the last token of each sampled sequence needs the (vocab-wide) head.
-        return self.lm_head(self.model.norm(hidden[logit_rows])).float()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The vocabulary-wide head over the decoder's rows (the tokens whose next-token logits are wanted)."""
+        return self.lm_head(self.model.norm(hidden)).float()
 
     def paged_attention(self, meta: AttentionMetadata) -> Attend:
         """Each layer's attention over its own cache, for one step's metadata."""
