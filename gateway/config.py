@@ -107,6 +107,9 @@ class SemanticConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     session_idle_ttl_s: float = 3600.0
     # Finished calls each session keeps for its graph (GET /v1/sessions/{id}/graph), oldest dropped beyond.
     finished_calls_kept: Annotated[int, msgspec.Meta(ge=0)] = 1000
+    # Calls one extension request may carry inline (``parrot.vars.NAME.call``, nested ones counted): each is
+    # a full request's work, queued by one HTTP request.
+    max_inline_calls: Annotated[int, msgspec.Meta(ge=0)] = 64
 
 
 class DashboardConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

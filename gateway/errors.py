@@ -84,10 +84,15 @@ def body_error(exc: msgspec.DecodeError | UnicodeDecodeError) -> APIError:
     if not isinstance(exc, msgspec.ValidationError):
         return APIError(400, f"We could not parse the JSON body of your request ({message}). "
                              "The API expects a JSON object.")
+    return APIError(400, f"body: {message}", param=invalid_field(exc))
+
+
+def invalid_field(exc: msgspec.ValidationError) -> str | None:
+    """The dotted path of the field a validation error is about (a missing one's included), if it names one."""
+    message = str(exc)
     at = message.rsplit("`$.", 1)[1].rstrip("`") if "`$." in message else None
     missing = MISSING_FIELD.search(message)
-    param = f"{at}.{missing.group(1)}" if at and missing else at or (missing and missing.group(1))
-    return APIError(400, f"body: {message}", param=param)
+    return f"{at}.{missing.group(1)}" if at and missing else at or (missing and missing.group(1))
 
 
 def handle_validation(request: Request, exc: msgspec.ValidationError) -> Response:

@@ -1,7 +1,7 @@
 """Map-reduce summarization: summarize each chunk of a document (map), then combine the summaries (reduce).
 
-Parrot: the maps' output variables are made first (one round trip), then every map and the reduce
-(which consumes the maps' outputs by id) are sent together, the reduce answering with the final summary. Baseline (a LangChain-style client):
+Parrot: one request, the reduce, whose placeholders are bound to the maps as inline calls: the whole
+graph in one round trip, the reduce answering with the final summary. Baseline (a LangChain-style client):
 maps concurrently (an async client, or LCEL's ``batch``), then the reduce, every value passing
 through the client; with ``sequential`` the maps go one after another, as LangChain's classic
 synchronous ``MapReduceDocumentsChain`` runs them.
@@ -51,16 +51,13 @@ async def run_parrot(client: httpx.AsyncClient, model: str, cfg: Config, rtt_ms:
     chunks = document(cfg.seed, cfg.chunks, cfg.chunk_words)
     started = time.perf_counter()
     session = Remote(client, rtt_ms).default_session()
-    summary_ids = await session.new_variables([f"summary_{i}" for i in range(len(chunks))])
-    maps = [session.submit(model, map_messages(), {"chunk": {"value": chunk}}, {"id": summary_ids[i]},
-                           sampling(cfg.map_tokens, cfg.ignore_eos))
-            for i, chunk in enumerate(chunks)]
-    reduce = session.ask(model, reduce_messages(len(chunks)),
-                         {f"summary_{i}": {"id": var} for i, var in enumerate(summary_ids)},
-                         "final_summary", sampling(cfg.reduce_tokens, cfg.ignore_eos))
-    final = (await asyncio.gather(*maps, reduce))[-1]
+    maps = {f"summary_{i}": session.inline_call(model, map_messages(), {"chunk": {"value": chunk}},
+                                                sampling(cfg.map_tokens, cfg.ignore_eos))
+            for i, chunk in enumerate(chunks)}
+    final, summary_ids = await session.ask_inline(model, reduce_messages(len(chunks)), maps, "final_summary",
+                                                  sampling(cfg.reduce_tokens, cfg.ignore_eos))
     seconds = time.perf_counter() - started
-    summaries = [await session.read(var) for var in summary_ids]  # ready by now; for checks only
+    summaries = [await session.read(summary_ids[f"summary_{i}"]) for i in range(len(chunks))]  # for checks only
     return Result(seconds, final, summaries, calls=len(chunks) + 1)
 
 

@@ -109,11 +109,24 @@ class ParrotSession:
         answer = await self.remote.chat(model, messages, options, self._extension(inputs, output, wait=False))
         return answer["parrot"]["output"]["id"]
 
-    async def ask(self, model: str, messages: Messages, inputs: dict[str, dict[str, str]], output: Output,
+    async def ask(self, model: str, messages: Messages, inputs: dict[str, dict[str, Any]], output: Output,
                   options: dict[str, Any]) -> str:
         """Run a call and wait for its text (a latency-critical request)."""
+        return (await self.ask_inline(model, messages, inputs, output, options))[0]
+
+    async def ask_inline(self, model: str, messages: Messages, inputs: dict[str, dict[str, Any]], output: Output,
+                         options: dict[str, Any]) -> tuple[str, dict[str, str]]:
+        """``ask``, whose inputs may be inline calls (``inline_call``): the whole tree in one round trip. Returns
+        the text and the inline calls' output variable ids by placeholder."""
         answer = await self.remote.chat(model, messages, options, self._extension(inputs, output, wait=True))
-        return answer["choices"][0]["message"]["content"] or ""
+        inline = {path: view["id"] for path, view in answer["parrot"].get("inline", {}).items()}
+        return answer["choices"][0]["message"]["content"] or "", inline
+
+    @staticmethod
+    def inline_call(model: str, messages: Messages, inputs: dict[str, dict[str, Any]], options: dict[str, Any]
+                    ) -> dict[str, Any]:
+        """A placeholder's binding to a call made inside its consumer's request (its output feeds it)."""
+        return {"call": {"model": model, "messages": messages, **options, "parrot": {"vars": inputs}}}
 
     async def read(self, var_id: str, timeout_s: float = 600.0) -> str:
         """A variable's value, waiting for it; the wait marks its producers latency-critical."""

@@ -388,12 +388,17 @@ class Session:
 
     @contextlib.contextmanager
     def undo_on_error(self) -> Iterator[set[str]]:
-        """Variables made by a request that is then rejected are forgotten again (the block must not await).
-        Yields a set that holds, after the block, the ids of the variables it made."""
-        before, made = set(self.variables), set()
+        """Variables made and calls added by a request that is then rejected are forgotten again (the block
+        must not await, so the calls' tasks have not begun). Yields a set that holds, after the block, the ids
+        of the variables it made."""
+        before, calls_before, made = set(self.variables), set(self.calls), set()
         try:
             yield made
         except BaseException:
+            for call_id in self.calls.keys() - calls_before:
+                call = self.calls.pop(call_id)
+                if call.task is not None:
+                    call.task.cancel()
             self._forget(self.variables.keys() - before)
             raise
         made |= self.variables.keys() - before

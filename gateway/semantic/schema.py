@@ -10,10 +10,21 @@ from wire.sampling import Criteria, Sampling, sampling_of
 
 
 class VarRef(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
-    """A placeholder's binding: an existing variable (possibly not produced yet) or a literal value."""
+    """A placeholder's binding, one of: an existing variable (possibly not produced yet), a literal value, or
+    ``call``: a request of the same endpoint (model, messages or prompt, sampling, and a ``parrot`` object
+    with only ``vars`` and ``criteria``) run in the same session, whose output binds the placeholder. Inline
+    calls make one HTTP request carry a whole tree of calls (a reduce and its maps): one round trip."""
 
     id: str | None = None
     value: str | None = None
+    call: dict[str, Any] | None = None
+
+
+class InlineExtension(msgspec.Struct, forbid_unknown_fields=True):
+    """The ``parrot`` object of an inline call: its session, output and waiting are its consumer's."""
+
+    vars: dict[str, VarRef] = {}
+    criteria: Criteria | None = None
 
 
 class OutputRef(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
@@ -51,6 +62,8 @@ class OutputView(msgspec.Struct):
 class ParrotResult(msgspec.Struct, omit_defaults=True):
     session_id: str
     output: OutputView | None = None
+    # The output variables of the request's inline calls (``vars.NAME.call``) by placeholder, nested ones too.
+    inline: dict[str, OutputView] = {}
     call_id: str | None = None
     status: str | None = None
 

@@ -13,9 +13,10 @@ from litestar import Response
 
 from engines.seam import EngineError, Route
 from wire.sse import SSE_DONE, sse_event
-from wire.openai import CompletionRequest
+from wire.openai import ChatCompletionRequest, CompletionRequest
 from wire.errors import InvalidRequest
 from gateway.config import QuotaLimits, SemanticConfig, TracingConfig
+from gateway.errors import invalid_field
 from gateway.domain_errors import Conflict, DependencyFailed, DomainError, NotFound, model_not_found
 from gateway.semantic import template
 from gateway.semantic.graph import Call, Session, Variable, VariableFailed
@@ -26,6 +27,7 @@ from gateway.semantic.streaming import StreamedAnswer, TextSink
 from wire.placeholders import texts
 from gateway.semantic.schema import (
     Accepted,
+    InlineExtension,
     OutputRef,
     OutputSpec,
     OutputView,
@@ -42,6 +44,7 @@ from gateway.tracing import Tracing
 JSON = "application/json"
 # How long deleting a session waits for its cancelled calls to unwind (they do at their next await).
 _UNWIND_WAIT_S = 10.0
+_REQUESTS = {"chat/completions": ChatCompletionRequest, "completions": CompletionRequest}  # an inline call's schema by route
 
 
 def view(variable: Variable) -> VarView:
@@ -65,18 +68,23 @@ class SemanticService:
 
     # ------------------------------------------------------------ binding
 
-    def _bind(self, session: Session, placeholders: set[str], refs: dict[str, VarRef], param: str
-              ) -> dict[str, Variable]:
+    def _bind(self, session: Session, placeholders: set[str], refs: dict[str, VarRef], param: str,
+              inline: InlineCalls | None = None) -> dict[str, Variable]:
+        """Each placeholder's variable; ``inline`` makes those bound to an inline call (the extension's)."""
         unbound = sorted(placeholders - refs.keys())
         if unbound:
             raise InvalidRequest(f"placeholders without a binding in {param}: "
                                  + ", ".join("{{" + n + "}}" for n in unbound), param)
         inputs = {}
-        for name in placeholders:
-            ref = refs[name]
-            if (ref.id is None) == (ref.value is None):
-                raise InvalidRequest(f"{param}.{name} needs exactly one of 'id' and 'value'", f"{param}.{name}")
-            inputs[name] = session.variable(ref.id) if ref.id else session.new_variable(name, ref.value)
+        for name in sorted(placeholders):
+            ref, where = refs[name], f"{param}.{name}"
+            kinds = "'id', 'value' and 'call'" if inline else "'id' and 'value'"
+            if sum(x is not None for x in (ref.id, ref.value, ref.call)) != 1 or (ref.call is not None and not inline):
+                raise InvalidRequest(f"{where} needs exactly one of {kinds}", where)
+            if ref.call is not None:
+                inputs[name] = inline.make(name, ref.call, f"{where}.call")
+            else:
+                inputs[name] = session.variable(ref.id) if ref.id else session.new_variable(name, ref.value)
         return inputs
 
     @staticmethod
@@ -104,12 +112,42 @@ class SemanticService:
             raise InvalidRequest("stream cannot be combined with parrot.wait=false: the answer is the queued "
                                  "call's variable id; read its value with GET /v1/vars/{id}", "parrot.wait")
         session = self.sessions.resolve(ext.session_id, owner)
-        placeholders = {name for text in texts(route, body) for name in template.names(text)}
-        responses: dict[str, Answer] = {}
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}  # runs whole, server-side
-
         sink = TextSink() if stream else None
+        latency = ext.criteria == "latency" or (ext.criteria is None and ext.wait)
+        inline = InlineCalls(self, route, session)
+        with session.undo_on_error() as made:
+            inputs = self._bind(session, _placeholders(route, body), ext.vars, "parrot.vars", inline)
+            output = self._output(session, ext.output)
+            call, responses = self._extension_call(route, body, session, inputs, output, latency, sink)
+        result = ParrotResult(session_id=session.id, output=OutputView(id=output.id, name=output.name),
+                              call_id=call.id, inline={path: OutputView(id=v.id, name=v.name)
+                                                       for path, v in inline.outputs.items()})
+        if not ext.wait:
+            result.status = "queued"
+            return Response(msgspec.json.encode(Accepted(parrot=result)), status_code=202, media_type=JSON)
+        parrot = msgspec.to_builtins(result)
+        if sink is not None:
+            assert call.task is not None
+            sink.follow(call.task)
+            first = await sink.first()
+            if first is not None:
+                return self._stream(call, sink, first, StreamedAnswer(route, body["model"], parrot, include_usage),
+                                    lambda: responses["answer"].body)
+        await self._finish_request(call, made)
+        answer = msgspec.json.decode(responses["answer"].body)
+        answer["parrot"] = parrot
+        where = {ENGINE_HEADER: responses["answer"].engine_id}
+        if stream:  # ended without text: its one chunk
+            return _as_stream(route, answer, include_usage, where)
+        return Response(msgspec.json.encode(answer), media_type=JSON, headers=where)
+
+    def _extension_call(self, route: Route, body: dict[str, Any], session: Session, inputs: dict[str, Variable],
+                        output: Variable, latency: bool, sink: TextSink | None) -> tuple[Call, dict[str, Answer]]:
+        """The call of an extension request (or of an inline one) linked into its session and started; the
+        dict gets its engine's answer under "answer" once it has run."""
+        responses: dict[str, Answer] = {}
 
         async def work(call: Call, values: dict[str, str]) -> dict[str, str]:
             with self.tracing.call(call):
@@ -130,34 +168,11 @@ class SemanticService:
             responses["answer"] = answer
             return {"output": output_text(route, answer.body)}
 
-        latency = ext.criteria == "latency" or (ext.criteria is None and ext.wait)
-        with session.undo_on_error() as made:
-            inputs = self._bind(session, placeholders, ext.vars, "parrot.vars")
-            output = self._output(session, ext.output)
-            call = Call(session, inputs, {"output": output}, work, latency=latency,
-                        prepare=lambda: self.runner.warm(route, body, call, session),
-                        hand_ahead=hand_ahead if self.config.token_handoff else None)
-            self._start(session, call)
-        result = ParrotResult(session_id=session.id, output=OutputView(id=output.id, name=output.name),
-                              call_id=call.id)
-        if not ext.wait:
-            result.status = "queued"
-            return Response(msgspec.json.encode(Accepted(parrot=result)), status_code=202, media_type=JSON)
-        parrot = msgspec.to_builtins(result)
-        if sink is not None:
-            assert call.task is not None
-            sink.follow(call.task)
-            first = await sink.first()
-            if first is not None:
-                return self._stream(call, sink, first, StreamedAnswer(route, body["model"], parrot, include_usage),
-                                    lambda: responses["answer"].body)
-        await self._finish_request(call, made)
-        answer = msgspec.json.decode(responses["answer"].body)
-        answer["parrot"] = parrot
-        where = {ENGINE_HEADER: responses["answer"].engine_id}
-        if stream:  # ended without text: its one chunk
-            return _as_stream(route, answer, include_usage, where)
-        return Response(msgspec.json.encode(answer), media_type=JSON, headers=where)
+        call = Call(session, inputs, {"output": output}, work, latency=latency,
+                    prepare=lambda: self.runner.warm(route, body, call, session),
+                    hand_ahead=hand_ahead if self.config.token_handoff else None)
+        self._start(session, call)
+        return call, responses
 
     async def _finish_request(self, call: Call, made: set[str]) -> None:
         """``_finish``; a request the engine refused leaves nothing behind in its session, as a 400 here."""
@@ -334,6 +349,60 @@ class SemanticService:
                 known[piece.name] = results[piece.name] = output_text("completions", answer.body)
             prompt += "{{" + piece.name + "}}"
         return results
+
+
+class InlineCalls:
+    """The inline calls of one extension request (``parrot.vars.NAME.call``), each checked as a request of
+    its endpoint would be, then linked and started as the request's own call is; their outputs by path
+    ("summary_0", nested ones "summary_0.chunk"). At most [semantic] max_inline_calls in all."""
+
+    def __init__(self, service: SemanticService, route: Route, session: Session, path: str = ""):
+        self.service, self.route, self.session, self.path = service, route, session, path
+        self.outputs: dict[str, Variable] = {}
+
+    def make(self, name: str, raw: dict[str, Any], param: str) -> Variable:
+        """The output variable of the inline call ``raw`` binding placeholder ``name``; its call started."""
+        service, limit = self.service, self.service.config.max_inline_calls
+        if len(self.outputs) >= limit:
+            raise InvalidRequest(f"more than {limit} inline calls in one request (the gateway's [semantic] "
+                                 "max_inline_calls); submit the rest as requests of their own", param)
+        data = _checked(service.gateway, _REQUESTS[self.route], raw, param)
+        if data.stream:
+            raise InvalidRequest(f"{param}.stream: an inline call's text goes to its consumer, not to a stream",
+                                 f"{param}.stream")
+        try:
+            ext = msgspec.convert(data.parrot or {}, InlineExtension)
+        except msgspec.ValidationError as exc:
+            raise InvalidRequest(f"{param}.parrot: {exc} (an inline call takes only 'vars' and 'criteria': its "
+                                 "session and waiting are its consumer's)", f"{param}.parrot") from None
+        body = {k: v for k, v in raw.items() if k not in ("parrot", "stream", "stream_options")}
+        path = f"{self.path}{name}"
+        nested = InlineCalls(service, self.route, self.session, f"{path}.")
+        nested.outputs = self.outputs  # one count and one map for the whole request
+        inputs = service._bind(self.session, _placeholders(self.route, body), ext.vars, f"{param}.parrot.vars", nested)
+        output = self.session.new_variable(name)
+        self.outputs[path] = output
+        service._extension_call(self.route, body, self.session, inputs, output, ext.criteria == "latency", None)
+        return output
+
+
+def _checked(gateway: Gateway, schema: type, raw: Any, param: str) -> Any:
+    """``raw`` as a request of ``schema``, held to the gateway's rules as a request of its own is."""
+    try:
+        data = msgspec.convert(raw, schema)
+        gateway.check(data)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(f"{param}: {exc}", _within(param, invalid_field(exc))) from None
+    except InvalidRequest as exc:
+        raise InvalidRequest(f"{param}: {exc}", _within(param, exc.param)) from None
+    except DomainError as exc:  # a configured limit, an unknown model
+        exc.param = _within(param, exc.param)
+        raise
+    return data
+
+
+def _placeholders(route: Route, body: dict[str, Any]) -> set[str]:
+    return {name for text in texts(route, body) for name in template.names(text)}
 
 
 def _within(prefix: str, param: str | None) -> str:

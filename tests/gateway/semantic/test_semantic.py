@@ -62,6 +62,58 @@ def test_reduce_submitted_before_its_maps_sees_every_map_output(gw, session):
         "echo: combine echo: map chunk0 | echo: map chunk1 | echo: map chunk2")
 
 
+def inline(text: str, vars: dict, **extra) -> dict:
+    """A placeholder bound to an inline call: a chat request inside its consumer's."""
+    return {"call": {"model": MODEL, "messages": [{"role": "user", "content": text}], "parrot": {"vars": vars}, **extra}}
+
+
+def test_a_reduce_with_its_maps_inline_is_one_request(gw, session):
+    """The whole graph in one round trip: the maps are inline calls of the reduce (one nested a level deeper),
+    their outputs readable by the ids the answer lists."""
+    answer = gw.post("/v1/chat/completions", json=chat("combine {{a}} | {{b}}", {"session_id": session, "vars": {
+        "a": inline("map {{doc}}", {"doc": {"value": "chunk0"}}),
+        "b": inline("map {{doc}}", {"doc": inline("title {{t}}", {"t": {"value": "x"}})})}}))
+
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["message"]["content"] == "echo: combine echo: map chunk0 | echo: map echo: title x"
+    made = answer.json()["parrot"]["inline"]
+    assert set(made) == {"a", "b", "b.doc"}
+    assert gw.get(f"/v1/vars/{made['a']['id']}").json()["value"] == "echo: map chunk0"
+    assert gw.get(f"/v1/vars/{made['b.doc']['id']}").json()["value"] == "echo: title x"
+
+
+@pytest.mark.parametrize("binding, param", [
+    ({"call": {"messages": [{"role": "user", "content": "m"}]}}, "parrot.vars.b.call.model"),  # missing
+    (inline("m", {}, model="no-such-model"), "parrot.vars.b.call.model"),
+    (inline("m", {}, stream=True), "parrot.vars.b.call.stream"),
+    (inline("m", {}, max_tokens=0), "parrot.vars.b.call.max_tokens"),
+    ({"call": {"model": MODEL, "messages": [{"role": "user", "content": "m"}], "parrot": {"wait": False}}},
+     "parrot.vars.b.call.parrot"),
+    (inline("m {{d}}", {}), "parrot.vars.b.call.parrot.vars"),  # its own placeholder unbound
+    ({**inline("m", {}), "value": "v"}, "parrot.vars.b"),
+])
+def test_a_bad_inline_call_is_a_4xx_naming_it_and_nothing_runs(gw, session, fake_stats, binding, param):
+    """Checked as a request of its own would be; the valid inline call made before it (a) never runs, and the
+    session keeps nothing."""
+    before = fake_stats()["requests"]
+    response = gw.post("/v1/chat/completions", json=chat("{{a}} {{b}}", {"session_id": session, "vars": {
+        "a": inline("fine", {}), "b": binding}}))
+
+    assert 400 <= response.status_code < 500, response.text
+    assert response.json()["error"]["param"] == param
+    assert gw.get(f"/v1/sessions/{session}/vars").json()["data"] == []
+    assert gw.get(f"/v1/sessions/{session}/graph").json()["calls"] == []
+    assert fake_stats()["requests"] == before
+
+
+def test_inline_calls_are_capped_per_request(gw, session):
+    many = {f"v{i}": inline("m", {}) for i in range(65)}
+    response = gw.post("/v1/chat/completions", json=chat(" ".join("{{" + n + "}}" for n in many),
+                                                         {"session_id": session, "vars": many}))
+    assert response.status_code == 400 and "max_inline_calls" in response.json()["error"]["message"]
+    assert gw.get(f"/v1/sessions/{session}/vars").json()["data"] == []
+
+
 def test_chain_runs_server_side_in_order(gw, session):
     previous = {"value": "start"}
     for step in range(3):
@@ -277,6 +329,13 @@ def test_semantic_call_without_output_is_400(gw):
     response = gw.post("/v1/semantic_calls", json={"model": MODEL, "template": "no outputs {{input:x}}",
                                                    "inputs": {"x": {"value": "1"}}})
     assert response.status_code == 400 and response.json()["error"]["param"] == "template"
+
+
+def test_inline_calls_are_the_extensions_only(gw):
+    """A semantic call's inputs bind variables and values; inline calls belong to the OpenAI extension."""
+    response = gw.post("/v1/semantic_calls", json={"model": MODEL, "template": "{{input:x}} {{output:y}}",
+                                                   "inputs": {"x": inline("m", {})}})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "inputs.x"
 
 
 # ---------------------------------------------------------------- performance deduction (graph level)

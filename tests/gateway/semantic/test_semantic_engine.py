@@ -136,6 +136,30 @@ def test_map_reduce_with_reduce_submitted_first(gw):
     gw.delete(f"/v1/sessions/{session}")
 
 
+def test_an_inline_map_reduce_runs_its_maps_as_a_task_group(gw):
+    """One request: the reduce with its maps inline. The maps are one task group (batched, feeding the reduce),
+    the reduce starts after both, and each map's output is readable by the id the answer lists."""
+    session = gw.post("/v1/sessions").json()["id"]
+    parts = {"a": "Lions live in Africa.", "b": "Penguins live in Antarctica."}
+    maps = {k: {"call": ask("Repeat: {{doc}}", {"vars": {"doc": {"value": part}}})} for k, part in parts.items()}
+    answer = gw.post("/v1/chat/completions", json={
+        "model": SMOLLM, "temperature": 0, "max_tokens": 16, "messages": [{"role": "user", "content": "Combine: {{a}} {{b}}"}],
+        "parrot": {"session_id": session, "vars": maps}})
+
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["message"]["content"].strip()
+    inline = {k: view["id"] for k, view in answer.json()["parrot"]["inline"].items()}
+    assert all(gw.get(f"/v1/vars/{inline[k]}").json()["value"].strip() for k in parts)
+    calls = {c["id"]: c for c in gw.get(f"/v1/sessions/{session}/graph").json()["calls"]}
+    producers = {v["id"]: v["producer"] for v in gw.get(f"/v1/sessions/{session}/graph").json()["variables"]}
+    map_calls = [calls[producers[inline[k]]] for k in parts]
+    reduce = next(c for c in calls.values() if c["id"] not in {m["id"] for m in map_calls} and c["inputs"])
+    assert map_calls[0]["group"] is not None and map_calls[0]["group"] == map_calls[1]["group"]
+    assert all(c["state"] == "done" for c in calls.values())
+    assert reduce["finished"] >= max(m["finished"] for m in map_calls)
+    gw.delete(f"/v1/sessions/{session}")
+
+
 def test_semantic_call_with_two_outputs_on_the_engine(gw):
     response = gw.post("/v1/semantic_calls", json={
         "model": SMOLLM,
