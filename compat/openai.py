@@ -94,18 +94,32 @@ async def _async_request(client: Any, method: str, path: str, **kwargs: Any) -> 
 
 # ---------------------------------------------------------------- the request extension
 
-Binding = Union["Variable", str, Mapping[str, str]]
+Binding = Union["Variable", str, Mapping[str, Any]]
 
 
-def binding(value: Binding) -> dict[str, str]:
-    """A placeholder's binding: a Variable by id, a str as a literal value, or a ready-made {"id"|"value"}."""
+def binding(value: Binding) -> dict[str, Any]:
+    """A placeholder's binding: a Variable by id, a str as a literal value, or a ready-made {"id"|"value"|"call"}
+    (``inline_call`` makes the last)."""
     if isinstance(value, Variable):
         return {"id": value.id}
     if isinstance(value, str):
         return {"value": value}
-    if isinstance(value, Mapping) and len(value) == 1 and set(value) <= {"id", "value"}:
+    if isinstance(value, Mapping) and len(value) == 1 and set(value) <= {"id", "value", "call"}:
         return dict(value)
-    raise TypeError(f"cannot bind {value!r}: expected a Variable, a str or {{'id'|'value': ...}}")
+    raise TypeError(f"cannot bind {value!r}: expected a Variable, a str or {{'id'|'value'|'call': ...}}")
+
+
+def inline_call(*, vars: Mapping[str, Binding] | None = None, criteria: Criteria | None = None,
+                **request: Any) -> dict[str, Any]:
+    """A binding to a call made inside its consumer's request, whose output feeds the placeholder: ``request``
+    as the keyword arguments of the same create() (model, messages or prompt, sampling); ``vars`` its own
+    bindings (inline calls nest). A whole tree of calls then goes in one request: one round trip."""
+    extension: dict[str, Any] = {}
+    if vars:
+        extension["vars"] = {name: binding(value) for name, value in vars.items()}
+    if criteria is not None:
+        extension["criteria"] = criteria
+    return {"call": {**request, **({"parrot": extension} if extension else {})}}
 
 
 def parrot_extra(*, vars: Mapping[str, Binding] | None = None, output: "str | Variable | None" = None,

@@ -10,6 +10,7 @@ from compat.openai import (
     Variable,
     VariableError,
     VariableTimeout,
+    inline_call,
     output_variable,
     parrot_extra,
     referenced_variables,
@@ -55,6 +56,18 @@ def test_extension_on_a_plain_sdk_call_and_its_output_variable(client):
     said = output_variable(client, reply)
     assert said.name == "said"
     assert said.get() == "echo: say hi"
+
+
+def test_a_reduce_with_inline_maps_is_one_sdk_call(client):
+    maps = {k: inline_call(model=MODEL, messages=user("map {{doc}}"), max_tokens=8, vars={"doc": doc})
+            for k, doc in (("a", "x"), ("b", "y"))}
+
+    reply = client.chat.completions.create(model=MODEL, messages=user("combine {{a}} {{b}}"),
+                                           extra_body=parrot_extra(vars=maps))
+
+    assert reply.choices[0].message.content == "echo: combine echo: map x echo: map y"
+    made = reply.model_extra["parrot"]["inline"]
+    assert Variable(client, made["b"]["id"]).get() == "echo: map y"
 
 
 def test_submitted_dag_runs_only_when_its_input_is_set(client):
