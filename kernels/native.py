@@ -35,6 +35,7 @@ _DECODE_ARGS = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR
                 _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _I64, _INT]
 _WRITE_ARGS = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64]
 _LINEAR_ARGS = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT]
+_GATED_ARGS = [_PTR, _PTR, _PTR, _I64, _I64, _I64, _INT]
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 HEAD_DIMS, MAX_GROUP = (32, 64, 80, 96, 128, 256), 48
 LINEAR_BLOCK = 32  # native/linear.cpp's block of output features
@@ -47,11 +48,12 @@ class NativeKernels:
     linear layers."""
 
     def __init__(self, library: ctypes.CDLL):
-        self._decode, self._write, self._linear = {}, {}, {}
+        self._decode, self._write, self._linear, self._gated = {}, {}, {}, {}
         for dtype, suffix in _SUFFIXES.items():
             self._decode[dtype] = _bound(library, f"parrot_decode_{suffix}", _DECODE_ARGS, _INT)
             self._write[dtype] = _bound(library, f"parrot_write_kv_{suffix}", _WRITE_ARGS, _INT)
             self._linear[dtype] = _bound(library, f"parrot_linear_{suffix}", _LINEAR_ARGS, _INT)
+            self._gated[dtype] = _bound(library, f"parrot_gated_linear_{suffix}", _GATED_ARGS, _INT)
         self._pin_threads = _bound(library, "parrot_pin_threads", [_PTR, _INT], _INT)
         # Built without a bf16 dot product (another CPU or compiler), the bf16 linear answers -2.
         probe = torch.zeros(LINEAR_BLOCK, 2, dtype=torch.bfloat16)
@@ -70,6 +72,25 @@ class NativeKernels:
     def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [rows, in] @ weight.T + bias, in x's dtype, the weight as pack_linear() lays it out (see
         native/linear.cpp). Shapes and dtypes are checked here: the kernel reads what the pointers say."""
+        out_features, in_features = self._checked_linear(x, packed, bias)
+        status, out = self._run_linear(x.contiguous(), packed, None if bias is None else bias.contiguous())
+        if status != 0:
+            raise ValueError(f"the native linear refused x {tuple(x.shape)} with a weight of {out_features}x{in_features}")
+        return out
+
+    def gated_linear(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        """silu(x @ gate.T) * (x @ up.T) [rows, I], the [2I, in] gate-and-up weight as pack_gated_linear() lays
+        it out, rounded where torch's unfused ops round (see native/linear.cpp)."""
+        out_features, in_features = self._checked_linear(x, packed, None)
+        out = x.new_empty(x.shape[0], out_features // 2)
+        status = self._gated[x.dtype](x.contiguous().data_ptr(), packed.data_ptr(), out.data_ptr(), x.shape[0],
+                                      out_features // 2, in_features, torch.get_num_threads())
+        if status != 0 or out_features % (2 * LINEAR_BLOCK):
+            raise ValueError(f"the native gated linear refused x {tuple(x.shape)} with a weight of {out_features}x{in_features}")
+        return out
+
+    def _checked_linear(self, x, packed, bias) -> tuple[int, int]:
+        """(out_features, in_features) of ``packed``, or ValueError where x, it and bias do not go together."""
         blocked = (packed.dim() == 4 and packed.shape[2] == LINEAR_BLOCK and packed.is_contiguous()
                    and packed.shape[3] == LINEAR_PACK.get(packed.dtype) and packed.dtype in self._linear_dtypes)
         out_features, in_features = linear_shape(packed) if blocked else (0, 0)
@@ -77,10 +98,7 @@ class NativeKernels:
                 and (bias is None or (bias.dtype == packed.dtype and bias.shape == (out_features,)))):
             raise ValueError(f"the native linear does not take x {tuple(x.shape)} {x.dtype}, packed weight "
                              f"{tuple(packed.shape)} {packed.dtype}, bias {None if bias is None else (tuple(bias.shape), bias.dtype)}")
-        status, out = self._run_linear(x.contiguous(), packed, None if bias is None else bias.contiguous())
-        if status != 0:
-            raise ValueError(f"the native linear refused x {tuple(x.shape)} with a weight of {out_features}x{in_features}")
-        return out
+        return out_features, in_features
 
     def _run_linear(self, x, packed, bias) -> tuple[int, torch.Tensor]:
         out_features, in_features = linear_shape(packed)
@@ -227,6 +245,13 @@ def pack_linear(weight: torch.Tensor) -> torch.Tensor:
     pack = LINEAR_PACK[weight.dtype]
     blocks = weight.reshape(out_features // LINEAR_BLOCK, LINEAR_BLOCK, in_features // pack, pack)
     return blocks.transpose(1, 2).contiguous()
+
+
+def pack_gated_linear(weight: torch.Tensor) -> torch.Tensor:
+    """A [2I, K] gate-and-up weight (gate rows first) packed for native/linear.cpp's gated linear: its blocks of 32
+    output features alternate, gate block j then up block j (I a multiple of 32)."""
+    halves = weight.reshape(2, weight.shape[0] // (2 * LINEAR_BLOCK), LINEAR_BLOCK, weight.shape[1])
+    return pack_linear(halves.transpose(0, 1).reshape(weight.shape))
 
 
 def linear_shape(packed: torch.Tensor) -> tuple[int, int]:

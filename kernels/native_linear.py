@@ -34,6 +34,24 @@ def _(x, packed, bias):
 
 native_linear = torch.ops.parrot.native_linear  # (x [rows, K], pack(weight), bias) -> [rows, N]
 
+_library.define("native_gated_linear(Tensor x, Tensor packed) -> Tensor")
+
+
+def _native_gated_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    return native.library().gated_linear(x, packed)
+
+
+_library.impl("native_gated_linear", _native_gated_linear, "CPU")
+
+
+@torch.library.register_fake("parrot::native_gated_linear")
+def _(x, packed):
+    return x.new_empty(x.shape[0], native.linear_shape(packed)[0] // 2)
+
+
+# (x [rows, K], pack_gated(weight [2I, K])) -> silu(x @ gate.T) * (x @ up.T) [rows, I]
+native_gated_linear = torch.ops.parrot.native_gated_linear
+
 
 def fits(weight: torch.Tensor) -> bool:
     """Whether native_linear takes this [N, K] weight here (the native kernels built, its dtype and block sizes)."""
@@ -44,3 +62,13 @@ def fits(weight: torch.Tensor) -> bool:
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """The weight as the kernel reads it (a copy: for each block of output features, one sequential stream)."""
     return native.pack_linear(weight.detach())
+
+
+def fits_gated(weight: torch.Tensor) -> bool:
+    """Whether native_gated_linear takes this [2I, K] gate-and-up weight here (I a multiple of the block)."""
+    return fits(weight) and weight.shape[0] % (2 * native.LINEAR_BLOCK) == 0
+
+
+def pack_gated(weight: torch.Tensor) -> torch.Tensor:
+    """A gate-and-up weight (gate rows first) as the gated kernel reads it: their blocks alternate."""
+    return native.pack_gated_linear(weight.detach())

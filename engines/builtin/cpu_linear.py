@@ -6,7 +6,8 @@ re-lays bf16 weights out on every call unless prepacked, torch's fp32 GEMV at ~1
 weights packed once at load time at a plain read's rate for 1-8 rows, is ~1.3x faster than prepacked
 oneDNN at 16 rows and level with it (bf16) or ahead of torch's GEMM (fp32) on 1,000-row prefills
 (``python benchmarks/kernels.py --cpu``). One packed copy replaces the weight; a tied head packs its
-own copy beside the embedding it shares.
+own copy beside the embedding it shares. An MLP's gate-and-up projection writes silu(gate) * up directly
+(the kernel's gated variant), not gate and up for a separate kernel to combine.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engines.builtin.model import MLP
 from kernels import native_linear
 
 
@@ -38,10 +40,49 @@ class NativeLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+class NativeGatedLinear(nn.Module):
+    """An MLP's fused gate-and-up projection [2I, K] whose output is silu(gate) * up [.., I]."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features // 2
+        self.register_buffer("packed", native_linear.pack_gated(linear.weight), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        return native_linear.native_gated_linear(rows, self.packed).reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features} (silu(gate) * up)"
+
+
+class NativeMLP(nn.Module):
+    """MLP on the kernel: its gate_up_proj (a NativeGatedLinear) applies the activation itself."""
+
+    def __init__(self, mlp: MLP):
+        super().__init__()
+        self.gate_up_proj = NativeGatedLinear(mlp.gate_up_proj)
+        self.down_proj = NativeLinear(mlp.down_proj)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gate_up_proj(x))
+
+
 def prepare_cpu_linears(model: nn.Module) -> None:
     """Replaces each nn.Linear of an unquantized CPU model whose weight the kernel takes (its dtype has
-    the kernel built here, its sizes fit the kernel's blocks) by a NativeLinear; others stay torch's."""
+    the kernel built here, its sizes fit the kernel's blocks) by a NativeLinear, and each MLP whose two
+    projections it takes by a NativeMLP; others stay torch's."""
+    mlps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+            if type(child) is MLP and type(child.gate_up_proj) is nn.Linear and type(child.down_proj) is nn.Linear
+            and bias_free(child) and native_linear.fits_gated(child.gate_up_proj.weight)
+            and native_linear.fits(child.down_proj.weight)]
+    for parent, name, mlp in mlps:
+        setattr(parent, name, NativeMLP(mlp))
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if type(child) is nn.Linear and native_linear.fits(child.weight)]
     for parent, name, linear in targets:
         setattr(parent, name, NativeLinear(linear))
+
+
+def bias_free(mlp: MLP) -> bool:
+    return mlp.gate_up_proj.bias is None and mlp.down_proj.bias is None

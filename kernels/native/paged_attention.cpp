@@ -58,27 +58,9 @@ inline void store(float &to, float x) { to = x; }
 
 inline void store(BFloat16 &to, float x) { to.bits = float_to_bf16(x); }
 
-typedef int32_t IntVec __attribute__((vector_size(kLanes * sizeof(int32_t))));
-
-// exp for x <= 0 (scores minus their running max), lane by lane: Cephes' expf polynomial after
-// x = n ln2 + r, n rounded by the 1.5 x 2^23 trick and 2^n made from its bits; relative error ~1e-7.
+// exp for x <= 0 (scores minus their running max), lane by lane (exp_in_range, relative error ~1e-7).
 inline Vec exp_nonpositive(Vec x) {
-    x = x < -87.0f ? Vec{} - 87.0f : x;  // exp(-87) ~ 1.6e-38; a masked score is -inf, its weight ~0
-    const Vec magic = Vec{} + 12582912.0f;
-    const Vec n = (x * 1.44269504088896341f + magic) - magic;
-    Vec r = n * -0.693359375f + x;
-    r = n * 2.12194440e-4f + r;
-    Vec p = Vec{} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.0f;
-    const IntVec bits = (__builtin_convertvector(n, IntVec) + 127) << 23;
-    Vec two_to_n;
-    std::memcpy(&two_to_n, &bits, sizeof two_to_n);
-    return p * two_to_n;
+    return exp_in_range(x < -87.0f ? Vec{} - 87.0f : x);  // exp(-87) ~ 1.6e-38; a masked score is -inf, its weight ~0
 }
 
 inline float exp_nonpositive(float x) { return exp_nonpositive(Vec{} + x)[0]; }

@@ -73,3 +73,27 @@ def test_compiled_graph_calls_the_op(monkeypatch):
         x = torch.randn(rows, 32)
         torch.testing.assert_close(step(x), torch.relu(F.linear(x, weight)) + 1, rtol=2.0**-20, atol=1e-5)
     assert len(calls) == 3, "the compiled graph ran the kernel at every row count"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [0, 1, 5, 12, 25])
+def test_gated_linear_is_silu_of_gate_times_up(dtype, rows):
+    """silu(x @ gate.T) * (x @ up.T) from one [2I, K] weight, rounded where torch's unfused ops round (gate, up,
+    silu(gate), product): equal to them but for summation order and exp's last bits. Gates reach far past exp's
+    fp32 range (x 40): silu there is 0 or the gate itself, never NaN."""
+    torch.manual_seed(rows)
+    weight, x = torch.randn(2 * 96, 90, dtype=dtype), torch.randn(rows, 90, dtype=dtype)
+    weight[:8] *= 40
+    assert native_linear.fits_gated(weight)
+
+    out = native_linear.native_gated_linear(x, native_linear.pack_gated(weight))
+
+    gate, up = F.linear(x, weight).chunk(2, dim=-1)
+    assert out.dtype == dtype and out.shape == (rows, 96) and not out.isnan().any()
+    step = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-20
+    torch.testing.assert_close(out, F.silu(gate) * up, rtol=2 * step, atol=1e-3)
+
+
+def test_gated_weights_off_its_blocks_are_left_alone():
+    assert native_linear.fits_gated(torch.zeros(128, 32))
+    assert not native_linear.fits_gated(torch.zeros(96, 32)), "gate and up each a whole number of blocks"

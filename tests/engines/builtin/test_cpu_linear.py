@@ -2,12 +2,15 @@
 any row count and leading shape, equal to F.linear up to summation order; weights it cannot take stay
 torch's."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engines.builtin.cpu_linear import NativeLinear, prepare_cpu_linears
+from engines.builtin.cpu_linear import NativeLinear, NativeMLP, prepare_cpu_linears
+from engines.builtin.model import MLP
 from kernels import native_linear
 
 needs_bf16 = pytest.mark.skipif(not native_linear.fits(torch.zeros(32, 2, dtype=torch.bfloat16)),
@@ -69,3 +72,17 @@ def test_moves_with_the_module():
     linear = NativeLinear(nn.Linear(96, 64))
     assert {name for name, _ in linear.named_buffers()} == {"packed", "bias"}
     assert not linear.state_dict(), "made from the checkpoint's weight at load, never saved"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_an_mlp_becomes_one_gated_call_and_one_linear(dtype):
+    config = SimpleNamespace(hidden_size=96, intermediate_size=128)
+    holder = nn.Module()
+    holder.mlp = MLP(config).to(dtype)
+    x = torch.randn(7, 96, dtype=dtype)
+    expected = holder.mlp(x)
+
+    prepare_cpu_linears(holder)
+
+    assert isinstance(holder.mlp, NativeMLP)
+    torch.testing.assert_close(holder.mlp(x), expected, rtol=2.0**-6 if dtype == torch.bfloat16 else 1e-5, atol=1e-3)
