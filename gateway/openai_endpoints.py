@@ -18,11 +18,10 @@ from litestar.types import Message, Receive, Scope, Send
 
 from engines.seam import Route
 from http_plumbing.disconnect import CancelledOnDisconnect
-from wire.openai import ChatCompletionRequest, CompletionRequest
 from gateway.errors import APIError, body_error
 from gateway.quotas import Quotas
 from gateway.semantic.routes import owner
-from gateway.service import ENGINE_HEADER, Gateway, OpenAIRequest
+from gateway.service import ENGINE_HEADER, REQUEST_SCHEMAS, Gateway, OpenAIRequest
 from gateway.streaming import send_events
 
 
@@ -111,7 +110,8 @@ def parse(raw: bytes, schema: type[OpenAIRequest]) -> tuple[OpenAIRequest, dict]
     return data, body
 
 
-def openai_endpoint(path: str, route: Route, schema: type[OpenAIRequest]) -> ASGIRouteHandler:
+def openai_endpoint(path: str, route: Route) -> ASGIRouteHandler:
+    schema = REQUEST_SCHEMAS[route]
 
     async def endpoint(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["method"] == "OPTIONS":
@@ -129,5 +129,5 @@ def openai_endpoint(path: str, route: Route, schema: type[OpenAIRequest]) -> ASG
     return asgi(path, copy_scope=False)(endpoint)
 
 
-chat_completions = openai_endpoint("/v1/chat/completions", "chat/completions", ChatCompletionRequest)
-completions = openai_endpoint("/v1/completions", "completions", CompletionRequest)
+chat_completions = openai_endpoint("/v1/chat/completions", "chat/completions")
+completions = openai_endpoint("/v1/completions", "completions")

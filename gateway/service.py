@@ -25,6 +25,7 @@ from gateway.registry import EngineConflict, EngineRecord, EngineRegistry
 from gateway.scheduler import Placement, Scheduler, Work
 
 OpenAIRequest = ChatCompletionRequest | CompletionRequest
+REQUEST_SCHEMAS: dict[str, type[OpenAIRequest]] = {"chat/completions": ChatCompletionRequest, "completions": CompletionRequest}
 ENGINE_HEADER = "x-parrot-engine"  # on every proxied response: the engine it came from (its id in GET /v1/engines)
 
 

@@ -73,9 +73,7 @@ def prepare_cpu_linears(model: nn.Module) -> None:
     the kernel built here, its sizes fit the kernel's blocks) by a NativeLinear, and each MLP whose two
     projections it takes by a NativeMLP; others stay torch's."""
     mlps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-            if type(child) is MLP and type(child.gate_up_proj) is nn.Linear and type(child.down_proj) is nn.Linear
-            and bias_free(child) and native_linear.fits_gated(child.gate_up_proj.weight)
-            and native_linear.fits(child.down_proj.weight)]
+            if type(child) is MLP and _kernel_takes(child)]
     for parent, name, mlp in mlps:
         setattr(parent, name, NativeMLP(mlp))
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
@@ -84,5 +82,8 @@ def prepare_cpu_linears(model: nn.Module) -> None:
         setattr(parent, name, NativeLinear(linear))
 
 
-def bias_free(mlp: MLP) -> bool:
-    return mlp.gate_up_proj.bias is None and mlp.down_proj.bias is None
+def _kernel_takes(mlp: MLP) -> bool:
+    """Whether both of the MLP's projections are plain bias-free linears the kernel takes."""
+    gate_up, down = mlp.gate_up_proj, mlp.down_proj
+    return (type(gate_up) is nn.Linear and type(down) is nn.Linear and gate_up.bias is None and down.bias is None
+            and native_linear.fits_gated(gate_up.weight) and native_linear.fits(down.weight))

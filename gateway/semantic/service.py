@@ -13,7 +13,7 @@ from litestar import Response
 
 from engines.seam import EngineError, Route
 from wire.sse import SSE_DONE, sse_event
-from wire.openai import ChatCompletionRequest, CompletionRequest
+from wire.openai import CompletionRequest
 from wire.errors import InvalidRequest
 from gateway.config import QuotaLimits, SemanticConfig, TracingConfig
 from gateway.errors import invalid_field
@@ -37,14 +37,13 @@ from gateway.semantic.schema import (
     VarRef,
     VarView,
 )
-from gateway.service import ENGINE_HEADER, Answer, Gateway
+from gateway.service import ENGINE_HEADER, REQUEST_SCHEMAS, Answer, Gateway
 from gateway.streaming import EventStream
 from gateway.tracing import Tracing
 
 JSON = "application/json"
 # How long deleting a session waits for its cancelled calls to unwind (they do at their next await).
 _UNWIND_WAIT_S = 10.0
-_REQUESTS = {"chat/completions": ChatCompletionRequest, "completions": CompletionRequest}  # an inline call's schema by route
 
 
 def view(variable: Variable) -> VarView:
@@ -307,16 +306,7 @@ class SemanticService:
 
     def _check_sampling(self, model: str, name: str, output: OutputSpec) -> None:
         """An output's sampling, held to /v1/completions' ranges and limits before the call is accepted."""
-        try:
-            request = msgspec.convert({"model": model, "prompt": "", **output.sampling()}, CompletionRequest)
-            self.gateway.check(request)
-        except msgspec.ValidationError as exc:
-            raise InvalidRequest(f"outputs.{name}: {exc}", f"outputs.{name}") from None
-        except InvalidRequest as exc:
-            raise InvalidRequest(f"outputs.{name}: {exc}", _within(f"outputs.{name}", exc.param)) from None
-        except DomainError as exc:  # a configured limit
-            exc.param = _within(f"outputs.{name}", exc.param)
-            raise
+        _checked(self.gateway, CompletionRequest, {"model": model, "prompt": "", **output.sampling()}, f"outputs.{name}")
 
     @staticmethod
     def _first_output(spec: SemanticCall, pieces: list[template.Piece]) -> tuple[str, dict[str, Any]]:
@@ -366,7 +356,7 @@ class InlineCalls:
         if len(self.outputs) >= limit:
             raise InvalidRequest(f"more than {limit} inline calls in one request (the gateway's [semantic] "
                                  "max_inline_calls); submit the rest as requests of their own", param)
-        data = _checked(service.gateway, _REQUESTS[self.route], raw, param)
+        data = _checked(service.gateway, REQUEST_SCHEMAS[self.route], raw, param)
         if data.stream:
             raise InvalidRequest(f"{param}.stream: an inline call's text goes to its consumer, not to a stream",
                                  f"{param}.stream")

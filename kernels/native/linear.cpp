@@ -73,26 +73,19 @@ struct Ops<uint16_t> {
         return (__m512bh)_mm512_set1_epi32(pair);
     }
     static void multiply_add(Sum &sum, __m512bh input, __m512bh weight) { sum = _mm512_dpbf16_ps(sum, input, weight); }
+    static __m512 widened(__m256i bf16) {  // bf16 -> fp32 is a shift into the high half
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16), 16));
+    }
+    static __m256i narrowed(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }  // round to nearest even, as torch
     static void store(uint16_t *to, Sum sum, const uint16_t *bias) {
-        if (bias)  // bf16 -> fp32 is a shift into the high half
-            sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(bias))), 16)));
-        _mm256_storeu_si256(reinterpret_cast<__m256i *>(to), (__m256i)_mm512_cvtneps_pbh(sum));
+        if (bias) sum = _mm512_add_ps(sum, widened(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(bias))));
+        _mm256_storeu_si256(reinterpret_cast<__m256i *>(to), narrowed(sum));
     }
     static void save_sum(float *to, Sum sum) { _mm512_storeu_ps(to, sum); }
-    static Vec widened(__m256i bf16) {
-        Vec x;
-        const __m512i bits = _mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16), 16);
-        std::memcpy(&x, &bits, sizeof x);
-        return x;
-    }
-    static __m256i narrowed(Vec x) {  // round to nearest even, as torch converts
-        __m512 v;
-        std::memcpy(&v, &x, sizeof v);
-        return (__m256i)_mm512_cvtneps_pbh(v);
-    }
-    static Vec rounded(Vec x) { return widened(narrowed(x)); }
-    static void store(uint16_t *to, Vec x) { _mm256_storeu_si256(reinterpret_cast<__m256i *>(to), narrowed(x)); }
+    // The gated epilogue's vectors (common.h's Vec: the same 16 floats as __m512) rounded to bf16 and back, or
+    // stored as bf16.
+    static Vec rounded(Vec x) { return (Vec)widened(narrowed((__m512)x)); }
+    static void store(uint16_t *to, Vec x) { _mm256_storeu_si256(reinterpret_cast<__m256i *>(to), narrowed((__m512)x)); }
 };
 #endif
 
@@ -208,6 +201,13 @@ int linear(const T *x, const T *weight, const T *bias, T *out, int64_t rows, int
     return 0;
 }
 
+// silu(g) = g / (1 + exp(-g)) lane by lane; exp(-g) clamped to its fp32 range (past 88 it would be inf, and
+// silu(g) is then -0, as g / inf).
+inline Vec silu(Vec g) {
+    const Vec minus_g = -g;
+    return g / (exp_in_range(minus_g > 88.0f ? Vec{} + 88.0f : minus_g < -87.0f ? Vec{} - 87.0f : minus_g) + 1.0f);
+}
+
 // silu(gate) * up for `out_features` outputs from a weight of 2 x out_features packed blocks, gate and up
 // alternating (see the top of this file).
 template <typename T>
@@ -223,11 +223,9 @@ int gated_linear(const T *x, const T *weight, T *out, int64_t rows, int64_t out_
         run(up, x + row * in_features, in_features, {ups});
         for (int64_t r = 0; r < end - row; r++)
             for (int64_t c = 0; c < kBlockCols; c += kLanes) {
-                const Vec g = O::rounded(load(gates + r * kBlockCols + c));
-                const Vec minus_g = -g;  // exp(-g) past 88 is inf in fp32: silu(g) is then -0, as x / inf
-                const Vec silu = O::rounded(g / (exp_in_range(minus_g > 88.0f ? Vec{} + 88.0f : minus_g < -87.0f ? Vec{} - 87.0f : minus_g) + 1.0f));
+                const Vec activated = O::rounded(silu(O::rounded(load(gates + r * kBlockCols + c))));
                 O::store(out + (row + r) * out_features + block * kBlockCols + c,
-                         silu * O::rounded(load(ups + r * kBlockCols + c)));
+                         activated * O::rounded(load(ups + r * kBlockCols + c)));
             }
     });
     return 0;

@@ -65,13 +65,17 @@ inline Vec exp_nonpositive(Vec x) {
 
 inline float exp_nonpositive(float x) { return exp_nonpositive(Vec{} + x)[0]; }
 
-// The running max of a row moved on to its segment's (over its first `valid` scores, valid > 0; their
-// vector's lanes past it masked by `valid_in_last`); returns the factor the row's earlier sums are scaled by.
-inline float move_max(const float *score, int64_t valid, float &running_max) {
+// The lanes of a vector whose index is below n (all for n >= kLanes, none for n <= 0).
+inline IntVec lanes_below(int64_t n) {
     const IntVec lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    return lane < static_cast<int32_t>(std::clamp<int64_t>(n, 0, kLanes));
+}
+
+// The running max of a row moved on to its segment's (over its first `valid` scores, valid > 0); returns the
+// factor the row's earlier sums are scaled by.
+inline float move_max(const float *score, int64_t valid, float &running_max) {
     const int64_t last = (valid - 1) / kLanes * kLanes;  // the vector holding the last valid score
-    const IntVec valid_in_last = lane < static_cast<int32_t>(valid - last);
-    Vec maxes = valid_in_last ? load(score + last) : Vec{} - INFINITY;
+    Vec maxes = lanes_below(valid - last) ? load(score + last) : Vec{} - INFINITY;
     for (int64_t t = 0; t < last; t += kLanes) {
         const Vec x = load(score + t);
         maxes = x > maxes ? x : maxes;
@@ -93,7 +97,6 @@ inline float softmax_step(const float *score, int64_t valid, int64_t padded, flo
         return 1.0f;
     }
     const float rescale = move_max(score, valid, running_max);
-    const IntVec lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     const int64_t last = (valid - 1) / kLanes * kLanes;
     Vec sums{};
     for (int64_t t = 0; t < last; t += kLanes) {
@@ -101,7 +104,7 @@ inline float softmax_step(const float *score, int64_t valid, int64_t padded, flo
         save(weight + t, w);
         sums += w;
     }
-    const Vec w = lane < static_cast<int32_t>(valid - last) ? exp_nonpositive(load(score + last) - running_max) : Vec{};
+    const Vec w = lanes_below(valid - last) ? exp_nonpositive(load(score + last) - running_max) : Vec{};
     save(weight + last, w);
     sums += w;
     for (int64_t t = last + kLanes; t < padded; t += kLanes) save(weight + t, Vec{});
