@@ -103,6 +103,7 @@ class ModelRunner:
             attn.k_cache[dst_block, :num_rows] = attn.k_cache[src_block, :num_rows]
             attn.v_cache[dst_block, :num_rows] = attn.v_cache[src_block, :num_rows]
 
+    @torch.inference_mode()  # the step's metadata too: a compiled graph's guards tell inference tensors apart
     def run(self, batch: ScheduledBatch) -> StepResult:
         input_ids, positions, meta, logit_rows, sampled, scored = self.prepare(batch)
         logits = self.forward(input_ids, positions, meta, logit_rows)

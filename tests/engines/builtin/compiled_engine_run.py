@@ -6,7 +6,7 @@ never imports it.
     python tests/engines/builtin/compiled_engine_run.py < request.json
 
 Request: {"model": DIR, "dtype": ..., "max_tokens": N, "batches": [[prompt, ...], ...]}, optionally
-"quantization" and "then_model" (another model, compiled in the same process after the first, given
+"quantization", "max_num_batched_tokens" and "then_model" (another model, compiled in the same process after the first, given
 the same batches). Prints JSON: the greedy tokens of each batch (run in turn), the graphs compiled
 when the engine was ready and after the batches, the classes of the runner's forward and of the head,
 and "then_outputs", the second model's tokens."""
@@ -43,8 +43,9 @@ def main() -> None:
 
 
 def _started(model: str, request: dict) -> EngineCore:
+    budget = {"max_num_batched_tokens": request["max_num_batched_tokens"]} if "max_num_batched_tokens" in request else {}
     engine = EngineCore(EngineConfig(model=model, dtype=request["dtype"], quantization=request.get("quantization"),
-                                     compile=True))
+                                     compile=True, **budget))
     engine.start()
     return engine
 

@@ -19,6 +19,7 @@ from engines.builtin.types import SamplingParams
 pytestmark = pytest.mark.timeout(600)
 
 MAX_TOKENS = 12
+BUDGET = 24  # tokens a step computes: the 64-token prompt is three chunks
 RUNNER = Path(__file__).with_name("compiled_engine_run.py")
 ROOT = Path(__file__).parents[3]
 
@@ -38,11 +39,13 @@ def mixed_prompts() -> list[list[int]]:
 
 
 def test_compiled_fp32_gives_the_eager_tokens_and_compiles_only_at_start(make_engine, tiny_model_dir):
-    # A batch of four (chunked prefills of different lengths, then batched decodes), one alone, a batch of three.
-    batches = [mixed_prompts(), mixed_prompts()[1:2], [[7, 8], [9, 10, 11], [12]]]
-    compiled = run_compiled(tiny_model_dir, "float32", batches)
+    # A prompt alone whose first chunks want no logits (steps that sample no row: that their rows tensor was
+    # made otherwise than a sampling step's once recompiled the graphs while serving), a batch of four
+    # (chunked prefills of different lengths, then batched decodes), one alone, a batch of three.
+    batches = [mixed_prompts()[2:3], mixed_prompts(), mixed_prompts()[1:2], [[7, 8], [9, 10, 11], [12]]]
+    compiled = run_compiled(tiny_model_dir, "float32", batches, max_num_batched_tokens=BUDGET)
     assert compiled["forward"] == "CompiledForward"
-    eager = make_engine()
+    eager = make_engine(max_num_batched_tokens=BUDGET)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     assert compiled["outputs"] == [eager.generate_batch(prompts, params) for prompts in batches]
     assert compiled["graphs_at_start"] > 0
