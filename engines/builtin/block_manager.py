@@ -9,7 +9,8 @@ values before any of its attention reads them). ``commit`` marks the step's bloc
 in the cache (their KV is intact) on an LRU free list and are reused for new data oldest first.
 Partial blocks are never shared: ``fork`` shares the parent's fully computed blocks and copies
 the rows of the rest into a fresh block (unless the parent is still filling: then the child
-matches its next blocks). With ``prefix_caching`` off, blocks are never published or looked up;
+matches its next blocks); the child's own tokens then find cached blocks as any sequence's do, the
+first one (holding the copied rows) taking the copy's place. With ``prefix_caching`` off, blocks are never published or looked up;
 forks still share explicitly.
 """
 
@@ -85,14 +86,17 @@ class BlockManager:
     def match_prefix(self, ctx: Context, max_tokens: int) -> int:
         """Extends ``ctx`` with cached blocks holding its next full blocks; returns tokens reused.
 
-        Only from a block boundary with nothing allocated past the computed tokens, and at most
-        ``max_tokens`` (a generation must still compute its last prompt token to get logits).
+        With nothing allocated past the computed tokens, from a block boundary or from a fork's copy of
+        its parent's partial block (``_match_partial``), and at most ``max_tokens`` (a generation must
+        still compute its last prompt token to get logits).
         """
         size = self.block_size
         start = ctx.num_computed_tokens
-        if not self.prefix_caching or start % size or len(ctx.block_table) * size != start:
+        if not self.prefix_caching or len(ctx.block_table) != -(-start // size):
             return 0
-        reused = 0
+        reused = self._match_partial(ctx, max_tokens) if start % size else 0
+        if start % size and not reused:
+            return 0
         previous = self.blocks[ctx.block_table[-1]].hash if ctx.block_table else None
         while start + reused + size <= min(len(ctx), start + max_tokens):
             if ctx.block_table and previous is NO_HASH:
@@ -108,6 +112,30 @@ class BlockManager:
         ctx.num_computed_tokens += reused
         self.prefix_hit_tokens += reused
         return reused
+
+    def _match_partial(self, ctx: Context, max_tokens: int) -> int:
+        """A cached block holding ``ctx``'s partial last block and the tokens after it, put in place of it
+        (a fork's private copy of its parent's rows, freed); returns the tokens it adds, or 0. So a fork's
+        own tokens find the prefix cache as a plain request's do (a parent's text rarely ends on a block
+        boundary)."""
+        size = self.block_size
+        start = ctx.num_computed_tokens
+        index, end = start // size, (start // size + 1) * size
+        partial = self.blocks[ctx.block_table[-1]]
+        previous = self.blocks[ctx.block_table[index - 1]].hash if index else None
+        if (partial.ref_count != 1 or partial.hash is not NO_HASH or (index and previous is NO_HASH)
+                or end > min(len(ctx), start + max_tokens)):
+            return 0
+        tokens = tuple(ctx.token_ids[index * size : end])
+        block_id = self.cached.get(chain_hash(previous, tokens))
+        if block_id is None or self.blocks[block_id].token_ids != tokens:
+            return 0
+        partial.ref_count = 0
+        self.free[partial.block_id] = None
+        self.free.move_to_end(partial.block_id, last=False)  # holds nothing anyone can find: reused first
+        self._reference(block_id)
+        ctx.block_table[-1] = block_id
+        return end - start
 
     def _publish(self, ctx: Context, computed_after: int) -> None:
         """Publishes the blocks that are full once ``ctx`` has ``computed_after`` tokens computed."""

@@ -1,5 +1,5 @@
-"""Block manager: reference counts, prefix-cache hits (same-step ones too), copy-on-write fork,
-LRU eviction, a failed step's blocks unpublished."""
+"""Block manager: reference counts, prefix-cache hits (same-step ones too, and a fork's own tokens),
+copy-on-write fork, LRU eviction, a failed step's blocks unpublished."""
 
 from __future__ import annotations
 
@@ -98,6 +98,37 @@ def test_fork_shares_full_blocks_and_copies_the_partial_one():
     manager.release(parent)
     assert all(manager.blocks[b].ref_count == 1 for b in child.block_table)
     assert manager.num_free_blocks == 8 - 3
+
+
+def test_a_forks_own_tokens_find_cached_blocks_past_the_copied_rows():
+    manager = BlockManager(8, SIZE)
+    earlier = computed(manager, list(range(14)), "earlier")  # publishes blocks 0-3, 4-7, 8-11
+    parent = computed(manager, list(range(10)), "parent")  # its third block: 2 rows, private
+    child = Context("child", parent.token_ids)
+    manager.fork(parent, child)
+    copy = child.block_table[2]
+    child.token_ids += [10, 11, 12, 13, 99]
+    # The cached block holding rows 8-11 replaces the copy (2 tokens gained), and no more: 12-15 is not cached.
+    assert manager.match_prefix(child, len(child) - 1) == 2
+    assert child.block_table == earlier.block_table[:3] and child.num_computed_tokens == 12
+    assert manager.blocks[copy].ref_count == 0 and next(iter(manager.free)) == copy  # the copy is reused first
+    assert scheduled(manager, child) == 3  # 12, 13 and 99
+
+
+def test_a_forks_copied_rows_stay_when_no_cached_block_holds_its_next_tokens():
+    manager = BlockManager(8, SIZE)
+    computed(manager, list(range(12)), "earlier")
+    parent = computed(manager, list(range(10)), "parent")
+    child = Context("child", parent.token_ids)
+    manager.fork(parent, child)
+    table = list(child.block_table)
+    child.token_ids += [77, 11]  # rows 8-11 differ from the cached block's
+    assert manager.match_prefix(child, len(child)) == 0
+    assert child.block_table == table and child.num_computed_tokens == 10
+    short = Context("short", parent.token_ids)
+    manager.fork(parent, short)
+    short.token_ids += [10, 11]
+    assert manager.match_prefix(short, 1) == 0  # the block would bring 2 tokens, more than allowed
 
 
 def test_uncompute_last_token_copies_a_shared_block():

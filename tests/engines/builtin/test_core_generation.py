@@ -180,6 +180,20 @@ def test_a_fork_of_a_parent_still_filling_matches_its_next_blocks(tiny_model_dir
     assert by_the_fork <= len(prefix) % 16 + len(suffix)  # the parent's partial tail and its own tokens
 
 
+async def test_a_forks_own_tokens_are_found_in_the_prefix_cache(make_engine, references):
+    engine = make_engine()
+    prompt = random_prompts((45,), seed=12)[0]
+    assert references(prompt).accepts(await collect(engine.generate_from_prompt(prompt, GREEDY)))  # caches 0-31
+    parent = await engine.fill(prompt[:21])  # its second block, 16-20, partial: the fork copies those rows
+    before = engine.computed_tokens
+    output = await collect(engine.generate_from_prompt(prompt[21:], GREEDY, parent_context_id=parent.context_id))
+    assert references(prompt).accepts(output)
+    # The cached block 16-31 takes the copy's place: the fork computes 32-44, then decodes.
+    assert engine.computed_tokens - before == (len(prompt) - 32) + (MAX_TOKENS - 1)
+    await engine.free_context(parent.context_id)
+    assert_all_blocks_free(engine)
+
+
 async def test_a_failed_step_leaves_no_kv_to_reuse(make_engine, references, monkeypatch):
     engine = make_engine()
     prompt = random_prompts((40,), seed=7)[0]
