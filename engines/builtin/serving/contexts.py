@@ -230,11 +230,13 @@ class ContextPrimitives(ModelServing):
             return request.tokens, None
         if request.parts is None:
             return (text_tokens(self.tokenizer, request.text) if request.text else []), None
+        # The text parts tokenized first, while the outputs are still being generated, not after them.
+        texts = [None if part.output_of is not None else self._text_tokens([part]) for part in parts]
         tokens: list[int] = []
         inputs_step = None
-        for part in parts:
-            if part.output_of is None:
-                tokens += self._text_tokens([part])
+        for part, text in zip(parts, texts):
+            if text is not None:
+                tokens += text
                 continue
             output = await self.named_outputs.wait(part.output_of)
             tokens += output.token_ids
@@ -258,17 +260,24 @@ class ContextPrimitives(ModelServing):
                         self.llm.metrics.handoff_wait.observe(piece.events[0].step - inputs_step)
                         inputs_step = None
                     result.add(piece)
+                    if piece.finish_reason is not None and output_id is not None:
+                        # Before the last piece is written out: its consumers need not wait for the write.
+                        self._settle(output_id, result, hidden)
+                        output_id = None
                     yield piece
         finally:
             if output_id is not None:
-                if result.finish_reason in ("stop", "length") and result.events:
-                    self.named_outputs.produce(output_id, Output(self._output_ids(result, hidden),
-                                                                 result.events[-1].step))
-                else:
-                    self.named_outputs.fail(output_id, f"its generation ended without finishing "
-                                                       f"({result.finish_reason or 'cancelled or failed'})")
+                self._settle(output_id, result, hidden)
             if ahead is not None:
                 await ahead.drop()
+
+    def _settle(self, output_id: str, result: ChoiceResult, hidden: frozenset[int]) -> None:
+        """The named output produced from the generation's result, or failed when it did not finish."""
+        if result.finish_reason in ("stop", "length") and result.events:
+            self.named_outputs.produce(output_id, Output(self._output_ids(result, hidden), result.events[-1].step))
+        else:
+            self.named_outputs.fail(output_id, f"its generation ended without finishing "
+                                               f"({result.finish_reason or 'cancelled or failed'})")
 
     def _output_ids(self, result: ChoiceResult, hidden: frozenset[int]) -> list[int]:
         """What a consumer takes of an output: the ids generated, an ending EOS or stop token left out, when

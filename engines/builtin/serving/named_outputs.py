@@ -77,6 +77,8 @@ class NamedOutputs:
         self._waiting[output_id] += 1
         try:
             while True:
+                if output_id in self._producing:  # it comes: no timeout, and one hop fewer on the handoff's path
+                    return await asyncio.shield(future)
                 try:
                     return await asyncio.wait_for(asyncio.shield(future), self.unclaimed_wait_s)
                 except TimeoutError:
