@@ -1,14 +1,13 @@
 """Chain summarization: refine a running summary chunk by chunk; each step consumes the previous output.
 
-Parrot: the whole chain is submitted at once: its output variables are made first (one round trip), then
-every step names its own output's id and the previous step's, all sent together, the last one waiting for
-its answer. The server starts step k+1 the moment step k ends (on the engine, from step k's token ids).
+Parrot: the whole chain goes in one request, the last step's: each step's summary is bound to the step
+before it as an inline call. The server starts step k+1 the moment step k ends (on the engine, from step
+k's token ids).
 Baseline: one call after another, each summary travelling back to the client and out again.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass
 
@@ -51,16 +50,15 @@ async def run_parrot(client: httpx.AsyncClient, model: str, cfg: Config, rtt_ms:
     options = sampling(cfg.step_tokens, cfg.ignore_eos)
     started = time.perf_counter()
     session = Remote(client, rtt_ms).default_session()
-    step_ids = await session.new_variables([f"summary_{index}" for index in range(len(chunks))])
-    calls = []
-    for index, chunk in enumerate(chunks):
-        inputs = {"chunk": {"value": chunk}} | ({"summary": {"id": step_ids[index - 1]}} if index else {})
-        last = index == len(chunks) - 1  # the one call the app waits on: it answers with the final summary
-        call = session.ask if last else session.submit
-        calls.append(call(model, _step_messages(index), inputs, {"id": step_ids[index]}, options))
-    final = (await asyncio.gather(*calls))[-1]
+    # The last step's request carries the chain: its {{summary}} is the step before as an inline call, whose
+    # own {{summary}} is the one before it, and so on (one round trip).
+    inputs: dict[str, dict] = {"chunk": {"value": chunks[0]}}
+    for index, chunk in enumerate(chunks[1:], start=1):
+        inputs = {"chunk": {"value": chunk}, "summary": session.inline_call(model, _step_messages(index - 1), inputs, options)}
+    final, inline_ids = await session.ask_inline(model, _step_messages(len(chunks) - 1), inputs, "final_summary", options)
     seconds = time.perf_counter() - started
-    steps = [await session.read(var) for var in step_ids]  # ready by now; for checks only
+    earlier = [inline_ids[".".join(["summary"] * depth)] for depth in range(len(chunks) - 1, 0, -1)]
+    steps = [await session.read(var) for var in earlier] + [final]  # ready by now; for checks only
     return Result(seconds, final, steps, calls=len(chunks))
 
 
