@@ -54,8 +54,10 @@ async def run_parrot(client: httpx.AsyncClient, model: str, cfg: Config, rtt_ms:
     # own {{summary}} is the one before it, and so on (one round trip).
     inputs: dict[str, dict] = {"chunk": {"value": chunks[0]}}
     for index, chunk in enumerate(chunks[1:], start=1):
-        inputs = {"chunk": {"value": chunk}, "summary": session.inline_call(model, _step_messages(index - 1), inputs, options)}
-    final, inline_ids = await session.ask_inline(model, _step_messages(len(chunks) - 1), inputs, "final_summary", options)
+        before = session.inline_call(model, _step_messages(index - 1), inputs, options)
+        inputs = {"chunk": {"value": chunk}, "summary": before}
+    last = _step_messages(len(chunks) - 1)
+    final, inline_ids = await session.ask_inline(model, last, inputs, "final_summary", options)
     seconds = time.perf_counter() - started
     earlier = [inline_ids[".".join(["summary"] * depth)] for depth in range(len(chunks) - 1, 0, -1)]
     steps = [await session.read(var) for var in earlier] + [final]  # ready by now; for checks only

@@ -10,8 +10,8 @@ in the cache (their KV is intact) on an LRU free list and are reused for new dat
 Partial blocks are never shared: ``fork`` shares the parent's fully computed blocks and copies
 the rows of the rest into a fresh block (unless the parent is still filling: then the child
 matches its next blocks); the child's own tokens then find cached blocks as any sequence's do, the
-first one (holding the copied rows) taking the copy's place. With ``prefix_caching`` off, blocks are never published or looked up;
-forks still share explicitly.
+first one (holding the copied rows) taking the copy's place. With ``prefix_caching`` off, blocks are
+never published or looked up; forks still share explicitly.
 """
 
 from __future__ import annotations
