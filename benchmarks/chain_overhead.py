@@ -41,8 +41,8 @@ async def measure(args: argparse.Namespace) -> dict[str, list[float]]:
             order = list(RUNS) if repeat % 2 == 0 else list(RUNS)[::-1]
             for mode in order:
                 # A document of its own for every run: a run on the text the other mode just ran would find
-                # its prompts in the engine's prefix cache (plain requests look it up; a fork's own tokens
-                # do not), which favoured whichever ran second by ~100 ms a call.
+                # its prompts in the engine's prefix cache, which favoured whichever ran second by ~100 ms a
+                # call (when only plain requests looked it up; a fork's own tokens do too now).
                 seed = args.seed + repeat * len(RUNS) + list(RUNS).index(mode)
                 config = chain.Config(chunks=args.calls, chunk_words=args.chunk_words, step_tokens=args.max_tokens,
                                       seed=seed)
