@@ -111,7 +111,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--out", default=str(TRACKED / "mixed_traffic.json"))
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.job_interval > args.duration:  # a run has duration // job_interval jobs (workloads/mixed.py)
+        parser.error(f"--job-interval {args.job_interval:g} is longer than --duration {args.duration:g}: "
+                     "no job would run")
+    return args
 
 
 @contextlib.contextmanager
