@@ -82,9 +82,10 @@ class NativeKernels:
         """silu(x @ gate.T) * (x @ up.T) [rows, I], the [2I, in] gate-and-up weight as pack_gated_linear() lays
         it out, rounded where torch's unfused ops round (see native/linear.cpp)."""
         out_features, in_features = self._checked_linear(x, packed, None)
+        x = x.contiguous()  # held by a name: a temporary's memory would be freed before the kernel reads it
         out = x.new_empty(x.shape[0], out_features // 2)
         # An odd count of blocks (not gate and up pairs) leaves half the features off the blocks: refused there.
-        status = self._gated[x.dtype](x.contiguous().data_ptr(), packed.data_ptr(), out.data_ptr(), x.shape[0],
+        status = self._gated[x.dtype](x.data_ptr(), packed.data_ptr(), out.data_ptr(), x.shape[0],
                                       out_features // 2, in_features, torch.get_num_threads())
         if status != 0:
             raise ValueError(f"the native gated linear refused x {tuple(x.shape)} with a weight of {out_features}x{in_features}")

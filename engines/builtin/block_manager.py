@@ -94,9 +94,11 @@ class BlockManager:
         start = ctx.num_computed_tokens
         if not self.prefix_caching or len(ctx.block_table) != -(-start // size):
             return 0
-        reused = self._match_partial(ctx, max_tokens) if start % size else 0
-        if start % size and not reused:
-            return 0
+        reused = 0
+        if start % size:
+            reused = self._match_partial(ctx, max_tokens)
+            if not reused:
+                return 0
         previous = self.blocks[ctx.block_table[-1]].hash if ctx.block_table else None
         while start + reused + size <= min(len(ctx), start + max_tokens):
             if ctx.block_table and previous is NO_HASH:

@@ -187,11 +187,16 @@ void for_each_pass(int64_t units, int64_t rows, int num_threads, F f) {
     }
 }
 
+// Whether the kernel takes these sizes: whole input steps and whole blocks of output features.
+template <typename T>
+bool sizes_fit(int64_t rows, int64_t out_features, int64_t in_features) {
+    return in_features % Ops<T>::kPack == 0 && out_features % kBlockCols == 0 && rows >= 0;
+}
+
 template <typename T>
 int linear(const T *x, const T *weight, const T *bias, T *out, int64_t rows, int64_t out_features,
            int64_t in_features, int num_threads) {
-    using O = Ops<T>;
-    if (in_features % O::kPack != 0 || out_features % kBlockCols != 0 || rows < 0) return -1;
+    if (!sizes_fit<T>(rows, out_features, in_features)) return -1;
     for_each_pass(out_features / kBlockCols, rows, num_threads, [&](int64_t block, int64_t row, int64_t end) {
         const int64_t feature = block * kBlockCols;
         block_rows_for<T, Output<T>>(end - row)(weight + feature * in_features, x + row * in_features, in_features,
@@ -214,7 +219,7 @@ template <typename T>
 int gated_linear(const T *x, const T *weight, T *out, int64_t rows, int64_t out_features, int64_t in_features,
                  int num_threads) {
     using O = Ops<T>;
-    if (in_features % O::kPack != 0 || out_features % kBlockCols != 0 || rows < 0) return -1;
+    if (!sizes_fit<T>(rows, out_features, in_features)) return -1;
     for_each_pass(out_features / kBlockCols, rows, num_threads, [&](int64_t block, int64_t row, int64_t end) {
         const T *gate = weight + 2 * block * kBlockCols * in_features, *up = gate + kBlockCols * in_features;
         float gates[kMaxRows * kBlockCols], ups[kMaxRows * kBlockCols];

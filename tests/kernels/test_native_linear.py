@@ -97,3 +97,11 @@ def test_gated_linear_is_silu_of_gate_times_up(dtype, rows):
 def test_gated_weights_off_its_blocks_are_left_alone():
     assert native_linear.fits_gated(torch.zeros(128, 32))
     assert not native_linear.fits_gated(torch.zeros(96, 32)), "gate and up each a whole number of blocks"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_linear_takes_a_strided_input(dtype):
+    weight, x = torch.randn(2 * 64, 96, dtype=dtype), torch.randn(96, 9, dtype=dtype).t()  # rows not contiguous
+    out = native_linear.native_gated_linear(x, native_linear.pack_gated(weight))
+    expected = native_linear.native_gated_linear(x.contiguous(), native_linear.pack_gated(weight))
+    assert torch.equal(out, expected)
