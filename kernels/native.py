@@ -55,6 +55,7 @@ class NativeKernels:
             self._linear[dtype] = _bound(library, f"parrot_linear_{suffix}", _LINEAR_ARGS, _INT)
             self._gated[dtype] = _bound(library, f"parrot_gated_linear_{suffix}", _GATED_ARGS, _INT)
         self._pin_threads = _bound(library, "parrot_pin_threads", [_PTR, _INT], _INT)
+        self._use_tiles = _bound(library, "parrot_use_tiles", [_INT], _INT)
         # Built without a bf16 dot product (another CPU or compiler), the bf16 linear answers -2.
         probe = torch.zeros(LINEAR_BLOCK, 2, dtype=torch.bfloat16)
         self._linear_dtypes = {dtype for dtype in self._linear
@@ -108,6 +109,11 @@ class NativeKernels:
         status = self._linear[x.dtype](x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
                                        out.data_ptr(), x.shape[0], out_features, in_features, torch.get_num_threads())
         return status, out
+
+    def use_tiles(self, enable: bool) -> bool:
+        """Whether bf16 linears take whole tiles of 32 rows on AMX (the default where the CPU has it) or stay
+        on the vector path; answers whether tiles are in use. For comparing the two paths."""
+        return bool(self._use_tiles(int(enable)))
 
     def pin_threads(self, cores: tuple[int, ...]) -> int:
         """The calling thread's OpenMP team (torch's intra-op threads) one thread to a core, thread i on

@@ -135,16 +135,22 @@ constexpr int64_t kChunkVecs = kChunk / kLanes;
 
 // Per task: the online softmax state of up to kMaxTileRows query rows; a segment's scores and weights
 // ([rows][kStride]); its keys (transposed, [dim][kStride], or as rows) and values ([kSegment][dim]) in fp32.
+// Rows past a call's last that a tile pass may read and write (scores, weights, queries: the tile's 16 rows
+// padded; those rows' results are dropped, and each row's products depend on its own inputs alone).
+constexpr int64_t kTilePadRows = 16;
+
 struct Scratch {
     std::vector<float> queries, acc, running_max, total, scores, weights, keys_t, keys, values;
     // bf16 pairs (the bf16 dot-product path): queries [rows][dim/2], keys [dim/2][kStride], values
     // [kSegment/2][dim] (tokens 2t and 2t+1 of one dimension), weights [rows][kStride/2].
     std::vector<uint32_t> query_pairs, key_pairs, value_pairs, weight_pairs;
+    bool tiles = false;  // the pairs' products on AMX tiles (run_tasks configured this thread's)
     explicit Scratch(int64_t dim)
         : queries(kMaxTileRows * dim), acc(kMaxTileRows * dim), running_max(kMaxTileRows), total(kMaxTileRows),
-          scores(kMaxTileRows * kStride), weights(kMaxTileRows * kStride), keys_t(dim * kStride),
-          keys(kSegment * dim), values(kSegment * dim), query_pairs(kMaxTileRows * dim / 2),
-          key_pairs(dim / 2 * kStride), value_pairs(kSegment / 2 * dim), weight_pairs(kMaxTileRows * kStride / 2) {}
+          scores((kMaxTileRows + kTilePadRows) * kStride), weights(kMaxTileRows * kStride), keys_t(dim * kStride),
+          keys(kSegment * dim), values(kSegment * dim), query_pairs((kMaxTileRows + kTilePadRows) * dim / 2),
+          key_pairs(dim / 2 * kStride), value_pairs(kSegment / 2 * dim),
+          weight_pairs((kMaxTileRows + kTilePadRows) * kStride / 2) {}
 };
 
 // Scores of ROWS query rows against a chunk's keys (keys_t: the chunk's column of [DIM][kStride]; scores:
@@ -385,6 +391,103 @@ template <int64_t DIM>
 inline void values_to_pairs(const uint16_t *const *, int64_t, uint32_t *) {}
 #endif
 
+#if defined(PARROT_AMX)
+// The pairs' products on AMX tiles (common.h), for head sizes of whole 32s. The pair layouts above are already
+// the tiles' operands: query_pairs rows and weight_pairs rows are 16 rows x 32 bf16 (A), key_pairs' rows of
+// 16 tokens and value_pairs' rows of 16 dimensions are 16 pairs x 16 columns (B). Rows go 16 at a time, the
+// last tile padded past the call's rows (kTilePadRows); all 8 tiles are 16 rows of 64 bytes.
+constexpr bool kTiles = true;
+
+void configure_attention_tiles() { configure_tiles({16, 16, 16, 16, 16, 16, 16, 16}); }
+
+// Scores of `count` rows against a chunk's 32 tokens (key_pairs at the chunk's column), times `scale`: tiles 0-1
+// the sums of tokens 0-15 and 16-31, 2 the rows' queries, 4-5 the keys.
+template <int64_t DIM>
+inline void score_rows_tiles(const uint32_t *query_pairs, const uint32_t *key_pairs, int64_t count, float scale,
+                             float *scores) {
+    for (int64_t r = 0; r < count; r += 16) {
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t d = 0; d < DIM; d += 32) {
+            _tile_loadd(2, query_pairs + r * DIM / 2 + d / 2, DIM * 2);
+            _tile_loadd(4, key_pairs + d / 2 * kStride, kStride * 4);
+            _tile_loadd(5, key_pairs + d / 2 * kStride + 16, kStride * 4);
+            _tile_dpbf16ps(0, 2, 4);
+            _tile_dpbf16ps(1, 2, 5);
+        }
+        _tile_stored(0, scores + r * kStride, kStride * 4);
+        _tile_stored(1, scores + r * kStride + 16, kStride * 4);
+    }
+    for (int64_t r = 0; r < count; r++)
+        for (int64_t c = 0; c < kChunk; c += kLanes)
+            _mm512_storeu_ps(scores + r * kStride + c, _mm512_mul_ps(_mm512_loadu_ps(scores + r * kStride + c),
+                                                                    _mm512_set1_ps(scale)));
+}
+
+// Dimensions [d0, d0 + 16 * TILES) of 16 rows' weighted values over `steps` steps of 32 tokens, into
+// sums (rows DIM apart): tiles 0..TILES-1 the sums, 4 the rows' weights, 5-7 the values in turn.
+template <int64_t DIM, int TILES>
+inline void value_tiles(const uint32_t *weight_pairs, const uint32_t *value_pairs, int64_t steps, int64_t d0,
+                        float *sums) {
+    _tile_zero(0);
+    if (TILES > 1) _tile_zero(1);
+    if (TILES > 2) _tile_zero(2);
+    if (TILES > 3) _tile_zero(3);
+    for (int64_t step = 0; step < steps; step++) {
+        const uint32_t *values = value_pairs + step * 16 * DIM + d0;
+        _tile_loadd(4, weight_pairs + step * 16, kStride * 2);
+        _tile_loadd(5, values, DIM * 4);
+        _tile_dpbf16ps(0, 4, 5);
+        if (TILES > 1) {
+            _tile_loadd(6, values + 16, DIM * 4);
+            _tile_dpbf16ps(1, 4, 6);
+        }
+        if (TILES > 2) {
+            _tile_loadd(7, values + 32, DIM * 4);
+            _tile_dpbf16ps(2, 4, 7);
+        }
+        if (TILES > 3) {
+            _tile_loadd(5, values + 48, DIM * 4);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+    }
+    _tile_stored(0, sums + d0, DIM * 4);
+    if (TILES > 1) _tile_stored(1, sums + d0 + 16, DIM * 4);
+    if (TILES > 2) _tile_stored(2, sums + d0 + 32, DIM * 4);
+    if (TILES > 3) _tile_stored(3, sums + d0 + 48, DIM * 4);
+}
+
+// accumulate_rows_bf16 for `count` rows on tiles: a tile's segment sums made from zero, then added to the
+// rows' scaled sums. value_pairs past the segment's n tokens are zeroed to the last step's end first (their
+// weights are 0, but 0 x an earlier segment's inf would not be).
+template <int64_t DIM>
+inline void accumulate_rows_tiles(float *acc, const float *rescale, const uint32_t *weight_pairs, uint32_t *value_pairs,
+                                  int64_t n, int64_t count) {
+    const int64_t steps = (n + 31) / 32;
+    std::memset(value_pairs + (n + 1) / 2 * DIM, 0, sizeof(uint32_t) * (steps * 16 - (n + 1) / 2) * DIM);
+    alignas(64) float sums[16 * DIM];
+    for (int64_t r = 0; r < count; r += 16) {
+        const uint32_t *weights = weight_pairs + r * kStride / 2;
+        int64_t d0 = 0;
+        for (; d0 + 64 <= DIM; d0 += 64) value_tiles<DIM, 4>(weights, value_pairs, steps, d0, sums);
+        if (d0 < DIM) value_tiles<DIM, 2>(weights, value_pairs, steps, d0, sums);  // DIM % 64 == 32
+        for (int64_t row = r; row < count && row < r + 16; row++)
+            for (int64_t d = 0; d < DIM; d += kLanes) {
+                float *to = acc + row * DIM + d;
+                _mm512_storeu_ps(to, _mm512_fmadd_ps(_mm512_loadu_ps(to), _mm512_set1_ps(rescale[row]),
+                                                     _mm512_loadu_ps(sums + (row - r) * DIM + d)));
+            }
+    }
+}
+#else
+constexpr bool kTiles = false;
+void configure_attention_tiles() {}
+template <int64_t DIM>
+inline void score_rows_tiles(const uint32_t *, const uint32_t *, int64_t, float, float *) {}
+template <int64_t DIM>
+inline void accumulate_rows_tiles(float *, const float *, const uint32_t *, uint32_t *, int64_t, int64_t) {}
+#endif
+
 constexpr int64_t kRowBlock = 4;  // rows scored together: 4 x 2 score and 4 x DIM/16 value accumulators
 // Many rows (a prefix's tile) score 8 at a time: 16 accumulators per key load, fewer loads per FMA.
 constexpr int64_t kScoreRows = 8;
@@ -412,6 +515,10 @@ void score_chunk(Scratch &s, int64_t first, int64_t count, int64_t chunk, int64_
     float *scores = s.scores.data() + first * kStride + chunk;
     const float *queries = s.queries.data() + first * DIM;
     int64_t r = 0;
+    if constexpr (DIM % 32 == 0) if (pairs && s.tiles) {
+        score_rows_tiles<DIM>(s.query_pairs.data() + first * DIM / 2, s.key_pairs.data() + chunk, count, scale, scores);
+        return;
+    }
     if (pairs) {
         const uint32_t *query_pairs = s.query_pairs.data() + first * DIM / 2, *keys = s.key_pairs.data() + chunk;
         for (; r + kScoreRows <= count; r += kScoreRows)
@@ -442,6 +549,11 @@ template <int64_t DIM>
 void accumulate_segment(Scratch &s, int64_t first, int64_t count, const float *rescale, int64_t n, bool pairs) {
     float *acc = s.acc.data() + first * DIM;
     int64_t r = 0;
+    if constexpr (DIM % 32 == 0) if (pairs && s.tiles) {
+        accumulate_rows_tiles<DIM>(acc, rescale, s.weight_pairs.data() + first * kStride / 2, s.value_pairs.data(), n,
+                                   count);
+        return;
+    }
     if (pairs) {  // the values too go through the bf16 dot product, weights rounded to bf16 (as flash attention does)
         const uint32_t *weight_pairs = s.weight_pairs.data() + first * kStride / 2, *values = s.value_pairs.data();
         for (; r + kRowBlock <= count; r += kRowBlock)
@@ -705,9 +817,14 @@ void run_tasks(const std::vector<Task> &tasks, const T *q, const T *k_cache, con
         // One per thread, kept between calls: allocating (and zeroing) it per call cost more than a short
         // decode's arithmetic.
         thread_local Scratch scratch(kMaxHeadDim);
+        scratch.tiles = kTiles && std::is_same_v<T, BFloat16> && DIM % 32 == 0 && tiles_usable();
+        if (scratch.tiles) configure_attention_tiles();
 #pragma omp for schedule(dynamic, 1)
         for (size_t i = 0; i < tasks.size(); i++)
             run_task<DIM>(tasks[i], scratch, q, k_cache, v_cache, own_tables, own_stride, own_lens, out, shape);
+#if defined(PARROT_AMX)
+        if (scratch.tiles) _tile_release();
+#endif
     }
 }
 
