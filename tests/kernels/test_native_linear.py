@@ -105,3 +105,43 @@ def test_gated_linear_takes_a_strided_input(dtype):
     out = native_linear.native_gated_linear(x, native_linear.pack_gated(weight))
     expected = native_linear.native_gated_linear(x.contiguous(), native_linear.pack_gated(weight))
     assert torch.equal(out, expected)
+
+
+has_tiles = pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="this CPU has no AMX tiles")
+
+
+@pytest.fixture
+def vector_path_after():
+    """The tiles switched back on after a test that turns them off."""
+    yield native.library()
+    native.library().use_tiles(True)
+
+
+@has_tiles
+def test_a_cpu_with_tiles_uses_them():
+    assert native.library().use_tiles(True), "AMX on this CPU, but the kernels were not given the tile state"
+
+
+# bf16 inputs in whole tile steps (96: three of 32) go through AMX tiles: rows in passes of 32 (two tiles of 16),
+# the rest in tiles configured to their count (1, 15, 17, 31), passes in chunks of 128 rows (160).
+@needs_bf16_dot
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 31, 32, 33, 64, 100, 160])
+def test_tiled_rows_match_fp64_and_the_vector_path(rows, vector_path_after):
+    torch.manual_seed(rows)
+    weight, x, bias = torch.randn(224, 96, dtype=torch.bfloat16), torch.randn(rows, 96, dtype=torch.bfloat16), torch.randn(224, dtype=torch.bfloat16)
+    gated = torch.randn(2 * 96, 96, dtype=torch.bfloat16)
+    gated[:8] *= 40
+
+    out = native_linear.native_linear(x, native_linear.pack(weight), bias)
+    gated_out = native_linear.native_gated_linear(x, native_linear.pack_gated(gated))
+    vector_path_after.use_tiles(False)
+    vector_out = native_linear.native_linear(x, native_linear.pack(weight), bias)
+    vector_gated = native_linear.native_gated_linear(x, native_linear.pack_gated(gated))
+
+    expected = _reference(x, weight, bias)
+    assert ((out.double() - expected).abs() <= 2.0**-7 * expected.abs() + 1e-4).all()
+    torch.testing.assert_close(out, vector_out, rtol=2.0**-7, atol=1e-4)  # fp32 sums, in another order
+    gate, up = F.linear(x, gated).chunk(2, dim=-1)
+    assert not gated_out.isnan().any()
+    torch.testing.assert_close(gated_out, F.silu(gate) * up, rtol=2.0**-6, atol=1e-3)
+    torch.testing.assert_close(gated_out, vector_gated, rtol=2.0**-6, atol=1e-3)
