@@ -4,8 +4,8 @@ Why: torch's CPU linears pay for generality at the row counts an engine runs. A 
 pass over every weight with a few rows; oneDNN's bf16 GEMM streams them at ~18 GB/s with one row and
 re-lays bf16 weights out on every call unless prepacked, torch's fp32 GEMV at ~12. The kernel reads
 weights packed once at load time at a plain read's rate for 1-8 rows, is ~1.3x faster than prepacked
-oneDNN at 16 rows and level with it (bf16) or ahead of torch's GEMM (fp32) on 1,000-row prefills
-(``python benchmarks/kernels.py --cpu``). One packed copy replaces the weight; a tied head packs its
+oneDNN at 16 rows and level with it (bf16) on 1,000-row prefills (``python benchmarks/kernels.py --cpu``);
+fp32 calls of many rows go to torch's GEMM (see kernels/native_linear.py). One packed copy replaces the weight; a tied head packs its
 own copy beside the embedding it shares. An MLP's gate-and-up projection writes silu(gate) * up directly
 (the kernel's gated variant), not gate and up for a separate kernel to combine.
 """
@@ -31,10 +31,12 @@ class NativeLinear(nn.Module):
         # Buffers move with the module; not saved (made from the checkpoint's weight at load).
         self.register_buffer("packed", native_linear.pack(linear.weight), persistent=False)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone(), persistent=False)
+        self.register_buffer("gemm_weight", _gemm_weight(linear), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        return native_linear.native_linear(rows, self.packed, self.bias).reshape(*x.shape[:-1], self.out_features)
+        out = native_linear.native_linear(rows, self.packed, self.bias, self.gemm_weight)
+        return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -47,13 +49,21 @@ class NativeGatedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features // 2
         self.register_buffer("packed", native_linear.pack_gated(linear.weight), persistent=False)
+        self.register_buffer("gemm_weight", _gemm_weight(linear), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        return native_linear.native_gated_linear(rows, self.packed).reshape(*x.shape[:-1], self.out_features)
+        out = native_linear.native_gated_linear(rows, self.packed, self.gemm_weight)
+        return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features} (silu(gate) * up)"
+
+
+def _gemm_weight(linear: nn.Linear) -> torch.Tensor | None:
+    """fp32: the weight as it is, for the op to hand calls of many rows to torch's GEMM (kernels/native_linear.py's
+    GEMM_ROWS; a second copy of fp32 weights, which those calls ran 1.4-1.85x faster with on an AMX host); else None."""
+    return linear.weight.detach() if linear.weight.dtype == torch.float32 else None
 
 
 class NativeMLP(nn.Module):

@@ -145,3 +145,24 @@ def test_tiled_rows_match_fp64_and_the_vector_path(rows, vector_path_after):
     assert not gated_out.isnan().any()
     torch.testing.assert_close(gated_out, F.silu(gate) * up, rtol=2.0**-6, atol=1e-3)
     torch.testing.assert_close(gated_out, vector_gated, rtol=2.0**-6, atol=1e-3)
+
+
+def test_fp32_calls_of_many_rows_given_their_weight_go_to_torchs_gemm(monkeypatch):
+    """From GEMM_ROWS rows on, fp32 calls that pass the weight are F.linear itself (faster than the kernel's
+    multiply-adds there on AMX hosts); fewer rows, or no weight, stay on the kernel."""
+    kernels, kernel_rows = native.library(), []
+    monkeypatch.setattr(kernels, "linear", lambda x, *rest, run=kernels.linear: kernel_rows.append(len(x)) or run(x, *rest))
+    monkeypatch.setattr(kernels, "gated_linear", lambda x, *rest, run=kernels.gated_linear: kernel_rows.append(len(x)) or run(x, *rest))
+    weight, bias, gated = torch.randn(224, 96), torch.randn(224), torch.randn(2 * 64, 96)
+    packed, packed_gated = native_linear.pack(weight), native_linear.pack_gated(gated)
+    few, many = torch.randn(native_linear.GEMM_ROWS - 1, 96), torch.randn(native_linear.GEMM_ROWS, 96)
+
+    assert torch.equal(native_linear.native_linear(many, packed, bias, weight), F.linear(many, weight, bias))
+    gate, up = F.linear(many, gated).chunk(2, dim=-1)
+    assert torch.equal(native_linear.native_gated_linear(many, packed_gated, gated), F.silu(gate) * up)
+    assert kernel_rows == []
+    torch.testing.assert_close(native_linear.native_linear(few, packed, bias, weight), F.linear(few, weight, bias),
+                               rtol=2.0**-20, atol=1e-4)
+    native_linear.native_gated_linear(few, packed_gated, gated)
+    native_linear.native_linear(many, packed, bias)
+    assert kernel_rows == [len(few), len(few), len(many)]
