@@ -16,6 +16,8 @@
 // with 8 rows or more, or over a run of 32 tokens or more, scores and sums values with the CPU's bf16
 // dot product instead (keys and values rearranged into pairs in registers), its softmax weights
 // rounded to bf16 for the values' sums (as flash attention does), made by an exp accurate to bf16's needs.
+// Where the CPU has AMX (common.h) and the head size is a multiple of 32, those pair layouts are the operands
+// of tile multiply-adds instead: 16 query rows a tile (2.4-2.8x the dot-product path on a prefill here).
 //
 // A causal prefill is the same call (kernels/cpu_attention.py lays it out): its new tokens in tiles of
 // 16, a tile's "prefix" the whole blocks before its first token, each row's own tokens the rest up to
