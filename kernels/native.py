@@ -111,8 +111,8 @@ class NativeKernels:
         return status, out
 
     def use_tiles(self, enable: bool) -> bool:
-        """Whether bf16 linears take whole tiles of 32 rows on AMX (the default where the CPU has it) or stay
-        on the vector path; answers whether tiles are in use. For comparing the two paths."""
+        """Whether bf16 linears and attention products run on AMX tiles (the default where the CPU has them) or
+        on the vector paths from now on; answers whether tiles are in use. For comparing the two paths."""
         return bool(self._use_tiles(int(enable)))
 
     def pin_threads(self, cores: tuple[int, ...]) -> int:

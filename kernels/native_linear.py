@@ -1,11 +1,11 @@
 """A linear layer on the C++ kernel in native/linear.cpp, as a torch op (``parrot::native_linear``) so that
 compiled graphs call it too.
 
-Measured over SmolLM2's 120 decoder linears here (``python benchmarks/kernels.py --cpu``, its "linear"
-rows, 2 cores): a decode step's few rows stream the packed weights at a plain read's rate where
+Measured over SmolLM2's 120 decoder linears on an AVX-512 host (``python benchmarks/kernels.py --cpu``, its
+"linear" rows, 2 cores): a decode step's few rows stream the packed weights at a plain read's rate where
 oneDNN's one-row bf16 GEMM reached ~18 GB/s and torch's fp32 GEMV ~12; at 16 rows bf16 takes ~12 ms
-against oneDNN's ~16, and up to 1,000 rows (prefill) it stays level with or ahead of oneDNN's prepacked
-bf16 GEMM and torch's fp32 GEMM, both near this CPU's multiply-add peak. The op is declared with
+against oneDNN's ~16, and up to 1,000 rows (prefill) it stayed level with oneDNN's prepacked bf16 GEMM
+and torch's fp32 GEMM, both near that CPU's multiply-add peak. The op is declared with
 torch.library.Library rather than the custom_op decorator: a decode step makes 120 of these calls and
 the decorator's Python wrapper cost ~15 us each (~2 us this way).
 

@@ -3,10 +3,11 @@
 Why: torch's CPU linears pay for generality at the row counts an engine runs. A decode step is one
 pass over every weight with a few rows; oneDNN's bf16 GEMM streams them at ~18 GB/s with one row and
 re-lays bf16 weights out on every call unless prepacked, torch's fp32 GEMV at ~12. The kernel reads
-weights packed once at load time at a plain read's rate for 1-8 rows, is ~1.3x faster than prepacked
-oneDNN at 16 rows and level with it (bf16) on 1,000-row prefills (``python benchmarks/kernels.py --cpu``);
-fp32 calls of many rows go to torch's GEMM (see kernels/native_linear.py). One packed copy replaces the weight; a tied head packs its
-own copy beside the embedding it shares. An MLP's gate-and-up projection writes silu(gate) * up directly
+weights packed once at load time at a plain read's rate for 1-8 rows, and bf16 (on AMX tiles where the
+CPU has them) is level with or ahead of prepacked oneDNN up to 1,000-row prefills (``python
+benchmarks/kernels.py --cpu``). The packed copy replaces a bf16 weight; fp32 keeps its weight too, for calls
+of many rows on torch's GEMM (kernels/native_linear.py). A tied head packs its own copy beside the
+embedding it shares. An MLP's gate-and-up projection writes silu(gate) * up directly
 (the kernel's gated variant), not gate and up for a separate kernel to combine.
 """
 

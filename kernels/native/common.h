@@ -46,6 +46,13 @@ inline void configure_tiles(const uint8_t (&rows)[8]) {
 }
 #endif
 
+// Gives the calling thread's tile state back (nothing to give without AMX).
+inline void release_tiles() {
+#if defined(PARROT_AMX)
+    _tile_release();
+#endif
+}
+
 // Whether bf16 products go through tiles here now.
 inline bool tiles_usable() {
 #if defined(PARROT_AMX)

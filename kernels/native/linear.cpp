@@ -1,14 +1,15 @@
-// A linear layer over the few rows of a decode step: out = x @ weight.T (+ bias), x [M, K] and out [M, N]
-// contiguous, the [N, K] weight packed by kernels/decode_linear.py's pack() as [N/32][K/P][32][P]: for
-// each block of 32 output features, P inputs at a time (P = 2 bf16, a pair the CPU's bf16 dot product
-// takes, or 1 fp32), so a block is one sequential stream and each step of it is two vectors of weights.
+// A linear layer at any row count: out = x @ weight.T (+ bias), x [M, K] and out [M, N] contiguous, the
+// [N, K] weight packed by kernels/native.py's pack_linear() as [N/32][K/P][32][P]: for each block of 32
+// output features, P inputs at a time (P = 2 bf16, a pair the CPU's bf16 dot product takes, or 1 fp32), so a
+// block is one sequential stream and each step of it is two vectors of weights.
 //
 // Why: a decode step of a small model is one pass over every weight with a few rows, too few for a GEMM
 // library's blocking to pay off. Each input value (pair) is broadcast to a vector and multiplies the
 // block's two weight vectors, up to 12 rows at once: 24 accumulators in registers, no horizontal sums.
-// Over SmolLM2's 120 decoder linears here (`python benchmarks/kernels.py --cpu`, "linear" rows) that
-// streams the weights at a plain read's rate for 1-8 rows and beats oneDNN's prepacked bf16 GEMM up to
-// ~32 rows; above that oneDNN's blocking wins and the caller keeps it.
+// Over SmolLM2's 120 decoder linears (`python benchmarks/kernels.py --cpu`, "linear" rows) that streams the
+// weights at a plain read's rate for 1-8 rows. On CPUs with AMX, bf16 rows go through tiles instead (below),
+// level with or ahead of oneDNN's prepacked GEMM at every row count; fp32 calls of many rows are left to
+// torch's GEMM by the caller (kernels/native_linear.py).
 //
 // bf16 sums pairs in fp32 (vdpbf16ps) and rounds to bf16 to nearest even, as torch does; fp32 uses fused
 // multiply-adds. Built with the attention kernels by kernels/native.py.
@@ -217,6 +218,9 @@ void tile_block(const uint16_t *block, const uint16_t *x, int64_t rows, int64_t 
         _tile_stored(3, sums + 16 * kBlockCols + kLanes, sum_bytes);
     }
 }
+#else
+void configure_row_tiles(int64_t) {}
+void tile_block(const uint16_t *, const uint16_t *, int64_t, int64_t, float *) {}
 #endif
 
 // Whether rows of this dtype and width go through tiles here.
@@ -228,11 +232,7 @@ bool tiles_take(int64_t in_features) {
 // A tile pass's sums [rows][kBlockCols] of one block, where tiles_take<T>() (never called otherwise).
 template <typename T>
 void tile_sums(const T *block, const T *x, int64_t rows, int64_t in_features, float *sums) {
-#if defined(PARROT_AMX)
     if constexpr (std::is_same<T, uint16_t>::value) tile_block(block, x, rows, in_features, sums);
-#else
-    (void)block, (void)x, (void)rows, (void)in_features, (void)sums;
-#endif
 }
 
 // f(unit, row, end) over each of `units` units of the weight (a block, or a gate block and its up block), on the
@@ -250,7 +250,6 @@ void for_each_unit(int64_t units, int64_t rows, int num_threads, bool tiled, F f
 #endif
         const int64_t first = units * thread / threads, last = units * (thread + 1) / threads;
         if (tiled) {
-#if defined(PARROT_AMX)
             const int64_t whole = rows / kTileRows * kTileRows;
             if (whole) configure_row_tiles(kTileRows);
             for (int64_t chunk = 0; chunk < whole; chunk += kChunkRows)
@@ -261,8 +260,7 @@ void for_each_unit(int64_t units, int64_t rows, int num_threads, bool tiled, F f
                 configure_row_tiles(rows - whole);
                 for (int64_t unit = first; unit < last; unit++) f(unit, whole, rows);
             }
-            if (rows) _tile_release();  // a thread holding tile state costs every context switch 8 KB more
-#endif
+            if (rows) release_tiles();  // a thread holding tile state costs every context switch 8 KB more
         } else {
             const int64_t passes = (rows + kMaxRows - 1) / kMaxRows;
             for (int64_t unit = first; unit < last; unit++)

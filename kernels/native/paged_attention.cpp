@@ -824,9 +824,7 @@ void run_tasks(const std::vector<Task> &tasks, const T *q, const T *k_cache, con
 #pragma omp for schedule(dynamic, 1)
         for (size_t i = 0; i < tasks.size(); i++)
             run_task<DIM>(tasks[i], scratch, q, k_cache, v_cache, own_tables, own_stride, own_lens, out, shape);
-#if defined(PARROT_AMX)
-        if (scratch.tiles) _tile_release();
-#endif
+        if (scratch.tiles) release_tiles();
     }
 }
 

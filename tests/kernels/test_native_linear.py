@@ -111,8 +111,8 @@ has_tiles = pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="t
 
 
 @pytest.fixture
-def vector_path_after():
-    """The tiles switched back on after a test that turns them off."""
+def tiles_restored():
+    """The kernels, their tiles switched back on after a test that turns them off."""
     yield native.library()
     native.library().use_tiles(True)
 
@@ -126,7 +126,7 @@ def test_a_cpu_with_tiles_uses_them():
 # the rest in tiles configured to their count (1, 15, 17, 31), passes in chunks of 128 rows (160).
 @needs_bf16_dot
 @pytest.mark.parametrize("rows", [1, 15, 16, 17, 31, 32, 33, 64, 100, 160])
-def test_tiled_rows_match_fp64_and_the_vector_path(rows, vector_path_after):
+def test_tiled_rows_match_fp64_and_the_vector_path(rows, tiles_restored):
     torch.manual_seed(rows)
     weight, x, bias = torch.randn(224, 96, dtype=torch.bfloat16), torch.randn(rows, 96, dtype=torch.bfloat16), torch.randn(224, dtype=torch.bfloat16)
     gated = torch.randn(2 * 96, 96, dtype=torch.bfloat16)
@@ -134,7 +134,7 @@ def test_tiled_rows_match_fp64_and_the_vector_path(rows, vector_path_after):
 
     out = native_linear.native_linear(x, native_linear.pack(weight), bias)
     gated_out = native_linear.native_gated_linear(x, native_linear.pack_gated(gated))
-    vector_path_after.use_tiles(False)
+    tiles_restored.use_tiles(False)
     vector_out = native_linear.native_linear(x, native_linear.pack(weight), bias)
     vector_gated = native_linear.native_gated_linear(x, native_linear.pack_gated(gated))
 
