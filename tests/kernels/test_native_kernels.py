@@ -58,6 +58,23 @@ def test_a_prefix_with_more_members_than_one_tile_holds(kernels, kv, tol, member
     torch.testing.assert_close(kernels.shared_prefix_decode(*args), reference.shared_prefix_decode(*args), **tol)
 
 
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("members", [16, 2])
+def test_a_long_prefix_split_by_tokens(kernels, kv, tol, members, two_threads):
+    """Too few tasks for 2 threads and a prefix of 600 tokens: each tile's rows go over its two halves in two
+    tasks, whose softmax states are merged; a member without own tokens among them."""
+    args = shared_args(kv, [0] * members, [600], [i % 7 for i in range(members)])
+
+    torch.testing.assert_close(kernels.shared_prefix_decode(*args), reference.shared_prefix_decode(*args), **tol)
+
+
 @pytest.mark.parametrize("block_size", [16], ids=["page16"])
 def test_runs_longer_than_a_segment(kernels, kv, tol):
     """The kernel's softmax moves once per 256-token segment: decodes over 600 and 257 tokens, and a prefill
