@@ -75,6 +75,15 @@ def test_a_long_prefix_split_by_tokens(kernels, kv, tol, members, two_threads):
     torch.testing.assert_close(kernels.shared_prefix_decode(*args), reference.shared_prefix_decode(*args), **tol)
 
 
+def test_a_short_prefill_chunk_over_a_long_cache_split_by_tokens(kernels, kv, tol, two_threads):
+    """10 new tokens over 500 cached: one tile of rows, 3 tasks for 2 threads, its cached blocks in two halves."""
+    tables, cu, context = kv.block_tables([510]), torch.tensor([0, 10], dtype=torch.int32), torch.tensor([510], dtype=torch.int32)
+    q = kv.queries(10)
+    plan = cpu_attention.plan_prefill(tables, cu, context, kv.block_size, rows_for_native=True)
+    out = cpu_attention.prefill(q, kv.k_cache, kv.v_cache, tables, cu, context, kv.scale, plan=plan, native=kernels)
+    torch.testing.assert_close(out, reference.paged_prefill(q, kv.k_cache, kv.v_cache, tables, cu, context, kv.scale), **tol)
+
+
 @pytest.mark.parametrize("block_size", [16], ids=["page16"])
 def test_runs_longer_than_a_segment(kernels, kv, tol):
     """The kernel's softmax moves once per 256-token segment: decodes over 600 and 257 tokens, and a prefill
