@@ -682,9 +682,10 @@ struct Task {
     Tokens prefix;  // length 0: none
     std::vector<int64_t> members;
     // A prefix split by tokens between two tasks (see plan_tasks): part 0 its first tokens, part 1 the rest and
-    // the members' own; each leaves its rows' softmax state at `partial` for merge_parts. -1: not split.
+    // the members' own; part p leaves its rows' softmax states at the pair's `states` + p x partial_floats(rows),
+    // for merge_parts. -1: not split.
     int part = -1;
-    int64_t partial = 0;  // the task's first float in the call's partial states
+    int64_t states = 0;  // the pair's first float in the call's partial states
 };
 
 // A row's softmax state as a split task leaves it: the running max, the total, then the dim sums.
@@ -722,7 +723,7 @@ void save_partial(const Scratch &s, int64_t rows, float *to) {
 template <int64_t DIM, typename T>
 void run_task(const Task &task, Scratch &s, const T *q, const T *k_cache, const T *v_cache,
               const int32_t *own_tables, int64_t own_stride, const int32_t *own_lens, T *out, const Shape &shape,
-              float *partials) {
+              float *states) {
     constexpr int64_t dim = DIM;
     const int64_t group = shape.group();
     const int64_t rows = group * static_cast<int64_t>(task.members.size());
@@ -744,7 +745,8 @@ void run_task(const Task &task, Scratch &s, const T *q, const T *k_cache, const 
         });
         attend<DIM>(s, 0, rows, k_cache, v_cache, task.prefix, task.kv_head, shape);
     }
-    if (task.part == 0) return save_partial<DIM>(s, rows, partials + task.partial);
+    float *const own_states = task.part < 0 ? nullptr : states + task.states + task.part * partial_floats(rows, DIM);
+    if (task.part == 0) return save_partial<DIM>(s, rows, own_states);
     for_each_table_group(task, own_tables, own_stride, own_lens, [&](size_t m, size_t count, int64_t longest) {
         int64_t lengths[kMaxTileRows];
         for (size_t i = m; i < m + count; i++)
@@ -763,15 +765,15 @@ void run_task(const Task &task, Scratch &s, const T *q, const T *k_cache, const 
             }
         }
     });
-    if (task.part == 1) save_partial<DIM>(s, rows, partials + task.partial);
+    if (task.part == 1) save_partial<DIM>(s, rows, own_states);
 }
 
 // Each row of a split prefix's two tasks: their states combined (the sums scaled to the larger max, as the
 // online softmax does between segments) and written to `out`.
 template <int64_t DIM, typename T>
-void merge_parts(const Task &task, const float *partials, T *out, const Shape &shape) {
+void merge_parts(const Task &task, const float *states, T *out, const Shape &shape) {
     const int64_t group = shape.group(), rows = group * static_cast<int64_t>(task.members.size());
-    const float *first = partials + task.partial - partial_floats(rows, DIM), *second = partials + task.partial;
+    const float *first = states + task.states, *second = first + partial_floats(rows, DIM);
     for (int64_t r = 0; r < rows; r++) {
         const float *a = first + r * (DIM + 2), *b = second + r * (DIM + 2);
         const float top = std::max(a[0], b[0]);
@@ -795,7 +797,12 @@ constexpr int64_t kMinSplitTokens = 256;
 // A shorter one splits its members into more tiles of equal size, each reading the prefix again. Splitting
 // by tokens reads each key once and keeps tiles full: 16 forks of a 912-token prefix 0.82x the time in bf16,
 // 0.83x in fp32 (0.89-0.9x at 300 tokens; kernel A/B, alternating rounds).
-std::vector<Task> plan_tasks(int64_t batch, const int32_t *prefix_ids, const int32_t *prefix_tables,
+struct Plan {
+    std::vector<Task> tasks;  // longest first
+    int64_t state_floats = 0;  // the split tasks' states, all pairs
+};
+
+Plan plan_tasks(int64_t batch, const int32_t *prefix_ids, const int32_t *prefix_tables,
                              int64_t prefix_stride, const int32_t *prefix_lens, int64_t num_prefixes,
                              const int32_t *own_lens, const Shape &shape, int num_threads) {
     const auto prefix_of = [&](int64_t b) {
@@ -841,7 +848,7 @@ std::vector<Task> plan_tasks(int64_t batch, const int32_t *prefix_ids, const int
         tiles[open_tile[p]].push_back(b);
     }
     std::vector<Task> tasks;
-    int64_t partials = 0;
+    int64_t state_floats = 0;
     for (size_t i = 0; i < tiles.size(); i++) {
         const int64_t p = tile_prefix[i];
         const Tokens prefix = p < 0 ? Tokens{nullptr, 0} : Tokens{prefix_tables + p * prefix_stride, prefix_lens[p]};
@@ -851,10 +858,10 @@ std::vector<Task> plan_tasks(int64_t batch, const int32_t *prefix_ids, const int
                 continue;
             }
             const int64_t split = split_at[p], floats = partial_floats(shape.group() * tiles[i].size(), shape.head_dim);
-            tasks.push_back({h, Tokens{prefix.table, split}, tiles[i], 0, partials});
+            tasks.push_back({h, Tokens{prefix.table, split}, tiles[i], 0, state_floats});
             tasks.push_back({h, Tokens{prefix.table + split / shape.block_size, prefix.length - split}, tiles[i], 1,
-                             partials + floats});
-            partials += 2 * floats;
+                             state_floats});
+            state_floats += 2 * floats;
         }
     }
     // Longest first: threads take tasks in order, and a long one taken last (a prefill's last tile, after
@@ -870,21 +877,18 @@ std::vector<Task> plan_tasks(int64_t batch, const int32_t *prefix_ids, const int
     std::vector<Task> sorted;
     sorted.reserve(tasks.size());
     for (const int64_t i : order) sorted.push_back(std::move(tasks[i]));
-    return sorted;
+    return {std::move(sorted), state_floats};
 }
 
 template <int64_t DIM, typename T>
-void run_tasks(const std::vector<Task> &tasks, const T *q, const T *k_cache, const T *v_cache,
+void run_tasks(const Plan &plan, const T *q, const T *k_cache, const T *v_cache,
                const int32_t *own_tables, int64_t own_stride, const int32_t *own_lens, T *out, const Shape &shape,
                int num_threads) {
-    // The split tasks' states (plan_tasks numbered their floats), kept between calls as the scratch is.
-    thread_local std::vector<float> partials;
-    int64_t floats = 0;
-    for (const Task &task : tasks)
-        if (task.part >= 0)
-            floats = std::max(floats, task.partial + partial_floats(shape.group() * task.members.size(), DIM));
-    if (static_cast<int64_t>(partials.size()) < floats) partials.resize(floats);
-    float *states = partials.data();  // the team's threads each have their own `partials`: this thread's, by pointer
+    const std::vector<Task> &tasks = plan.tasks;
+    // The split tasks' states, kept between calls as the scratch is.
+    thread_local std::vector<float> state_buffer;
+    if (static_cast<int64_t>(state_buffer.size()) < plan.state_floats) state_buffer.resize(plan.state_floats);
+    float *states = state_buffer.data();  // the team's threads each have their own buffer: this thread's, by pointer
 #pragma omp parallel num_threads(num_threads)
     {
         // One per thread, kept between calls: allocating (and zeroing) it per call cost more than a short
@@ -896,7 +900,7 @@ void run_tasks(const std::vector<Task> &tasks, const T *q, const T *k_cache, con
         for (size_t i = 0; i < tasks.size(); i++)
             run_task<DIM>(tasks[i], scratch, q, k_cache, v_cache, own_tables, own_stride, own_lens, out, shape, states);
         if (scratch.tiles) release_tiles();
-        if (floats > 0) {  // the same on every thread: all of them meet the loop's barrier or none does
+        if (plan.state_floats > 0) {  // the same on every thread: all of them meet the loop's barrier or none does
 #pragma omp for schedule(dynamic, 1)
             for (size_t i = 0; i < tasks.size(); i++)
                 if (tasks[i].part == 1) merge_parts<DIM>(tasks[i], states, out, shape);
@@ -918,10 +922,10 @@ int decode(const T *q, const T *k_cache, const T *v_cache, const int32_t *prefix
         if (!blocks_valid(own_tables + b * own_stride, own_lens[b])) return -2;
     for (int64_t p = 0; p < num_prefixes; p++)
         if (!blocks_valid(prefix_tables + p * prefix_stride, prefix_lens[p])) return -2;
-    const auto tasks = plan_tasks(batch, prefix_ids, prefix_tables, prefix_stride, prefix_lens, num_prefixes, own_lens,
+    const Plan plan = plan_tasks(batch, prefix_ids, prefix_tables, prefix_stride, prefix_lens, num_prefixes, own_lens,
                                   shape, num_threads);
     const auto run = [&](auto dim) {
-        run_tasks<decltype(dim)::value>(tasks, q, k_cache, v_cache, own_tables, own_stride, own_lens, out, shape,
+        run_tasks<decltype(dim)::value>(plan, q, k_cache, v_cache, own_tables, own_stride, own_lens, out, shape,
                                         num_threads);
         return 0;
     };

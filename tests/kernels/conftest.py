@@ -73,3 +73,21 @@ def kv(block_size, dtype) -> PagedKV:
 @pytest.fixture
 def tol(dtype) -> dict:
     return TOLERANCE[dtype]
+
+
+@pytest.fixture
+def tiles_restored():
+    """The native kernels, their AMX tiles switched back on after a test that turns them off (use_tiles)."""
+    from kernels import native  # here, not at the top: this file must not import kernels before triton_mode
+
+    kernels = native.library()
+    yield kernels
+    kernels.use_tiles(True)
+
+
+@pytest.fixture
+def amx_tiles(tiles_restored):
+    """tiles_restored, on a CPU with AMX tiles (skipped elsewhere: hardware, not a missing feature)."""
+    if not torch.cpu._is_amx_tile_supported():
+        pytest.skip("this CPU has no AMX tiles")
+    return tiles_restored

@@ -137,10 +137,9 @@ def test_a_steps_rows_joined_in_one_call(kernels, kv, tol):
     torch.testing.assert_close(out[3:], expected, **tol)
 
 
-@pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="this CPU has no AMX tiles")
 @pytest.mark.parametrize("dtype", [torch.bfloat16], ids=["bf16"])
 @pytest.mark.parametrize("block_size", [16], ids=["page16"])
-def test_tiles_and_the_vector_path_agree(kernels, kv, tol):
+def test_tiles_and_the_vector_path_agree(amx_tiles, kv, tol):
     """bf16 scores and weighted values on AMX tiles (16 rows a tile, the last padded): a 100-token prefill chunk
     over 300 cached tokens (tiles of 48 rows, a last of 12) and 16 forks' decodes over a shared prefix, equal
     to the references and to the vector path's within bf16's rounding."""
@@ -148,14 +147,11 @@ def test_tiles_and_the_vector_path_agree(kernels, kv, tol):
     q = kv.queries(100)
     plan = cpu_attention.plan_prefill(tables, cu, context, kv.block_size, rows_for_native=True)
     shared = shared_args(kv, [0] * 16, [150], [1 + i % 5 for i in range(16)])
-    try:
-        outs = []
-        for tiles in (True, False):
-            assert kernels.use_tiles(tiles) == tiles
-            outs.append((cpu_attention.prefill(q, kv.k_cache, kv.v_cache, tables, cu, context, kv.scale, plan=plan,
-                                               native=kernels), kernels.shared_prefix_decode(*shared)))
-    finally:
-        kernels.use_tiles(True)
+    outs = []
+    for tiles in (True, False):
+        assert amx_tiles.use_tiles(tiles) == tiles
+        outs.append((cpu_attention.prefill(q, kv.k_cache, kv.v_cache, tables, cu, context, kv.scale, plan=plan,
+                                           native=amx_tiles), amx_tiles.shared_prefix_decode(*shared)))
     (prefill, decode), (vector_prefill, vector_decode) = outs
     torch.testing.assert_close(prefill, reference.paged_prefill(q, kv.k_cache, kv.v_cache, tables, cu, context, kv.scale), **tol)
     torch.testing.assert_close(decode, reference.shared_prefix_decode(*shared), **tol)

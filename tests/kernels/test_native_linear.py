@@ -107,19 +107,8 @@ def test_gated_linear_takes_a_strided_input(dtype):
     assert torch.equal(out, expected)
 
 
-has_tiles = pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="this CPU has no AMX tiles")
-
-
-@pytest.fixture
-def tiles_restored():
-    """The kernels, their tiles switched back on after a test that turns them off."""
-    yield native.library()
-    native.library().use_tiles(True)
-
-
-@has_tiles
-def test_a_cpu_with_tiles_uses_them():
-    assert native.library().use_tiles(True), "AMX on this CPU, but the kernels were not given the tile state"
+def test_a_cpu_with_tiles_uses_them(amx_tiles):
+    assert amx_tiles.use_tiles(True), "AMX on this CPU, but the kernels were not given the tile state"
 
 
 # bf16 inputs in whole tile steps (96: three of 32) go through AMX tiles: rows in passes of 32 (two tiles of 16),
