@@ -691,6 +691,13 @@ struct Task {
 // A row's softmax state as a split task leaves it: the running max, the total, then the dim sums.
 inline int64_t partial_floats(int64_t rows, int64_t dim) { return rows * (dim + 2); }
 
+// A row's output: its value sums over its softmax total (zeros for a row that saw no tokens at all).
+template <int64_t DIM, typename T>
+inline void store_row(T *to, const float *sums, float total) {
+    const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
+    for (int64_t d = 0; d < DIM; d++) store(to[d], sums[d] * inverse);
+}
+
 // f(first, count, longest) for each run of consecutive members that read the same own table (a prefill
 // tile's rows: each reads its tile's tokens up to itself), `longest` the one with the most own tokens: such
 // members take one pass over the longest run, each row up to its own length, instead of a pass each (a
@@ -713,7 +720,7 @@ void for_each_table_group(const Task &task, const int32_t *own_tables, int64_t o
 // The scratch's softmax state of rows [0, rows), as merge_parts reads it.
 template <int64_t DIM>
 void save_partial(const Scratch &s, int64_t rows, float *to) {
-    for (int64_t r = 0; r < rows; r++, to += DIM + 2) {
+    for (int64_t r = 0; r < rows; r++, to += partial_floats(1, DIM)) {
         to[0] = s.running_max[r];
         to[1] = s.total[r];
         std::memcpy(to + 2, s.acc.data() + r * DIM, sizeof(float) * DIM);
@@ -760,8 +767,7 @@ void run_task(const Task &task, Scratch &s, const T *q, const T *k_cache, const 
             T *to = out + (b * shape.num_heads + task.kv_head * group) * dim;
             for (int64_t g = 0; g < group; g++) {
                 const int64_t r = i * group + g;
-                const float inverse = s.total[r] > 0.0f ? 1.0f / s.total[r] : 0.0f;  // no tokens at all: zeros
-                for (int64_t d = 0; d < dim; d++) store(to[g * dim + d], s.acc[r * dim + d] * inverse);
+                store_row<DIM>(to + g * dim, s.acc.data() + r * dim, s.total[r]);
             }
         }
     });
@@ -775,15 +781,16 @@ void merge_parts(const Task &task, const float *states, T *out, const Shape &sha
     const int64_t group = shape.group(), rows = group * static_cast<int64_t>(task.members.size());
     const float *first = states + task.states, *second = first + partial_floats(rows, DIM);
     for (int64_t r = 0; r < rows; r++) {
-        const float *a = first + r * (DIM + 2), *b = second + r * (DIM + 2);
+        const float *a = first + partial_floats(r, DIM), *b = second + partial_floats(r, DIM);
         const float top = std::max(a[0], b[0]);
         // A part with no tokens (max -inf) weighs 0, not exp(-inf - -inf).
         const float wa = a[0] == -INFINITY ? 0.0f : exp_nonpositive(a[0] - top);
         const float wb = b[0] == -INFINITY ? 0.0f : exp_nonpositive(b[0] - top);
-        const float total = a[1] * wa + b[1] * wb, inverse = total > 0.0f ? 1.0f / total : 0.0f;
+        float sums[DIM];
+        for (int64_t d = 0; d < DIM; d++) sums[d] = a[2 + d] * wa + b[2 + d] * wb;
         const int64_t member = task.members[r / group];
-        T *to = out + (member * shape.num_heads + task.kv_head * group + r % group) * DIM;
-        for (int64_t d = 0; d < DIM; d++) store(to[d], (a[2 + d] * wa + b[2 + d] * wb) * inverse);
+        store_row<DIM>(out + (member * shape.num_heads + task.kv_head * group + r % group) * DIM, sums,
+                       a[1] * wa + b[1] * wb);
     }
 }
 
