@@ -174,8 +174,8 @@ class PrefillChunk:
 
 
 # The native kernel takes a chunk's rows this many tokens a tile: with SmolLM2's 3 query heads per kv
-# head, 48 query rows (its kernel's widest tile) share each key and value read.
-NATIVE_TILE_TOKENS = 16
+# head, 96 query rows (its kernel's widest tile, kMaxTileRows) share each key and value read.
+NATIVE_TILE_TOKENS = 32
 
 
 def plan_prefill(block_tables, cu_seqlens_q, context_lens, block_size: int, *,

@@ -37,7 +37,7 @@ _WRITE_ARGS = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64]
 _LINEAR_ARGS = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT]
 _GATED_ARGS = [_PTR, _PTR, _PTR, _I64, _I64, _I64, _INT]
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
-HEAD_DIMS, MAX_GROUP = (32, 64, 80, 96, 128, 256), 48
+HEAD_DIMS, MAX_GROUP = (32, 64, 80, 96, 128, 256), 96  # MAX_GROUP: the kernel's kMaxTileRows
 LINEAR_BLOCK = 32  # native/linear.cpp's block of output features
 LINEAR_PACK = {torch.float32: 1, torch.bfloat16: 2}  # inputs a step takes: the packed weight's last dimension
 

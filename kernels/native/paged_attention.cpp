@@ -47,7 +47,11 @@ constexpr int64_t kSegment = 256;
 // A row of a segment's scores, weights or transposed keys: a segment and a vector, so that rows a whole 1 KB
 // apart do not all fall in the same few L1 sets (fp32 attention ran 1.2-1.7x slower with rows 1 KB apart).
 constexpr int64_t kStride = kSegment + kLanes;
-constexpr int64_t kMaxTileRows = 48;  // query rows sharing one pass over a prefix
+// Query rows sharing one pass over a prefix: a 32-token prefill tile with SmolLM2's 3 query heads a kv head.
+// At twice the 48 it was, a prefill converts each prefix's keys and values half as often: a 1,000-token
+// prefill's attention 0.80-0.87x the time in bf16 with score_segment_tiles and value_tiles_two_rows, 0.81-0.91x
+// in fp32 (kernel A/B, the two builds' order swapped each round).
+constexpr int64_t kMaxTileRows = 96;
 
 struct BFloat16 {
     uint16_t bits;
@@ -74,16 +78,16 @@ inline IntVec lanes_below(int64_t n) {
     return lane < static_cast<int32_t>(std::clamp<int64_t>(n, 0, kLanes));
 }
 
-// The running max of a row moved on to its segment's (over its first `valid` scores, valid > 0); returns the
-// factor the row's earlier sums are scaled by.
-inline float move_max(const float *score, int64_t valid, float &running_max) {
+// The running max of a row moved on to its segment's (over its first `valid` scores, valid > 0, each times
+// `scale` > 0); returns the factor the row's earlier sums are scaled by.
+inline float move_max(const float *score, int64_t valid, float &running_max, float scale = 1.0f) {
     const int64_t last = (valid - 1) / kLanes * kLanes;  // the vector holding the last valid score
     Vec maxes = lanes_below(valid - last) ? load(score + last) : Vec{} - INFINITY;
     for (int64_t t = 0; t < last; t += kLanes) {
         const Vec x = load(score + t);
         maxes = x > maxes ? x : maxes;
     }
-    const float segment_max = max_lanes(maxes);
+    const float segment_max = max_lanes(maxes) * scale;
     const float new_max = segment_max > running_max ? segment_max : running_max;
     const float rescale = exp_nonpositive(running_max - new_max);
     running_max = new_max;
@@ -292,14 +296,15 @@ inline __m512 exp2_for_bf16(__m512 x) {
 // pairs[t], as accumulate_rows_bf16 reads them; round to nearest even) from a cheaper exp (exp2_for_bf16),
 // the total summing them unrounded. The softmax had been a fifth of a 1,000-token prefill's attention:
 // 0.91-0.94x the time with this (kernel A/B, alternating rounds).
+// Its scores are taken times `scale` (the tiles' are stored unscaled: the scale rides on the exp's multiply).
 inline float softmax_step_pairs(const float *score, int64_t valid, int64_t padded, float &running_max, float &total,
-                                uint32_t *pairs) {
+                                uint32_t *pairs, float scale) {
     if (valid <= 0) {
         for (int64_t t = 0; t < padded; t += kChunk) _mm512_storeu_si512(pairs + t / 2, _mm512_setzero_si512());
         return 1.0f;
     }
-    const float rescale = move_max(score, valid, running_max);
-    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), offset = _mm512_set1_ps(-running_max * 1.44269504088896341f);
+    const float rescale = move_max(score, valid, running_max, scale);
+    const __m512 log2e = _mm512_set1_ps(scale * 1.44269504088896341f), offset = _mm512_set1_ps(-running_max * 1.44269504088896341f);
     const auto weights = [&](int64_t t) {  // the 16 weights from token t, zeros past `valid`
         const int64_t in = valid - t;
         const __mmask16 mask = in >= kLanes ? 0xffff : in <= 0 ? 0 : static_cast<__mmask16>((1u << in) - 1);
@@ -387,7 +392,7 @@ template <int64_t ROWS, int64_t DIM>
 inline void score_rows_bf16(const uint32_t *, const uint32_t *, float, float *) {}
 template <int64_t ROWS, int64_t DIM>
 inline void accumulate_rows_bf16(float *, const float *, const uint32_t *, const uint32_t *, int64_t) {}
-inline float softmax_step_pairs(const float *, int64_t, int64_t, float &, float &, uint32_t *) { return 1.0f; }
+inline float softmax_step_pairs(const float *, int64_t, int64_t, float &, float &, uint32_t *, float) { return 1.0f; }
 template <int64_t DIM>
 inline void keys_to_pairs(const uint16_t *const *, int64_t, uint32_t *) {}
 template <int64_t DIM>
@@ -403,28 +408,78 @@ constexpr bool kTiles = true;
 
 void configure_attention_tiles() { configure_tiles({16, 16, 16, 16, 16, 16, 16, 16}); }
 
-// Scores of `count` rows against a chunk's 32 tokens (key_pairs at the chunk's column), times `scale`: tiles 0-1
-// the sums of tokens 0-15 and 16-31, 2 the rows' queries, 4-5 the keys.
-template <int64_t DIM>
-inline void score_rows_tiles(const uint32_t *query_pairs, const uint32_t *key_pairs, int64_t count, float scale,
-                             float *scores) {
+// Scores (unscaled: the softmax's exp applies the scale) of `count` rows against a segment's `padded` tokens,
+// row tile by row tile: tiles 0-1 a chunk's sums (tokens 0-15, 16-31), 2-3 the tile's queries, kept while all
+// its chunks go by for head sizes up to 64 (loaded a chunk at a time for larger ones), 4-7 the keys.
+// `between(chunk)` runs after each chunk of the first row tile (the next segment's prefetches). The tile stores
+// cost about as much as the multiply-adds they follow (a loop of this here: 43 cycles a multiply-add without
+// them, 70-105 with), so the scale is not a pass of its own over the stored scores (the softmax applies it).
+template <int64_t DIM, typename F>
+inline void score_segment_tiles(const uint32_t *query_pairs, const uint32_t *key_pairs, int64_t count, int64_t padded,
+                                float *scores, F between) {
+    constexpr bool kept = DIM <= 64;
     for (int64_t r = 0; r < count; r += 16) {
-        _tile_zero(0);
-        _tile_zero(1);
-        for (int64_t d = 0; d < DIM; d += 32) {
-            _tile_loadd(2, query_pairs + r * DIM / 2 + d / 2, DIM * 2);
-            _tile_loadd(4, key_pairs + d / 2 * kStride, kStride * 4);
-            _tile_loadd(5, key_pairs + d / 2 * kStride + 16, kStride * 4);
-            _tile_dpbf16ps(0, 2, 4);
-            _tile_dpbf16ps(1, 2, 5);
+        const uint32_t *queries = query_pairs + r * DIM / 2;
+        if constexpr (kept) {
+            _tile_loadd(2, queries, DIM * 2);
+            if constexpr (DIM == 64) _tile_loadd(3, queries + 16, DIM * 2);
         }
-        _tile_stored(0, scores + r * kStride, kStride * 4);
-        _tile_stored(1, scores + r * kStride + 16, kStride * 4);
+        for (int64_t chunk = 0; chunk < padded; chunk += kChunk) {
+            const uint32_t *keys = key_pairs + chunk;
+            _tile_zero(0);
+            _tile_zero(1);
+            if constexpr (kept) {
+                _tile_loadd(4, keys, kStride * 4);
+                _tile_loadd(5, keys + 16, kStride * 4);
+                _tile_dpbf16ps(0, 2, 4);
+                _tile_dpbf16ps(1, 2, 5);
+                if constexpr (DIM == 64) {
+                    _tile_loadd(6, keys + 16 * kStride, kStride * 4);
+                    _tile_loadd(7, keys + 16 * kStride + 16, kStride * 4);
+                    _tile_dpbf16ps(0, 3, 6);
+                    _tile_dpbf16ps(1, 3, 7);
+                }
+            } else {
+                for (int64_t d = 0; d < DIM; d += 32) {
+                    _tile_loadd(2, queries + d / 2, DIM * 2);
+                    _tile_loadd(4, keys + d / 2 * kStride, kStride * 4);
+                    _tile_loadd(5, keys + d / 2 * kStride + 16, kStride * 4);
+                    _tile_dpbf16ps(0, 2, 4);
+                    _tile_dpbf16ps(1, 2, 5);
+                }
+            }
+            _tile_stored(0, scores + r * kStride + chunk, kStride * 4);
+            _tile_stored(1, scores + r * kStride + chunk + 16, kStride * 4);
+            if (r == 0) between(chunk);
+        }
     }
-    for (int64_t r = 0; r < count; r++)
-        for (int64_t c = 0; c < kChunk; c += kLanes)
-            _mm512_storeu_ps(scores + r * kStride + c, _mm512_mul_ps(_mm512_loadu_ps(scores + r * kStride + c),
-                                                                    _mm512_set1_ps(scale)));
+}
+
+// Dimensions [d0, d0 + 32) of 32 rows' weighted values over `steps` steps of 32 tokens, into sums (rows DIM
+// apart): two tiles of rows share each load of values. Tiles 0-1 rows 0-15's sums, 2-3 rows 16-31's, 4-5 the
+// rows' weights, 6-7 the values (1.18x value_tiles' rate from L1).
+template <int64_t DIM>
+inline void value_tiles_two_rows(const uint32_t *weight_pairs, const uint32_t *value_pairs, int64_t steps, int64_t d0,
+                                 float *sums) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t step = 0; step < steps; step++) {
+        const uint32_t *values = value_pairs + step * 16 * DIM + d0;
+        _tile_loadd(4, weight_pairs + step * 16, kStride * 2);
+        _tile_loadd(5, weight_pairs + 16 * kStride / 2 + step * 16, kStride * 2);
+        _tile_loadd(6, values, DIM * 4);
+        _tile_loadd(7, values + 16, DIM * 4);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, sums + d0, DIM * 4);
+    _tile_stored(1, sums + d0 + 16, DIM * 4);
+    _tile_stored(2, sums + 16 * DIM + d0, DIM * 4);
+    _tile_stored(3, sums + 16 * DIM + d0 + 16, DIM * 4);
 }
 
 // Dimensions [d0, d0 + 16 * TILES) of 16 rows' weighted values over `steps` steps of 32 tokens, into
@@ -468,13 +523,18 @@ inline void accumulate_rows_tiles(float *acc, const float *rescale, const uint32
                                   int64_t n, int64_t count) {
     const int64_t steps = (n + 31) / 32;
     std::memset(value_pairs + (n + 1) / 2 * DIM, 0, sizeof(uint32_t) * (steps * 16 - (n + 1) / 2) * DIM);
-    alignas(64) float sums[16 * DIM];
-    for (int64_t r = 0; r < count; r += 16) {
+    alignas(64) float sums[32 * DIM];
+    for (int64_t r = 0, rows; r < count; r += rows) {
         const uint32_t *weights = weight_pairs + r * kStride / 2;
-        int64_t d0 = 0;
-        for (; d0 + 64 <= DIM; d0 += 64) value_tiles<DIM, 4>(weights, value_pairs, steps, d0, sums);
-        if (d0 < DIM) value_tiles<DIM, 2>(weights, value_pairs, steps, d0, sums);  // DIM % 64 == 32
-        for (int64_t row = r; row < count && row < r + 16; row++)
+        rows = count - r > 16 ? 32 : 16;  // the second tile's rows past count are padding, dropped
+        if (rows == 32) {
+            for (int64_t d0 = 0; d0 < DIM; d0 += 32) value_tiles_two_rows<DIM>(weights, value_pairs, steps, d0, sums);
+        } else {
+            int64_t d0 = 0;
+            for (; d0 + 64 <= DIM; d0 += 64) value_tiles<DIM, 4>(weights, value_pairs, steps, d0, sums);
+            if (d0 < DIM) value_tiles<DIM, 2>(weights, value_pairs, steps, d0, sums);  // DIM % 64 == 32
+        }
+        for (int64_t row = r; row < count && row < r + rows; row++)
             for (int64_t d = 0; d < DIM; d += kLanes) {
                 float *to = acc + row * DIM + d;
                 _mm512_storeu_ps(to, _mm512_fmadd_ps(_mm512_loadu_ps(to), _mm512_set1_ps(rescale[row]),
@@ -485,8 +545,8 @@ inline void accumulate_rows_tiles(float *acc, const float *rescale, const uint32
 #else
 constexpr bool kTiles = false;
 void configure_attention_tiles() {}
-template <int64_t DIM>
-inline void score_rows_tiles(const uint32_t *, const uint32_t *, int64_t, float, float *) {}
+template <int64_t DIM, typename F>
+inline void score_segment_tiles(const uint32_t *, const uint32_t *, int64_t, int64_t, float *, F) {}
 template <int64_t DIM>
 inline void accumulate_rows_tiles(float *, const float *, const uint32_t *, uint32_t *, int64_t, int64_t) {}
 #endif
@@ -518,10 +578,6 @@ void score_chunk(Scratch &s, int64_t first, int64_t count, int64_t chunk, int64_
     float *scores = s.scores.data() + first * kStride + chunk;
     const float *queries = s.queries.data() + first * DIM;
     int64_t r = 0;
-    if constexpr (DIM % 32 == 0) if (pairs && s.tiles) {
-        score_rows_tiles<DIM>(s.query_pairs.data() + first * DIM / 2, s.key_pairs.data() + chunk, count, scale, scores);
-        return;
-    }
     if (pairs) {
         const uint32_t *query_pairs = s.query_pairs.data() + first * DIM / 2, *keys = s.key_pairs.data() + chunk;
         for (; r + kScoreRows <= count; r += kScoreRows)
@@ -612,15 +668,27 @@ void attend_segment(Scratch &s, int64_t first, int64_t count, const SegmentRows<
             for (int64_t d = 0; d < DIM; d++) s.keys_t[d * kStride + t] = t < n ? to_float(key_rows[t][d]) : 0.0f;
     }
     const int64_t chunks = (n + kChunk - 1) / kChunk, per_chunk = (next.n + chunks - 1) / chunks;
-    for (int64_t chunk = 0, ahead = 0; chunk < n; chunk += kChunk, ahead += per_chunk) {
+    const auto prefetch_next = [&](int64_t chunk) {  // a chunk's share of the next segment's keys
+        const int64_t ahead = chunk / kChunk * per_chunk;
         if (ahead < next.n) prefetch_rows<DIM>(next.keys + ahead, std::min(per_chunk, next.n - ahead));
-        score_chunk<DIM>(s, first, count, chunk, std::min(kChunk, n - chunk), pairs, scale);
+    };
+    const bool tiles = DIM % 32 == 0 && pairs && s.tiles;
+    if (tiles) {
+        score_segment_tiles<DIM>(s.query_pairs.data() + first * DIM / 2, s.key_pairs.data(), count, padded,
+                                 s.scores.data() + first * kStride, prefetch_next);
+    } else {
+        for (int64_t chunk = 0; chunk < n; chunk += kChunk) {
+            prefetch_next(chunk);
+            score_chunk<DIM>(s, first, count, chunk, std::min(kChunk, n - chunk), pairs, scale);
+        }
     }
     float rescale[kMaxTileRows];
     if (pairs) {
+        const float score_scale = tiles ? scale : 1.0f;  // the tiles' scores are stored unscaled
         for (int64_t r = first; r < first + count; r++)
             rescale[r - first] = softmax_step_pairs(s.scores.data() + r * kStride, row_ends[r - first], padded,
-                                                    s.running_max[r], s.total[r], s.weight_pairs.data() + r * kStride / 2);
+                                                    s.running_max[r], s.total[r], s.weight_pairs.data() + r * kStride / 2,
+                                                    score_scale);
         values_to_pairs<DIM>(reinterpret_cast<const uint16_t *const *>(value_rows), n, s.value_pairs.data());
     } else {
         for (int64_t r = 0; r < count; r++)

@@ -48,9 +48,9 @@ def test_shared_prefix_decode_matches_reference(kernels, kv, tol):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16], ids=["bf16"])
 @pytest.mark.parametrize("block_size", [16], ids=["page16"])
-@pytest.mark.parametrize("members", [21, 16, 2])
+@pytest.mark.parametrize("members", [40, 21, 16, 2])
 def test_a_prefix_with_more_members_than_one_tile_holds(kernels, kv, tol, members):
-    """Members past a tile's 48 query rows (16 sequences here) share the prefix in a second tile; with
+    """Members past a tile's 96 query rows (32 sequences here) share the prefix in a second tile; with
     fewer tasks than two a thread (16 or 2 members, 3 kv heads, 2 threads) they split into tiles of
     equal size."""
     args = shared_args(kv, [0] * members, [150], [1 + i % 5 for i in range(members)])
@@ -141,7 +141,7 @@ def test_a_steps_rows_joined_in_one_call(kernels, kv, tol):
 @pytest.mark.parametrize("block_size", [16], ids=["page16"])
 def test_tiles_and_the_vector_path_agree(amx_tiles, kv, tol):
     """bf16 scores and weighted values on AMX tiles (16 rows a tile, the last padded): a 100-token prefill chunk
-    over 300 cached tokens (tiles of 48 rows, a last of 12) and 16 forks' decodes over a shared prefix, equal
+    over 300 cached tokens (tiles of 96 rows, a last of 12) and 16 forks' decodes over a shared prefix, equal
     to the references and to the vector path's within bf16's rounding."""
     tables, cu, context = kv.block_tables([400]), torch.tensor([0, 100], dtype=torch.int32), torch.tensor([400], dtype=torch.int32)
     q = kv.queries(100)
