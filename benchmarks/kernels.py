@@ -215,7 +215,7 @@ def bench_cpu() -> None:
             q, k_cache, v_cache, tables, _ = paged_batch(1, new + cached, **SMOLLM2, dtype=dtype, device="cpu")
             q = torch.randn(new, SMOLLM2["num_heads"], SMOLLM2["head_dim"], dtype=dtype)
             cu, lens = torch.tensor([0, new], dtype=torch.int32), torch.tensor([new + cached], dtype=torch.int32)
-            tiled = cpu_attention.plan_prefill(tables, cu, lens, 16, rows_for_native=True)
+            tiled = cpu_attention.plan_prefill(tables, cu, lens, 16, native_dtype=dtype)
             sdpa = cpu_attention.plan_prefill(tables, cu, lens, 16)
             in_cpp = cpu_ms(lambda: cpu_attention.prefill(q, k_cache, v_cache, tables, cu, lens, 0.125, plan=tiled,
                                                           native=cpp))

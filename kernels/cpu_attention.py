@@ -108,7 +108,7 @@ def decode_per_sequence(q, k_cache, v_cache, block_tables, context_lens, scale, 
 class NativeRows:
     """Query rows as the native kernel takes them: each row attends to a prefix (or none), then its own run.
 
-    A prefill chunk's new tokens go in tiles of ``NATIVE_TILE_TOKENS``, each tile a prefix: a tile's rows read
+    A prefill chunk's new tokens go in tiles of ``native_tile_tokens(dtype)``, each tile a prefix: a tile's rows read
     the whole blocks before its first token once, together, then each row its own few tokens up to itself
     (causal). A decode's row has its context as its own run, or a shared prefix and its suffix.
     """
@@ -160,7 +160,7 @@ class PrefillChunk:
     end: int
     length: int
     blocks: torch.Tensor  # the blocks holding those ``length`` tokens
-    cached_rows: NativeRows | None = None  # the chunk in tiles, for the native kernel (rows_for_native)
+    cached_rows: NativeRows | None = None  # the chunk in tiles, for the native kernel (native_dtype)
 
     @functools.cached_property
     def mask(self) -> torch.Tensor | None:
@@ -173,27 +173,29 @@ class PrefillChunk:
         return torch.arange(self.length)[None, :] <= positions[:, None]
 
 
-# The native kernel takes a chunk's rows this many tokens a tile: with SmolLM2's 3 query heads per kv
-# head, 96 query rows (its kernel's widest tile, kMaxTileRows) share each key and value read.
-NATIVE_TILE_TOKENS = 32
+def native_tile_tokens(dtype: torch.dtype) -> int:
+    """The tokens of a chunk the native kernel takes a tile: with SmolLM2's 3 query heads per kv head, its
+    widest tile (kTileRows: 96 query rows in bf16, 48 in fp32) shares each key and value read."""
+    return 32 if dtype == torch.bfloat16 else 16
 
 
 def plan_prefill(block_tables, cu_seqlens_q, context_lens, block_size: int, *,
-                 rows_for_native: bool = False) -> list[PrefillChunk]:
-    """``rows_for_native``: also lay each chunk out in tiles for the native kernel."""
+                 native_dtype: torch.dtype | None = None) -> list[PrefillChunk]:
+    """``native_dtype``: also lay each chunk out in tiles for the native kernel at that dtype."""
     bounds, chunks = cu_seqlens_q.tolist(), []
     for b, length in enumerate(context_lens.tolist()):
         start, end = bounds[b], bounds[b + 1]
         if end == start:
             continue
         blocks = block_tables[b, : -(-length // block_size)]
-        cached_rows = _tiled_rows(blocks, length - (end - start), end - start, block_size) if rows_for_native else None
+        cached_rows = (None if native_dtype is None else
+                       _tiled_rows(blocks, length - (end - start), end - start, block_size, native_tile_tokens(native_dtype)))
         chunks.append(PrefillChunk(start, end, length, blocks, cached_rows))
     return chunks
 
 
-def _tiled_rows(blocks: torch.Tensor, cached: int, n: int, block_size: int) -> NativeRows:
-    tile, tiles = NATIVE_TILE_TOKENS, -(-n // NATIVE_TILE_TOKENS)
+def _tiled_rows(blocks: torch.Tensor, cached: int, n: int, block_size: int, tile: int) -> NativeRows:
+    tiles = -(-n // tile)
     tile_of_row = torch.arange(n) // tile
     whole = (cached + torch.arange(tiles) * tile) // block_size  # whole blocks before each tile
     own_start = whole[tile_of_row]  # the block each row's own tokens start in
@@ -224,7 +226,7 @@ def prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale
     """
     out = torch.empty_like(q) if out is None else out
     plan = plan if plan is not None else plan_prefill(block_tables, cu_seqlens_q, context_lens, k_cache.shape[1],
-                                                      rows_for_native=native is not None)
+                                                      native_dtype=q.dtype if native is not None else None)
     for chunk in plan:
         if native is not None and chunk.cached_rows is not None:
             rows = chunk.cached_rows

@@ -37,7 +37,8 @@ _WRITE_ARGS = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64]
 _LINEAR_ARGS = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT]
 _GATED_ARGS = [_PTR, _PTR, _PTR, _I64, _I64, _I64, _INT]
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
-HEAD_DIMS, MAX_GROUP = (32, 64, 80, 96, 128, 256), 96  # MAX_GROUP: the kernel's kMaxTileRows
+HEAD_DIMS = (32, 64, 80, 96, 128, 256)
+MAX_GROUP = {torch.float32: 48, torch.bfloat16: 96}  # the kernel's kTileRows: query heads a kv head it takes
 LINEAR_BLOCK = 32  # native/linear.cpp's block of output features
 LINEAR_PACK = {torch.float32: 1, torch.bfloat16: 2}  # inputs a step takes: the packed weight's last dimension
 
@@ -62,7 +63,7 @@ class NativeKernels:
                                if self._run_linear(probe[:1].to(dtype), pack_linear(probe.to(dtype)), None)[0] == 0}
 
     def supports(self, dtype: torch.dtype, head_dim: int, query_group: int) -> bool:
-        return dtype in self._decode and head_dim in HEAD_DIMS and query_group <= MAX_GROUP
+        return dtype in self._decode and head_dim in HEAD_DIMS and query_group <= MAX_GROUP[dtype]
 
     def supports_linear(self, weight: torch.Tensor) -> bool:
         """Whether linear() takes this weight (its dtype, and sizes multiples of the kernel's tiles)."""

@@ -91,6 +91,7 @@ class ModelRunner:
         # decodes with arguments prepared once for all layers.
         self.native_kernels = None if triton else dispatch.native_decode(query, model.model.layers[0].self_attn.k_cache)
         native = self.native_kernels is not None
+        self.native_dtype = dtype if native else None  # prefill chunks laid out in its tiles (plan_prefill)
         # Mean shared-prefix tokens per decode from which prefix groups go to the shared-prefix kernel.
         self.min_shared_tokens = 0 if triton or native else CPU_MIN_SHARED_TOKENS
         # Whether decodes run the torch CPU paths, whose reads are planned once per step (prefills always do on
@@ -232,7 +233,7 @@ class ModelRunner:
         )
         if self.plans_cpu_attention:
             meta.plan = cpu_attention.plan_prefill(meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
-                                                   self.block_size, rows_for_native=self.native_kernels is not None)
+                                                   self.block_size, native_dtype=self.native_dtype)
         return meta
 
     def _native(self, meta: AttentionMetadata) -> PreparedDecode:

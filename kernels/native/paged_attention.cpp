@@ -7,7 +7,7 @@
 // block_size, KVH, D], block tables int32 [rows, stride], lengths int32.
 //
 // Work is split into tasks of (kv head, tile of sequences): a tile is the members of one shared
-// prefix (at most kMaxTileRows query rows), or a single sequence with none. A task keeps an online
+// prefix (at most kTileRows query rows), or a single sequence with none. A task keeps an online
 // softmax state per query row (running max, sum, fp32 accumulator); it reads each prefix token's key
 // and value once for all the tile's rows, then each member's rows go on over that member's own
 // tokens (a long prefix with too few tasks for the threads goes in two halves, two tasks whose states are
@@ -47,15 +47,19 @@ constexpr int64_t kSegment = 256;
 // A row of a segment's scores, weights or transposed keys: a segment and a vector, so that rows a whole 1 KB
 // apart do not all fall in the same few L1 sets (fp32 attention ran 1.2-1.7x slower with rows 1 KB apart).
 constexpr int64_t kStride = kSegment + kLanes;
-// Query rows sharing one pass over a prefix: a 32-token prefill tile with SmolLM2's 3 query heads a kv head.
-// At twice the 48 it was, a prefill converts each prefix's keys and values half as often: a 1,000-token
-// prefill's attention 0.80-0.87x the time in bf16 with score_segment_tiles and value_tiles_two_rows, 0.81-0.91x
-// in fp32 (kernel A/B, the two builds' order swapped each round).
-constexpr int64_t kMaxTileRows = 96;
+// Query rows sharing one pass over a prefix. In bf16 a 32-token prefill tile with SmolLM2's 3 query heads a kv
+// head (kernels/cpu_attention.py lays prefill out so): at twice the 48 it was, a prefill converts each prefix's
+// keys and values half as often: a 1,000-token prefill's attention 0.80-0.87x the time with score_segment_tiles
+// and value_tiles_two_rows (kernel A/B, the two builds' order swapped each round). fp32 stays at 48: its scratch
+// sized for 96 rows alone ran its decodes 3-15% slower (where the buffers fall in L1, as kStride's note says).
+constexpr int64_t kMaxTileRows = 96;  // the largest kTileRows (below): the bound of a task's per-row arrays
 
 struct BFloat16 {
     uint16_t bits;
 };
+
+template <typename T>
+constexpr int64_t kTileRows = std::is_same_v<T, BFloat16> ? kMaxTileRows : 48;
 
 inline float to_float(float x) { return x; }
 
@@ -140,7 +144,7 @@ inline const T *cache_row(const T *cache, int64_t slot, int64_t kv_head, const S
 
 constexpr int64_t kChunkVecs = kChunk / kLanes;
 
-// Per task: the online softmax state of up to kMaxTileRows query rows; a segment's scores and weights
+// Per task: the online softmax state of up to kTileRows query rows; a segment's scores and weights
 // ([rows][kStride]); its keys (transposed, [dim][kStride], or as rows) and values ([kSegment][dim]) in fp32.
 // Rows past a call's last that a tile pass may read and write (scores, weights, queries: the tile's 16 rows
 // padded; those rows' results are dropped, and each row's products depend on its own inputs alone).
@@ -152,12 +156,12 @@ struct Scratch {
     // [kSegment/2][dim] (tokens 2t and 2t+1 of one dimension), weights [rows][kStride/2].
     std::vector<uint32_t> query_pairs, key_pairs, value_pairs, weight_pairs;
     bool tiles = false;  // the pairs' products on AMX tiles (run_tasks configured this thread's)
-    explicit Scratch(int64_t dim)
-        : queries(kMaxTileRows * dim), acc(kMaxTileRows * dim), running_max(kMaxTileRows), total(kMaxTileRows),
-          scores((kMaxTileRows + kTilePadRows) * kStride), weights(kMaxTileRows * kStride), keys_t(dim * kStride),
-          keys(kSegment * dim), values(kSegment * dim), query_pairs((kMaxTileRows + kTilePadRows) * dim / 2),
+    Scratch(int64_t dim, int64_t rows)
+        : queries(rows * dim), acc(rows * dim), running_max(rows), total(rows),
+          scores((rows + kTilePadRows) * kStride), weights(rows * kStride), keys_t(dim * kStride),
+          keys(kSegment * dim), values(kSegment * dim), query_pairs((rows + kTilePadRows) * dim / 2),
           key_pairs(dim / 2 * kStride), value_pairs(kSegment / 2 * dim),
-          weight_pairs((kMaxTileRows + kTilePadRows) * kStride / 2) {}
+          weight_pairs((rows + kTilePadRows) * kStride / 2) {}
 };
 
 // Scores of ROWS query rows against a chunk's keys (keys_t: the chunk's column of [DIM][kStride]; scores:
@@ -865,7 +869,7 @@ void merge_parts(const Task &task, const float *states, T *out, const Shape &sha
 // A prefix from which too few tasks split by tokens rather than by members (see plan_tasks).
 constexpr int64_t kMinSplitTokens = 256;
 
-// Tiles: each prefix's members, at most kMaxTileRows query rows a tile; a sequence without one alone.
+// Tiles: each prefix's members, at most tile_rows query rows a tile; a sequence without one alone.
 // When that leaves fewer than two tasks a thread (16 forks of a 900-token prompt, 3 kv heads: 3 tasks
 // for 2 threads, one idle for a third of the call), a long prefix (kMinSplitTokens) splits by tokens: two
 // tasks a tile, each over half the prefix with all the tile's rows, their states merged after (merge_parts).
@@ -879,12 +883,12 @@ struct Plan {
 
 Plan plan_tasks(int64_t batch, const int32_t *prefix_ids, const int32_t *prefix_tables,
                              int64_t prefix_stride, const int32_t *prefix_lens, int64_t num_prefixes,
-                             const int32_t *own_lens, const Shape &shape, int num_threads) {
+                             const int32_t *own_lens, const Shape &shape, int64_t tile_rows, int num_threads) {
     const auto prefix_of = [&](int64_t b) {
         const int64_t p = prefix_ids ? prefix_ids[b] : -1;
         return p < 0 || p >= num_prefixes ? -1 : p;
     };
-    const int64_t max_members = std::max<int64_t>(1, kMaxTileRows / shape.group());
+    const int64_t max_members = std::max<int64_t>(1, tile_rows / shape.group());
     std::vector<int64_t> members(num_prefixes, 0), prefix_tiles(num_prefixes);
     int64_t tiles_needed = 0;  // one a sequence without a prefix, as few as fit a prefix's members
     for (int64_t b = 0; b < batch; b++) {
@@ -968,7 +972,7 @@ void run_tasks(const Plan &plan, const T *q, const T *k_cache, const T *v_cache,
     {
         // One per thread, kept between calls: allocating (and zeroing) it per call cost more than a short
         // decode's arithmetic.
-        thread_local Scratch scratch(kMaxHeadDim);
+        thread_local Scratch scratch(kMaxHeadDim, kTileRows<T>);
         scratch.tiles = kTiles && std::is_same_v<T, BFloat16> && DIM % 32 == 0 && tiles_usable();
         if (scratch.tiles) configure_attention_tiles();
 #pragma omp for schedule(dynamic, 1)
@@ -987,7 +991,7 @@ template <typename T>
 int decode(const T *q, const T *k_cache, const T *v_cache, const int32_t *prefix_ids, const int32_t *prefix_tables,
            int64_t prefix_stride, const int32_t *prefix_lens, int64_t num_prefixes, const int32_t *own_tables,
            int64_t own_stride, const int32_t *own_lens, T *out, int64_t batch, const Shape &shape, int num_threads) {
-    if (shape.group() > kMaxTileRows) return -1;
+    if (shape.group() > kTileRows<T>) return -1;
     const auto blocks_valid = [&](const int32_t *table, int64_t length) {
         for (int64_t i = 0; i < (length + shape.block_size - 1) / shape.block_size; i++)
             if (table[i] < 0 || table[i] >= shape.num_blocks) return false;
@@ -998,7 +1002,7 @@ int decode(const T *q, const T *k_cache, const T *v_cache, const int32_t *prefix
     for (int64_t p = 0; p < num_prefixes; p++)
         if (!blocks_valid(prefix_tables + p * prefix_stride, prefix_lens[p])) return -2;
     const Plan plan = plan_tasks(batch, prefix_ids, prefix_tables, prefix_stride, prefix_lens, num_prefixes, own_lens,
-                                  shape, num_threads);
+                                  shape, kTileRows<T>, num_threads);
     const auto run = [&](auto dim) {
         run_tasks<decltype(dim)::value>(plan, q, k_cache, v_cache, own_tables, own_stride, own_lens, out, shape,
                                         num_threads);

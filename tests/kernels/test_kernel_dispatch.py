@@ -46,8 +46,8 @@ def test_prefill_matches_reference(kv, tol, decode_path):
     out = dispatch.prefill_attention(q, kv.k_cache, kv.v_cache, tables, cu, context_lens, 130, kv.scale)
     expected = reference.paged_prefill(q, kv.k_cache, kv.v_cache, tables, cu, context_lens, kv.scale)
     torch.testing.assert_close(out, expected, **tol)
-    plan = cpu_attention.plan_prefill(tables, cu, context_lens, kv.block_size, rows_for_native=True)
-    tiles = [-(-n // cpu_attention.NATIVE_TILE_TOKENS) for n in q_lens if n]
+    plan = cpu_attention.plan_prefill(tables, cu, context_lens, kv.block_size, native_dtype=kv.k_cache.dtype)
+    tiles = [-(-n // cpu_attention.native_tile_tokens(kv.k_cache.dtype)) for n in q_lens if n]
     assert [len(chunk.cached_rows.prefix_len) for chunk in plan] == tiles  # every chunk, in tiles
 
 
@@ -77,7 +77,7 @@ def test_one_plan_serves_every_layer_as_the_calls_without_one(kv, decode_path):
     cu, context = torch.tensor([0, 5, 75, 76, 76], dtype=torch.int32), torch.tensor([5, 100, 50, 12], dtype=torch.int32)
     prefill_tables, prefill_q = kv.block_tables(context.tolist()), kv.queries(76)
     prefill = cpu_attention.plan_prefill(prefill_tables, cu, context, kv.block_size,
-                                         rows_for_native=decode_path == "native")  # as the engine plans it
+                                         native_dtype=kv.k_cache.dtype if decode_path == "native" else None)  # as the engine plans it
 
     shared_args = (torch.tensor(PREFIX_IDS, dtype=torch.int32), kv.block_tables(PREFIX_LENS),
                    torch.tensor(PREFIX_LENS, dtype=torch.int32), kv.block_tables(SUFFIX_LENS),

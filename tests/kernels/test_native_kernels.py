@@ -79,7 +79,7 @@ def test_a_short_prefill_chunk_over_a_long_cache_split_by_tokens(kernels, kv, to
     """10 new tokens over 500 cached: one tile of rows, 3 tasks for 2 threads, its cached blocks in two halves."""
     tables, cu, context = kv.block_tables([510]), torch.tensor([0, 10], dtype=torch.int32), torch.tensor([510], dtype=torch.int32)
     q = kv.queries(10)
-    plan = cpu_attention.plan_prefill(tables, cu, context, kv.block_size, rows_for_native=True)
+    plan = cpu_attention.plan_prefill(tables, cu, context, kv.block_size, native_dtype=kv.k_cache.dtype)
     out = cpu_attention.prefill(q, kv.k_cache, kv.v_cache, tables, cu, context, kv.scale, plan=plan, native=kernels)
     torch.testing.assert_close(out, reference.paged_prefill(q, kv.k_cache, kv.v_cache, tables, cu, context, kv.scale), **tol)
 
@@ -94,7 +94,7 @@ def test_runs_longer_than_a_segment(kernels, kv, tol):
 
     tables, cu, context = kv.block_tables([500]), torch.tensor([0, 300], dtype=torch.int32), torch.tensor([500], dtype=torch.int32)
     q = kv.queries(300)
-    plan = cpu_attention.plan_prefill(tables, cu, context, kv.block_size, rows_for_native=True)
+    plan = cpu_attention.plan_prefill(tables, cu, context, kv.block_size, native_dtype=kv.k_cache.dtype)
     out = cpu_attention.prefill(q, kv.k_cache, kv.v_cache, tables, cu, context, kv.scale, plan=plan, native=kernels)
     torch.testing.assert_close(out, reference.paged_prefill(q, kv.k_cache, kv.v_cache, tables, cu, context, kv.scale), **tol)
 
@@ -110,7 +110,7 @@ def test_peaked_scores(kernels, kv, tol):
 
     tables, cu, context = kv.block_tables([300]), torch.tensor([0, 100], dtype=torch.int32), torch.tensor([300], dtype=torch.int32)
     q = (kv.queries(100).float() * 30).to(kv.k_cache.dtype)
-    plan = cpu_attention.plan_prefill(tables, cu, context, kv.block_size, rows_for_native=True)
+    plan = cpu_attention.plan_prefill(tables, cu, context, kv.block_size, native_dtype=kv.k_cache.dtype)
     out = cpu_attention.prefill(q, kv.k_cache, kv.v_cache, tables, cu, context, kv.scale, plan=plan, native=kernels)
     torch.testing.assert_close(out, reference.paged_prefill(q, kv.k_cache, kv.v_cache, tables, cu, context, kv.scale), **tol)
 
@@ -125,7 +125,7 @@ def test_a_steps_rows_joined_in_one_call(kernels, kv, tol):
     tables, context_lens = kv.block_tables(context), torch.tensor(context, dtype=torch.int32)
     cu = torch.tensor([0, 70, 90], dtype=torch.int32)
     prefill_q = kv.queries(sum(q_lens))
-    plan = cpu_attention.plan_prefill(tables, cu, context_lens, kv.block_size, rows_for_native=True)
+    plan = cpu_attention.plan_prefill(tables, cu, context_lens, kv.block_size, native_dtype=kv.k_cache.dtype)
     rows = cpu_attention.join_rows([cpu_attention.decode_rows(shared[6], shared[7], shared[3:6]),
                                     *(chunk.cached_rows for chunk in plan)])
     prepared = kernels.prepare_decode(rows.own_tables, rows.own_lens, (rows.prefix_ids, rows.prefix_table, rows.prefix_len))
@@ -145,7 +145,7 @@ def test_tiles_and_the_vector_path_agree(amx_tiles, kv, tol):
     to the references and to the vector path's within bf16's rounding."""
     tables, cu, context = kv.block_tables([400]), torch.tensor([0, 100], dtype=torch.int32), torch.tensor([400], dtype=torch.int32)
     q = kv.queries(100)
-    plan = cpu_attention.plan_prefill(tables, cu, context, kv.block_size, rows_for_native=True)
+    plan = cpu_attention.plan_prefill(tables, cu, context, kv.block_size, native_dtype=kv.k_cache.dtype)
     shared = shared_args(kv, [0] * 16, [150], [1 + i % 5 for i in range(16)])
     outs = []
     for tiles in (True, False):
