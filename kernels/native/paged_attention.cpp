@@ -49,9 +49,10 @@ constexpr int64_t kSegment = 256;
 constexpr int64_t kStride = kSegment + kLanes;
 // Query rows sharing one pass over a prefix. In bf16 a 32-token prefill tile with SmolLM2's 3 query heads a kv
 // head (kernels/cpu_attention.py lays prefill out so): at twice the 48 it was, a prefill converts each prefix's
-// keys and values half as often: a 1,000-token prefill's attention 0.80-0.87x the time with score_segment_tiles
-// and value_tiles_two_rows (kernel A/B, the two builds' order swapped each round). fp32 stays at 48: its scratch
-// sized for 96 rows alone ran its decodes 3-15% slower (where the buffers fall in L1, as kStride's note says).
+// keys and values half as often: with score_segment_tiles and value_tiles_two_rows, a 1,000-token prefill's
+// attention 0.85x the time, 256 tokens 0.86x, decodes 0.98-1.03x (benchmarks/kernel_revisions). fp32 stays at
+// 48: its scratch sized for 96 rows alone ran its decodes 3-15% slower (where the buffers fall in L1, as
+// kStride's note says).
 constexpr int64_t kMaxTileRows = 96;  // the largest kTileRows (below): the bound of a task's per-row arrays
 
 struct BFloat16 {
@@ -461,7 +462,7 @@ inline void score_segment_tiles(const uint32_t *query_pairs, const uint32_t *key
 
 // Dimensions [d0, d0 + 32) of 32 rows' weighted values over `steps` steps of 32 tokens, into sums (rows DIM
 // apart): two tiles of rows share each load of values. Tiles 0-1 rows 0-15's sums, 2-3 rows 16-31's, 4-5 the
-// rows' weights, 6-7 the values (1.18x value_tiles' rate from L1).
+// rows' weights, 6-7 the values (1.18x value_tiles' rate in a loop of them over data in L1).
 template <int64_t DIM>
 inline void value_tiles_two_rows(const uint32_t *weight_pairs, const uint32_t *value_pairs, int64_t steps, int64_t d0,
                                  float *sums) {
