@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import importlib.util
 import inspect
 import json
@@ -37,9 +38,8 @@ KV_HEADS, HEADS, HEAD_DIM, BLOCK = 3, 9, 64, 16  # SmolLM2-135M
 
 def build(checkout: Path, into: Path) -> ctypes.CDLL:
     """The checkout's native kernels built as this checkout builds its own (native.FLAGS)."""
-    sources = sorted(str(p) for p in (checkout / "kernels" / "native").glob("*.cpp"))
     target = into / "before.so"
-    subprocess.run([native._compiler(), *native.FLAGS, "-o", str(target), *sources], check=True)
+    native.compile_sources(native._compiler(), sorted((checkout / "kernels" / "native").glob("*.cpp")), target)
     return ctypes.CDLL(str(target))
 
 
@@ -70,8 +70,8 @@ def cases(dtype, builds):
         tables = torch.arange(blocks, dtype=torch.int32)[None, :]
         cu, lens = torch.tensor([0, new], dtype=torch.int32), torch.tensor([new + cached], dtype=torch.int32)
         out[f"prefill {new} over {cached}"] = {
-            name: (lambda m=module, kernels=kernels, p=plan(module, tables, cu, lens, dtype), q=q, k=k, v=v, t=tables,
-                   cu=cu, lens=lens: m.prefill(q, k, v, t, cu, lens, HEAD_DIM**-0.5, plan=p, native=kernels))
+            name: functools.partial(module.prefill, q, k, v, tables, cu, lens, HEAD_DIM**-0.5,
+                                    plan=plan(module, tables, cu, lens, dtype), native=kernels)
             for name, (kernels, module) in builds.items()}
     k, v, q = cache(200), cache(200), queries(16)
     prefix, own = torch.arange(59, dtype=torch.int32)[None, :], torch.stack(
@@ -79,10 +79,10 @@ def cases(dtype, builds):
     shared = (q, k, v, torch.zeros(16, dtype=torch.int32), prefix, torch.tensor([922], dtype=torch.int32), own,
               torch.full((16,), 20, dtype=torch.int32), HEAD_DIM**-0.5)
     out["16 forks over 922 shared + 20 own"] = {
-        name: (lambda kernels=kernels: kernels.shared_prefix_decode(*shared)) for name, (kernels, _) in builds.items()}
+        name: functools.partial(kernels.shared_prefix_decode, *shared) for name, (kernels, _) in builds.items()}
     tables = torch.stack([torch.arange(8 * i, 8 * i + 8, dtype=torch.int32) for i in range(16)])
     lens = torch.full((16,), 100, dtype=torch.int32)
-    out["16 decodes over 100"] = {name: (lambda kernels=kernels: kernels.decode(q, k, v, tables, lens, HEAD_DIM**-0.5))
+    out["16 decodes over 100"] = {name: functools.partial(kernels.decode, q, k, v, tables, lens, HEAD_DIM**-0.5)
                                   for name, (kernels, _) in builds.items()}
     return out
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import native
+
 
 @dataclass(frozen=True)
 class PaddedGather:
@@ -175,8 +177,9 @@ class PrefillChunk:
 
 def native_tile_tokens(dtype: torch.dtype) -> int:
     """The tokens of a chunk the native kernel takes a tile: with SmolLM2's 3 query heads per kv head, its
-    widest tile (kTileRows: 96 query rows in bf16, 48 in fp32) shares each key and value read."""
-    return 32 if dtype == torch.bfloat16 else 16
+    widest tile (native.MAX_GROUP, the kernel's kTileRows: 96 query rows in bf16, 48 in fp32) shares each key
+    and value read."""
+    return native.MAX_GROUP[dtype] // 3
 
 
 def plan_prefill(block_tables, cu_seqlens_q, context_lens, block_size: int, *,

@@ -315,8 +315,13 @@ def _built(compiler: str) -> Path:
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as scratch:
             built = Path(scratch) / target.name
-            result = subprocess.run([compiler, *FLAGS, "-o", str(built), *map(str, SOURCES)], capture_output=True, text=True)
-            if result.returncode != 0:
-                raise subprocess.CalledProcessError(result.returncode, result.args, stderr=result.stderr[-2000:])
+            compile_sources(compiler, SOURCES, built)
             os.replace(built, target)
     return target
+
+
+def compile_sources(compiler: str, sources, target: Path) -> None:
+    """The library built from ``sources`` with this module's flags (also benchmarks.kernel_revisions' other build)."""
+    result = subprocess.run([compiler, *FLAGS, "-o", str(target), *map(str, sources)], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise subprocess.CalledProcessError(result.returncode, result.args, stderr=result.stderr[-2000:])
