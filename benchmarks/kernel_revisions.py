@@ -39,7 +39,8 @@ KV_HEADS, HEADS, HEAD_DIM, BLOCK = 3, 9, 64, 16  # SmolLM2-135M
 def build(checkout: Path, into: Path) -> ctypes.CDLL:
     """The checkout's native kernels built as this checkout builds its own (native.FLAGS)."""
     target = into / "before.so"
-    native.compile_sources(native._compiler(), sorted((checkout / "kernels" / "native").glob("*.cpp")), target)
+    sources = sorted(path for path in (checkout / "kernels" / "native").glob("*.cpp") if path.name != "torch_ops.cpp")
+    native.compile_sources(native._compiler(), sources, target)  # torch_ops.cpp: the torch operators' own build
     return ctypes.CDLL(str(target))
 
 

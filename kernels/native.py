@@ -1,7 +1,9 @@
 """The CPU kernels written in C++ (kernels/native/*.cpp, one library), built on first use and called through ctypes.
 
 They include no torch headers, so the system compiler builds them in about a second (no ninja, no
-extension toolchain); the library is cached per source, flags and compiler under
+extension toolchain). The one exception is native/torch_ops.cpp, the linear kernels as torch operators with
+C++ bodies, built apart with torch's headers (``torch_ops()``, ~15 s once) so that a call skips Python. Each
+library is cached per source, flags and compiler under
 ``$PARROT_CACHE_DIR`` (default ``~/.cache/parrot``; keyed by source, flags, compiler and CPU) and written atomically, so engine processes
 started together build it once each at most and never load a half-written file. Where no compiler
 is found (``$CXX``, else ``c++`` / ``g++`` / ``clang++``) or the build fails, ``library()`` is None
@@ -27,6 +29,8 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).parent / "native" / name for name in ("paged_attention.cpp", "linear.cpp", "affinity.cpp"))
 HEADER = Path(__file__).parent / "native" / "common.h"  # included by the sources: part of the build's key
+# The linear kernels again, with torch operators over them (torch_ops()): built apart, with torch's headers.
+TORCH_OPS_SOURCES = tuple(Path(__file__).parent / "native" / name for name in ("torch_ops.cpp", "linear.cpp"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 DISABLE_ENV = "PARROT_NATIVE_KERNELS"
 
@@ -60,7 +64,7 @@ class NativeKernels:
         # Built without a bf16 dot product (another CPU or compiler), the bf16 linear answers -2.
         probe = torch.zeros(LINEAR_BLOCK, 2, dtype=torch.bfloat16)
         self._linear_dtypes = {dtype for dtype in self._linear
-                               if self._run_linear(probe[:1].to(dtype), pack_linear(probe.to(dtype)), None)[0] == 0}
+                               if self._run_linear(probe[:1].to(dtype), pack_linear(probe.to(dtype)), None, LINEAR_BLOCK, 2)[0] == 0}
 
     def supports(self, dtype: torch.dtype, head_dim: int, query_group: int) -> bool:
         return dtype in self._decode and head_dim in HEAD_DIMS and query_group <= MAX_GROUP[dtype]
@@ -75,7 +79,8 @@ class NativeKernels:
         """x [rows, in] @ weight.T + bias, in x's dtype, the weight as pack_linear() lays it out (see
         native/linear.cpp). Shapes and dtypes are checked here: the kernel reads what the pointers say."""
         out_features, in_features = self._checked_linear(x, packed, bias)
-        status, out = self._run_linear(x.contiguous(), packed, None if bias is None else bias.contiguous())
+        status, out = self._run_linear(x.contiguous(), packed, None if bias is None else bias.contiguous(),
+                                       out_features, in_features)
         if status != 0:
             raise ValueError(f"the native linear refused x {tuple(x.shape)} with a weight of {out_features}x{in_features}")
         return out
@@ -85,30 +90,35 @@ class NativeKernels:
         it out, rounded where torch's unfused ops round (see native/linear.cpp)."""
         out_features, in_features = self._checked_linear(x, packed, None)
         x = x.contiguous()  # held by a name: a temporary's memory would be freed before the kernel reads it
-        out = x.new_empty(x.shape[0], out_features // 2)
+        rows = x.shape[0]
+        out = x.new_empty(rows, out_features // 2)
         # An odd count of blocks (not gate and up pairs) leaves half the features off the blocks: refused there.
-        status = self._gated[x.dtype](x.data_ptr(), packed.data_ptr(), out.data_ptr(), x.shape[0],
-                                      out_features // 2, in_features, torch.get_num_threads())
+        status = self._gated[x.dtype](x.data_ptr(), packed.data_ptr(), out.data_ptr(), rows, out_features // 2,
+                                      in_features, torch.get_num_threads())
         if status != 0:
             raise ValueError(f"the native gated linear refused x {tuple(x.shape)} with a weight of {out_features}x{in_features}")
         return out
 
     def _checked_linear(self, x, packed, bias) -> tuple[int, int]:
-        """(out_features, in_features) of ``packed``, or ValueError where x, it and bias do not go together."""
-        blocked = (packed.dim() == 4 and packed.shape[2] == LINEAR_BLOCK and packed.is_contiguous()
-                   and packed.shape[3] == LINEAR_PACK.get(packed.dtype) and packed.dtype in self._linear_dtypes)
-        out_features, in_features = linear_shape(packed) if blocked else (0, 0)
-        if not (blocked and x.dim() == 2 and x.shape[1] == in_features and x.dtype == packed.dtype
-                and (bias is None or (bias.dtype == packed.dtype and bias.shape == (out_features,)))):
+        """(out_features, in_features) of ``packed``, or ValueError where x, it and bias do not go together.
+        Each tensor's shape is read once: a decode step makes 120 of these calls, and this check was a
+        fifth of a call's own cost."""
+        shape, dtype = packed.shape, packed.dtype
+        blocked = (len(shape) == 4 and shape[2] == LINEAR_BLOCK and shape[3] == LINEAR_PACK.get(dtype)
+                   and dtype in self._linear_dtypes and packed.is_contiguous())
+        out_features, in_features = (shape[0] * shape[2], shape[1] * shape[3]) if blocked else (0, 0)
+        x_shape = x.shape
+        if not (blocked and len(x_shape) == 2 and x_shape[1] == in_features and x.dtype == dtype
+                and (bias is None or (bias.dtype == dtype and bias.shape == (out_features,)))):
             raise ValueError(f"the native linear does not take x {tuple(x.shape)} {x.dtype}, packed weight "
                              f"{tuple(packed.shape)} {packed.dtype}, bias {None if bias is None else (tuple(bias.shape), bias.dtype)}")
         return out_features, in_features
 
-    def _run_linear(self, x, packed, bias) -> tuple[int, torch.Tensor]:
-        out_features, in_features = linear_shape(packed)
-        out = x.new_empty(x.shape[0], out_features)
+    def _run_linear(self, x, packed, bias, out_features: int, in_features: int) -> tuple[int, torch.Tensor]:
+        rows = x.shape[0]
+        out = x.new_empty(rows, out_features)
         status = self._linear[x.dtype](x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                                       out.data_ptr(), x.shape[0], out_features, in_features, torch.get_num_threads())
+                                       out.data_ptr(), rows, out_features, in_features, torch.get_num_threads())
         return status, out
 
     def use_tiles(self, enable: bool) -> bool:
@@ -305,23 +315,51 @@ def _cpu_signature() -> str:
         return platform.machine() + platform.processor()
 
 
-def _built(compiler: str) -> Path:
+def _built(compiler: str, sources=SOURCES, name: str = "parrot_kernels", flags: tuple[str, ...] = (),
+           keyed_by: tuple[str, ...] = ()) -> Path:
+    """The library of ``sources`` (built with FLAGS and ``flags``) from the cache, built there first if missing;
+    ``keyed_by``: what else the build depends on."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    parts = [*(source.read_text() for source in (*SOURCES, HEADER)), *FLAGS, compiler, version, _cpu_signature()]
+    parts = [*(source.read_text() for source in (*sources, HEADER)), *FLAGS, *flags, *keyed_by, compiler, version,
+             _cpu_signature()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("PARROT_CACHE_DIR") or Path.home() / ".cache" / "parrot") / "kernels"
-    target = cache / f"parrot_kernels-{key}.so"
+    target = cache / f"{name}-{key}.so"
     if not target.exists():
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as scratch:
             built = Path(scratch) / target.name
-            compile_sources(compiler, SOURCES, built)
+            compile_sources(compiler, sources, built, flags)
             os.replace(built, target)
     return target
 
 
-def compile_sources(compiler: str, sources, target: Path) -> None:
-    """The library built from ``sources`` with this module's flags (also benchmarks.kernel_revisions' other build)."""
-    result = subprocess.run([compiler, *FLAGS, "-o", str(target), *map(str, sources)], capture_output=True, text=True)
+@functools.cache
+def torch_ops() -> bool:
+    """Whether the linear kernels' torch operators with C++ bodies (native/torch_ops.cpp: parrot_native::linear
+    and ::gated_linear) are loaded here, built on first use against this torch's headers (~15 s, cached as
+    library() is). False where that fails (one warning says why) or the native kernels are switched off: the
+    Python-bodied ops of kernels/native_linear.py serve then."""
+    if library() is None:
+        return False
+    from torch.utils import cpp_extension
+
+    flags = ("-std=c++20", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+             *(f"-I{path}" for path in cpp_extension.include_paths()),
+             *(f"-L{path}" for path in cpp_extension.library_paths()), "-lc10", "-ltorch_cpu")
+    try:
+        built = _built(_compiler(), TORCH_OPS_SOURCES, "parrot_torch_ops", flags, keyed_by=(torch.__version__,))
+        torch.ops.load_library(str(built))
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
+        log.warning("building the native linears' torch operators failed, their Python-bodied ops serve: %s", exc)
+        return False
+    return True
+
+
+def compile_sources(compiler: str, sources, target: Path, flags: tuple[str, ...] = ()) -> None:
+    """The library built from ``sources`` with this module's flags and ``flags`` (also benchmarks.kernel_revisions'
+    other build)."""
+    command = [compiler, *FLAGS, "-o", str(target), *map(str, sources), *flags]  # libraries after the objects
+    result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         raise subprocess.CalledProcessError(result.returncode, result.args, stderr=result.stderr[-2000:])

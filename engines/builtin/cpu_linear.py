@@ -33,10 +33,11 @@ class NativeLinear(nn.Module):
         self.register_buffer("packed", native_linear.pack(linear.weight), persistent=False)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone(), persistent=False)
         self.register_buffer("gemm_weight", _gemm_weight(linear), persistent=False)
+        self.op = native_linear.ops()[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        out = native_linear.native_linear(rows, self.packed, self.bias, self.gemm_weight)
+        out = self.op(rows, self.packed, self.bias, self.gemm_weight)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -51,10 +52,11 @@ class NativeGatedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features // 2
         self.register_buffer("packed", native_linear.pack_gated(linear.weight), persistent=False)
         self.register_buffer("gemm_weight", _gemm_weight(linear), persistent=False)
+        self.op = native_linear.ops()[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        out = native_linear.native_gated_linear(rows, self.packed, self.gemm_weight)
+        out = self.op(rows, self.packed, self.gemm_weight)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

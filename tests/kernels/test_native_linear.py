@@ -155,3 +155,55 @@ def test_fp32_calls_of_many_rows_given_their_weight_go_to_torchs_gemm(monkeypatc
     native_linear.native_gated_linear(few, packed_gated, gated)
     native_linear.native_linear(many, packed, bias)
     assert kernel_rows == [len(few), len(few), len(many)]
+
+
+def test_the_engine_calls_the_cpp_bodied_ops_where_the_kernels_build():
+    """Built against this torch's headers wherever the plain kernels build (torch ships them): the engine's
+    linears (engines/builtin/cpu_linear.py) then skip the Python-bodied op's ~12 us a call."""
+    assert native.library() is not None and native.torch_ops()
+    assert native_linear.ops() == (torch.ops.parrot_native.linear, torch.ops.parrot_native.gated_linear)
+
+
+# Each C++ body against the Python-bodied op it stands in for, on every route: bf16 and fp32 on the kernel (with
+# and without a bias, a strided input), fp32 calls of GEMM_ROWS rows or more on torch's GEMM when given the weight.
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [0, 1, 7, 33, 40])
+def test_cpp_bodied_ops_equal_the_python_bodied(dtype, rows):
+    torch.manual_seed(rows)
+    linear, gated = native_linear.ops()
+    weight, bias = torch.randn(128, 96, dtype=dtype), torch.randn(128, dtype=dtype)
+    x = torch.randn(96, rows, dtype=dtype).t()  # rows not contiguous
+    packed, gated_packed = native_linear.pack(weight), native_linear.pack_gated(weight)
+    gemm = weight if dtype == torch.float32 else None
+    for args in ((x, packed, bias), (x, packed, None), (x, packed, bias, gemm)):
+        assert torch.equal(linear(*args), native_linear.native_linear(*args))
+    for args in ((x, gated_packed), (x, gated_packed, gemm)):
+        assert torch.equal(gated(*args), native_linear.native_gated_linear(*args))
+
+
+def test_cpp_bodied_ops_refuse_what_the_python_bodied_refuse():
+    linear, gated = native_linear.ops()
+    weight = torch.randn(32, 32)
+    packed = native_linear.pack(weight)
+    for x, bias in ((torch.randn(1, 64), None), (torch.randn(32), None), (torch.randn(1, 32, dtype=torch.bfloat16), None),
+                    (torch.randn(1, 32), torch.randn(4)), (torch.randn(1, 32), torch.randn(32, dtype=torch.float64))):
+        with pytest.raises(ValueError, match="does not take"):
+            linear(x, packed, bias)
+    with pytest.raises(ValueError, match="does not take"):  # a weight not packed for it
+        linear(torch.randn(1, 32), weight, None)
+    with pytest.raises(ValueError, match="does not take"):
+        gated(torch.randn(1, 64), native_linear.pack_gated(torch.randn(64, 32)))
+
+
+def test_a_compiled_graph_calls_the_cpp_bodied_op():
+    weight = torch.randn(64, 32)
+    packed = native_linear.pack(weight)
+    linear = native_linear.ops()[0]
+
+    @torch.compile(fullgraph=True, dynamic=True)
+    def step(x):
+        return torch.relu(linear(x, packed, None)) + 1
+
+    for rows in (1, 5, 40):
+        x = torch.randn(rows, 32)
+        torch.testing.assert_close(step(x), torch.relu(F.linear(x, weight)) + 1, rtol=2.0**-20, atol=1e-5)
