@@ -19,6 +19,7 @@ alternating; 1-16 rows level or the kernel ahead); on the AVX-512 host before it
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -70,11 +71,20 @@ def _fake_gated_linear(x, packed, weight=None):
 native_gated_linear = torch.ops.parrot.native_gated_linear
 
 
-@functools.cache
+_ops_lock = threading.Lock()
+
+
 def ops() -> tuple:
     """(linear, gated_linear) as the engine calls them: the C++-bodied parrot_native ops (native/torch_ops.cpp,
     the same contracts) where native.torch_ops() loads them here, else the Python-bodied ones above. The C++
-    bodies spare a call the ~12 us it spent in Python (a decode step makes 120)."""
+    bodies spare a call the ~12 us it spent in Python (a decode step makes 120). Looked up when a linear is
+    made, never per call; the lock keeps two engines built at once from registering the fakes twice."""
+    with _ops_lock:
+        return _loaded_ops()
+
+
+@functools.cache
+def _loaded_ops() -> tuple:
     if not native.torch_ops():
         return native_linear, native_gated_linear
     torch.library.register_fake("parrot_native::linear")(_fake_linear)
