@@ -1,8 +1,9 @@
 """The CPU kernels written in C++ (kernels/native/*.cpp, one library), built on first use and called through ctypes.
 
 They include no torch headers, so the system compiler builds them in about a second (no ninja, no
-extension toolchain). The one exception is native/torch_ops.cpp, the linear kernels as torch operators with
-C++ bodies, built apart with torch's headers (``torch_ops()``, ~15 s once) so that a call skips Python. Each
+extension toolchain). The one exception is native/torch_ops.cpp, the linears and a compiled forward's attention as
+torch operators with C++ bodies, built apart with torch's headers (``torch_ops()``, ~20 s once) so that a
+call skips Python. Each
 library is cached per source, flags and compiler under
 ``$PARROT_CACHE_DIR`` (default ``~/.cache/parrot``; keyed by source, flags, compiler and CPU) and written atomically, so engine processes
 started together build it once each at most and never load a half-written file. Where no compiler
@@ -21,6 +22,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -29,8 +31,9 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).parent / "native" / name for name in ("paged_attention.cpp", "linear.cpp", "affinity.cpp"))
 HEADER = Path(__file__).parent / "native" / "common.h"  # included by the sources: part of the build's key
-# The linear kernels again, with torch operators over them (torch_ops()): built apart, with torch's headers.
-TORCH_OPS_SOURCES = tuple(Path(__file__).parent / "native" / name for name in ("torch_ops.cpp", "linear.cpp"))
+# The linear and attention kernels again, with torch operators over them (torch_ops()): built apart, with torch's headers.
+TORCH_OPS_SOURCES = tuple(Path(__file__).parent / "native" / name
+                          for name in ("torch_ops.cpp", "linear.cpp", "paged_attention.cpp"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 DISABLE_ENV = "PARROT_NATIVE_KERNELS"
 
@@ -184,6 +187,8 @@ class PreparedDecode:
             kept += [ids, tables, lens]
             prefix_args = (ids.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(), len(lens))
         self._kernels, self._kept = kernels, kept  # kept alive: the kernel reads them by pointer
+        # own_tables, own_lens, then prefix_ids, prefix_tables, prefix_lens or three Nones (torch_ops' set_step)
+        self.tables = (*kept, None, None, None)[:5]
         self._table_args = (*prefix_args, own_tables.data_ptr(), own_tables.stride(0), own_lens.data_ptr())
         self._fits: tuple | None = None  # the (query, cache) shapes and dtype already checked
 
@@ -226,6 +231,7 @@ class PreparedKvWrite:
     def __init__(self, kernels: NativeKernels, slot_mapping: torch.Tensor):
         self._functions = kernels._write
         self._slots = slot_mapping.long().contiguous()
+        self.slots = self._slots  # torch_ops' set_step
         self._fits: tuple | None = None
 
     def __call__(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -334,8 +340,18 @@ def _built(compiler: str, sources=SOURCES, name: str = "parrot_kernels", flags: 
     return target
 
 
-@functools.cache
+_torch_ops_lock = threading.Lock()
+
+
 def torch_ops() -> bool:
+    """Whether the torch operators with C++ bodies (native/torch_ops.cpp) are loaded here: see _load_torch_ops.
+    The lock keeps two engines built at once from loading them (and registering their fakes) twice."""
+    with _torch_ops_lock:
+        return _load_torch_ops()
+
+
+@functools.cache
+def _load_torch_ops() -> bool:
     """Whether the linear kernels' torch operators with C++ bodies (native/torch_ops.cpp: parrot_native::linear
     and ::gated_linear) are loaded here, built on first use against this torch's headers (~15 s, cached as
     library() is). False where that fails (one warning says why) or the native kernels are switched off: the
@@ -353,6 +369,12 @@ def torch_ops() -> bool:
     except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
         log.warning("building the native linears' torch operators failed, their Python-bodied ops serve: %s", exc)
         return False
+    # What compiled graphs trace them by: their outputs' shapes.
+    torch.library.register_fake("parrot_native::linear")(
+        lambda x, packed, bias, weight=None: x.new_empty(x.shape[0], linear_shape(packed)[0]))
+    torch.library.register_fake("parrot_native::gated_linear")(
+        lambda x, packed, weight=None: x.new_empty(x.shape[0], linear_shape(packed)[0] // 2))
+    torch.library.register_fake("parrot_native::attention")(lambda q, k, v, forward, layer: torch.empty_like(q))
     return True
 
 

@@ -18,9 +18,6 @@ alternating; 1-16 rows level or the kernel ahead); on the AVX-512 host before it
 
 from __future__ import annotations
 
-import functools
-import threading
-
 import torch
 import torch.nn.functional as F
 
@@ -43,7 +40,7 @@ _library.impl("native_linear", _native_linear, "CPU")
 
 
 @torch.library.register_fake("parrot::native_linear")
-def _fake_linear(x, packed, bias, weight=None):
+def _(x, packed, bias, weight=None):
     return x.new_empty(x.shape[0], native.linear_shape(packed)[0])
 
 
@@ -63,7 +60,7 @@ _library.impl("native_gated_linear", _native_gated_linear, "CPU")
 
 
 @torch.library.register_fake("parrot::native_gated_linear")
-def _fake_gated_linear(x, packed, weight=None):
+def _(x, packed, weight=None):
     return x.new_empty(x.shape[0], native.linear_shape(packed)[0] // 2)
 
 
@@ -71,24 +68,13 @@ def _fake_gated_linear(x, packed, weight=None):
 native_gated_linear = torch.ops.parrot.native_gated_linear
 
 
-_ops_lock = threading.Lock()
-
-
 def ops() -> tuple:
     """(linear, gated_linear) as the engine calls them: the C++-bodied parrot_native ops (native/torch_ops.cpp,
     the same contracts) where native.torch_ops() loads them here, else the Python-bodied ones above. The C++
     bodies spare a call the ~12 us it spent in Python (a decode step makes 120). Looked up when a linear is
-    made, never per call; the lock keeps two engines built at once from registering the fakes twice."""
-    with _ops_lock:
-        return _loaded_ops()
-
-
-@functools.cache
-def _loaded_ops() -> tuple:
+    made, never per call."""
     if not native.torch_ops():
         return native_linear, native_gated_linear
-    torch.library.register_fake("parrot_native::linear")(_fake_linear)
-    torch.library.register_fake("parrot_native::gated_linear")(_fake_gated_linear)
     return torch.ops.parrot_native.linear, torch.ops.parrot_native.gated_linear
 
 

@@ -7,7 +7,11 @@ norms, rope, SiLU and residual adds into a few C++ loops; the linears are the C+
 
 Attention stays eager behind a custom op: its per-step plans hold host lists that would make a
 graph recompile every step. The op reads the step's metadata from the ``CompiledForward`` it was
-set on before the forward (as vLLM's forward context does). The token count and the count of rows the
+set on before the forward (as vLLM's forward context does). Where the step's attention is the C++
+kernel's and kernels/native/torch_ops.cpp builds, that op is parrot_native::attention, whose C++ body
+holds the layers' caches (given at start) and the step's tables (given before each forward): a layer's
+call then never reaches Python, where it had spent ~20 us (decode steps 0.89-0.90x the time at batch 1,
+16 and over 16 forks; ``python -m benchmarks.cpp_ops --op attention``). The token count and the count of rows the
 last layer finishes (those whose logits are wanted) are dynamic; torch specialises size 1, so three
 graphs serve: several rows, one row of several tokens (a prefill), and batch-1 decodes. All are
 compiled at engine start by a warm-up generation, so no request waits for them; every tensor they are
@@ -74,18 +78,21 @@ def _skip_guards_inside_the_model(entries) -> list[bool]:
 
 
 class _Decoder(nn.Module):
-    """Token ids and positions to the last layer's hidden states, attention through the op."""
+    """Token ids and positions to the last layer's hidden states, attention through the op: the C++-bodied
+    parrot_native::attention where the step's attention is the C++ kernel's (native/torch_ops.cpp; the
+    forward's caches and each step's tables handed to it beforehand), else parrot::paged_attention above."""
 
-    def __init__(self, model: LlamaForCausalLM, forward_id: int):
+    def __init__(self, model: LlamaForCausalLM, forward_id: int, native_attention: bool):
         super().__init__()
         self.model = model
         self.forward_id = forward_id
+        self.attention_op = torch.ops.parrot_native.attention if native_attention else _attention_op
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        forward_id = self.forward_id
+        forward_id, op = self.forward_id, self.attention_op
 
         def attend(q, k, v, layer_index: int) -> torch.Tensor:
-            return _attention_op(q, k, v, forward_id, layer_index)
+            return op(q, k, v, forward_id, layer_index)
 
         return self.model.decoder(input_ids, positions, attend, rows)
 
@@ -93,19 +100,30 @@ class _Decoder(nn.Module):
 class CompiledForward:
     """Called as the model is: (input_ids, positions, meta, logit_rows) -> logits."""
 
-    def __init__(self, model: LlamaForCausalLM):
+    def __init__(self, model: LlamaForCausalLM, native_attention: bool = False):
+        """native_attention: every step's attention is the C++ kernel's (its PreparedKvWrite and PreparedDecode
+        set on the step's metadata), and torch_ops' attention operator is loaded: the graph calls that instead of
+        reaching Python for each layer (~20 us of Python a layer call)."""
         self.model = model
         # Each layer's attention, looked up once: through the module tree it cost ~5 us of each layer's call.
         self._attentions = [layer.self_attn for layer in model.model.layers]
         self.meta: AttentionMetadata | None = None
         number = next(_numbers)
         _forwards[number] = self
-        self._decoder = torch.compile(_Decoder(model, number), dynamic=True, fullgraph=True,
+        self._number, self.native_attention = number, native_attention
+        if native_attention:
+            ops = torch.ops.parrot_native
+            ops.register_forward(number, [a.k_cache for a in self._attentions], [a.v_cache for a in self._attentions],
+                                 [a.scale for a in self._attentions])
+            weakref.finalize(self, ops.drop_forward, number)
+        self._decoder = torch.compile(_Decoder(model, number, native_attention), dynamic=True, fullgraph=True,
                                       options={"guard_filter_fn": _skip_guards_inside_the_model})
 
     @torch.inference_mode()
     def __call__(self, input_ids, positions, meta: AttentionMetadata, logit_rows):
         self.meta = meta
+        if self.native_attention:
+            torch.ops.parrot_native.set_step(self._number, meta.kv_write.slots, *meta.native.tables)
         try:
             # Freezing (weights as constants, linears prepacked) is an inductor setting, and those are
             # per thread: set on the thread that may compile (torch.compile's options do not reach it).

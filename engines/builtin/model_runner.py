@@ -12,6 +12,7 @@ from engines.builtin.model import LlamaForCausalLM, head_dim_of
 from engines.builtin.sampler import SampleResult, Sampler, score_tokens
 from engines.builtin.context import Context
 from engines.builtin.types import TokenScore
+from kernels import native as native_module
 from kernels import cpu_attention, dispatch
 from kernels.native import PreparedDecode
 
@@ -77,13 +78,6 @@ class ModelRunner:
             layer.self_attn.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.query_group = config.num_attention_heads // config.num_key_value_heads
         # What a step calls: the model, or its compiled forward (same arguments, same logits).
-        self.forward = self.model
-        if compile:
-            # Imported only here: importing torch._inductor breaks Triton kernels run later through the
-            # interpreter in the same process (tests on CPU), and an eager engine never needs it.
-            from engines.builtin.compiled_model import CompiledForward
-
-            self.forward = CompiledForward(self.model)
         self.sampler = Sampler(seed)
         triton = dispatch.uses_triton(self.device)
         query = torch.empty(1, config.num_attention_heads, shape[-1], dtype=dtype, device=self.device)
@@ -91,6 +85,13 @@ class ModelRunner:
         # decodes with arguments prepared once for all layers.
         self.native_kernels = None if triton else dispatch.native_decode(query, model.model.layers[0].self_attn.k_cache)
         native = self.native_kernels is not None
+        self.forward = self.model
+        if compile:
+            # Imported only here: importing torch._inductor breaks Triton kernels run later through the
+            # interpreter in the same process (tests on CPU), and an eager engine never needs it.
+            from engines.builtin.compiled_model import CompiledForward
+
+            self.forward = CompiledForward(self.model, native_attention=native and native_module.torch_ops())
         self.native_dtype = dtype if native else None  # prefill chunks laid out in its tiles (plan_prefill)
         # Mean shared-prefix tokens per decode from which prefix groups go to the shared-prefix kernel.
         self.min_shared_tokens = 0 if triton or native else CPU_MIN_SHARED_TOKENS

@@ -1,5 +1,7 @@
 // The linear kernels (linear.cpp) as torch operators with C++ bodies: parrot_native::linear and
-// parrot_native::gated_linear, the same contracts as kernels/native_linear.py's Python-bodied parrot:: ops.
+// parrot_native::gated_linear, the same contracts as kernels/native_linear.py's Python-bodied parrot:: ops;
+// and a compiled forward's attention, parrot_native::attention (KV write and paged_attention.cpp's decode, see
+// below), which engines/builtin/compiled_model.py calls instead of the Python-bodied parrot::paged_attention.
 //
 // Why: a bf16 decode step makes 120 linear calls, and each went dispatcher -> Python -> ctypes -> kernel:
 // ~15-19 us of a call's time here before the kernel ran (the Python side's checks, an empty tensor, the
@@ -10,14 +12,18 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/silu.h>
 #include <torch/library.h>
 
 #include <cstdint>
+#include <mutex>
 #include <optional>
+#include <unordered_map>
 #include <utility>
+#include <vector>
 
 extern "C" {
 int parrot_linear_f32(const float *x, const float *weight, const float *bias, float *out, int64_t rows,
@@ -28,6 +34,19 @@ int parrot_linear_bf16(const uint16_t *x, const uint16_t *weight, const uint16_t
                        int64_t out_features, int64_t in_features, int num_threads);
 int parrot_gated_linear_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *out, int64_t rows,
                              int64_t out_features, int64_t in_features, int num_threads);
+#define PARROT_DECODE_DECL(NAME, T)                                                                          \
+    int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *prefix_ids,                     \
+             const int32_t *prefix_tables, int64_t prefix_stride, const int32_t *prefix_lens,                \
+             int64_t num_prefixes, const int32_t *own_tables, int64_t own_stride, const int32_t *own_lens,   \
+             T *out, int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,               \
+             int64_t block_size, int64_t num_blocks, float scale, int64_t q_stride, int num_threads);
+PARROT_DECODE_DECL(parrot_decode_f32, float)
+PARROT_DECODE_DECL(parrot_decode_bf16, uint16_t)
+#define PARROT_WRITE_DECL(NAME, T)                                                                           \
+    int NAME(const T *key, const T *value, T *k_cache, T *v_cache, const int64_t *slots, int64_t num_tokens, \
+             int64_t row_elems, int64_t num_slots, int64_t key_stride, int64_t value_stride);
+PARROT_WRITE_DECL(parrot_write_kv_f32, float)
+PARROT_WRITE_DECL(parrot_write_kv_bf16, uint16_t)
 }
 
 namespace {
@@ -102,14 +121,161 @@ at::Tensor gated_linear(const at::Tensor &x, const at::Tensor &packed, const std
     return out;
 }
 
+
+// ---- attention: a compiled forward's layers over the paged cache (engines/builtin/compiled_model.py) ----
+// The graph calls parrot_native::attention(q, k, v, forward, layer) and never sees the caches (a frozen graph
+// would take them for constants) nor the step's tables (new every step). They are held here instead, as
+// tensors (so nothing they point at can be freed while held): each layer's caches and scale from the forward's
+// start (register_forward), the step's slots and tables before each forward (set_step).
+struct StepArgs {
+    at::Tensor slots, own_tables, own_lens;
+    std::optional<at::Tensor> prefix_ids, prefix_tables, prefix_lens;
+};
+
+struct Forward {
+    std::vector<at::Tensor> k_caches, v_caches;
+    std::vector<double> scales;
+    std::optional<StepArgs> step;
+};
+
+std::mutex forwards_lock;
+std::unordered_map<int64_t, Forward> forwards;
+
+void register_forward(int64_t forward, const std::vector<at::Tensor> &k_caches, const std::vector<at::Tensor> &v_caches,
+                      const std::vector<double> &scales) {
+    TORCH_CHECK_VALUE(k_caches.size() == v_caches.size() && k_caches.size() == scales.size(), "one cache pair and scale a layer");
+    for (size_t i = 0; i < k_caches.size(); i++) {
+        const at::Tensor &k = k_caches[i], &v = v_caches[i];
+        TORCH_CHECK_VALUE(k.dim() == 4 && k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type() &&
+                              (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16) &&
+                              k.is_contiguous() && v.is_contiguous() && k.device().is_cpu() && v.device().is_cpu(),
+                          "layer ", i, "'s caches are not contiguous CPU [blocks, block size, kv heads, dim] fp32/bf16 pairs");
+    }
+    std::lock_guard<std::mutex> guard(forwards_lock);
+    forwards[forward] = Forward{k_caches, v_caches, scales, std::nullopt};
+}
+
+void drop_forward(int64_t forward) {
+    std::lock_guard<std::mutex> guard(forwards_lock);
+    forwards.erase(forward);
+}
+
+at::Tensor int32_rows(const at::Tensor &t, const char *name, int64_t dim) {
+    TORCH_CHECK_VALUE(t.scalar_type() == at::kInt && t.dim() == dim && t.device().is_cpu(), name,
+                      " must be a CPU int32 tensor with ", dim, " dims");
+    return t.contiguous();
+}
+
+void set_step(int64_t forward, const at::Tensor &slots, const at::Tensor &own_tables, const at::Tensor &own_lens,
+              const std::optional<at::Tensor> &prefix_ids, const std::optional<at::Tensor> &prefix_tables,
+              const std::optional<at::Tensor> &prefix_lens) {
+    TORCH_CHECK_VALUE(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.device().is_cpu(),
+                      "slots must be a CPU int64 vector");
+    StepArgs step{slots.contiguous(), int32_rows(own_tables, "own_tables", 2), int32_rows(own_lens, "own_lens", 1),
+                  std::nullopt, std::nullopt, std::nullopt};
+    TORCH_CHECK_VALUE(step.own_lens.size(0) == step.own_tables.size(0), "one length a table row");
+    if (prefix_ids) {
+        TORCH_CHECK_VALUE(prefix_tables && prefix_lens, "prefix ids need their tables and lengths");
+        step.prefix_ids = int32_rows(*prefix_ids, "prefix_ids", 1);
+        step.prefix_tables = int32_rows(*prefix_tables, "prefix_tables", 2);
+        step.prefix_lens = int32_rows(*prefix_lens, "prefix_lens", 1);
+        TORCH_CHECK_VALUE(step.prefix_ids->size(0) == step.own_tables.size(0) &&
+                              step.prefix_lens->size(0) == step.prefix_tables->size(0),
+                          "a prefix id a row, a length a prefix table row");
+    }
+    std::lock_guard<std::mutex> guard(forwards_lock);
+    const auto found = forwards.find(forward);
+    TORCH_CHECK_VALUE(found != forwards.end(), "no forward ", forward, " registered");
+    found->second.step = std::move(step);
+}
+
+// [tokens, heads, D] with each token's heads contiguous, as the kernels read it (any token stride).
+bool token_rows(const at::Tensor &x) {
+    return x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2);
+}
+
+at::Tensor attention(const at::Tensor &q_in, const at::Tensor &k_in, const at::Tensor &v_in, int64_t forward,
+                     int64_t layer) {
+    at::Tensor k_cache, v_cache;
+    double scale;
+    StepArgs step;
+    {
+        std::lock_guard<std::mutex> guard(forwards_lock);
+        const auto found = forwards.find(forward);
+        TORCH_CHECK_VALUE(found != forwards.end() && found->second.step, "no step set for forward ", forward);
+        const Forward &f = found->second;
+        TORCH_CHECK_INDEX(layer >= 0 && layer < static_cast<int64_t>(f.k_caches.size()), "no layer ", layer);
+        k_cache = f.k_caches[layer], v_cache = f.v_caches[layer], scale = f.scales[layer], step = *f.step;
+    }
+    const at::Tensor q = token_rows(q_in) ? q_in : q_in.contiguous();
+    const at::Tensor k = token_rows(k_in) ? k_in : k_in.contiguous(), v = token_rows(v_in) ? v_in : v_in.contiguous();
+    const at::ScalarType dtype = k_cache.scalar_type();
+    const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), kv_heads = k_cache.size(2),
+                  dim = k_cache.size(3), batch = step.own_tables.size(0);
+    TORCH_CHECK_VALUE(q.dim() == 3 && q.size(0) == batch && q.size(2) == dim && q.size(1) % kv_heads == 0 &&
+                          k.dim() == 3 && k.sizes() == v.sizes() && k.size(0) == step.slots.size(0) &&
+                          k.size(1) == kv_heads && k.size(2) == dim && q.scalar_type() == dtype &&
+                          k.scalar_type() == dtype && v.scalar_type() == dtype && q.device().is_cpu() &&
+                          k.device().is_cpu() && v.device().is_cpu(),
+                      "the native attention does not take q ", q.sizes(), ", k ", k.sizes(), " over caches ",
+                      k_cache.sizes(), " for ", batch, " rows and ", step.slots.size(0), " new tokens");
+    const int threads = at::get_num_threads();
+    const int64_t slots = num_blocks * block_size, tokens = k.size(0), row_elems = kv_heads * dim;
+    const int32_t *ids = step.prefix_ids ? step.prefix_ids->const_data_ptr<int32_t>() : nullptr;
+    const int32_t *prefix_tables = step.prefix_tables ? step.prefix_tables->const_data_ptr<int32_t>() : nullptr;
+    const int32_t *prefix_lens = step.prefix_lens ? step.prefix_lens->const_data_ptr<int32_t>() : nullptr;
+    const int64_t prefix_stride = step.prefix_tables ? step.prefix_tables->stride(0) : 0;
+    const int64_t num_prefixes = step.prefix_lens ? step.prefix_lens->size(0) : 0;
+    at::Tensor out = at::empty(q.sizes(), q.options());
+    int written, status;
+    if (dtype == at::kBFloat16) {
+        using B = uint16_t;
+        written = parrot_write_kv_bf16(static_cast<const B *>(k.const_data_ptr()), static_cast<const B *>(v.const_data_ptr()),
+                                       static_cast<B *>(k_cache.mutable_data_ptr()), static_cast<B *>(v_cache.mutable_data_ptr()),
+                                       step.slots.const_data_ptr<int64_t>(), tokens, row_elems, slots, k.stride(0), v.stride(0));
+        TORCH_CHECK_INDEX(written == 0, "a slot is past the cache's ", slots, " slots");
+        status = parrot_decode_bf16(static_cast<const B *>(q.const_data_ptr()), static_cast<const B *>(k_cache.const_data_ptr()),
+                                    static_cast<const B *>(v_cache.const_data_ptr()), ids, prefix_tables, prefix_stride,
+                                    prefix_lens, num_prefixes, step.own_tables.const_data_ptr<int32_t>(),
+                                    step.own_tables.stride(0), step.own_lens.const_data_ptr<int32_t>(),
+                                    static_cast<B *>(out.mutable_data_ptr()), batch, q.size(1), kv_heads, dim, block_size,
+                                    num_blocks, static_cast<float>(scale), q.stride(0), threads);
+    } else {
+        written = parrot_write_kv_f32(k.const_data_ptr<float>(), v.const_data_ptr<float>(), k_cache.mutable_data_ptr<float>(),
+                                      v_cache.mutable_data_ptr<float>(), step.slots.const_data_ptr<int64_t>(), tokens,
+                                      row_elems, slots, k.stride(0), v.stride(0));
+        TORCH_CHECK_INDEX(written == 0, "a slot is past the cache's ", slots, " slots");
+        status = parrot_decode_f32(q.const_data_ptr<float>(), k_cache.const_data_ptr<float>(), v_cache.const_data_ptr<float>(),
+                                   ids, prefix_tables, prefix_stride, prefix_lens, num_prefixes,
+                                   step.own_tables.const_data_ptr<int32_t>(), step.own_tables.stride(0),
+                                   step.own_lens.const_data_ptr<int32_t>(), out.mutable_data_ptr<float>(), batch,
+                                   q.size(1), kv_heads, dim, block_size, num_blocks, static_cast<float>(scale),
+                                   q.stride(0), threads);
+    }
+    TORCH_CHECK_INDEX(status != -2, "a block table names a block past the cache's ", num_blocks, " blocks");
+    TORCH_CHECK_VALUE(status == 0, "the native attention does not take head_dim ", dim, " with ", q.size(1), " heads");
+    return out;
+}
 }  // namespace
 
 TORCH_LIBRARY(parrot_native, m) {
     m.def("linear(Tensor x, Tensor packed, Tensor? bias, Tensor? weight=None) -> Tensor");
     m.def("gated_linear(Tensor x, Tensor packed, Tensor? weight=None) -> Tensor");
+    m.def("register_forward(int forward, Tensor[] k_caches, Tensor[] v_caches, float[] scales) -> ()");
+    m.def("drop_forward(int forward) -> ()");
+    m.def("set_step(int forward, Tensor slots, Tensor own_tables, Tensor own_lens, Tensor? prefix_ids, "
+          "Tensor? prefix_tables, Tensor? prefix_lens) -> ()");
+    m.def("attention(Tensor q, Tensor k, Tensor v, int forward, int layer) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(parrot_native, CPU, m) {
     m.impl("linear", linear);
     m.impl("gated_linear", gated_linear);
+    m.impl("attention", attention);
+}
+
+TORCH_LIBRARY_IMPL(parrot_native, CatchAll, m) {
+    m.impl("register_forward", register_forward);
+    m.impl("drop_forward", drop_forward);
+    m.impl("set_step", set_step);
 }

@@ -9,7 +9,7 @@ Request: {"model": DIR, "dtype": ..., "max_tokens": N, "batches": [[prompt, ...]
 "quantization", "max_num_batched_tokens" and "then_model" (another model, compiled in the same process after the first, given
 the same batches). Prints JSON: the greedy tokens of each batch (run in turn), the graphs compiled
 when the engine was ready and after the batches, the classes of the runner's forward and of the head,
-and "then_outputs", the second model's tokens."""
+whether the graph's attention is the C++-bodied operator, and "then_outputs", the second model's tokens."""
 
 import json
 import sys
@@ -30,7 +30,8 @@ def main() -> None:
         outputs = [engine.generate_batch(prompts, params) for prompts in request["batches"]]
         result = {"outputs": outputs, "graphs_at_start": graphs_at_start,
                   "graphs_after": counters["stats"]["unique_graphs"],
-                  "forward": type(engine.runner.forward).__name__, "head": type(engine.runner.model.lm_head).__name__}
+                  "forward": type(engine.runner.forward).__name__, "head": type(engine.runner.model.lm_head).__name__,
+                  "native_attention": engine.runner.forward.native_attention}
     finally:
         engine.shutdown()
     if request.get("then_model"):

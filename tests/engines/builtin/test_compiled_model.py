@@ -45,6 +45,7 @@ def test_compiled_fp32_gives_the_eager_tokens_and_compiles_only_at_start(make_en
     batches = [mixed_prompts()[2:3], mixed_prompts(), mixed_prompts()[1:2], [[7, 8], [9, 10, 11], [12]]]
     compiled = run_compiled(tiny_model_dir, "float32", batches, max_num_batched_tokens=BUDGET)
     assert compiled["forward"] == "CompiledForward"
+    assert compiled["native_attention"], "the graph calls the C++ attention operator where the kernels build"
     eager = make_engine(max_num_batched_tokens=BUDGET)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     assert compiled["outputs"] == [eager.generate_batch(prompts, params) for prompts in batches]
