@@ -187,10 +187,13 @@ class PreparedDecode:
             kept += [ids, tables, lens]
             prefix_args = (ids.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(), len(lens))
         self._kernels, self._kept = kernels, kept  # kept alive: the kernel reads them by pointer
-        # own_tables, own_lens, then prefix_ids, prefix_tables, prefix_lens or three Nones (torch_ops' set_step)
-        self.tables = (*kept, None, None, None)[:5]
         self._table_args = (*prefix_args, own_tables.data_ptr(), own_tables.stride(0), own_lens.data_ptr())
         self._fits: tuple | None = None  # the (query, cache) shapes and dtype already checked
+
+    @property
+    def tables(self) -> tuple:
+        """own_tables, own_lens, then prefix_ids, prefix_tables, prefix_lens or three Nones (torch_ops' set_step)."""
+        return (*self._kept, None, None, None)[:5]
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         shapes = (q.shape, q.dtype, k_cache.shape, v_cache.shape, v_cache.dtype)

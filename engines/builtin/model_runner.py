@@ -77,7 +77,6 @@ class ModelRunner:
             layer.self_attn.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
             layer.self_attn.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.query_group = config.num_attention_heads // config.num_key_value_heads
-        # What a step calls: the model, or its compiled forward (same arguments, same logits).
         self.sampler = Sampler(seed)
         triton = dispatch.uses_triton(self.device)
         query = torch.empty(1, config.num_attention_heads, shape[-1], dtype=dtype, device=self.device)
@@ -85,6 +84,7 @@ class ModelRunner:
         # decodes with arguments prepared once for all layers.
         self.native_kernels = None if triton else dispatch.native_decode(query, model.model.layers[0].self_attn.k_cache)
         native = self.native_kernels is not None
+        # What a step calls: the model, or its compiled forward (same arguments, same logits).
         self.forward = self.model
         if compile:
             # Imported only here: importing torch._inductor breaks Triton kernels run later through the
