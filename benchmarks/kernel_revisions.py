@@ -1,12 +1,13 @@
-"""The C++ CPU attention kernel before/after a change, in one process: both builds' calls alternating.
+"""The C++ CPU kernels (attention, linears) before/after a change, in one process: both builds' calls alternating.
 
     git worktree add ../before <rev>
     python -m benchmarks.kernel_revisions --before ../before [--dtype bfloat16] [--rounds 200] [--out F.json]
 
 Builds the other checkout's ``kernels/native`` sources with this checkout's flags, loads both libraries and
 times SmolLM2's attention layer calls (a 1,000- and a 256-token causal prefill, 15 new tokens over 922 cached,
-16 forks decoding over a shared 922-token prefix, 16 decodes over 100 tokens), each round one call of each
-build, the order swapped every round; each build's prefill is laid out by its own checkout's cpu_attention.
+16 forks decoding over a shared 922-token prefix, 16 decodes over 100 tokens) and a decoder layer's linears at
+1, 16, 112 and 1,024 rows (q, k, v, o, the gated MLP's gate and up, down; the weights packed once), each round
+one call of each build, the order swapped every round; each build's prefill is laid out by its own checkout's cpu_attention.
 The run is made twice, in two processes loading the builds in opposite orders (here the library loaded first
 ran 3-5% faster in either role), and each case's ratio is the geometric mean of the two passes' medians of
 per-round after/before ratios. (``benchmarks.revisions`` does the same for the whole engine.)
@@ -34,6 +35,8 @@ from benchmarks.results_file import write_results
 from kernels import cpu_attention, native
 
 KV_HEADS, HEADS, HEAD_DIM, BLOCK = 3, 9, 64, 16  # SmolLM2-135M
+HIDDEN, INTERMEDIATE = 576, 1536
+LINEAR_ROWS = (1, 16, 112, 1024)  # a decode, a batch of 16 decodes, a short and a full prefill chunk
 
 
 def build(checkout: Path, into: Path) -> ctypes.CDLL:
@@ -85,6 +88,28 @@ def cases(dtype, builds):
     lens = torch.full((16,), 100, dtype=torch.int32)
     out["16 decodes over 100"] = {name: functools.partial(kernels.decode, q, k, v, tables, lens, HEAD_DIM**-0.5)
                                   for name, (kernels, _) in builds.items()}
+    return out | linear_cases(dtype, builds, g)
+
+
+def linear_cases(dtype, builds, g):
+    """{case: {build: call}}: a decoder layer's linears, the weights packed as this checkout packs them."""
+    weight = lambda out_features, in_features: (0.05 * torch.randn(out_features, in_features, generator=g)).to(dtype)  # noqa: E731
+    kv = KV_HEADS * HEAD_DIM
+    plain = [native.pack_linear(weight(n, k)) for n, k in ((HIDDEN, HIDDEN), (kv, HIDDEN), (kv, HIDDEN), (HIDDEN, HIDDEN))]
+    gated, down = native.pack_gated_linear(weight(2 * INTERMEDIATE, HIDDEN)), native.pack_linear(weight(HIDDEN, INTERMEDIATE))
+
+    def layer(kernels, x, hidden):
+        for packed in plain:
+            kernels.linear(x, packed, None)
+        kernels.linear(hidden, down, None)
+        kernels.gated_linear(x, gated)
+
+    out = {}
+    for rows in LINEAR_ROWS:
+        x = torch.randn(rows, HIDDEN, generator=g).to(dtype)
+        hidden = torch.randn(rows, INTERMEDIATE, generator=g).to(dtype)
+        out[f"a layer's linears, {rows} rows"] = {name: functools.partial(layer, kernels, x, hidden)
+                                                  for name, (kernels, _) in builds.items()}
     return out
 
 

@@ -21,6 +21,8 @@
 // 6 MB of gate and up a layer, and the separate silu-and-multiply kernel was ~3% of its time.
 
 #include <algorithm>
+#include <atomic>
+#include <memory>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -270,39 +272,101 @@ void tile_sums(const T *block, const T *x, int64_t rows, int64_t in_features, Pa
     if constexpr (std::is_same<T, uint16_t>::value) tile_block(block, x, rows, in_features, pass, sums);
 }
 
-// f(unit, row, end, pass) over each of `units` units of the weight (a block, or a gate block and its up block),
-// on the calling OpenMP team, one contiguous band of units per thread, each streaming its part of the weight.
-// Tiled: passes of 32 rows (in chunks whose input stays in cache while the band passes over them), then one of
-// the rest; else passes of equal size up to kMaxRows (16 rows: two of 8), each over a unit while it is in cache.
+// One thread's band of a call's work items, claimed one at a time: by its thread from the front, in order (the
+// next block a pass prefetches is then the one it takes next), and once another thread's own band is empty, by
+// that thread from the back. Bands split evenly and kept (static) left one thread waiting for the other whenever
+// their vCPUs ran at different speeds, which on this host (a Firecracker guest) is often: its two vCPUs ran a
+// layer's 1,024-row bf16 linears alone at 336 and 747 GFLOP/s in the same minute, and a perf trace of compiled
+// prefill steps found a thread waiting at the end of a parallel region ~30% of its time, mostly while the other
+// was not running at all (preempted by the host). Kernel A/B (benchmarks.kernel_revisions): a layer's linears
+// at 1,024 rows 0.79x and 0.88x the time in two runs (0.64x in a minute when one vCPU was slow), 112 rows
+// 0.84x and 1.00x, 1-16 rows level (0.97-1.02x). Front and back share one atomic word, so a claim is one
+// compare-exchange and never hands out an item twice.
+class alignas(64) Band {
+public:
+    void reset(int64_t first, int64_t last) { range_.store(pack(first, last), std::memory_order_relaxed); }
+
+    bool take_front(int64_t &item) { return take(item, true); }
+    bool take_back(int64_t &item) { return take(item, false); }
+
+private:
+    static uint64_t pack(int64_t first, int64_t last) { return static_cast<uint64_t>(first) << 32 | static_cast<uint64_t>(last); }
+
+    bool take(int64_t &item, bool front) {
+        uint64_t range = range_.load(std::memory_order_relaxed);
+        for (;;) {
+            const int64_t first = static_cast<int64_t>(range >> 32), last = static_cast<int64_t>(range & 0xffffffffu);
+            if (first >= last) return false;
+            item = front ? first : last - 1;
+            const uint64_t rest = front ? pack(first + 1, last) : pack(first, last - 1);
+            if (range_.compare_exchange_weak(range, rest, std::memory_order_relaxed)) return true;
+        }
+    }
+
+    std::atomic<uint64_t> range_{0};
+};
+
+// How a call's rows go in passes over each unit: chunks of rows, each chunk's passes over a unit one work item.
+// Tiled: chunks of kChunkRows (their input stays in cache while a band of units passes over them) in passes of
+// 32 rows, then one chunk of the rest, in tiles configured to its count; else one chunk of all rows in passes of
+// equal size up to kMaxRows (16 rows: two of 8), each over a unit while it is in cache.
+struct RowPlan {
+    int64_t rows, whole, chunks;
+    bool tiled;
+
+    RowPlan(int64_t rows, bool tiled)
+        : rows(rows), whole(tiled ? rows / kTileRows * kTileRows : 0),
+          chunks(tiled ? (whole + kChunkRows - 1) / kChunkRows + (rows > whole) : rows > 0), tiled(tiled) {}
+
+    // f(unit, row, end, pass) for each pass of `chunk` over `unit`; `configured`: the rows the calling thread's
+    // tiles are set up for (0: none yet).
+    template <typename F>
+    void run(int64_t chunk, int64_t unit, int64_t &configured, F &f) const {
+        if (!tiled) {
+            const int64_t passes = (rows + kMaxRows - 1) / kMaxRows;
+            for (int64_t p = 0; p < passes; p++) f(unit, rows * p / passes, rows * (p + 1) / passes, Pass{p, passes});
+            return;
+        }
+        const int64_t first = chunk * kChunkRows;
+        if (first >= whole) {  // the rest, fewer than a pass
+            if (configured != rows - whole) configure_row_tiles(configured = rows - whole);
+            return f(unit, whole, rows, Pass{0, 1});
+        }
+        if (configured != kTileRows) configure_row_tiles(configured = kTileRows);
+        const int64_t passes = (std::min(whole, first + kChunkRows) - first) / kTileRows;
+        for (int64_t p = 0; p < passes; p++) f(unit, first + p * kTileRows, first + (p + 1) * kTileRows, Pass{p, passes});
+    }
+};
+
+// f(unit, row, end, pass) over each of `units` units of the weight (a block, or a gate block and its up block)
+// and each pass of rows (RowPlan), on the calling OpenMP team. Each thread has a contiguous band of units and
+// takes its items chunk by chunk, each chunk's units in order, streaming its part of the weight; a thread whose
+// band is done takes the last items of the others' (Band).
 template <typename F>
 void for_each_unit(int64_t units, int64_t rows, int num_threads, bool tiled, F f) {
-#pragma omp parallel num_threads(num_threads)
+    const RowPlan plan(rows, tiled);
+    if (!plan.chunks || !units) return;
+    const int bands_count = std::max(num_threads, 1);
+    const auto first_unit = [&](int band) { return units * band / bands_count; };
+    const std::unique_ptr<Band[]> bands(new Band[bands_count]);
+    for (int b = 0; b < bands_count; b++) bands[b].reset(0, plan.chunks * (first_unit(b + 1) - first_unit(b)));
+#pragma omp parallel num_threads(bands_count)
     {
-        int thread = 0, threads = 1;
+        int thread = 0;
 #ifdef _OPENMP
         thread = omp_get_thread_num();
-        threads = omp_get_num_threads();
 #endif
-        const int64_t first = units * thread / threads, last = units * (thread + 1) / threads;
-        if (tiled) {
-            const int64_t whole = rows / kTileRows * kTileRows;
-            if (whole) configure_row_tiles(kTileRows);
-            for (int64_t chunk = 0; chunk < whole; chunk += kChunkRows) {
-                const int64_t passes = (std::min(whole, chunk + kChunkRows) - chunk) / kTileRows;
-                for (int64_t unit = first; unit < last; unit++)
-                    for (int64_t p = 0; p < passes; p++)
-                        f(unit, chunk + p * kTileRows, chunk + (p + 1) * kTileRows, Pass{p, passes});
-            }
-            if (rows > whole) {
-                configure_row_tiles(rows - whole);
-                for (int64_t unit = first; unit < last; unit++) f(unit, whole, rows, Pass{0, 1});
-            }
-            if (rows) release_tiles();  // a thread holding tile state costs every context switch 8 KB more
-        } else {
-            const int64_t passes = (rows + kMaxRows - 1) / kMaxRows;
-            for (int64_t unit = first; unit < last; unit++)
-                for (int64_t p = 0; p < passes; p++) f(unit, rows * p / passes, rows * (p + 1) / passes, Pass{p, passes});
+        int64_t configured = 0, item;
+        const auto run = [&](int band, int64_t item) {
+            const int64_t width = first_unit(band + 1) - first_unit(band);
+            plan.run(item / width, first_unit(band) + item % width, configured, f);
+        };
+        while (bands[thread].take_front(item)) run(thread, item);
+        for (int other = 1; other < bands_count; other++) {  // then the others' last items, nearest band first
+            const int band = (thread + other) % bands_count;
+            while (bands[band].take_back(item)) run(band, item);
         }
+        if (configured) release_tiles();  // a thread holding tile state costs every context switch 8 KB more
     }
 }
 

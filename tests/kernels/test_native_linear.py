@@ -38,6 +38,30 @@ def test_linear_matches_fp64(dtype, rows, with_bias):
     torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=step, atol=1e-4)
 
 
+# Threads take each other's work when theirs is done (native/linear.cpp's Band): whichever thread computes a
+# block of outputs, each is computed once, the same way. 300 rows: tiled, two chunks of 128, one of 32 and 12
+# left; 3 blocks of outputs, so 5 threads leave some bands empty.
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_thread_count_gives_the_same_outputs(dtype):
+    torch.manual_seed(0)
+    weight, gate_up = torch.randn(96, 64, dtype=dtype), torch.randn(192, 64, dtype=dtype)
+    x = torch.randn(300, 64, dtype=dtype)
+    packed, packed_gated = native_linear.pack(weight), native_linear.pack_gated(gate_up)
+    threads, outputs = torch.get_num_threads(), []
+    try:
+        for count in (1, 2, 3, 5):
+            torch.set_num_threads(count)
+            outputs.append((native_linear.native_linear(x, packed, None), native_linear.native_gated_linear(x, packed_gated)))
+    finally:
+        torch.set_num_threads(threads)
+    for plain, gated in outputs[1:]:
+        assert torch.equal(plain, outputs[0][0]) and torch.equal(gated, outputs[0][1])
+    step = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-20
+    torch.testing.assert_close(outputs[0][0], F.linear(x, weight), rtol=step, atol=1e-4)
+    gate, up = F.linear(x.float(), gate_up.float()).chunk(2, dim=-1)
+    torch.testing.assert_close(outputs[0][1].float(), F.silu(gate) * up, rtol=4 * step, atol=1e-2)
+
+
 def test_weights_off_its_blocks_are_left_to_torch():
     kernels = native.library()
     assert kernels.supports_linear(torch.zeros(64, 33)), "fp32 takes any input count"
