@@ -22,9 +22,9 @@
 
 #include <algorithm>
 #include <atomic>
-#include <memory>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -272,16 +272,17 @@ void tile_sums(const T *block, const T *x, int64_t rows, int64_t in_features, Pa
     if constexpr (std::is_same<T, uint16_t>::value) tile_block(block, x, rows, in_features, pass, sums);
 }
 
-// One thread's band of a call's work items, claimed one at a time: by its thread from the front, in order (the
-// next block a pass prefetches is then the one it takes next), and once another thread's own band is empty, by
-// that thread from the back. Bands split evenly and kept (static) left one thread waiting for the other whenever
+// One thread's band of a call's work items, claimed one at a time: by its thread from the front, in order (within
+// a chunk, the next block a pass prefetches is the one it takes next), and once another thread's own band is
+// empty, by that thread from the back (the band's last chunk, which its owner would reach last). Bands split evenly and kept (static) left one thread waiting for the other whenever
 // their vCPUs ran at different speeds, which on this host (a Firecracker guest) is often: its two vCPUs ran a
 // layer's 1,024-row bf16 linears alone at 336 and 747 GFLOP/s in the same minute, and a perf trace of compiled
 // prefill steps found a thread waiting at the end of a parallel region ~30% of its time, mostly while the other
 // was not running at all (preempted by the host). Kernel A/B (benchmarks.kernel_revisions): a layer's linears
 // at 1,024 rows 0.79x and 0.88x the time in two runs (0.64x in a minute when one vCPU was slow), 112 rows
-// 0.84x and 1.00x, 1-16 rows level (0.97-1.02x). Front and back share one atomic word, so a claim is one
-// compare-exchange and never hands out an item twice.
+// 0.84x and 1.00x, 1-16 rows level (0.97-1.02x). Front and back share one atomic word (32 bits each: a call
+// has at most a few million items, rows / 32 x outputs / 32), so a claim is one successful compare-exchange and
+// never hands out an item twice.
 class alignas(64) Band {
 public:
     void reset(int64_t first, int64_t last) { range_.store(pack(first, last), std::memory_order_relaxed); }
@@ -311,12 +312,13 @@ private:
 // 32 rows, then one chunk of the rest, in tiles configured to its count; else one chunk of all rows in passes of
 // equal size up to kMaxRows (16 rows: two of 8), each over a unit while it is in cache.
 struct RowPlan {
-    int64_t rows, whole, chunks;
+    int64_t rows, whole_pass_rows, chunks;
     bool tiled;
 
     RowPlan(int64_t rows, bool tiled)
-        : rows(rows), whole(tiled ? rows / kTileRows * kTileRows : 0),
-          chunks(tiled ? (whole + kChunkRows - 1) / kChunkRows + (rows > whole) : rows > 0), tiled(tiled) {}
+        : rows(rows), whole_pass_rows(tiled ? rows / kTileRows * kTileRows : 0),
+          chunks(tiled ? (whole_pass_rows + kChunkRows - 1) / kChunkRows + (rows > whole_pass_rows) : rows > 0),
+          tiled(tiled) {}
 
     // f(unit, row, end, pass) for each pass of `chunk` over `unit`; `configured`: the rows the calling thread's
     // tiles are set up for (0: none yet).
@@ -327,7 +329,7 @@ struct RowPlan {
             for (int64_t p = 0; p < passes; p++) f(unit, rows * p / passes, rows * (p + 1) / passes, Pass{p, passes});
             return;
         }
-        const int64_t first = chunk * kChunkRows;
+        const int64_t first = chunk * kChunkRows, whole = whole_pass_rows;
         if (first >= whole) {  // the rest, fewer than a pass
             if (configured != rows - whole) configure_row_tiles(configured = rows - whole);
             return f(unit, whole, rows, Pass{0, 1});
@@ -341,30 +343,37 @@ struct RowPlan {
 // f(unit, row, end, pass) over each of `units` units of the weight (a block, or a gate block and its up block)
 // and each pass of rows (RowPlan), on the calling OpenMP team. Each thread has a contiguous band of units and
 // takes its items chunk by chunk, each chunk's units in order, streaming its part of the weight; a thread whose
-// band is done takes the last items of the others' (Band).
+// band is done takes the last items of the following threads' bands in turn (Band). A band whose thread the
+// team lacks (OpenMP may give fewer threads than asked) is taken from the front, in its owner's order.
 template <typename F>
 void for_each_unit(int64_t units, int64_t rows, int num_threads, bool tiled, F f) {
+    constexpr int kStackBands = 16;  // a decode step makes ~120 calls: no allocation for the usual thread counts
     const RowPlan plan(rows, tiled);
     if (!plan.chunks || !units) return;
     const int bands_count = std::max(num_threads, 1);
     const auto first_unit = [&](int band) { return units * band / bands_count; };
-    const std::unique_ptr<Band[]> bands(new Band[bands_count]);
+    Band stack_bands[kStackBands];
+    const std::unique_ptr<Band[]> heap_bands(bands_count > kStackBands ? new Band[bands_count] : nullptr);
+    Band *const bands = heap_bands ? heap_bands.get() : stack_bands;
     for (int b = 0; b < bands_count; b++) bands[b].reset(0, plan.chunks * (first_unit(b + 1) - first_unit(b)));
 #pragma omp parallel num_threads(bands_count)
     {
-        int thread = 0;
+        int thread = 0, team = 1;
 #ifdef _OPENMP
         thread = omp_get_thread_num();
+        team = omp_get_num_threads();
 #endif
-        int64_t configured = 0, item;
-        const auto run = [&](int band, int64_t item) {
+        int64_t configured = 0, claimed;
+        const auto run_item = [&](int band, int64_t item) {
             const int64_t width = first_unit(band + 1) - first_unit(band);
             plan.run(item / width, first_unit(band) + item % width, configured, f);
         };
-        while (bands[thread].take_front(item)) run(thread, item);
-        for (int other = 1; other < bands_count; other++) {  // then the others' last items, nearest band first
+        while (bands[thread].take_front(claimed)) run_item(thread, claimed);
+        for (int other = 1; other < bands_count; other++) {
             const int band = (thread + other) % bands_count;
-            while (bands[band].take_back(item)) run(band, item);
+            if (band >= team)
+                while (bands[band].take_front(claimed)) run_item(band, claimed);
+            while (bands[band].take_back(claimed)) run_item(band, claimed);
         }
         if (configured) release_tiles();  // a thread holding tile state costs every context switch 8 KB more
     }
