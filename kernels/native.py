@@ -30,7 +30,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).parent / "native" / name for name in ("paged_attention.cpp", "linear.cpp", "affinity.cpp"))
-HEADER = Path(__file__).parent / "native" / "common.h"  # included by the sources: part of the build's key
+# Included by the sources: part of the build's key.
+HEADERS = tuple(Path(__file__).parent / "native" / name for name in ("common.h", "c_api.h"))
 # The linear and attention kernels again, with torch operators over them (torch_ops()): built apart, with torch's headers.
 TORCH_OPS_SOURCES = tuple(Path(__file__).parent / "native" / name
                           for name in ("torch_ops.cpp", "linear.cpp", "paged_attention.cpp"))
@@ -179,21 +180,23 @@ class PreparedDecode:
         own_lens = _int32_rows(own_lens, "context_lens", 1, own_tables.shape[0])
         self.batch = own_tables.shape[0]
         prefix_args = (None, None, 0, None, 0)  # null prefix ids: no sequence has one, no prefix table is read
-        kept = [own_tables, own_lens]
+        self.prefixes = (None, None, None)
         if prefixes is not None:
             ids = _int32_rows(prefixes[0], "prefix_ids", 1, self.batch)
             tables = _int32_rows(prefixes[1], "prefix_block_tables", 2)
             lens = _int32_rows(prefixes[2], "prefix_lens", 1, tables.shape[0])
-            kept += [ids, tables, lens]
+            self.prefixes = (ids, tables, lens)
             prefix_args = (ids.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(), len(lens))
-        self._kernels, self._kept = kernels, kept  # kept alive: the kernel reads them by pointer
+        # Held: the kernel reads them by pointer (and torch_ops' set_step takes them as tensors).
+        self._kernels, self.own_tables, self.own_lens = kernels, own_tables, own_lens
         self._table_args = (*prefix_args, own_tables.data_ptr(), own_tables.stride(0), own_lens.data_ptr())
         self._fits: tuple | None = None  # the (query, cache) shapes and dtype already checked
 
     @property
     def tables(self) -> tuple:
-        """own_tables, own_lens, then prefix_ids, prefix_tables, prefix_lens or three Nones (torch_ops' set_step)."""
-        return (*self._kept, None, None, None)[:5]
+        """own_tables, own_lens, prefix_ids, prefix_tables, prefix_lens (the last three None without prefixes), as
+        torch_ops' set_step takes them."""
+        return (self.own_tables, self.own_lens, *self.prefixes)
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         shapes = (q.shape, q.dtype, k_cache.shape, v_cache.shape, v_cache.dtype)
@@ -233,8 +236,7 @@ class PreparedKvWrite:
 
     def __init__(self, kernels: NativeKernels, slot_mapping: torch.Tensor):
         self._functions = kernels._write
-        self._slots = slot_mapping.long().contiguous()
-        self.slots = self._slots  # torch_ops' set_step
+        self.slots = slot_mapping.long().contiguous()  # held: the kernel reads it by pointer (torch_ops' set_step too)
         self._fits: tuple | None = None
 
     def __call__(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -248,7 +250,7 @@ class PreparedKvWrite:
         key, value = _token_rows(key), _token_rows(value)
         row_elems = k_cache.shape[2] * k_cache.shape[3]
         status = self._functions[key.dtype](key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                                            self._slots.data_ptr(), len(self._slots), row_elems,
+                                            self.slots.data_ptr(), len(self.slots), row_elems,
                                             k_cache.shape[0] * k_cache.shape[1], key.stride(0), value.stride(0))
         if status != 0:
             raise IndexError(f"a slot in slot_mapping is past the cache's {k_cache.shape[0] * k_cache.shape[1]} slots")
@@ -258,7 +260,7 @@ class PreparedKvWrite:
         return (key.dtype == value.dtype == k_cache.dtype == v_cache.dtype and key.dtype in self._functions
                 and key.device.type == value.device.type == k_cache.device.type == v_cache.device.type == "cpu"
                 and k_cache.dim() == 4 and v_cache.shape == k_cache.shape
-                and key.shape == value.shape == (len(self._slots), *k_cache.shape[2:]))
+                and key.shape == value.shape == (len(self.slots), *k_cache.shape[2:]))
 
 
 def _token_rows(x: torch.Tensor) -> torch.Tensor:
@@ -329,7 +331,7 @@ def _built(compiler: str, sources=SOURCES, name: str = "parrot_kernels", flags: 
     """The library of ``sources`` (built with FLAGS and ``flags``) from the cache, built there first if missing;
     ``keyed_by``: what else the build depends on."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    parts = [*(source.read_text() for source in (*sources, HEADER)), *FLAGS, *flags, *keyed_by, compiler, version,
+    parts = [*(source.read_text() for source in (*sources, *HEADERS)), *FLAGS, *flags, *keyed_by, compiler, version,
              _cpu_signature()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("PARROT_CACHE_DIR") or Path.home() / ".cache" / "parrot") / "kernels"
@@ -355,10 +357,10 @@ def torch_ops() -> bool:
 
 @functools.cache
 def _load_torch_ops() -> bool:
-    """Whether the linear kernels' torch operators with C++ bodies (native/torch_ops.cpp: parrot_native::linear
-    and ::gated_linear) are loaded here, built on first use against this torch's headers (~15 s, cached as
-    library() is). False where that fails (one warning says why) or the native kernels are switched off: the
-    Python-bodied ops of kernels/native_linear.py serve then."""
+    """Whether the torch operators with C++ bodies (native/torch_ops.cpp: parrot_native::linear, ::gated_linear
+    and a compiled forward's ::attention) are loaded here, built on first use against this torch's headers (~20 s,
+    cached as library() is). False where that fails (one warning says why) or the native kernels are switched
+    off: the Python-bodied ops of kernels/native_linear.py and engines/builtin/compiled_model.py serve then."""
     if library() is None:
         return False
     from torch.utils import cpp_extension
@@ -370,7 +372,7 @@ def _load_torch_ops() -> bool:
         built = _built(_compiler(), TORCH_OPS_SOURCES, "parrot_torch_ops", flags, keyed_by=(torch.__version__,))
         torch.ops.load_library(str(built))
     except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
-        log.warning("building the native linears' torch operators failed, their Python-bodied ops serve: %s", exc)
+        log.warning("building the native torch operators failed, their Python-bodied ops serve: %s", exc)
         return False
     # What compiled graphs trace them by: their outputs' shapes.
     torch.library.register_fake("parrot_native::linear")(

@@ -33,6 +33,7 @@
 #include <omp.h>
 #endif
 
+#include "c_api.h"
 #include "common.h"
 
 namespace {

@@ -35,6 +35,7 @@
 #endif
 #include <vector>
 
+#include "c_api.h"
 #include "common.h"
 
 namespace {
@@ -1029,26 +1030,24 @@ extern "C" {
 // q + b * q_stride, out is contiguous [batch, num_heads, head_dim]. Returns 0; -1 when
 // this build has no kernel for head_dim or the query group; -2 when a table names a block past
 // num_blocks (nothing is read then).
-#define PARROT_DECODE(NAME, T)                                                                               \
-    int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *prefix_ids,                     \
-             const int32_t *prefix_tables, int64_t prefix_stride, const int32_t *prefix_lens,                \
-             int64_t num_prefixes, const int32_t *own_tables, int64_t own_stride, const int32_t *own_lens,   \
-             T *out, int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,               \
-             int64_t block_size, int64_t num_blocks, float scale, int64_t q_stride, int num_threads) {       \
+// (c_api.h declares them with bf16 as its 16 bits; the kernels read them as BFloat16, the same bytes.)
+#define PARROT_DECODE(NAME, C, T)                                                                            \
+    PARROT_DECODE_SIGNATURE(NAME, C) {                                                                       \
         const Shape shape{num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, q_stride};      \
-        return decode(q, k_cache, v_cache, prefix_ids, prefix_tables, prefix_stride, prefix_lens, num_prefixes, \
-                      own_tables, own_stride, own_lens, out, batch, shape, num_threads);                     \
+        return decode(reinterpret_cast<const T *>(q), reinterpret_cast<const T *>(k_cache),                  \
+                      reinterpret_cast<const T *>(v_cache), prefix_ids, prefix_tables, prefix_stride, prefix_lens, \
+                      num_prefixes, own_tables, own_stride, own_lens, reinterpret_cast<T *>(out), batch, shape, \
+                      num_threads);                                                                          \
     }
 
-PARROT_DECODE(parrot_decode_f32, float)
-PARROT_DECODE(parrot_decode_bf16, BFloat16)
+PARROT_DECODE(parrot_decode_f32, float, float)
+PARROT_DECODE(parrot_decode_bf16, uint16_t, BFloat16)
 
 // Stores each new token's key and value rows (row_elems = KVH x D each, contiguous; key_stride and
 // value_stride elements from one token's to the next's) at its slot; slot -1 is skipped. Returns 0, or -1
 // (nothing written) when a slot is past the cache's num_slots.
 #define PARROT_WRITE_KV(NAME, T)                                                                             \
-    int NAME(const T *key, const T *value, T *k_cache, T *v_cache, const int64_t *slots, int64_t num_tokens, \
-             int64_t row_elems, int64_t num_slots, int64_t key_stride, int64_t value_stride) {               \
+    PARROT_WRITE_KV_SIGNATURE(NAME, T) {                                                                     \
         for (int64_t t = 0; t < num_tokens; t++)                                                             \
             if (slots[t] >= num_slots || slots[t] < -1) return -1;                                           \
         for (int64_t t = 0; t < num_tokens; t++) {                                                           \
@@ -1060,6 +1059,6 @@ PARROT_DECODE(parrot_decode_bf16, BFloat16)
     }
 
 PARROT_WRITE_KV(parrot_write_kv_f32, float)
-PARROT_WRITE_KV(parrot_write_kv_bf16, BFloat16)
+PARROT_WRITE_KV(parrot_write_kv_bf16, uint16_t)
 
 }  // extern "C"

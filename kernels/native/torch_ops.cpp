@@ -25,29 +25,7 @@
 #include <utility>
 #include <vector>
 
-extern "C" {
-int parrot_linear_f32(const float *x, const float *weight, const float *bias, float *out, int64_t rows,
-                      int64_t out_features, int64_t in_features, int num_threads);
-int parrot_gated_linear_f32(const float *x, const float *weight, float *out, int64_t rows, int64_t out_features,
-                            int64_t in_features, int num_threads);
-int parrot_linear_bf16(const uint16_t *x, const uint16_t *weight, const uint16_t *bias, uint16_t *out, int64_t rows,
-                       int64_t out_features, int64_t in_features, int num_threads);
-int parrot_gated_linear_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *out, int64_t rows,
-                             int64_t out_features, int64_t in_features, int num_threads);
-#define PARROT_DECODE_DECL(NAME, T)                                                                          \
-    int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *prefix_ids,                     \
-             const int32_t *prefix_tables, int64_t prefix_stride, const int32_t *prefix_lens,                \
-             int64_t num_prefixes, const int32_t *own_tables, int64_t own_stride, const int32_t *own_lens,   \
-             T *out, int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,               \
-             int64_t block_size, int64_t num_blocks, float scale, int64_t q_stride, int num_threads);
-PARROT_DECODE_DECL(parrot_decode_f32, float)
-PARROT_DECODE_DECL(parrot_decode_bf16, uint16_t)
-#define PARROT_WRITE_DECL(NAME, T)                                                                           \
-    int NAME(const T *key, const T *value, T *k_cache, T *v_cache, const int64_t *slots, int64_t num_tokens, \
-             int64_t row_elems, int64_t num_slots, int64_t key_stride, int64_t value_stride);
-PARROT_WRITE_DECL(parrot_write_kv_f32, float)
-PARROT_WRITE_DECL(parrot_write_kv_bf16, uint16_t)
-}
+#include "c_api.h"
 
 namespace {
 
@@ -194,6 +172,47 @@ bool token_rows(const at::Tensor &x) {
     return x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2);
 }
 
+// One cache dtype's C kernels (c_api.h), T its values as they take them (bf16: its 16 bits).
+template <typename T>
+struct CacheKernels;
+template <>
+struct CacheKernels<float> {
+    static constexpr auto write = parrot_write_kv_f32;
+    static constexpr auto decode = parrot_decode_f32;
+};
+template <>
+struct CacheKernels<uint16_t> {
+    static constexpr auto write = parrot_write_kv_bf16;
+    static constexpr auto decode = parrot_decode_bf16;
+};
+
+template <typename T>
+const T *values(const at::Tensor &t) { return static_cast<const T *>(t.const_data_ptr()); }
+template <typename T>
+T *mutable_values(const at::Tensor &t) { return static_cast<T *>(t.mutable_data_ptr()); }
+const int32_t *int32s_or_null(const std::optional<at::Tensor> &t) { return t ? t->const_data_ptr<int32_t>() : nullptr; }
+
+// The layer's new keys and values written at the step's slots (an out-of-range slot raises, nothing written),
+// then its attention over the caches into out; the decode kernel's status.
+template <typename T>
+int write_and_attend(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, const at::Tensor &k_cache,
+                     const at::Tensor &v_cache, const StepArgs &step, double scale, const at::Tensor &out) {
+    using Kernels = CacheKernels<T>;
+    const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), kv_heads = k_cache.size(2),
+                  dim = k_cache.size(3), slots = num_blocks * block_size;
+    const int written = Kernels::write(values<T>(k), values<T>(v), mutable_values<T>(k_cache), mutable_values<T>(v_cache),
+                                       step.slots.const_data_ptr<int64_t>(), k.size(0), kv_heads * dim, slots,
+                                       k.stride(0), v.stride(0));
+    TORCH_CHECK_INDEX(written == 0, "a slot is past the cache's ", slots, " slots");
+    return Kernels::decode(values<T>(q), values<T>(k_cache), values<T>(v_cache), int32s_or_null(step.prefix_ids),
+                           int32s_or_null(step.prefix_tables), step.prefix_tables ? step.prefix_tables->stride(0) : 0,
+                           int32s_or_null(step.prefix_lens), step.prefix_lens ? step.prefix_lens->size(0) : 0,
+                           step.own_tables.const_data_ptr<int32_t>(), step.own_tables.stride(0),
+                           step.own_lens.const_data_ptr<int32_t>(), mutable_values<T>(out), q.size(0), q.size(1),
+                           kv_heads, dim, block_size, num_blocks, static_cast<float>(scale), q.stride(0),
+                           at::get_num_threads());
+}
+
 at::Tensor attention(const at::Tensor &q_in, const at::Tensor &k_in, const at::Tensor &v_in, int64_t forward,
                      int64_t layer) {
     at::Tensor k_cache, v_cache;
@@ -210,8 +229,8 @@ at::Tensor attention(const at::Tensor &q_in, const at::Tensor &k_in, const at::T
     const at::Tensor q = token_rows(q_in) ? q_in : q_in.contiguous();
     const at::Tensor k = token_rows(k_in) ? k_in : k_in.contiguous(), v = token_rows(v_in) ? v_in : v_in.contiguous();
     const at::ScalarType dtype = k_cache.scalar_type();
-    const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), kv_heads = k_cache.size(2),
-                  dim = k_cache.size(3), batch = step.own_tables.size(0);
+    const int64_t num_blocks = k_cache.size(0), kv_heads = k_cache.size(2), dim = k_cache.size(3),
+                  batch = step.own_tables.size(0);
     TORCH_CHECK_VALUE(q.dim() == 3 && q.size(0) == batch && q.size(2) == dim && q.size(1) % kv_heads == 0 &&
                           k.dim() == 3 && k.sizes() == v.sizes() && k.size(0) == step.slots.size(0) &&
                           k.size(1) == kv_heads && k.size(2) == dim && q.scalar_type() == dtype &&
@@ -219,39 +238,9 @@ at::Tensor attention(const at::Tensor &q_in, const at::Tensor &k_in, const at::T
                           k.device().is_cpu() && v.device().is_cpu(),
                       "the native attention does not take q ", q.sizes(), ", k ", k.sizes(), " over caches ",
                       k_cache.sizes(), " for ", batch, " rows and ", step.slots.size(0), " new tokens");
-    const int threads = at::get_num_threads();
-    const int64_t slots = num_blocks * block_size, tokens = k.size(0), row_elems = kv_heads * dim;
-    const int32_t *ids = step.prefix_ids ? step.prefix_ids->const_data_ptr<int32_t>() : nullptr;
-    const int32_t *prefix_tables = step.prefix_tables ? step.prefix_tables->const_data_ptr<int32_t>() : nullptr;
-    const int32_t *prefix_lens = step.prefix_lens ? step.prefix_lens->const_data_ptr<int32_t>() : nullptr;
-    const int64_t prefix_stride = step.prefix_tables ? step.prefix_tables->stride(0) : 0;
-    const int64_t num_prefixes = step.prefix_lens ? step.prefix_lens->size(0) : 0;
     at::Tensor out = at::empty(q.sizes(), q.options());
-    int written, status;
-    if (dtype == at::kBFloat16) {
-        using B = uint16_t;
-        written = parrot_write_kv_bf16(static_cast<const B *>(k.const_data_ptr()), static_cast<const B *>(v.const_data_ptr()),
-                                       static_cast<B *>(k_cache.mutable_data_ptr()), static_cast<B *>(v_cache.mutable_data_ptr()),
-                                       step.slots.const_data_ptr<int64_t>(), tokens, row_elems, slots, k.stride(0), v.stride(0));
-        TORCH_CHECK_INDEX(written == 0, "a slot is past the cache's ", slots, " slots");
-        status = parrot_decode_bf16(static_cast<const B *>(q.const_data_ptr()), static_cast<const B *>(k_cache.const_data_ptr()),
-                                    static_cast<const B *>(v_cache.const_data_ptr()), ids, prefix_tables, prefix_stride,
-                                    prefix_lens, num_prefixes, step.own_tables.const_data_ptr<int32_t>(),
-                                    step.own_tables.stride(0), step.own_lens.const_data_ptr<int32_t>(),
-                                    static_cast<B *>(out.mutable_data_ptr()), batch, q.size(1), kv_heads, dim, block_size,
-                                    num_blocks, static_cast<float>(scale), q.stride(0), threads);
-    } else {
-        written = parrot_write_kv_f32(k.const_data_ptr<float>(), v.const_data_ptr<float>(), k_cache.mutable_data_ptr<float>(),
-                                      v_cache.mutable_data_ptr<float>(), step.slots.const_data_ptr<int64_t>(), tokens,
-                                      row_elems, slots, k.stride(0), v.stride(0));
-        TORCH_CHECK_INDEX(written == 0, "a slot is past the cache's ", slots, " slots");
-        status = parrot_decode_f32(q.const_data_ptr<float>(), k_cache.const_data_ptr<float>(), v_cache.const_data_ptr<float>(),
-                                   ids, prefix_tables, prefix_stride, prefix_lens, num_prefixes,
-                                   step.own_tables.const_data_ptr<int32_t>(), step.own_tables.stride(0),
-                                   step.own_lens.const_data_ptr<int32_t>(), out.mutable_data_ptr<float>(), batch,
-                                   q.size(1), kv_heads, dim, block_size, num_blocks, static_cast<float>(scale),
-                                   q.stride(0), threads);
-    }
+    const int status = dtype == at::kBFloat16 ? write_and_attend<uint16_t>(q, k, v, k_cache, v_cache, step, scale, out)
+                                              : write_and_attend<float>(q, k, v, k_cache, v_cache, step, scale, out);
     TORCH_CHECK_INDEX(status != -2, "a block table names a block past the cache's ", num_blocks, " blocks");
     TORCH_CHECK_VALUE(status == 0, "the native attention does not take head_dim ", dim, " with ", q.size(1), " heads");
     return out;
