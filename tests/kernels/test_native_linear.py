@@ -40,7 +40,7 @@ def test_linear_matches_fp64(dtype, rows, with_bias):
 
 # Threads take each other's work when theirs is done (native/linear.cpp's Band): whichever thread computes a
 # block of outputs, each is computed once, the same way. 3 blocks of outputs, so 5 threads leave some bands
-# empty; 300 rows in bf16 on AMX tiles are two chunks of 128, one of 32 and 12 left, in tiles configured for
+# empty; 300 rows in bf16 on AMX tiles are a chunk of 256, one of 32 and 12 left, in tiles configured for
 # each (test_tiled_rows_match_fp64_and_the_vector_path covers the tiles alone).
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_thread_count_gives_the_same_outputs(dtype):
