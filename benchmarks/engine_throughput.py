@@ -14,7 +14,10 @@ Workloads (greedy, EOS ignored so every run makes the same number of tokens):
     python -m benchmarks.engine_throughput --compare-url http://127.0.0.1:8000 [--skip-hf]
     python -m benchmarks.engine_throughput --dtype bfloat16 --start-vllm VENV/bin/python   # vLLM-CPU, same precision
 
-Prints a table of median tokens/s (generated tokens / wall time; prompt tokens for prefill) and ratios.
+Prints a table of median tokens/s (generated tokens / wall time; prompt tokens for prefill) and ratios, then
+each column at --dtype's precision as a fraction of the machine's limit, measured in the same run before and
+after the rounds (benchmarks/machine_limits.py: decode workloads' weight bytes/s over a plain read's GB/s,
+prefill's FLOP/s over torch's GEMM in that dtype).
 """
 
 from __future__ import annotations
@@ -29,11 +32,13 @@ from typing import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import msgspec  # noqa: E402
 import torch  # noqa: E402
 
 from engines.builtin.config import COMPILABLE, EngineConfig  # noqa: E402
 from engines.builtin.core import EngineCore  # noqa: E402
 from engines.builtin.types import SamplingParams  # noqa: E402
+from benchmarks.machine_limits import MachineLimits, ModelCost, measure  # noqa: E402
 from benchmarks.results_file import write_results  # noqa: E402
 from benchmarks.vllm_server import SETTLE_S, LaunchedVLLM  # noqa: E402
 
@@ -284,7 +289,11 @@ def run_all(args: argparse.Namespace) -> None:
         warm = [next(iter(loads.values()))[0][0]]
         on_the_step_thread(engine, lambda: engine.generate_batch(warm, SamplingParams(max_tokens=8, temperature=0.0,
                                                                                         ignore_eos=True)))
+    limits = [machine_limits(args)]
     columns = alternating_rates(runs, loads, args.repeats)
+    limits.append(machine_limits(args))
+    limit = MachineLimits(threads=limits[0].threads, dtype=limits[0].dtype,
+                          stream_gb_s=max(m.stream_gb_s for m in limits), gemm_gflop_s=max(m.gemm_gflop_s for m in limits))
     notes = {f"{name} shared": runs[name]["shared"].note() for name in engines if "shared" in loads}
     print(f"torch threads {torch.get_num_threads()}, dtype {args.dtype}, median of {args.repeats} alternating rounds")
     ours = list(engines)
@@ -296,9 +305,50 @@ def run_all(args: argparse.Namespace) -> None:
     print_table(columns, ours, baselines, list(loads))
     for workload, note in notes.items():
         print(f"{workload}: {note}")
+    same_precision = [name for name in columns if name not in REFERENCE and not name.startswith(("ours-int8", "ours-int4"))]
+    fractions = fractions_of_limit({name: columns[name] for name in same_precision}, loads, limit, args)
+    print_fractions(fractions, limit, limits)
     if args.out:
-        write_results(args.out, {"args": vars(args), "tokens_per_s": columns, "notes": notes})
+        write_results(args.out, {"args": vars(args), "tokens_per_s": columns, "notes": notes,
+                                 "machine_limits": msgspec.to_builtins(limits), "fraction_of_limit": fractions})
         plot(columns, Path(args.out).with_suffix(".png"))
+
+
+def machine_limits(args) -> MachineLimits:
+    time.sleep(SETTLE_S)  # the last column's threads may still spin
+    return measure(getattr(torch, args.dtype), args.threads or torch.get_num_threads())
+
+
+def fractions_of_limit(columns, loads, limit: MachineLimits, args) -> dict[str, dict[str, float]]:
+    """Each rate as a fraction of what the machine allows it: decode workloads read every weight once a step
+    (batch = the workload's requests), prefill computes prefill_flops_per_token a prompt token."""
+    from transformers import AutoConfig
+
+    from engines.builtin.loader import ModelSource, cached_source
+
+    source = cached_source(ModelSource(args.model))
+    cost = ModelCost.of(AutoConfig.from_pretrained(source.directory, **source.hf_kwargs()))
+    out: dict[str, dict[str, float]] = {}
+    for name, rates in columns.items():
+        out[name] = {}
+        for workload, rate in rates.items():
+            prompts, _ = loads[workload]
+            if isinstance(prompts, FreshPrompts):
+                flops = rate * cost.prefill_flops_per_token(sum(map(len, prompts)) / len(prompts))
+                out[name][workload] = flops / 1e9 / limit.gemm_gflop_s
+            else:
+                bytes_per_s = rate / len(prompts) * cost.decode_step_bytes(getattr(torch, args.dtype))
+                out[name][workload] = bytes_per_s / 1e9 / limit.stream_gb_s
+    return out
+
+
+def print_fractions(fractions, limit: MachineLimits, limits: list[MachineLimits]) -> None:
+    print(f"machine limits, {limit.threads} threads (best of before / after the rounds): plain read "
+          f"{limit.stream_gb_s:.1f} GB/s ({' / '.join(f'{m.stream_gb_s:.1f}' for m in limits)}), {limit.dtype} GEMM "
+          f"{limit.gemm_gflop_s:.0f} GFLOP/s ({' / '.join(f'{m.gemm_gflop_s:.0f}' for m in limits)})")
+    print("fraction of the limit (decode: weight bytes/s over the read; prefill: FLOP/s over the GEMM)")
+    for name, by_workload in fractions.items():
+        print(f"  {name:28}" + "  ".join(f"{workload} {fraction:.2f}" for workload, fraction in by_workload.items()))
 
 
 def plot(columns: dict[str, dict[str, float]], path: Path) -> None:

@@ -1,0 +1,94 @@
+"""What this machine allows a decode and a prefill, measured in the same run as the figures they bound.
+
+    python -m benchmarks.machine_limits [--dtype bfloat16] [--threads 2]
+
+  stream GB/s    a plain sum over 1 GiB (far past any cache): the rate a decode step's weight reads approach
+  GEMM GFLOP/s   torch.mm of 2,048-square matrices in the dtype: the rate a prefill's linears approach (the
+                 engine's own AMX kernel may pass torch's bf16 GEMM, and a fraction above 1 says so)
+
+``engine_throughput`` reports each figure as a fraction of these (#20: "the fraction of the machine's limit it
+reaches"): a decode step reads every weight once, so a decode workload's weight bytes per second over the
+stream rate; a prefill token costs two FLOPs per decoder weight plus its causal attention, over the GEMM rate.
+KV reads and the prompts' own compute in decode workloads are left out: the fractions are the weights' share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import msgspec
+import torch
+
+STREAM_BYTES = 1 << 30
+GEMM_SIZE = 2048
+
+
+class MachineLimits(msgspec.Struct):
+    threads: int
+    stream_gb_s: float
+    gemm_gflop_s: float  # in the dtype measured
+    dtype: str
+
+
+class ModelCost(msgspec.Struct):
+    """A decoder's work per step and per token, from its HF config."""
+
+    decoder_weights: int  # the decoder layers' linear weights
+    head_weights: int  # the output head (read by every decode step, tied to the embedding or not)
+    layers: int
+    attention_width: int  # query heads x head size
+
+    @classmethod
+    def of(cls, hf_config) -> "ModelCost":
+        hidden, heads = hf_config.hidden_size, hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
+        kv_width = hf_config.num_key_value_heads * head_dim
+        per_layer = 2 * hidden * heads * head_dim + 2 * hidden * kv_width + 3 * hidden * hf_config.intermediate_size
+        return cls(decoder_weights=per_layer * hf_config.num_hidden_layers, head_weights=hf_config.vocab_size * hidden,
+                   layers=hf_config.num_hidden_layers, attention_width=heads * head_dim)
+
+    def decode_step_bytes(self, dtype: torch.dtype) -> int:
+        return (self.decoder_weights + self.head_weights) * dtype.itemsize
+
+    def prefill_flops_per_token(self, prompt_tokens: float) -> float:
+        """Linears plus causal attention (scores and weighted values over half the prompt on average)."""
+        return 2 * self.decoder_weights + 4 * self.layers * self.attention_width * prompt_tokens / 2
+
+
+def _median_seconds(call, repeats: int = 7) -> float:
+    call()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(dtype: torch.dtype, threads: int) -> MachineLimits:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        data = torch.ones(STREAM_BYTES // 4)
+        stream = STREAM_BYTES / _median_seconds(data.sum) / 1e9
+        del data
+        a, b = torch.randn(GEMM_SIZE, GEMM_SIZE).to(dtype), torch.randn(GEMM_SIZE, GEMM_SIZE).to(dtype)
+        gemm = 2 * GEMM_SIZE**3 / _median_seconds(lambda: torch.mm(a, b)) / 1e9
+    finally:
+        torch.set_num_threads(previous)
+    return MachineLimits(threads=threads, stream_gb_s=stream, gemm_gflop_s=gemm, dtype=str(dtype).removeprefix("torch."))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args()
+    limits = measure(getattr(torch, args.dtype), args.threads)
+    print(f"{limits.threads} threads: stream {limits.stream_gb_s:.1f} GB/s, {limits.dtype} GEMM {limits.gemm_gflop_s:.0f} GFLOP/s")
+
+
+if __name__ == "__main__":
+    main()
