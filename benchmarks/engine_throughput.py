@@ -38,7 +38,7 @@ import torch  # noqa: E402
 from engines.builtin.config import COMPILABLE, EngineConfig  # noqa: E402
 from engines.builtin.core import EngineCore  # noqa: E402
 from engines.builtin.types import SamplingParams  # noqa: E402
-from benchmarks.machine_limits import MachineLimits, ModelCost, measure  # noqa: E402
+from benchmarks.machine_limits import MachineLimits, ModelCost, best_of, measure  # noqa: E402
 from benchmarks.results_file import write_results  # noqa: E402
 from benchmarks.vllm_server import SETTLE_S, LaunchedVLLM  # noqa: E402
 
@@ -292,8 +292,6 @@ def run_all(args: argparse.Namespace) -> None:
     limits = [machine_limits(args)]
     columns = alternating_rates(runs, loads, args.repeats)
     limits.append(machine_limits(args))
-    limit = MachineLimits(threads=limits[0].threads, dtype=limits[0].dtype,
-                          stream_gb_s=max(m.stream_gb_s for m in limits), gemm_gflop_s=max(m.gemm_gflop_s for m in limits))
     notes = {f"{name} shared": runs[name]["shared"].note() for name in engines if "shared" in loads}
     print(f"torch threads {torch.get_num_threads()}, dtype {args.dtype}, median of {args.repeats} alternating rounds")
     ours = list(engines)
@@ -306,8 +304,8 @@ def run_all(args: argparse.Namespace) -> None:
     for workload, note in notes.items():
         print(f"{workload}: {note}")
     same_precision = [name for name in columns if name not in REFERENCE and not name.startswith(("ours-int8", "ours-int4"))]
-    fractions = fractions_of_limit({name: columns[name] for name in same_precision}, loads, limit, args)
-    print_fractions(fractions, limit, limits)
+    fractions = fractions_of_limit({name: columns[name] for name in same_precision}, loads, best_of(limits), args)
+    print_fractions(fractions, limits)
     if args.out:
         write_results(args.out, {"args": vars(args), "tokens_per_s": columns, "notes": notes,
                                  "machine_limits": msgspec.to_builtins(limits), "fraction_of_limit": fractions})
@@ -342,7 +340,8 @@ def fractions_of_limit(columns, loads, limit: MachineLimits, args) -> dict[str, 
     return out
 
 
-def print_fractions(fractions, limit: MachineLimits, limits: list[MachineLimits]) -> None:
+def print_fractions(fractions, limits: list[MachineLimits]) -> None:
+    limit = best_of(limits)
     print(f"machine limits, {limit.threads} threads (best of before / after the rounds): plain read "
           f"{limit.stream_gb_s:.1f} GB/s ({' / '.join(f'{m.stream_gb_s:.1f}' for m in limits)}), {limit.dtype} GEMM "
           f"{limit.gemm_gflop_s:.0f} GFLOP/s ({' / '.join(f'{m.gemm_gflop_s:.0f}' for m in limits)})")

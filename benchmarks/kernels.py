@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.machine_limits import median_seconds  # noqa: E402
 from kernels import cpu_attention, native  # noqa: E402
 
 PEAK_TBPS = {"H200": 4.8, "H100 PCIe": 2.0, "H100": 3.35, "A100": 2.0, "L40S": 0.864, "A10": 0.6, "4090": 1.0}
@@ -156,13 +157,7 @@ def bench_shared_prefix(peak: float, prefix_len: int = 4096, sequences: int = 64
 
 
 def cpu_ms(fn, repeats: int = 15) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return median_seconds(fn, repeats) * 1e3
 
 
 def decode_sdpa_loop(q, k_cache, v_cache, block_tables, context_lens, scale):

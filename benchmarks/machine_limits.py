@@ -57,7 +57,14 @@ class ModelCost(msgspec.Struct):
         return 2 * self.decoder_weights + 4 * self.layers * self.attention_width * prompt_tokens / 2
 
 
-def _median_seconds(call, repeats: int = 7) -> float:
+def best_of(measured: list[MachineLimits]) -> MachineLimits:
+    """Each limit at its highest over several measurements (a limit is what the machine reached at best)."""
+    return MachineLimits(threads=measured[0].threads, dtype=measured[0].dtype,
+                         stream_gb_s=max(m.stream_gb_s for m in measured), gemm_gflop_s=max(m.gemm_gflop_s for m in measured))
+
+
+def median_seconds(call, repeats: int = 7) -> float:
+    """The median wall time of ``repeats`` calls after one unmeasured call."""
     call()
     times = []
     for _ in range(repeats):
@@ -72,10 +79,10 @@ def measure(dtype: torch.dtype, threads: int) -> MachineLimits:
     torch.set_num_threads(threads)
     try:
         data = torch.ones(STREAM_BYTES // 4)
-        stream = STREAM_BYTES / _median_seconds(data.sum) / 1e9
+        stream = STREAM_BYTES / median_seconds(data.sum) / 1e9
         del data
         a, b = torch.randn(GEMM_SIZE, GEMM_SIZE).to(dtype), torch.randn(GEMM_SIZE, GEMM_SIZE).to(dtype)
-        gemm = 2 * GEMM_SIZE**3 / _median_seconds(lambda: torch.mm(a, b)) / 1e9
+        gemm = 2 * GEMM_SIZE**3 / median_seconds(lambda: torch.mm(a, b)) / 1e9
     finally:
         torch.set_num_threads(previous)
     return MachineLimits(threads=threads, stream_gb_s=stream, gemm_gflop_s=gemm, dtype=str(dtype).removeprefix("torch."))

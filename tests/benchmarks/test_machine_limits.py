@@ -4,7 +4,7 @@ by the machine's limits, counted from the config the same as the engine's model 
 import torch
 from torch import nn
 
-from benchmarks.machine_limits import ModelCost, measure
+from benchmarks.machine_limits import MachineLimits, ModelCost, best_of, measure
 from engines.builtin.model import LlamaForCausalLM
 from tests.conftest import tiny_llama_config
 
@@ -23,7 +23,14 @@ def test_the_cost_counts_every_weight_the_model_reads():
     assert cost.prefill_flops_per_token(1000) == 2 * decoder + attention
 
 
-def test_the_limits_are_measured_on_the_threads_asked():
-    limits = measure(torch.bfloat16, threads=1)
-    assert limits.threads == 1 and limits.dtype == "bfloat16"
-    assert limits.stream_gb_s > 0 and limits.gemm_gflop_s > 0
+def test_measuring_leaves_torch_threads_as_they_were():
+    before = torch.get_num_threads()
+    limits = measure(torch.bfloat16, threads=1 if before > 1 else 2)
+    assert torch.get_num_threads() == before, "the benchmark's own threads must not change under it"
+    assert 0 < limits.stream_gb_s < float("inf") and 0 < limits.gemm_gflop_s < float("inf")
+
+
+def test_the_best_of_several_measurements_takes_each_limit_at_its_highest():
+    slow_read = MachineLimits(threads=2, dtype="bfloat16", stream_gb_s=10.0, gemm_gflop_s=900.0)
+    slow_gemm = MachineLimits(threads=2, dtype="bfloat16", stream_gb_s=20.0, gemm_gflop_s=300.0)
+    assert best_of([slow_read, slow_gemm]) == MachineLimits(threads=2, dtype="bfloat16", stream_gb_s=20.0, gemm_gflop_s=900.0)
