@@ -66,6 +66,16 @@ def two_threads():
     torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("prefix_len", [21, 16, 5])
+def test_a_few_members_over_a_short_prefix(kernels, kv, tol, prefix_len, two_threads):
+    """4 members over a prefix shorter than a chunk, in 2 tiles of 6 query rows (3 kv heads, too few tasks for 2
+    threads): the few-rows path that scores from keys turned into fp32 columns (bf16's widened), 16 tokens at
+    a time, the prefix ending mid-group or on its edge."""
+    args = shared_args(kv, [0] * 4, [prefix_len], [3, 1, 0, 2])
+
+    torch.testing.assert_close(kernels.shared_prefix_decode(*args), reference.shared_prefix_decode(*args), **tol)
+
+
 @pytest.mark.parametrize("members", [16, 2])
 def test_a_long_prefix_split_by_tokens(kernels, kv, tol, members, two_threads):
     """Too few tasks for 2 threads and a prefix of 600 tokens: each tile's rows go over its two halves in two
