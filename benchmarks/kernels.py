@@ -284,6 +284,19 @@ def bench_cpu_linears() -> None:
                   f"{gigaflops / theirs * 1e3:4.0f} GFLOP/s)   (torch / C++ {theirs / ours:4.2f}x)")
 
 
+def bench_cpu_argmax() -> None:
+    """A greedy step's argmax over SmolLM2's vocabulary at 1, 16 and 64 sequences: the C++ row argmax the
+    sampler takes against torch's argmax, and torch's amax (the max alone, no index: what one pass can cost)."""
+    cpp = native.library()
+    print(f"greedy argmax over 49,152 fp32 logits ({torch.get_num_threads()} threads), median ms")
+    for rows in (1, 16, 64):
+        logits = torch.randn(rows, 49152)
+        ours, theirs = alternating_cpu_ms(lambda: cpp.argmax_rows(logits), lambda: logits.argmax(dim=-1).tolist(), rounds=51)
+        _, amax = alternating_cpu_ms(lambda: cpp.argmax_rows(logits), lambda: logits.amax(dim=-1), rounds=51)
+        print(f"  argmax {rows:>3} rows: C++ {ours:6.3f}   torch argmax {theirs:6.3f} ({theirs / ours:4.1f}x)   "
+              f"torch amax {amax:6.3f}")
+
+
 def alternating_cpu_ms(first, second, rounds: int) -> tuple[float, float]:
     """Median ms of each function, run in turn each round (this box's speed drifts by ~10%)."""
     first(), second()
@@ -309,6 +322,7 @@ def main() -> None:
             print("the Triton kernel benchmarks need CUDA; running the CPU dispatch comparison instead\n")
         bench_cpu()
         bench_cpu_linears()
+        bench_cpu_argmax()
         return
     peak = peak_tbps(args.peak_tbps)
     print(f"{torch.cuda.get_device_name()}, HBM peak {peak} TB/s\n")

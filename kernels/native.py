@@ -29,7 +29,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).parent / "native" / name for name in ("paged_attention.cpp", "linear.cpp", "affinity.cpp"))
+SOURCES = tuple(Path(__file__).parent / "native" / name
+                for name in ("paged_attention.cpp", "linear.cpp", "affinity.cpp", "argmax.cpp"))
 # Included by the sources: part of the build's key.
 HEADERS = tuple(Path(__file__).parent / "native" / name for name in ("common.h", "c_api.h"))
 # The linear and attention kernels again, with torch operators over them (torch_ops()): built apart, with torch's headers.
@@ -64,6 +65,9 @@ class NativeKernels:
             self._linear[dtype] = _bound(library, f"parrot_linear_{suffix}", _LINEAR_ARGS, _INT)
             self._gated[dtype] = _bound(library, f"parrot_gated_linear_{suffix}", _GATED_ARGS, _INT)
         self._pin_threads = _bound(library, "parrot_pin_threads", [_PTR, _INT], _INT)
+        # Absent from a library built from older sources (benchmarks.kernel_revisions' "before" build).
+        self._argmax = (_bound(library, "parrot_argmax_rows_f32", [_PTR, _I64, _I64, _I64, _PTR, _INT], _INT)
+                        if hasattr(library, "parrot_argmax_rows_f32") else None)
         self._use_tiles = _bound(library, "parrot_use_tiles", [_INT], _INT)
         # Built without a bf16 dot product (another CPU or compiler), the bf16 linear answers -2.
         probe = torch.zeros(LINEAR_BLOCK, 2, dtype=torch.bfloat16)
@@ -124,6 +128,20 @@ class NativeKernels:
         status = self._linear[x.dtype](x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
                                        out.data_ptr(), rows, out_features, in_features, torch.get_num_threads())
         return status, out
+
+    def argmax_rows(self, logits: torch.Tensor) -> list[int] | None:
+        """Each row's argmax of fp32 [rows, cols] logits, as torch.argmax(dim=-1) answers it (the first maximum,
+        a NaN above any number), ~8-12x faster here (native/argmax.cpp); None where the tensor is not one it
+        takes (another dtype or layout, no columns): the caller keeps torch's."""
+        if (self._argmax is None or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1
+                or logits.shape[1] == 0):
+            return None
+        rows = logits.shape[0]
+        out = torch.empty(rows, dtype=torch.int64)
+        if self._argmax(logits.data_ptr(), rows, logits.shape[1], logits.stride(0), out.data_ptr(),
+                        torch.get_num_threads()) != 0:
+            return None
+        return out.tolist()
 
     def use_tiles(self, enable: bool) -> bool:
         """Whether bf16 linears and attention products run on AMX tiles (the default where the CPU has them) or

@@ -77,7 +77,8 @@ class ModelRunner:
             layer.self_attn.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
             layer.self_attn.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.query_group = config.num_attention_heads // config.num_key_value_heads
-        self.sampler = Sampler(seed)
+        native_library = native_module.library()
+        self.sampler = Sampler(seed, native_library.argmax_rows if native_library is not None else None)
         triton = dispatch.uses_triton(self.device)
         query = torch.empty(1, config.num_attention_heads, shape[-1], dtype=dtype, device=self.device)
         # The C++ kernels where they take this model's attention; they also take a step's KV writes and
