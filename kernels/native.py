@@ -132,14 +132,14 @@ class NativeKernels:
     def argmax_rows(self, logits: torch.Tensor) -> list[int] | None:
         """Each row's argmax of fp32 [rows, cols] logits, as torch.argmax(dim=-1) answers it (the first maximum,
         a NaN above any number), ~8-12x faster here (native/argmax.cpp); None where the tensor is not one it
-        takes (another dtype or layout, no columns): the caller keeps torch's."""
-        if (self._argmax is None or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1
-                or logits.shape[1] == 0):
+        takes (another device, dtype or layout, no columns): the caller keeps torch's."""
+        if (self._argmax is None or logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2
+                or logits.stride(1) != 1 or logits.shape[1] == 0):
             return None
-        rows = logits.shape[0]
+        rows, cols = logits.shape
+        row_stride = logits.stride(0) if rows > 1 else cols  # one row's stride(0) can be anything
         out = torch.empty(rows, dtype=torch.int64)
-        if self._argmax(logits.data_ptr(), rows, logits.shape[1], logits.stride(0), out.data_ptr(),
-                        torch.get_num_threads()) != 0:
+        if self._argmax(logits.data_ptr(), rows, cols, row_stride, out.data_ptr(), torch.get_num_threads()) != 0:
             return None
         return out.tolist()
 
@@ -321,12 +321,12 @@ def library() -> NativeKernels | None:
         return None
     compiler = _compiler()
     if compiler is None:
-        log.warning("no C++ compiler found ($CXX, c++, g++, clang++): CPU attention stays on the torch paths")
+        log.warning("no C++ compiler found ($CXX, c++, g++, clang++): the CPU kernels stay on the torch paths")
         return None
     try:
         return NativeKernels(ctypes.CDLL(str(_built(compiler))))
     except (OSError, subprocess.CalledProcessError) as exc:
-        log.warning("building the native CPU kernels failed, CPU attention stays on the torch paths: %s", exc)
+        log.warning("building the native CPU kernels failed, the CPU kernels stay on the torch paths: %s", exc)
         return None
 
 

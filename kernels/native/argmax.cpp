@@ -2,8 +2,8 @@
 // first NaN's index), as torch.argmax answers. A greedy batch takes one per sequence every step, and torch's CPU
 // argmax took ~1.0 ms for 16 rows of SmolLM2's 49,152 logits here, ~5% of a 16-sequence bf16 decode step; this
 // takes ~0.09 ms, about what torch's amax (the max alone) does (`python benchmarks/kernels.py --cpu`, "argmax").
-// One pass a row: each lane keeps its first maximum and where it was, then the lanes' largest value at the
-// smallest index wins.
+// One pass a row (and a second from its start for a row holding a NaN): each lane keeps its first maximum and
+// where it was, then the lanes' largest value at the smallest index wins.
 
 #include <cmath>
 #include <cstdint>
@@ -13,8 +13,8 @@
 
 namespace {
 
-int64_t first_nan(const float *row, int64_t begin, int64_t cols) {
-    for (int64_t i = begin; i < cols; i++)
+int64_t first_nan(const float *row, int64_t cols) {
+    for (int64_t i = 0; i < cols; i++)
         if (std::isnan(row[i])) return i;
     return -1;
 }
@@ -43,7 +43,7 @@ int64_t row_argmax(const float *row, int64_t cols) {
             best = _mm512_mask_mov_ps(best, greater, x);
             best_at = _mm512_mask_mov_epi32(best_at, greater, at);
         }
-        if (nan) return first_nan(row, 0, cols);
+        if (nan) return first_nan(row, cols);
         alignas(64) float values[16];
         alignas(64) int32_t indices[16];
         _mm512_store_ps(values, best);

@@ -21,8 +21,16 @@ def test_equals_torch_argmax(kernels, rows, cols):
     assert kernels.argmax_rows(logits) == logits.argmax(dim=-1).tolist()
 
 
-def test_ties_infinities_and_nans_as_torch_answers_them(kernels):
-    logits = torch.randn(7, 1000, generator=torch.Generator().manual_seed(0))
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_ties_infinities_and_nans_as_torch_answers_them(kernels, two_threads):
+    logits = torch.randn(9, 1000, generator=torch.Generator().manual_seed(0))
     logits[0, [20, 35, 500]] = 50.0  # ties in different lanes, the lower lane holding the later index: the first
     logits[1, [3, 19]] = 50.0  # ties in the same lane
     logits[2, [40, 995]] = 50.0  # a tie between a lane and the tail past the last whole vector
@@ -30,18 +38,32 @@ def test_ties_infinities_and_nans_as_torch_answers_them(kernels):
     logits[4, [9, 700]] = float("inf")
     logits[5, [600, 20]] = float("nan")  # a NaN is above any number: the first NaN
     logits[6, 998] = float("nan")  # a NaN in the tail
+    logits[7, 5], logits[7, 300] = float("inf"), float("nan")  # a NaN after an infinity
+    logits[8] = -1.0
+    logits[8, 35], logits[8, 20] = -0.0, 0.0  # zeros of both signs are equal: the first, in a higher lane
 
-    assert kernels.argmax_rows(logits) == logits.argmax(dim=-1).tolist() == [20, 3, 40, 0, 9, 20, 998]
+    assert kernels.argmax_rows(logits) == logits.argmax(dim=-1).tolist() == [20, 3, 40, 0, 9, 20, 998, 300, 20]
+
+
+@pytest.mark.parametrize("at", [0, 4])
+def test_a_nan_in_a_row_shorter_than_a_vector(kernels, at):
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.5, 7.0, 1.5]])
+    logits[0, at] = float("nan")
+
+    assert kernels.argmax_rows(logits) == logits.argmax(dim=-1).tolist() == [at]
 
 
 def test_rows_apart_in_memory(kernels):
     logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(1))[:, 10:60]  # row stride 100, 50 columns
+    one_row = torch.randn(50, 1, generator=torch.Generator().manual_seed(2)).t()  # stride(0) 1: meaningless for a row
 
     assert kernels.argmax_rows(logits) == logits.argmax(dim=-1).tolist()
+    assert kernels.argmax_rows(one_row) == one_row.argmax(dim=-1).tolist()
 
 
 @pytest.mark.parametrize("logits", [torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(8), torch.zeros(2, 0),
-                                    torch.zeros(8, 2).t()], ids=["bf16", "1-D", "no columns", "columns apart"])
+                                    torch.zeros(8, 2).t(), torch.zeros(2, 8, device="meta")],
+                         ids=["bf16", "1-D", "no columns", "columns apart", "not on the CPU"])
 def test_declines_what_it_does_not_take(kernels, logits):
     """None, so that the sampler keeps torch's argmax."""
     assert kernels.argmax_rows(logits) is None
