@@ -3,15 +3,6 @@
 import pytest
 import torch
 
-from kernels import native
-
-
-@pytest.fixture
-def kernels() -> native.NativeKernels:
-    built = native.library()
-    assert built is not None, "the C++ kernels must build on this machine (a C++ compiler is part of the set-up)"
-    return built
-
 
 @pytest.mark.parametrize("rows, cols", [(1, 49152), (16, 49152), (3, 49155), (5, 16), (4, 33), (2, 7), (3, 1), (0, 8)])
 def test_equals_torch_argmax(kernels, rows, cols):
@@ -19,14 +10,6 @@ def test_equals_torch_argmax(kernels, rows, cols):
     logits = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows * cols))
 
     assert kernels.argmax_rows(logits) == logits.argmax(dim=-1).tolist()
-
-
-@pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_ties_infinities_and_nans_as_torch_answers_them(kernels, two_threads):

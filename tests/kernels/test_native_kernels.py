@@ -14,13 +14,6 @@ PREFIX_IDS = [0, 2, -1, 0, 1, 2, 0, 2, -1]
 SUFFIX_LENS = [3, 0, 40, 1, 17, 64, 9, 2, 0]  # the last one has neither prefix nor own tokens
 
 
-@pytest.fixture
-def kernels() -> native.NativeKernels:
-    built = native.library()
-    assert built is not None, "the C++ kernels must build on this machine (a C++ compiler is part of the set-up)"
-    return built
-
-
 def shared_args(kv, prefix_ids, prefix_lens, suffix_lens):
     return (kv.queries(len(prefix_ids)), kv.k_cache, kv.v_cache, torch.tensor(prefix_ids, dtype=torch.int32),
             kv.block_tables(prefix_lens), torch.tensor(prefix_lens, dtype=torch.int32), kv.block_tables(suffix_lens),
@@ -56,14 +49,6 @@ def test_a_prefix_with_more_members_than_one_tile_holds(kernels, kv, tol, member
     args = shared_args(kv, [0] * members, [150], [1 + i % 5 for i in range(members)])
 
     torch.testing.assert_close(kernels.shared_prefix_decode(*args), reference.shared_prefix_decode(*args), **tol)
-
-
-@pytest.fixture
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("prefix_len", [21, 16, 5])
