@@ -82,7 +82,7 @@ struct Ops<float> {
     struct Weights { Vec low, high; };
     static Sum zero() { return Vec{}; }
     static Weights weights(const float *block_step) { return {load(block_step), load(block_step + kLanes)}; }
-    static Vec input(const float *x) { return *x + Vec{}; }
+    static Vec input(const float *x) { return splat(*x); }
     static void multiply_add(Sum &sum, Vec input, Vec weight) { sum += input * weight; }
     static void store(float *to, Sum sum, const float *bias) {
         if (bias) sum += load(bias);
