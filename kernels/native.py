@@ -396,7 +396,7 @@ def _load_torch_ops() -> bool:
     torch.library.register_fake("parrot_native::linear")(
         lambda x, packed, bias, weight=None: x.new_empty(x.shape[0], linear_shape(packed)[0]))
     torch.library.register_fake("parrot_native::gated_linear")(
-        lambda x, packed, weight=None: x.new_empty(x.shape[0], linear_shape(packed)[0] // 2))
+        lambda x, packed: x.new_empty(x.shape[0], linear_shape(packed)[0] // 2))
     torch.library.register_fake("parrot_native::attention")(lambda q, k, v, forward, layer: torch.empty_like(q))
     return True
 

@@ -9,11 +9,13 @@ and torch's fp32 GEMM, both near that CPU's multiply-add peak. The op is declare
 torch.library.Library rather than the custom_op decorator: a decode step makes 120 of these calls and
 the decorator's Python wrapper cost ~15 us each (~2 us this way).
 
-fp32 calls may also pass the unpacked weight: from ``GEMM_ROWS`` rows on they go to torch's GEMM instead.
-On a Sapphire/Emerald Rapids host the kernel's fp32 multiply-adds ran SmolLM2's linears at ~110-146
-GFLOP/s from 64 rows up where torch's F.linear (MKL) ran 150-270, 1.4-1.85x faster (one process,
-alternating; 1-16 rows level or the kernel ahead); on the AVX-512 host before it the two were level at
-1,000 rows. bf16 keeps the kernel at every row count: its tiles (AMX) were level with or ahead of oneDNN.
+fp32 calls of the plain op may also pass the unpacked weight: from ``GEMM_ROWS`` rows on they go to torch's
+GEMM instead. On this Emerald Rapids host (2 cores, SmolLM2's decoder linears, 30 layers' weights, the two
+alternating in one process) the kernel's fp32 multiply-adds ran 1.45x torch's F.linear (MKL) at 32-48 rows,
+1.11x at 64, 0.94x at 96-128 and 0.93-1.04x from 192 to 1,000. The gated op takes the kernel at every row
+count: against F.linear, silu and a multiply it ran 1.09-1.2x as fast from 64 to 1,000 rows (it never writes
+gate and up), so fp32 keeps no second copy of the MLP's largest weight. bf16 keeps the kernel at every row
+count: its tiles (AMX) were level with or ahead of oneDNN.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch.nn.functional as F
 
 from kernels import native
 
-GEMM_ROWS = 32  # fp32 rows from which a call that passes its weight goes to torch's GEMM
+GEMM_ROWS = 96  # fp32 rows from which a call that passes its weight goes to torch's GEMM
 
 _library = torch.library.Library("parrot", "FRAGMENT")
 _library.define("native_linear(Tensor x, Tensor packed, Tensor? bias, Tensor? weight=None) -> Tensor")
@@ -46,13 +48,10 @@ def _(x, packed, bias, weight=None):
 
 native_linear = torch.ops.parrot.native_linear  # (x [rows, K], pack(weight), bias[, weight]) -> [rows, N]
 
-_library.define("native_gated_linear(Tensor x, Tensor packed, Tensor? weight=None) -> Tensor")
+_library.define("native_gated_linear(Tensor x, Tensor packed) -> Tensor")
 
 
-def _native_gated_linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-    if weight is not None and x.shape[0] >= GEMM_ROWS:
-        gate, up = F.linear(x, weight).chunk(2, dim=-1)
-        return F.silu(gate) * up
+def _native_gated_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return native.library().gated_linear(x, packed)
 
 
@@ -60,11 +59,11 @@ _library.impl("native_gated_linear", _native_gated_linear, "CPU")
 
 
 @torch.library.register_fake("parrot::native_gated_linear")
-def _(x, packed, weight=None):
+def _(x, packed):
     return x.new_empty(x.shape[0], native.linear_shape(packed)[0] // 2)
 
 
-# (x [rows, K], pack_gated(weight [2I, K])[, weight]) -> silu(x @ gate.T) * (x @ up.T) [rows, I]
+# (x [rows, K], pack_gated(weight [2I, K])) -> silu(x @ gate.T) * (x @ up.T) [rows, I]
 native_gated_linear = torch.ops.parrot.native_gated_linear
 
 

@@ -30,7 +30,7 @@
 namespace {
 
 constexpr int64_t kBlock = 32;     // linear.cpp's kBlockCols (kernels/native.py's LINEAR_BLOCK)
-constexpr int64_t kGemmRows = 32;  // kernels/native_linear.py's GEMM_ROWS: fp32 calls of this many rows go to torch's GEMM
+constexpr int64_t kGemmRows = 96;  // kernels/native_linear.py's GEMM_ROWS: fp32 calls of this many rows go to torch's GEMM
 
 // Inputs a packed step takes (kernels/native.py's LINEAR_PACK); 0 for a dtype the kernel has none for.
 int64_t pack_of(at::ScalarType dtype) {
@@ -75,11 +75,7 @@ at::Tensor linear(const at::Tensor &x, const at::Tensor &packed, const std::opti
     return out;
 }
 
-at::Tensor gated_linear(const at::Tensor &x, const at::Tensor &packed, const std::optional<at::Tensor> &weight) {
-    if (weight && x.size(0) >= kGemmRows) {
-        const auto halves = at::linear(x, *weight).chunk(2, -1);
-        return at::mul(at::silu(halves[0]), halves[1]);
-    }
+at::Tensor gated_linear(const at::Tensor &x, const at::Tensor &packed) {
     const auto [out_features, in_features] = checked(x, packed, std::nullopt);
     const at::Tensor input = x.contiguous();
     at::Tensor out = at::empty({input.size(0), out_features / 2}, input.options());
@@ -249,7 +245,7 @@ at::Tensor attention(const at::Tensor &q_in, const at::Tensor &k_in, const at::T
 
 TORCH_LIBRARY(parrot_native, m) {
     m.def("linear(Tensor x, Tensor packed, Tensor? bias, Tensor? weight=None) -> Tensor");
-    m.def("gated_linear(Tensor x, Tensor packed, Tensor? weight=None) -> Tensor");
+    m.def("gated_linear(Tensor x, Tensor packed) -> Tensor");
     m.def("register_forward(int forward, Tensor[] k_caches, Tensor[] v_caches, float[] scales) -> ()");
     m.def("drop_forward(int forward) -> ()");
     m.def("set_step(int forward, Tensor slots, Tensor own_tables, Tensor own_lens, Tensor? prefix_ids, "
