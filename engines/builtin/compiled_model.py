@@ -23,6 +23,7 @@ fp32 1.16x (batch 1) and 1.78x (batch 16) faster than eager with the same tokens
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import weakref
 
@@ -97,6 +98,18 @@ class _Decoder(nn.Module):
         return self.model.decoder(input_ids, positions, attend, rows)
 
 
+OPERATOR_NAMESPACES = ("parrot", "parrot_native")  # the torch operators Parrot defines (here and in kernels/)
+
+
+def _operators_tag() -> str:
+    """A tag for torch.compile's on-disk caches: the schemas of Parrot's operators. Inductor keys a cached graph by
+    its own code, not by the schemas of the custom operators that code calls: after an operator lost an argument
+    it served a graph compiled before, whose first call then failed."""
+    names = sorted(name for name in torch._C._dispatch_get_all_op_names() if name.split("::")[0] in OPERATOR_NAMESPACES)
+    schemas = "\n".join(str(schema) for name in names for schema in torch._C._jit_get_schemas_for_operator(name))
+    return "parrot-operators-" + hashlib.sha256(schemas.encode()).hexdigest()[:16]
+
+
 class CompiledForward:
     """Called as the model is: (input_ids, positions, meta, logit_rows) -> logits."""
 
@@ -116,6 +129,7 @@ class CompiledForward:
             ops.register_forward(number, [a.k_cache for a in self._attentions], [a.v_cache for a in self._attentions],
                                  [a.scale for a in self._attentions])
             weakref.finalize(self, ops.drop_forward, number)
+        self._cache_tag = torch.compiler.config.cache_key_tag + _operators_tag()
         self._decoder = torch.compile(_Decoder(model, number, native_attention), dynamic=True, fullgraph=True,
                                       options={"guard_filter_fn": _skip_guards_inside_the_model})
 
@@ -127,7 +141,8 @@ class CompiledForward:
         try:
             # Freezing (weights as constants, linears prepacked) is an inductor setting, and those are
             # per thread: set on the thread that may compile (torch.compile's options do not reach it).
-            with inductor_config.patch(freezing=True, emulate_precision_casts=True):
+            with inductor_config.patch(freezing=True, emulate_precision_casts=True), \
+                    torch.compiler.config.patch(cache_key_tag=self._cache_tag):
                 hidden = self._decoder(input_ids, positions, rows_to_finish(input_ids, logit_rows))
         finally:
             self.meta = None

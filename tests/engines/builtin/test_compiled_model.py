@@ -94,3 +94,19 @@ def test_compile_is_refused_where_it_does_not_run():
 
     with pytest.raises(ValueError, match="compile"):
         EngineConfig(compile=True, quantization="int8")
+
+
+def test_an_operators_new_schema_keys_compiled_graphs_apart():
+    """Inductor's on-disk cache keys a graph by its code, not by the schemas of the custom operators it calls: it
+    served a graph that called parrot_native::gated_linear with an argument the operator had lost. The compiled
+    forward tags its graphs with the schemas of Parrot's operators, so a changed operator compiles anew."""
+    from engines.builtin import compiled_model
+
+    before = compiled_model._operators_tag()
+    probe = torch.library.Library("parrot", "FRAGMENT")
+    probe.define("tag_probe(Tensor x) -> Tensor")
+    try:
+        assert compiled_model._operators_tag() != before
+    finally:
+        probe._destroy()
+    assert compiled_model._operators_tag() == before
