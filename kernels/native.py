@@ -363,6 +363,19 @@ def _built(compiler: str, sources=SOURCES, name: str = "parrot_kernels", flags: 
     return target
 
 
+# The namespaces of the torch operators Parrot defines (kernels/, engines/builtin/compiled_model.py).
+OPERATOR_NAMESPACES = ("parrot", "parrot_native")
+
+
+def operators_cache_tag() -> str:
+    """A tag for torch.compile's on-disk caches: the schemas of Parrot's operators. Inductor keys a cached graph by
+    its own code, not by the schemas of the custom operators that code calls: after an operator lost an argument
+    it served a graph compiled before, whose first call then failed."""
+    names = sorted(name for name in torch._C._dispatch_get_all_op_names() if name.split("::")[0] in OPERATOR_NAMESPACES)
+    schemas = "\n".join(str(schema) for name in names for schema in torch._C._jit_get_schemas_for_operator(name))
+    return "parrot-operators-" + hashlib.sha256(schemas.encode()).hexdigest()[:16]
+
+
 _torch_ops_lock = threading.Lock()
 
 
@@ -394,7 +407,7 @@ def _load_torch_ops() -> bool:
         return False
     # What compiled graphs trace them by: their outputs' shapes.
     torch.library.register_fake("parrot_native::linear")(
-        lambda x, packed, bias, weight=None: x.new_empty(x.shape[0], linear_shape(packed)[0]))
+        lambda x, packed, bias: x.new_empty(x.shape[0], linear_shape(packed)[0]))
     torch.library.register_fake("parrot_native::gated_linear")(
         lambda x, packed: x.new_empty(x.shape[0], linear_shape(packed)[0] // 2))
     torch.library.register_fake("parrot_native::attention")(lambda q, k, v, forward, layer: torch.empty_like(q))

@@ -9,32 +9,28 @@ and torch's fp32 GEMM, both near that CPU's multiply-add peak. The op is declare
 torch.library.Library rather than the custom_op decorator: a decode step makes 120 of these calls and
 the decorator's Python wrapper cost ~15 us each (~2 us this way).
 
-fp32 calls of the plain op may also pass the unpacked weight: from ``GEMM_ROWS`` rows on they go to torch's
-GEMM instead. On this Emerald Rapids host (2 cores, SmolLM2's decoder linears, 30 layers' weights, the two
-alternating in one process) the kernel's fp32 multiply-adds ran 1.45x torch's F.linear (MKL) at 32-48 rows,
-1.11x at 64, 0.94x at 96-128 and 0.93-1.04x from 192 to 1,000. The gated op takes the kernel at every row
-count: against F.linear, silu and a multiply it ran 1.09-1.2x as fast from 64 to 1,000 rows (it never writes
-gate and up), so fp32 keeps no second copy of the MLP's largest weight. bf16 keeps the kernel at every row
-count: its tiles (AMX) were level with or ahead of oneDNN.
+Every row count stays on the kernel, fp32 too, so no copy of the weights is kept for torch's GEMM. fp32 calls of
+32 rows or more had gone to torch's F.linear (MKL), which ran them 1.4-1.85x faster than the kernel's multiply-adds
+then. Once each row's input was broadcast from memory (native/common.h's splat), on this Emerald Rapids host
+(2 cores, 30 layers' weights, alternating in one process; ``python benchmarks/kernels.py --cpu``):
+- the plain kernel ran 1.63x / 1.22x / 1.18x / 1.01x MKL's speed at 32 / 96 / 256 / 1,000 rows;
+- the gated kernel ran 1.09-1.33x MKL's linear, silu and multiply from 64 to 1,000 rows;
+- an eager fp32 engine's whole prefill step took 0.98x the time (1,000 tokens) and 0.93x (300 tokens) with every
+  call on the kernel, against MKL from 96 rows on.
+bf16 keeps the kernel at every row count too: its tiles (AMX) were level with or ahead of oneDNN.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kernels import native
 
-GEMM_ROWS = 96  # fp32 rows from which a call that passes its weight goes to torch's GEMM
-
 _library = torch.library.Library("parrot", "FRAGMENT")
-_library.define("native_linear(Tensor x, Tensor packed, Tensor? bias, Tensor? weight=None) -> Tensor")
+_library.define("native_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor")
 
 
-def _native_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-                   weight: torch.Tensor | None = None) -> torch.Tensor:
-    if weight is not None and x.shape[0] >= GEMM_ROWS:
-        return F.linear(x, weight, bias)
+def _native_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return native.library().linear(x, packed, bias)
 
 
@@ -42,11 +38,11 @@ _library.impl("native_linear", _native_linear, "CPU")
 
 
 @torch.library.register_fake("parrot::native_linear")
-def _(x, packed, bias, weight=None):
+def _(x, packed, bias):
     return x.new_empty(x.shape[0], native.linear_shape(packed)[0])
 
 
-native_linear = torch.ops.parrot.native_linear  # (x [rows, K], pack(weight), bias[, weight]) -> [rows, N]
+native_linear = torch.ops.parrot.native_linear  # (x [rows, K], pack(weight), bias) -> [rows, N]
 
 _library.define("native_gated_linear(Tensor x, Tensor packed) -> Tensor")
 

@@ -23,7 +23,6 @@ fp32 1.16x (batch 1) and 1.78x (batch 16) faster than eager with the same tokens
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import weakref
 
@@ -33,6 +32,7 @@ from torch import nn
 
 from engines.builtin.attention import AttentionMetadata, paged_attention
 from engines.builtin.model import LlamaForCausalLM, rows_to_finish
+from kernels import native
 
 # Live compiled forwards by a number of their own (never reused, unlike id()), for the op to find its
 # model's caches and step metadata; a graph is compiled with its forward's number as a constant.
@@ -98,18 +98,6 @@ class _Decoder(nn.Module):
         return self.model.decoder(input_ids, positions, attend, rows)
 
 
-OPERATOR_NAMESPACES = ("parrot", "parrot_native")  # the torch operators Parrot defines (here and in kernels/)
-
-
-def _operators_tag() -> str:
-    """A tag for torch.compile's on-disk caches: the schemas of Parrot's operators. Inductor keys a cached graph by
-    its own code, not by the schemas of the custom operators that code calls: after an operator lost an argument
-    it served a graph compiled before, whose first call then failed."""
-    names = sorted(name for name in torch._C._dispatch_get_all_op_names() if name.split("::")[0] in OPERATOR_NAMESPACES)
-    schemas = "\n".join(str(schema) for name in names for schema in torch._C._jit_get_schemas_for_operator(name))
-    return "parrot-operators-" + hashlib.sha256(schemas.encode()).hexdigest()[:16]
-
-
 class CompiledForward:
     """Called as the model is: (input_ids, positions, meta, logit_rows) -> logits."""
 
@@ -129,7 +117,7 @@ class CompiledForward:
             ops.register_forward(number, [a.k_cache for a in self._attentions], [a.v_cache for a in self._attentions],
                                  [a.scale for a in self._attentions])
             weakref.finalize(self, ops.drop_forward, number)
-        self._cache_tag = torch.compiler.config.cache_key_tag + _operators_tag()
+        self._cache_tag = torch.compiler.config.cache_key_tag + native.operators_cache_tag()
         self._decoder = torch.compile(_Decoder(model, number, native_attention), dynamic=True, fullgraph=True,
                                       options={"guard_filter_fn": _skip_guards_inside_the_model})
 

@@ -5,9 +5,8 @@ pass over every weight with a few rows; oneDNN's bf16 GEMM streams them at ~18 G
 re-lays bf16 weights out on every call unless prepacked, torch's fp32 GEMV at ~12. The kernel reads
 weights packed once at load time at a plain read's rate for 1-8 rows, and bf16 (on AMX tiles where the
 CPU has them) is level with or ahead of prepacked oneDNN up to 1,000-row prefills (``python
-benchmarks/kernels.py --cpu``). The packed copy replaces a bf16 weight; fp32 keeps its weight too, for plain
-calls of many rows on torch's GEMM (kernels/native_linear.py), but not the MLP's gate and up: the gated kernel
-takes every row count. A tied head packs its own copy beside the
+benchmarks/kernels.py --cpu``), fp32 too (kernels/native_linear.py). The packed copy replaces the weight, in
+either dtype. A tied head packs its own copy beside the
 embedding it shares. An MLP's gate-and-up projection writes silu(gate) * up directly
 (the kernel's gated variant), not gate and up for a separate kernel to combine.
 """
@@ -33,12 +32,11 @@ class NativeLinear(nn.Module):
         # Buffers move with the module; not saved (made from the checkpoint's weight at load).
         self.register_buffer("packed", native_linear.pack(linear.weight), persistent=False)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone(), persistent=False)
-        self.register_buffer("gemm_weight", _gemm_weight(linear), persistent=False)
         self.op = native_linear.ops()[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        out = self.op(rows, self.packed, self.bias, self.gemm_weight)
+        out = self.op(rows, self.packed, self.bias)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -61,12 +59,6 @@ class NativeGatedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features} (silu(gate) * up)"
-
-
-def _gemm_weight(linear: nn.Linear) -> torch.Tensor | None:
-    """fp32: the weight as it is, for the op to hand calls of many rows to torch's GEMM (kernels/native_linear.py's
-    GEMM_ROWS: from 96 rows, where MKL ran level with the kernel or up to 1.07x faster on this host); else None."""
-    return linear.weight.detach() if linear.weight.dtype == torch.float32 else None
 
 
 class NativeMLP(nn.Module):

@@ -30,7 +30,6 @@
 namespace {
 
 constexpr int64_t kBlock = 32;     // linear.cpp's kBlockCols (kernels/native.py's LINEAR_BLOCK)
-constexpr int64_t kGemmRows = 96;  // kernels/native_linear.py's GEMM_ROWS: fp32 calls of this many rows go to torch's GEMM
 
 // Inputs a packed step takes (kernels/native.py's LINEAR_PACK); 0 for a dtype the kernel has none for.
 int64_t pack_of(at::ScalarType dtype) {
@@ -52,9 +51,7 @@ std::pair<int64_t, int64_t> checked(const at::Tensor &x, const at::Tensor &packe
     return {out_features, in_features};
 }
 
-at::Tensor linear(const at::Tensor &x, const at::Tensor &packed, const std::optional<at::Tensor> &bias,
-                  const std::optional<at::Tensor> &weight) {
-    if (weight && x.size(0) >= kGemmRows) return at::linear(x, *weight, bias);
+at::Tensor linear(const at::Tensor &x, const at::Tensor &packed, const std::optional<at::Tensor> &bias) {
     const auto [out_features, in_features] = checked(x, packed, bias);
     const at::Tensor input = x.contiguous();
     const std::optional<at::Tensor> added = bias ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
@@ -244,7 +241,7 @@ at::Tensor attention(const at::Tensor &q_in, const at::Tensor &k_in, const at::T
 }  // namespace
 
 TORCH_LIBRARY(parrot_native, m) {
-    m.def("linear(Tensor x, Tensor packed, Tensor? bias, Tensor? weight=None) -> Tensor");
+    m.def("linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
     m.def("gated_linear(Tensor x, Tensor packed) -> Tensor");
     m.def("register_forward(int forward, Tensor[] k_caches, Tensor[] v_caches, float[] scales) -> ()");
     m.def("drop_forward(int forward) -> ()");

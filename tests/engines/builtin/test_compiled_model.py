@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from engines.builtin.types import SamplingParams
+from kernels import native
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -100,13 +101,11 @@ def test_an_operators_new_schema_keys_compiled_graphs_apart():
     """Inductor's on-disk cache keys a graph by its code, not by the schemas of the custom operators it calls: it
     served a graph that called parrot_native::gated_linear with an argument the operator had lost. The compiled
     forward tags its graphs with the schemas of Parrot's operators, so a changed operator compiles anew."""
-    from engines.builtin import compiled_model
-
-    before = compiled_model._operators_tag()
+    before = native.operators_cache_tag()
     probe = torch.library.Library("parrot", "FRAGMENT")
     probe.define("tag_probe(Tensor x) -> Tensor")
     try:
-        assert compiled_model._operators_tag() != before
+        assert native.operators_cache_tag() != before
     finally:
         probe._destroy()
-    assert compiled_model._operators_tag() == before
+    assert native.operators_cache_tag() == before

@@ -71,9 +71,8 @@ def test_model_linears_the_kernel_takes_are_replaced(dtype, kernel_calls):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_moves_with_the_module(dtype):
     linear = NativeLinear(nn.Linear(96, 64).to(dtype))
-    # fp32 keeps its weight as well, for calls of many rows on torch's GEMM (kernels/native_linear.py)
-    gemm = {"gemm_weight"} if dtype == torch.float32 else set()
-    assert {name for name, _ in linear.named_buffers()} == {"packed", "bias"} | gemm
+    # no copy of the weight beside the packed one, in fp32 either: every row count runs the kernel
+    assert {name for name, _ in linear.named_buffers()} == {"packed", "bias"}
     assert not linear.state_dict(), "made from the checkpoint's weight at load, never saved"
 
 
@@ -88,6 +87,5 @@ def test_an_mlp_becomes_one_gated_call_and_one_linear(dtype):
     prepare_cpu_linears(holder)
 
     assert isinstance(holder.mlp, NativeMLP)
-    # the gated kernel takes every row count: no second copy of gate and up for torch's GEMM, in fp32 either
     assert {name for name, _ in holder.mlp.gate_up_proj.named_buffers()} == {"packed"}
     torch.testing.assert_close(holder.mlp(x), expected, rtol=2.0**-6 if dtype == torch.bfloat16 else 1e-5, atol=1e-3)
