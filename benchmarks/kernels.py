@@ -252,6 +252,7 @@ def bench_cpu() -> None:
 
 
 SMOLLM2_LINEARS = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # a layer's qkv, o, gate_up, down
+SMOLLM2_GATE_UP = SMOLLM2_LINEARS[2]
 
 
 def bench_cpu_linears() -> None:
@@ -265,7 +266,7 @@ def bench_cpu_linears() -> None:
         native_packed = [native.pack_linear(w) for w in weights]
         onednn_packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights] if dtype == torch.bfloat16 else None
         gigabytes = sum(w.numel() * w.element_size() for w in weights) / 1e9
-        for rows in (1, 4, 8, 16, 32, 64, 256, 1000):
+        for rows in (1, 4, 8, 16, 32, 64, 96, 128, 256, 1000):
             inputs = {size: torch.randn(rows, size, dtype=dtype) for size in (576, 1536)}
 
             def kernel():
@@ -282,6 +283,33 @@ def bench_cpu_linears() -> None:
             print(f"  linear {str(dtype):<15} {rows:>4} rows: C++ {ours:8.2f} ({gigabytes / ours * 1e3:5.1f} GB/s, "
                   f"{gigaflops / ours * 1e3:4.0f} GFLOP/s)   torch {theirs:8.2f} ({gigabytes / theirs * 1e3:5.1f} GB/s, "
                   f"{gigaflops / theirs * 1e3:4.0f} GFLOP/s)   (torch / C++ {theirs / ours:4.2f}x)")
+
+
+def bench_cpu_gated_linears() -> None:
+    """The MLP's first half, silu(x @ gate.T) * (x @ up.T), over SmolLM2's 30 [3,072 x 576] gate-and-up weights:
+    the kernel's gated call (which writes only the product) against torch's linear, then silu and a multiply
+    (bf16: oneDNN on prepacked weights; fp32: F.linear, MKL), alternating per round. fp32 keeps the kernel at
+    every row count on these figures (kernels/native_linear.py)."""
+    cpp = native.library()
+    print(f"CPU gated linears, SmolLM2's 30 layers ({torch.get_num_threads()} threads), median ms")
+    for dtype in (torch.float32, torch.bfloat16):
+        weights = [torch.randn(SMOLLM2_GATE_UP, dtype=dtype) for _ in range(30)]
+        packed = [native.pack_gated_linear(w) for w in weights]
+        onednn_packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights] if dtype == torch.bfloat16 else None
+        for rows in (1, 16, 64, 96, 256, 1000):
+            x = torch.randn(rows, SMOLLM2_GATE_UP[1], dtype=dtype)
+
+            def kernel():
+                return [cpp.gated_linear(x, p) for p in packed]
+
+            def baseline():
+                both = ([torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in onednn_packed]
+                        if onednn_packed else [F.linear(x, w) for w in weights])
+                return [F.silu(gate) * up for gate, up in (b.chunk(2, dim=-1) for b in both)]
+
+            ours, theirs = alternating_cpu_ms(kernel, baseline, rounds=9 if rows <= 64 else 5)
+            print(f"  gated {str(dtype):<15} {rows:>4} rows: C++ {ours:8.2f}   torch linear, silu, multiply {theirs:8.2f}"
+                  f"   (torch / C++ {theirs / ours:4.2f}x)")
 
 
 def bench_cpu_argmax() -> None:
@@ -322,6 +350,7 @@ def main() -> None:
             print("the Triton kernel benchmarks need CUDA; running the CPU dispatch comparison instead\n")
         bench_cpu()
         bench_cpu_linears()
+        bench_cpu_gated_linears()
         bench_cpu_argmax()
         return
     peak = peak_tbps(args.peak_tbps)
