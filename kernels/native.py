@@ -376,6 +376,13 @@ def operators_cache_tag() -> str:
     return "parrot-operators-" + hashlib.sha256(schemas.encode()).hexdigest()[:16]
 
 
+def keyed_by_operators():
+    """torch.compile's setting that keys its caches by the schemas of Parrot's operators as they are now (beside any
+    tag already set), to enter around calls that may compile graphs calling them. One object, entered each time:
+    each patch() is a new context variable, and its set() stays in the calling thread's context for good."""
+    return torch.compiler.config.patch(cache_key_tag=torch.compiler.config.cache_key_tag + operators_cache_tag())
+
+
 _torch_ops_lock = threading.Lock()
 
 

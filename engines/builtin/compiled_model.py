@@ -117,7 +117,12 @@ class CompiledForward:
             ops.register_forward(number, [a.k_cache for a in self._attentions], [a.v_cache for a in self._attentions],
                                  [a.scale for a in self._attentions])
             weakref.finalize(self, ops.drop_forward, number)
-        self._cache_tag = torch.compiler.config.cache_key_tag + native.operators_cache_tag()
+        # Made once and entered each call: each patch() is a new context variable, which a call's set() would
+        # leave in the step thread's context for good (two a step, without bound). Freezing (weights as
+        # constants, linears prepacked) is an inductor setting, and those are per thread: set on the thread
+        # that may compile (torch.compile's options do not reach it).
+        self._compile_settings = (inductor_config.patch(freezing=True, emulate_precision_casts=True),
+                                  native.keyed_by_operators())
         self._decoder = torch.compile(_Decoder(model, number, native_attention), dynamic=True, fullgraph=True,
                                       options={"guard_filter_fn": _skip_guards_inside_the_model})
 
@@ -127,10 +132,8 @@ class CompiledForward:
         if self.native_attention:
             torch.ops.parrot_native.set_step(self._number, meta.kv_write.slots, *meta.native.tables)
         try:
-            # Freezing (weights as constants, linears prepacked) is an inductor setting, and those are
-            # per thread: set on the thread that may compile (torch.compile's options do not reach it).
-            with inductor_config.patch(freezing=True, emulate_precision_casts=True), \
-                    torch.compiler.config.patch(cache_key_tag=self._cache_tag):
+            inductor_settings, cache_key = self._compile_settings
+            with inductor_settings, cache_key:
                 hidden = self._decoder(input_ids, positions, rows_to_finish(input_ids, logit_rows))
         finally:
             self.meta = None

@@ -161,7 +161,7 @@ def test_tiled_rows_match_fp64_and_the_vector_path(rows, tiles_restored):
     torch.testing.assert_close(gated_out, vector_gated, rtol=2.0**-6, atol=1e-3)
 
 
-def test_fp32_calls_of_a_prefills_many_rows_stay_on_the_kernel(monkeypatch):
+def test_fp32_prefill_row_counts_stay_on_the_kernel(monkeypatch):
     """Every row count runs the kernel, fp32 too (no copy of the weight is kept for torch's GEMM): 1,000 rows,
     passes of 11 and 12 rows, give F.linear's sums and the gated product up to fp32 rounding."""
     kernels, kernel_rows = native.library(), []
@@ -225,7 +225,7 @@ def test_a_compiled_graph_calls_the_cpp_bodied_op():
 
     # keyed by the operators' schemas, as the engine's compiled forward is: a graph cached before an operator's
     # schema changed would call it with the arguments it had
-    with torch.compiler.config.patch(cache_key_tag=native.operators_cache_tag()):
+    with native.keyed_by_operators():
         for rows in (1, 5, 40):
             x = torch.randn(rows, 32)
             torch.testing.assert_close(step(x), torch.relu(F.linear(x, weight)) + 1, rtol=2.0**-20, atol=1e-5)

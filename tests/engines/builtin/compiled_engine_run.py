@@ -9,16 +9,21 @@ Request: {"model": DIR, "dtype": ..., "max_tokens": N, "batches": [[prompt, ...]
 "quantization", "max_num_batched_tokens" and "then_model" (another model, compiled in the same process after the first, given
 the same batches). Prints JSON: the greedy tokens of each batch (run in turn), the graphs compiled
 when the engine was ready and after the batches, the classes of the runner's forward and of the head,
-whether the graph's attention is the C++-bodied operator, and "then_outputs", the second model's tokens."""
+whether the graph's attention is the C++-bodied operator, "then_outputs", the second model's tokens, and
+what each call of the compiled graph saw on the step thread: the context's size (its variables) and
+torch.compile's cache key tag, beside kernels.native.operators_cache_tag()."""
 
+import contextvars
 import json
 import sys
 
+import torch
 from torch._dynamo.utils import counters
 
 from engines.builtin.config import EngineConfig
 from engines.builtin.core import EngineCore
 from engines.builtin.types import SamplingParams
+from kernels import native
 
 
 def main() -> None:
@@ -27,11 +32,14 @@ def main() -> None:
     engine = _started(request["model"], request)
     try:
         graphs_at_start = counters["stats"]["unique_graphs"]
+        seen = _probe_graph_calls(engine.runner.forward)
         outputs = [engine.generate_batch(prompts, params) for prompts in request["batches"]]
         result = {"outputs": outputs, "graphs_at_start": graphs_at_start,
                   "graphs_after": counters["stats"]["unique_graphs"],
                   "forward": type(engine.runner.forward).__name__, "head": type(engine.runner.model.lm_head).__name__,
-                  "native_attention": engine.runner.forward.native_attention}
+                  "native_attention": engine.runner.forward.native_attention,
+                  "context_sizes": [size for size, _ in seen], "cache_key_tags": sorted({tag for _, tag in seen}),
+                  "operators_cache_tag": native.operators_cache_tag()}
     finally:
         engine.shutdown()
     if request.get("then_model"):
@@ -41,6 +49,18 @@ def main() -> None:
         finally:
             engine.shutdown()
     print(json.dumps(result))
+
+
+def _probe_graph_calls(forward) -> list[tuple[int, str]]:
+    """(the context's size, the cache key tag) as each call of the forward's compiled graph finds them."""
+    seen, graph = [], forward._decoder
+
+    def probed(*args):
+        seen.append((len(contextvars.copy_context()), torch.compiler.config.cache_key_tag))
+        return graph(*args)
+
+    forward._decoder = probed
+    return seen
 
 
 def _started(model: str, request: dict) -> EngineCore:

@@ -52,6 +52,10 @@ def test_compiled_fp32_gives_the_eager_tokens_and_compiles_only_at_start(make_en
     assert compiled["outputs"] == [eager.generate_batch(prompts, params) for prompts in batches]
     assert compiled["graphs_at_start"] > 0
     assert compiled["graphs_after"] == compiled["graphs_at_start"]  # nothing compiled while serving
+    # each step's graph is keyed by the schemas of Parrot's operators, and entering those settings leaves no new
+    # context variable behind once the step thread has them (a patch made per call left two a step)
+    assert [tag.endswith(compiled["operators_cache_tag"]) for tag in compiled["cache_key_tags"]] == [True]
+    assert len(compiled["context_sizes"]) > 10 and len(set(compiled["context_sizes"][1:])) == 1
 
 
 def test_compiled_int4_gives_the_eager_tokens(make_engine, tiny_model_dir):
@@ -97,15 +101,18 @@ def test_compile_is_refused_where_it_does_not_run():
         EngineConfig(compile=True, quantization="int8")
 
 
-def test_an_operators_new_schema_keys_compiled_graphs_apart():
+def test_the_operators_cache_tag_follows_an_operators_schema():
     """Inductor's on-disk cache keys a graph by its code, not by the schemas of the custom operators it calls: it
     served a graph that called parrot_native::gated_linear with an argument the operator had lost. The compiled
-    forward tags its graphs with the schemas of Parrot's operators, so a changed operator compiles anew."""
-    before = native.operators_cache_tag()
-    probe = torch.library.Library("parrot", "FRAGMENT")
-    probe.define("tag_probe(Tensor x) -> Tensor")
-    try:
-        assert native.operators_cache_tag() != before
-    finally:
-        probe._destroy()
-    assert native.operators_cache_tag() == before
+    forward keys its graphs by this tag (the first test checks that each step's graph saw it), which changes with
+    any of Parrot's operators' schemas, an operator's arguments as well as its name."""
+    tags = [native.operators_cache_tag()]
+    for schema in ("tag_probe(Tensor x) -> Tensor", "tag_probe(Tensor x, Tensor? y) -> Tensor"):
+        probe = torch.library.Library("parrot", "FRAGMENT")
+        probe.define(schema)
+        try:
+            tags.append(native.operators_cache_tag())
+        finally:
+            probe._destroy()
+    assert len(set(tags)) == 3
+    assert native.operators_cache_tag() == tags[0]
