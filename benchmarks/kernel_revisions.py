@@ -6,8 +6,7 @@
 Builds the other checkout's ``kernels/native`` sources with this checkout's flags, loads both libraries and
 times SmolLM2's attention layer calls (a 1,000- and a 256-token causal prefill, 15 new tokens over 922 cached,
 16 forks decoding over a shared 922-token prefix, 16 decodes over 100 tokens) and a decoder layer's linears at
-1, 16, 112 and 1,024 rows (q, k, v, o, the gated MLP's gate and up, down; and the gated one alone; the weights packed once; in fp32 the
-engine gives calls of 32 rows or more to torch's GEMM, so there those two rows time the kernel alone), each round
+1, 16, 112 and 1,024 rows (q, k, v, o, the gated MLP's gate and up, down; and the gated one alone; the weights packed once), each round
 one call of each build, the order swapped every round; each build's prefill is laid out by its own checkout's cpu_attention.
 The run is made twice, in two processes loading the builds in opposite orders (here the library loaded first
 ran 3-5% faster in either role), and each case's ratio is the geometric mean of the two passes' medians of

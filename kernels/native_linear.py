@@ -12,11 +12,15 @@ the decorator's Python wrapper cost ~15 us each (~2 us this way).
 Every row count stays on the kernel, fp32 too, so no copy of the weights is kept for torch's GEMM. fp32 calls of
 32 rows or more had gone to torch's F.linear (MKL), which ran them 1.4-1.85x faster than the kernel's multiply-adds
 then. Once each row's input was broadcast from memory (native/common.h's splat), on this Emerald Rapids host
-(2 cores, 30 layers' weights, alternating in one process; ``python benchmarks/kernels.py --cpu``):
-- the plain kernel ran 1.63x / 1.22x / 1.18x / 1.01x MKL's speed at 32 / 96 / 256 / 1,000 rows;
-- the gated kernel ran 1.09-1.33x MKL's linear, silu and multiply from 64 to 1,000 rows;
+(2 cores, 30 layers' weights, alternating in one process; ``python benchmarks/kernels.py --cpu``, two runs,
+docs/benchmarks/kernels_cpu_fp32_rows.txt):
+- the plain kernel ran 1.53-1.63x MKL's speed at 32 rows, 1.13-1.38x at 64-256, 0.89x and 1.01x at 1,000;
+- the gated kernel ran 1.05-1.22x MKL's linear, silu and multiply from 64 to 1,000 rows;
 - an eager fp32 engine's whole prefill step took 0.98x the time (1,000 tokens) and 0.93x (300 tokens) with every
-  call on the kernel, against MKL from 96 rows on.
+  call on the kernel, against the plain linears on MKL from 96 rows on (the gated one on the kernel in both; a
+  one-off A/B in one process, 10 alternating rounds, of a routing this file no longer has).
+In an earlier run (30 layers' weights, one process, alternating) the plain kernel ran 0.93-1.04x MKL from 96 to
+1,000 rows: level within this host's noise.
 bf16 keeps the kernel at every row count too: its tiles (AMX) were level with or ahead of oneDNN.
 """
 

@@ -5,10 +5,10 @@ pass over every weight with a few rows; oneDNN's bf16 GEMM streams them at ~18 G
 re-lays bf16 weights out on every call unless prepacked, torch's fp32 GEMV at ~12. The kernel reads
 weights packed once at load time at a plain read's rate for 1-8 rows, and bf16 (on AMX tiles where the
 CPU has them) is level with or ahead of prepacked oneDNN up to 1,000-row prefills (``python
-benchmarks/kernels.py --cpu``), fp32 too (kernels/native_linear.py). The packed copy replaces the weight, in
-either dtype. A tied head packs its own copy beside the
-embedding it shares. An MLP's gate-and-up projection writes silu(gate) * up directly
-(the kernel's gated variant), not gate and up for a separate kernel to combine.
+benchmarks/kernels.py --cpu``), and fp32 level with or ahead of torch's MKL GEMM (kernels/native_linear.py).
+The packed copy replaces the weight, in either dtype. A tied head packs its own copy beside the embedding it
+shares. An MLP's gate-and-up projection writes silu(gate) * up directly (the kernel's gated variant), not gate
+and up for a separate kernel to combine.
 """
 
 from __future__ import annotations

@@ -89,7 +89,8 @@ inline Vec load(const float *from) { return *reinterpret_cast<const UnalignedVec
 inline void save(float *to, Vec x) { *reinterpret_cast<UnalignedVec *>(to) = x; }
 // x in every lane. Not `x + Vec{}`: adding +0 is no identity for -0, so the compiler kept a scalar add and
 // broadcast from a register, two more vector-port instructions beside each row's two multiply-adds, which held
-// the fp32 linear at ~105 GFLOP/s on 2 cores; x - 0 is x for every x, so this folds to a broadcast load.
+// the fp32 linear at ~105 GFLOP/s on 2 cores; x - 0 is x for every x when rounding to nearest (the default; the
+// kernels are not built with -frounding-math), so this folds to a broadcast load.
 inline Vec splat(float x) { return x - Vec{}; }
 
 // exp lane by lane for -87 <= x <= 88 (callers clamp to what they need): Cephes' expf polynomial after

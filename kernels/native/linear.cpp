@@ -8,8 +8,8 @@
 // block's two weight vectors, up to 12 rows at once: 24 accumulators in registers, no horizontal sums.
 // Over SmolLM2's 120 decoder linears (`python benchmarks/kernels.py --cpu`, "linear" rows) that streams the
 // weights at a plain read's rate for 1-8 rows. On CPUs with AMX, bf16 rows go through tiles instead (below),
-// level with or ahead of oneDNN's prepacked GEMM at every row count; fp32 calls of many rows are left to
-// torch's GEMM by the caller (kernels/native_linear.py).
+// level with or ahead of oneDNN's prepacked GEMM at every row count; fp32 rows take the vector path at every row
+// count too, level with or ahead of torch's MKL GEMM here (kernels/native_linear.py).
 //
 // bf16 sums pairs in fp32 (vdpbf16ps) and rounds to bf16 to nearest even, as torch does; fp32 uses fused
 // multiply-adds. Built with the attention kernels by kernels/native.py.

@@ -76,7 +76,7 @@ inline Vec exp_nonpositive(Vec x) {
     return exp_in_range(x < -87.0f ? Vec{} - 87.0f : x);  // exp(-87) ~ 1.6e-38; a masked score is -inf, its weight ~0
 }
 
-inline float exp_nonpositive(float x) { return exp_nonpositive(Vec{} + x)[0]; }
+inline float exp_nonpositive(float x) { return exp_nonpositive(splat(x))[0]; }
 
 // The lanes of a vector whose index is below n (all for n >= kLanes, none for n <= 0).
 inline IntVec lanes_below(int64_t n) {

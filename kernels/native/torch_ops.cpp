@@ -13,9 +13,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <ATen/ops/linear.h>
-#include <ATen/ops/mul.h>
-#include <ATen/ops/silu.h>
 #include <torch/library.h>
 
 #include <cstdint>
@@ -29,7 +26,7 @@
 
 namespace {
 
-constexpr int64_t kBlock = 32;     // linear.cpp's kBlockCols (kernels/native.py's LINEAR_BLOCK)
+constexpr int64_t kBlock = 32;  // linear.cpp's kBlockCols (kernels/native.py's LINEAR_BLOCK)
 
 // Inputs a packed step takes (kernels/native.py's LINEAR_PACK); 0 for a dtype the kernel has none for.
 int64_t pack_of(at::ScalarType dtype) {
