@@ -255,6 +255,18 @@ SMOLLM2_LINEARS = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # a layer'
 SMOLLM2_GATE_UP = SMOLLM2_LINEARS[2]
 
 
+def onednn_prepacked(weights: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """bf16 weights prepacked for oneDNN's linear, what torch's bf16 path runs best without the kernel; None for
+    fp32, whose baseline is F.linear (MKL)."""
+    if weights[0].dtype != torch.bfloat16:
+        return None
+    return [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
+
+
+def onednn_linear(x: torch.Tensor, prepacked: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, prepacked, None, "none", [], "")
+
+
 def bench_cpu_linears() -> None:
     """SmolLM2's 120 decoder linears (30 layers) at decode (1-64 rows) and prefill (96-1,000 rows): the
     C++ kernel against what torch runs without it (bf16: oneDNN on prepacked weights; fp32: F.linear),
@@ -264,7 +276,7 @@ def bench_cpu_linears() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         weights = [torch.randn(shape, dtype=dtype) for _ in range(30) for shape in SMOLLM2_LINEARS]
         native_packed = [native.pack_linear(w) for w in weights]
-        onednn_packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights] if dtype == torch.bfloat16 else None
+        onednn_packed = onednn_prepacked(weights)
         gigabytes = sum(w.numel() * w.element_size() for w in weights) / 1e9
         for rows in (1, 4, 8, 16, 32, 64, 96, 128, 256, 1000):
             inputs = {size: torch.randn(rows, size, dtype=dtype) for size in (576, 1536)}
@@ -274,8 +286,7 @@ def bench_cpu_linears() -> None:
 
             def baseline():
                 if onednn_packed:
-                    return [torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "")
-                            for w, p in zip(weights, onednn_packed)]
+                    return [onednn_linear(inputs[w.shape[1]], p) for w, p in zip(weights, onednn_packed)]
                 return [F.linear(inputs[w.shape[1]], w) for w in weights]
 
             ours, theirs = alternating_cpu_ms(kernel, baseline, rounds=9 if rows <= 64 else 3)
@@ -295,7 +306,7 @@ def bench_cpu_gated_linears() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         weights = [torch.randn(SMOLLM2_GATE_UP, dtype=dtype) for _ in range(30)]
         packed = [native.pack_gated_linear(w) for w in weights]
-        onednn_packed = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights] if dtype == torch.bfloat16 else None
+        onednn_packed = onednn_prepacked(weights)
         for rows in (1, 16, 64, 96, 256, 1000):
             x = torch.randn(rows, SMOLLM2_GATE_UP[1], dtype=dtype)
 
@@ -304,7 +315,7 @@ def bench_cpu_gated_linears() -> None:
 
             def baseline():
                 # layer by layer, as an engine runs them: each layer's silu and multiply right after its linear
-                both = ((torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in onednn_packed)
+                both = ((onednn_linear(x, p) for p in onednn_packed)
                         if onednn_packed else (F.linear(x, w) for w in weights))
                 return [F.silu(gate) * up for gate, up in (b.chunk(2, dim=-1) for b in both)]
 

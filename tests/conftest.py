@@ -183,6 +183,16 @@ def smollm_gateway(serve_session) -> Iterator[dict[str, str]]:
 # ---------------------------------------------------------------- models
 
 
+@pytest.fixture
+def kernels():
+    """The native C++ kernels (kernels/native.py), which must build here: a C++ compiler is part of the set-up."""
+    from kernels import native  # here, not at the top: tests/kernels must not import kernels before triton_mode
+
+    built = native.library()
+    assert built is not None, "the C++ kernels must build on this machine (a C++ compiler is part of the set-up)"
+    return built
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> str:
     from engines.builtin.config import default_model_path

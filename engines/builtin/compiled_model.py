@@ -121,8 +121,8 @@ class CompiledForward:
         # leave in the step thread's context for good (two a step, without bound). Freezing (weights as
         # constants, linears prepacked) is an inductor setting, and those are per thread: set on the thread
         # that may compile (torch.compile's options do not reach it).
-        self._compile_settings = (inductor_config.patch(freezing=True, emulate_precision_casts=True),
-                                  native.keyed_by_operators())
+        self._inductor_settings = inductor_config.patch(freezing=True, emulate_precision_casts=True)
+        self._keyed_by_operators = native.keyed_by_operators()
         self._decoder = torch.compile(_Decoder(model, number, native_attention), dynamic=True, fullgraph=True,
                                       options={"guard_filter_fn": _skip_guards_inside_the_model})
 
@@ -132,8 +132,7 @@ class CompiledForward:
         if self.native_attention:
             torch.ops.parrot_native.set_step(self._number, meta.kv_write.slots, *meta.native.tables)
         try:
-            inductor_settings, cache_key = self._compile_settings
-            with inductor_settings, cache_key:
+            with self._inductor_settings, self._keyed_by_operators:
                 hidden = self._decoder(input_ids, positions, rows_to_finish(input_ids, logit_rows))
         finally:
             self.meta = None

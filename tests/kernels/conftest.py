@@ -76,16 +76,6 @@ def tol(dtype) -> dict:
 
 
 @pytest.fixture
-def kernels():
-    """The native C++ kernels, which must build here (a C++ compiler is part of the set-up)."""
-    from kernels import native  # here, not at the top: this file must not import kernels before triton_mode
-
-    built = native.library()
-    assert built is not None, "the C++ kernels must build on this machine (a C++ compiler is part of the set-up)"
-    return built
-
-
-@pytest.fixture
 def two_threads():
     """torch's (and the kernels') threads at 2 for the test, as they were after it."""
     before = torch.get_num_threads()

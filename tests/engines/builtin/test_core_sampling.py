@@ -11,7 +11,6 @@ import torch
 
 from engines.builtin.sampler import Sampler, filter_top_k_top_p_min_p
 from engines.builtin.types import SamplingParams
-from kernels import native
 
 PROMPT = list(range(1000, 1023))
 
@@ -105,13 +104,6 @@ def test_top_p_zero_keeps_only_the_most_likely_token():
     kept = filter_top_k_top_p_min_p(probs, [SamplingParams(top_p=0.0)]) > 0
 
     assert kept.tolist() == [[False, True, False, False]]
-
-
-@pytest.fixture
-def kernels() -> native.NativeKernels:
-    built = native.library()
-    assert built is not None, "the C++ kernels must build on this machine (a C++ compiler is part of the set-up)"
-    return built
 
 
 def test_a_greedy_batch_takes_the_row_argmax_and_torchs_where_it_declines(kernels):
