@@ -260,11 +260,19 @@ def onednn_prepacked(weights: list[torch.Tensor]) -> list[torch.Tensor] | None:
     fp32, whose baseline is F.linear (MKL)."""
     if weights[0].dtype != torch.bfloat16:
         return None
-    return [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
+    try:
+        return [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights]
+    except RuntimeError:  # oneDNN prepacks bf16 only on CPUs with AVX-512 (or AVX-NE-CONVERT): F.linear then
+        return None
 
 
 def onednn_linear(x: torch.Tensor, prepacked: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, prepacked, None, "none", [], "")
+
+
+def kernel_linear_dtypes(cpp) -> list[torch.dtype]:
+    """The dtypes the linear kernel takes on this CPU (bf16 needs AVX-512 BF16)."""
+    return [d for d in (torch.float32, torch.bfloat16) if cpp.supports_linear(torch.empty(32, 32, dtype=d))]
 
 
 def bench_cpu_linears() -> None:
@@ -273,7 +281,7 @@ def bench_cpu_linears() -> None:
     alternating per round, with the weights' read rate and the multiply-adds' rate."""
     cpp = native.library()
     print(f"CPU linears, SmolLM2's 30 layers ({torch.get_num_threads()} threads), median ms, weight GB/s, GFLOP/s")
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in kernel_linear_dtypes(cpp):
         weights = [torch.randn(shape, dtype=dtype) for _ in range(30) for shape in SMOLLM2_LINEARS]
         native_packed = [native.pack_linear(w) for w in weights]
         onednn_packed = onednn_prepacked(weights)
@@ -303,7 +311,7 @@ def bench_cpu_gated_linears() -> None:
     every row count on these figures (kernels/native_linear.py)."""
     cpp = native.library()
     print(f"CPU gated linears, SmolLM2's 30 layers ({torch.get_num_threads()} threads), median ms")
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in kernel_linear_dtypes(cpp):
         weights = [torch.randn(SMOLLM2_GATE_UP, dtype=dtype) for _ in range(30)]
         packed = [native.pack_gated_linear(w) for w in weights]
         onednn_packed = onednn_prepacked(weights)
@@ -349,10 +357,16 @@ def alternating_cpu_ms(first, second, rounds: int) -> tuple[float, float]:
     return statistics.median(times[0]) * 1e3, statistics.median(times[1]) * 1e3
 
 
+CPU_PARTS = {"attention": bench_cpu, "linears": bench_cpu_linears, "gated": bench_cpu_gated_linears,
+             "argmax": bench_cpu_argmax}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--peak-tbps", type=float, help="HBM peak in TB/s (default: from the device name)")
     parser.add_argument("--cpu", action="store_true", help="benchmark the CPU dispatch paths")
+    parser.add_argument("--only", nargs="+", choices=sorted(CPU_PARTS), default=list(CPU_PARTS),
+                        help="with --cpu: which comparisons to run (default: all)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (1 gives steadier figures on a shared machine)")
     args = parser.parse_args()
     if args.threads:
@@ -360,10 +374,8 @@ def main() -> None:
     if args.cpu or not torch.cuda.is_available():
         if not torch.cuda.is_available():
             print("the Triton kernel benchmarks need CUDA; running the CPU dispatch comparison instead\n")
-        bench_cpu()
-        bench_cpu_linears()
-        bench_cpu_gated_linears()
-        bench_cpu_argmax()
+        for part in args.only:
+            CPU_PARTS[part]()
         return
     peak = peak_tbps(args.peak_tbps)
     print(f"{torch.cuda.get_device_name()}, HBM peak {peak} TB/s\n")

@@ -1,11 +1,12 @@
 // A linear layer at any row count: out = x @ weight.T (+ bias), x [M, K] and out [M, N] contiguous, the
 // [N, K] weight packed by kernels/native.py's pack_linear() as [N/32][K/P][32][P]: for each block of 32
 // output features, P inputs at a time (P = 2 bf16, a pair the CPU's bf16 dot product takes, or 1 fp32), so a
-// block is one sequential stream and each step of it is two vectors of weights.
+// block is one sequential stream and each step of it is two AVX-512 vectors of weights (four AVX2).
 //
 // Why: a decode step of a small model is one pass over every weight with a few rows, too few for a GEMM
 // library's blocking to pay off. Each input value (pair) is broadcast to a vector and multiplies the
-// block's two weight vectors, up to 12 rows at once: 24 accumulators in registers, no horizontal sums.
+// block's weight vectors, up to 12 rows at once on AVX-512 (24 accumulators in registers; 2 rows on AVX2), no
+// horizontal sums.
 // Over SmolLM2's 120 decoder linears (`python benchmarks/kernels.py --cpu`, "linear" rows) that streams the
 // weights at a plain read's rate for 1-8 rows. On CPUs with AMX, bf16 rows go through tiles instead (below),
 // level with or ahead of oneDNN's prepacked GEMM at every row count; fp32 rows take the vector path at every row
@@ -26,6 +27,7 @@
 #include <cstring>
 #include <memory>
 #include <type_traits>
+#include <utility>
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -38,8 +40,10 @@
 
 namespace {
 
-constexpr int64_t kBlockCols = 32;  // output features per block: two vectors of 16 fp32 sums
-constexpr int kMaxRows = 12;        // rows per pass: 24 accumulators, the weights, the broadcast input
+constexpr int64_t kBlockCols = 32;  // output features per block: a row's sums are two AVX-512 vectors, four AVX2
+// Sums a pass keeps in registers (common.h's kVecRegisters), beside a step of the block's weights and a broadcast
+// input: 12 rows on AVX-512 (24 of 32), 2 on AVX2 (8 of 16; with 3 rows one sum went to the stack).
+constexpr int kSumVecs = std::min<int>(24, kVecRegisters - kBlockCols / kLanes - 1);
 
 // Which of a unit's passes over its weights this is (a unit is read once per pass of rows).
 struct Pass {
@@ -71,17 +75,22 @@ private:
     int64_t step_bytes_, target_, every_, countdown_ = 0;
 };
 
-// One dtype's arithmetic: Weights is two vectors of a block's step, Input one row's broadcast step.
+// One dtype's arithmetic: Weights is the vectors of a block's step, Input one row's broadcast step.
 template <typename T>
 struct Ops;
 
 template <>
 struct Ops<float> {
     static constexpr int64_t kPack = 1;
+    static constexpr int kVecs = kBlockCols / kLanes;  // a row's sums of a block
     typedef Vec Sum;
-    struct Weights { Vec low, high; };
+    struct Weights { Vec vecs[kVecs]; };
     static Sum zero() { return Vec{}; }
-    static Weights weights(const float *block_step) { return {load(block_step), load(block_step + kLanes)}; }
+    static Weights weights(const float *block_step) {
+        Weights w;
+        for (int v = 0; v < kVecs; v++) w.vecs[v] = load(block_step + v * kLanes);
+        return w;
+    }
     static Vec input(const float *x) { return splat(*x); }
     static void multiply_add(Sum &sum, Vec input, Vec weight) { sum += input * weight; }
     static void store(float *to, Sum sum, const float *bias) {
@@ -98,11 +107,12 @@ struct Ops<float> {
 template <>
 struct Ops<uint16_t> {
     static constexpr int64_t kPack = 2;
+    static constexpr int kVecs = 2;
     typedef __m512 Sum;
-    struct Weights { __m512bh low, high; };
+    struct Weights { __m512bh vecs[kVecs]; };
     static Sum zero() { return _mm512_setzero_ps(); }
     static Weights weights(const uint16_t *block_step) {
-        return {(__m512bh)_mm512_loadu_si512(block_step), (__m512bh)_mm512_loadu_si512(block_step + 2 * kLanes)};
+        return {{(__m512bh)_mm512_loadu_si512(block_step), (__m512bh)_mm512_loadu_si512(block_step + 2 * kLanes)}};
     }
     static __m512bh input(const uint16_t *x) {  // the pair x[k], x[k+1] in every lane
         int32_t pair;
@@ -127,14 +137,18 @@ struct Ops<uint16_t> {
 };
 #endif
 
+constexpr int kMaxRows = kSumVecs / Ops<float>::kVecs;  // rows per pass (bf16's sums take as many registers)
+static_assert(kMaxRows >= 1, "a row's sums fit the registers");
+
 // Where a block's sums go: the layer's output (its bias added, rounded to the dtype), straight from registers.
 template <typename T>
 struct Output {
     T *out;  // the block's first row and feature
     int64_t out_features;
     const T *bias;  // the block's, or null
-    void operator()(int r, int half, typename Ops<T>::Sum sum) const {
-        Ops<T>::store(out + r * out_features + half * kLanes, sum, bias ? bias + half * kLanes : nullptr);
+    void operator()(int r, int v, typename Ops<T>::Sum sum) const {
+        constexpr int64_t lanes = kBlockCols / Ops<T>::kVecs;
+        Ops<T>::store(out + r * out_features + v * lanes, sum, bias ? bias + v * lanes : nullptr);
     }
 };
 
@@ -142,8 +156,8 @@ struct Output {
 template <typename T>
 struct Sums {
     float *sums;
-    void operator()(int r, int half, typename Ops<T>::Sum sum) const {
-        Ops<T>::save_sum(sums + r * kBlockCols + half * kLanes, sum);
+    void operator()(int r, int v, typename Ops<T>::Sum sum) const {
+        Ops<T>::save_sum(sums + r * kBlockCols + v * (kBlockCols / Ops<T>::kVecs), sum);
     }
 };
 
@@ -154,9 +168,10 @@ void block_rows(const T *block, const T *x, int64_t in_features, Pass pass, Sink
     using O = Ops<T>;
     constexpr int64_t step = O::kPack * kBlockCols;  // a block's weights per input step
     NextBlockPrefetch prefetch(block + kBlockCols * in_features, step * sizeof(T), pass);
-    typename O::Sum sums[unroll][rows][2];
+    typename O::Sum sums[unroll][rows][O::kVecs];
     for (int u = 0; u < unroll; u++)
-        for (int r = 0; r < rows; r++) sums[u][r][0] = sums[u][r][1] = O::zero();
+        for (int r = 0; r < rows; r++)
+            for (int v = 0; v < O::kVecs; v++) sums[u][r][v] = O::zero();
     const int64_t steps = in_features / O::kPack;
     int64_t s = 0;
     for (; s + unroll <= steps; s += unroll)
@@ -165,46 +180,42 @@ void block_rows(const T *block, const T *x, int64_t in_features, Pass pass, Sink
             const auto w = O::weights(block + (s + u) * step);
             for (int r = 0; r < rows; r++) {
                 const auto input = O::input(x + r * in_features + (s + u) * O::kPack);
-                O::multiply_add(sums[u][r][0], input, w.low);
-                O::multiply_add(sums[u][r][1], input, w.high);
+                for (int v = 0; v < O::kVecs; v++) O::multiply_add(sums[u][r][v], input, w.vecs[v]);
             }
         }
     for (; s < steps; s++) {
         const auto w = O::weights(block + s * step);
         for (int r = 0; r < rows; r++) {
             const auto input = O::input(x + r * in_features + s * O::kPack);
-            O::multiply_add(sums[0][r][0], input, w.low);
-            O::multiply_add(sums[0][r][1], input, w.high);
+            for (int v = 0; v < O::kVecs; v++) O::multiply_add(sums[0][r][v], input, w.vecs[v]);
         }
     }
     for (int r = 0; r < rows; r++)
-        for (int half = 0; half < 2; half++) {
-            auto sum = sums[0][r][half];
-            for (int u = 1; u < unroll; u++) sum = sum + sums[u][r][half];
-            sink(r, half, sum);
+        for (int v = 0; v < O::kVecs; v++) {
+            auto sum = sums[0][r][v];
+            for (int u = 1; u < unroll; u++) sum = sum + sums[u][r][v];
+            sink(r, v, sum);
         }
 }
 
 template <typename T, typename Sink>
 using BlockRows = void (*)(const T *, const T *, int64_t, Pass, Sink);
 
-// At most 24 accumulators: unrolled steps for few rows, one set from 7 rows up.
+// Few rows take alternate steps in up to 4 sets of sums, as many as the registers hold.
+template <int rows>
+constexpr int kUnroll = std::clamp(kSumVecs / (Ops<float>::kVecs * rows), 1, 4);
+
+template <typename T, typename Sink, int... rows>
+BlockRows<T, Sink> block_rows_among(int64_t count, std::integer_sequence<int, rows...>) {
+    BlockRows<T, Sink> chosen = nullptr;
+    ((chosen = count == rows + 1 ? block_rows<T, rows + 1, kUnroll<rows + 1>, Sink> : chosen), ...);
+    return chosen ? chosen : block_rows<T, kMaxRows, 1, Sink>;
+}
+
+// The pass for `rows` rows (at most kMaxRows).
 template <typename T, typename Sink>
 BlockRows<T, Sink> block_rows_for(int64_t rows) {
-    switch (rows) {
-        case 1: return block_rows<T, 1, 4, Sink>;
-        case 2: return block_rows<T, 2, 4, Sink>;
-        case 3: return block_rows<T, 3, 4, Sink>;
-        case 4: return block_rows<T, 4, 3, Sink>;
-        case 5: return block_rows<T, 5, 2, Sink>;
-        case 6: return block_rows<T, 6, 2, Sink>;
-        case 7: return block_rows<T, 7, 1, Sink>;
-        case 8: return block_rows<T, 8, 1, Sink>;
-        case 9: return block_rows<T, 9, 1, Sink>;
-        case 10: return block_rows<T, 10, 1, Sink>;
-        case 11: return block_rows<T, 11, 1, Sink>;
-        default: return block_rows<T, 12, 1, Sink>;
-    }
+    return block_rows_among<T, Sink>(rows, std::make_integer_sequence<int, kMaxRows>{});
 }
 
 // bf16 rows in tiles on AMX (common.h): the packed weight is already a tile's layout (a block's 16 pairs of
@@ -404,7 +415,7 @@ int linear(const T *x, const T *weight, const T *bias, T *out, int64_t rows, int
         alignas(64) float sums[kTileRows * kBlockCols];
         tile_sums(weights, x + row * in_features, end - row, in_features, pass, sums);
         for (int r = 0; r < end - row; r++)
-            for (int half = 0; half < 2; half++) sink(r, half, Ops<T>::loaded(sums + r * kBlockCols + half * kLanes));
+            for (int v = 0; v < Ops<T>::kVecs; v++) sink(r, v, Ops<T>::loaded(sums + r * kBlockCols + v * kLanes));
     });
     return 0;
 }

@@ -30,7 +30,7 @@
 #include <cstring>
 #include <algorithm>
 #include <type_traits>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include <vector>
@@ -41,7 +41,7 @@
 namespace {
 
 constexpr int64_t kMaxHeadDim = 256;
-constexpr int64_t kChunk = 32;  // tokens a block of scores covers (two vectors)
+constexpr int64_t kChunk = 32;  // tokens a block of scores covers (two AVX-512 vectors, four AVX2)
 // Tokens whose scores are all made before any is exponentiated: the online softmax's max, rescale and sum
 // then move once a segment instead of once a chunk (they were a fifth of a long prefill's attention).
 constexpr int64_t kSegment = 256;
@@ -80,7 +80,8 @@ inline float exp_nonpositive(float x) { return exp_nonpositive(splat(x))[0]; }
 
 // The lanes of a vector whose index is below n (all for n >= kLanes, none for n <= 0).
 inline IntVec lanes_below(int64_t n) {
-    const IntVec lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    IntVec lane;
+    for (int32_t i = 0; i < kLanes; i++) lane[i] = i;
     return lane < static_cast<int32_t>(std::clamp<int64_t>(n, 0, kLanes));
 }
 
@@ -169,9 +170,18 @@ struct Scratch {
 // Scores of ROWS query rows against a chunk's keys (keys_t: the chunk's column of [DIM][kStride]; scores:
 // rows of kStride), the accumulators kept in registers. Fewer than four rows split the head dimension over
 // two sets of accumulators: independent FMAs overlap, where one chain would wait on each FMA's latency.
+// Score sums kept in registers, half of them (common.h's kVecRegisters), beside a chunk's keys and a broadcast
+// query value: 8 rows' on AVX-512, 2 rows' on AVX2, where more rows are scored a group at a time.
+constexpr int64_t kScoreSumVecs = kVecRegisters / 2;
+
 template <int64_t ROWS, int64_t DIM>
 inline void score_rows(const float *__restrict queries, const float *__restrict keys_t, float *__restrict scores) {
-    constexpr int64_t kSets = ROWS >= 4 ? 1 : 2;
+    constexpr int64_t kGroup = kScoreSumVecs / kChunkVecs;
+    if constexpr (ROWS > kGroup) {
+        score_rows<kGroup, DIM>(queries, keys_t, scores);
+        return score_rows<ROWS - kGroup, DIM>(queries + kGroup * DIM, keys_t, scores + kGroup * kStride);
+    }
+    constexpr int64_t kSets = ROWS < 4 && 2 * ROWS * kChunkVecs <= kScoreSumVecs ? 2 : 1;
     Vec sums[kSets][ROWS][kChunkVecs] = {};
     for (int64_t d = 0; d < DIM; d += kSets) {
         for (int64_t set = 0; set < kSets; set++) {
@@ -211,24 +221,37 @@ inline void dot_rows(const float *__restrict queries, const float *__restrict ke
     }
 }
 
+// Value sums kept in registers, half of them, beside a token's values: 4 rows x 64 dimensions on AVX-512, half
+// of that on AVX2, where the head's dimensions go a slice at a time.
+constexpr int64_t kValueSumVecs = kVecRegisters / 2;
+
+// The largest divisor of n that is at most `bound` (1 if none is).
+constexpr int64_t largest_divisor_at_most(int64_t n, int64_t bound) {
+    for (int64_t d = std::min(n, bound); d > 1; d--)
+        if (n % d == 0) return d;
+    return 1;
+}
+
 // acc[r] = acc[r] * rescale[r] + sum over the segment's n tokens of weight[r][t] * value[t], for ROWS rows.
 template <int64_t ROWS, int64_t DIM>
 inline void accumulate_rows(float *__restrict acc, const float *__restrict rescale, const float *__restrict weights,
                             const float *__restrict values, int64_t n) {
-    constexpr int64_t kVecs = DIM / kLanes;
-    Vec sums[ROWS][kVecs];
-    for (int64_t r = 0; r < ROWS; r++)
-        for (int64_t v = 0; v < kVecs; v++) sums[r][v] = load(acc + r * DIM + v * kLanes) * rescale[r];
-    for (int64_t t = 0; t < n; t++) {
-        Vec value[kVecs];
-        for (int64_t v = 0; v < kVecs; v++) value[v] = load(values + t * DIM + v * kLanes);
-        for (int64_t r = 0; r < ROWS; r++) {
-            const float w = weights[r * kStride + t];
-            for (int64_t v = 0; v < kVecs; v++) sums[r][v] += w * value[v];
+    constexpr int64_t kSliceVecs = largest_divisor_at_most(DIM / kLanes, kValueSumVecs / ROWS);
+    for (int64_t slice = 0; slice < DIM; slice += kSliceVecs * kLanes) {
+        Vec sums[ROWS][kSliceVecs];
+        for (int64_t r = 0; r < ROWS; r++)
+            for (int64_t v = 0; v < kSliceVecs; v++) sums[r][v] = load(acc + r * DIM + slice + v * kLanes) * rescale[r];
+        for (int64_t t = 0; t < n; t++) {
+            Vec value[kSliceVecs];
+            for (int64_t v = 0; v < kSliceVecs; v++) value[v] = load(values + t * DIM + slice + v * kLanes);
+            for (int64_t r = 0; r < ROWS; r++) {
+                const float w = weights[r * kStride + t];
+                for (int64_t v = 0; v < kSliceVecs; v++) sums[r][v] += w * value[v];
+            }
         }
+        for (int64_t r = 0; r < ROWS; r++)
+            for (int64_t v = 0; v < kSliceVecs; v++) save(acc + r * DIM + slice + v * kLanes, sums[r][v]);
     }
-    for (int64_t r = 0; r < ROWS; r++)
-        for (int64_t v = 0; v < kVecs; v++) save(acc + r * DIM + v * kLanes, sums[r][v]);
 }
 
 #if defined(__AVX512F__)
@@ -274,6 +297,43 @@ inline void keys_to_columns(const T *const *keys, int64_t n, int64_t padded, flo
             for (int r = 0; r < 16; r++) rows[r] = token0 + r < n ? key_lanes(keys[token0 + r], d0) : _mm512_setzero_si512();
             transpose16(rows);
             for (int c = 0; c < 16; c++) _mm512_storeu_si512(keys_t + (d0 + c) * kStride + token0, rows[c]);
+        }
+}
+#elif defined(__AVX2__)
+// The same on AVX2, 8 tokens x 8 dimensions at a time: 8 vectors of 8 floats transposed in registers.
+inline void transpose8(__m256 rows[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(rows[i], rows[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(rows[i], rows[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int j = 0; j < 4; j++) {
+        rows[j] = _mm256_permute2f128_ps(u[j], u[j + 4], 0x20);
+        rows[j + 4] = _mm256_permute2f128_ps(u[j], u[j + 4], 0x31);
+    }
+}
+
+inline __m256 key_lanes(const float *row, int64_t d) { return _mm256_loadu_ps(row + d); }
+inline __m256 key_lanes(const BFloat16 *row, int64_t d) {
+    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i *>(row + d));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+template <int64_t DIM, typename T>
+inline void keys_to_columns(const T *const *keys, int64_t n, int64_t padded, float *keys_t) {
+    static_assert(DIM % 8 == 0, "whole 8-lane columns");
+    for (int64_t token0 = 0; token0 < padded; token0 += 8)
+        for (int64_t d0 = 0; d0 < DIM; d0 += 8) {
+            __m256 rows[8];
+            for (int r = 0; r < 8; r++) rows[r] = token0 + r < n ? key_lanes(keys[token0 + r], d0) : _mm256_setzero_ps();
+            transpose8(rows);
+            for (int c = 0; c < 8; c++) _mm256_storeu_ps(keys_t + (d0 + c) * kStride + token0, rows[c]);
         }
 }
 #else
