@@ -5,8 +5,8 @@
 //
 // Why: a decode step of a small model is one pass over every weight with a few rows, too few for a GEMM
 // library's blocking to pay off. Each input value (pair) is broadcast to a vector and multiplies the
-// block's weight vectors, up to 12 rows at once on AVX-512 (24 accumulators in registers; 2 rows on AVX2), no
-// horizontal sums.
+// block's weight vectors, up to 12 rows at once on AVX-512 (24 accumulators in registers; 6 rows over half a
+// block on AVX2), no horizontal sums.
 // Over SmolLM2's 120 decoder linears (`python benchmarks/kernels.py --cpu`, "linear" rows) that streams the
 // weights at a plain read's rate for 1-8 rows. On CPUs with AMX, bf16 rows go through tiles instead (below),
 // level with or ahead of oneDNN's prepacked GEMM at every row count; fp32 rows take the vector path at every row
@@ -22,6 +22,7 @@
 // 6 MB of gate and up a layer, and the separate silu-and-multiply kernel was ~3% of its time.
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -41,9 +42,21 @@
 namespace {
 
 constexpr int64_t kBlockCols = 32;  // output features per block: a row's sums are two AVX-512 vectors, four AVX2
-// Sums a pass keeps in registers (common.h's kVecRegisters), beside a step of the block's weights and a broadcast
-// input: 12 rows on AVX-512 (24 of 32), 2 on AVX2 (8 of 16; with 3 rows one sum went to the stack).
-constexpr int kSumVecs = std::min<int>(24, kVecRegisters - kBlockCols / kLanes - 1);
+constexpr int kBlockVecs = kBlockCols / kLanes;  // a row's sums of a whole block
+// Beyond a few rows a pass takes a block's features in parts of two vectors: the whole block on AVX-512, halves
+// on AVX2, where whole blocks left room for the sums of only 2 rows (3 spilled one to the stack); over halves
+// 6 rows a pass read each weight a third as often: SmolLM2's fp32 linears 0.83x the time at 16 rows, 0.71-0.73x
+// at 112-1,024 (benchmarks.kernel_revisions on an AMD EPYC). Up to 2 rows a pass takes whole blocks: it streams
+// the weights, and reading a block's halves in two passes took 1.19x the time at 1 row.
+constexpr int kPartVecs = 2;
+constexpr int kFewRows = 2;
+template <int rows>
+constexpr int kRowVecs = rows <= kFewRows ? kBlockVecs : kPartVecs;
+
+// Sums a pass keeps in registers (common.h's kVecRegisters) beside a step of its weights and a broadcast input:
+// 24 on AVX-512 (12 rows), 12 on AVX2 over halves (6 rows).
+template <int vecs>
+constexpr int kSumBudget = std::min<int>(24, kVecRegisters - vecs - 2);
 
 // Which of a unit's passes over its weights this is (a unit is read once per pass of rows).
 struct Pass {
@@ -82,13 +95,14 @@ struct Ops;
 template <>
 struct Ops<float> {
     static constexpr int64_t kPack = 1;
-    static constexpr int kVecs = kBlockCols / kLanes;  // a row's sums of a block
+    template <int rows>
+    static constexpr int kVecs = kRowVecs<rows>;  // a row's sums of a part of a block
     typedef Vec Sum;
-    struct Weights { Vec vecs[kVecs]; };
     static Sum zero() { return Vec{}; }
-    static Weights weights(const float *block_step) {
-        Weights w;
-        for (int v = 0; v < kVecs; v++) w.vecs[v] = load(block_step + v * kLanes);
+    template <int vecs>
+    static std::array<Vec, vecs> weights(const float *step) {
+        std::array<Vec, vecs> w;
+        for (int v = 0; v < vecs; v++) w[v] = load(step + v * kLanes);
         return w;
     }
     static Vec input(const float *x) { return splat(*x); }
@@ -107,12 +121,14 @@ struct Ops<float> {
 template <>
 struct Ops<uint16_t> {
     static constexpr int64_t kPack = 2;
-    static constexpr int kVecs = 2;
+    template <int rows>
+    static constexpr int kVecs = kBlockVecs;  // the whole block
     typedef __m512 Sum;
-    struct Weights { __m512bh vecs[kVecs]; };
     static Sum zero() { return _mm512_setzero_ps(); }
-    static Weights weights(const uint16_t *block_step) {
-        return {{(__m512bh)_mm512_loadu_si512(block_step), (__m512bh)_mm512_loadu_si512(block_step + 2 * kLanes)}};
+    template <int vecs>
+    static std::array<__m512bh, vecs> weights(const uint16_t *step) {
+        static_assert(vecs == 2, "a block's step is two vectors of pairs");
+        return {(__m512bh)_mm512_loadu_si512(step), (__m512bh)_mm512_loadu_si512(step + 2 * kLanes)};
     }
     static __m512bh input(const uint16_t *x) {  // the pair x[k], x[k+1] in every lane
         int32_t pair;
@@ -137,7 +153,7 @@ struct Ops<uint16_t> {
 };
 #endif
 
-constexpr int kMaxRows = kSumVecs / Ops<float>::kVecs;  // rows per pass (bf16's sums take as many registers)
+constexpr int kMaxRows = kSumBudget<kPartVecs> / kPartVecs;  // rows per pass
 static_assert(kMaxRows >= 1, "a row's sums fit the registers");
 
 // Where a block's sums go: the layer's output (its bias added, rounded to the dtype), straight from registers.
@@ -146,9 +162,8 @@ struct Output {
     T *out;  // the block's first row and feature
     int64_t out_features;
     const T *bias;  // the block's, or null
-    void operator()(int r, int v, typename Ops<T>::Sum sum) const {
-        constexpr int64_t lanes = kBlockCols / Ops<T>::kVecs;
-        Ops<T>::store(out + r * out_features + v * lanes, sum, bias ? bias + v * lanes : nullptr);
+    void operator()(int r, int v, typename Ops<T>::Sum sum) const {  // sum v of row r: features from v * kLanes
+        Ops<T>::store(out + r * out_features + v * kLanes, sum, bias ? bias + v * kLanes : nullptr);
     }
 };
 
@@ -157,45 +172,51 @@ template <typename T>
 struct Sums {
     float *sums;
     void operator()(int r, int v, typename Ops<T>::Sum sum) const {
-        Ops<T>::save_sum(sums + r * kBlockCols + v * (kBlockCols / Ops<T>::kVecs), sum);
+        Ops<T>::save_sum(sums + r * kBlockCols + v * kLanes, sum);
     }
 };
 
-// Rows x one block, its sums to `sink`: `unroll` sets of accumulators take alternate steps, so that few rows
-// still have enough independent sums in flight to hide the multiply-add latency.
+// Rows x one block, its sums to `sink`, a part of the block's features at a time: `unroll` sets of accumulators
+// take alternate steps, so that few rows still have enough independent sums in flight to hide the multiply-add
+// latency.
 template <typename T, int rows, int unroll, typename Sink>
 void block_rows(const T *block, const T *x, int64_t in_features, Pass pass, Sink sink) {
     using O = Ops<T>;
     constexpr int64_t step = O::kPack * kBlockCols;  // a block's weights per input step
-    NextBlockPrefetch prefetch(block + kBlockCols * in_features, step * sizeof(T), pass);
-    typename O::Sum sums[unroll][rows][O::kVecs];
-    for (int u = 0; u < unroll; u++)
-        for (int r = 0; r < rows; r++)
-            for (int v = 0; v < O::kVecs; v++) sums[u][r][v] = O::zero();
+    constexpr int vecs = O::template kVecs<rows>, parts = kBlockVecs / vecs;
     const int64_t steps = in_features / O::kPack;
-    int64_t s = 0;
-    for (; s + unroll <= steps; s += unroll)
-        for (int u = 0; u < unroll; u++) {
-            prefetch.step();
-            const auto w = O::weights(block + (s + u) * step);
+    for (int part = 0; part < parts; part++) {
+        const T *weights = block + part * vecs * kLanes;  // the part's place in each step
+        NextBlockPrefetch prefetch(block + kBlockCols * in_features, step * sizeof(T),
+                                   Pass{pass.index * parts + part, pass.count * parts});
+        typename O::Sum sums[unroll][rows][vecs];
+        for (int u = 0; u < unroll; u++)
+            for (int r = 0; r < rows; r++)
+                for (int v = 0; v < vecs; v++) sums[u][r][v] = O::zero();
+        int64_t s = 0;
+        for (; s + unroll <= steps; s += unroll)
+            for (int u = 0; u < unroll; u++) {
+                prefetch.step();
+                const auto w = O::template weights<vecs>(weights + (s + u) * step);
+                for (int r = 0; r < rows; r++) {
+                    const auto input = O::input(x + r * in_features + (s + u) * O::kPack);
+                    for (int v = 0; v < vecs; v++) O::multiply_add(sums[u][r][v], input, w[v]);
+                }
+            }
+        for (; s < steps; s++) {
+            const auto w = O::template weights<vecs>(weights + s * step);
             for (int r = 0; r < rows; r++) {
-                const auto input = O::input(x + r * in_features + (s + u) * O::kPack);
-                for (int v = 0; v < O::kVecs; v++) O::multiply_add(sums[u][r][v], input, w.vecs[v]);
+                const auto input = O::input(x + r * in_features + s * O::kPack);
+                for (int v = 0; v < vecs; v++) O::multiply_add(sums[0][r][v], input, w[v]);
             }
         }
-    for (; s < steps; s++) {
-        const auto w = O::weights(block + s * step);
-        for (int r = 0; r < rows; r++) {
-            const auto input = O::input(x + r * in_features + s * O::kPack);
-            for (int v = 0; v < O::kVecs; v++) O::multiply_add(sums[0][r][v], input, w.vecs[v]);
-        }
+        for (int r = 0; r < rows; r++)
+            for (int v = 0; v < vecs; v++) {
+                auto sum = sums[0][r][v];
+                for (int u = 1; u < unroll; u++) sum = sum + sums[u][r][v];
+                sink(r, part * vecs + v, sum);
+            }
     }
-    for (int r = 0; r < rows; r++)
-        for (int v = 0; v < O::kVecs; v++) {
-            auto sum = sums[0][r][v];
-            for (int u = 1; u < unroll; u++) sum = sum + sums[u][r][v];
-            sink(r, v, sum);
-        }
 }
 
 template <typename T, typename Sink>
@@ -203,7 +224,7 @@ using BlockRows = void (*)(const T *, const T *, int64_t, Pass, Sink);
 
 // Few rows take alternate steps in up to 4 sets of sums, as many as the registers hold.
 template <int rows>
-constexpr int kUnroll = std::clamp(kSumVecs / (Ops<float>::kVecs * rows), 1, 4);
+constexpr int kUnroll = std::clamp(kSumBudget<kRowVecs<rows>> / (kRowVecs<rows> * rows), 1, 4);
 
 template <typename T, typename Sink, int... rows>
 BlockRows<T, Sink> block_rows_among(int64_t count, std::integer_sequence<int, rows...>) {
@@ -415,7 +436,7 @@ int linear(const T *x, const T *weight, const T *bias, T *out, int64_t rows, int
         alignas(64) float sums[kTileRows * kBlockCols];
         tile_sums(weights, x + row * in_features, end - row, in_features, pass, sums);
         for (int r = 0; r < end - row; r++)
-            for (int v = 0; v < Ops<T>::kVecs; v++) sink(r, v, Ops<T>::loaded(sums + r * kBlockCols + v * kLanes));
+            for (int v = 0; v < kBlockCols / kLanes; v++) sink(r, v, Ops<T>::loaded(sums + r * kBlockCols + v * kLanes));
     });
     return 0;
 }
