@@ -25,7 +25,6 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
-#include <climits>
 #include <cstring>
 #include <memory>
 #include <type_traits>
@@ -73,8 +72,13 @@ struct Pass {
 // reaching 17-27 GB/s where a plain read does ~22 here. The last block's requests past the weight are harmless:
 // a prefetch never faults. On AVX2 builds (measured on an AMD EPYC, Zen 3) a block read in one pass streams
 // best with the hardware's prefetchers alone: 30 layers' 1-row fp32 linears 0.85x the time without these
-// requests, where 4 and 16 rows (two passes over halves) took 1.2x and 1.36x.
-constexpr bool kPrefetchSinglePass = kVecRegisters >= 32;
+// requests, while without them 4 and 16 rows (a block's halves in separate passes) took 1.2x and 1.36x. AVX-512
+// builds keep them in single passes too, as measured on Intel's parts.
+#if defined(__AVX512F__)
+constexpr bool kPrefetchSinglePass = true;
+#else
+constexpr bool kPrefetchSinglePass = false;
+#endif
 
 class NextBlockPrefetch {
 public:
@@ -190,6 +194,7 @@ void block_rows(const T *block, const T *x, int64_t in_features, Pass pass, Sink
     using O = Ops<T>;
     constexpr int64_t step = O::kPack * kBlockCols;  // a block's weights per input step
     constexpr int vecs = O::template kVecs<rows>, parts = kBlockVecs / vecs;
+    static_assert(parts == 1 || O::kPack == 1, "parts of a block's step are whole vectors of single values");
     const int64_t steps = in_features / O::kPack;
     for (int part = 0; part < parts; part++) {
         const T *weights = block + part * vecs * kLanes;  // the part's place in each step
@@ -353,7 +358,7 @@ private:
 // How a call's rows go in passes over each unit: chunks of rows, each chunk's passes over a unit one work item.
 // Tiled: chunks of kChunkRows (their input stays in cache while a band of units passes over them) in passes of
 // 32 rows, then one chunk of the rest, in tiles configured to its count; else one chunk of all rows in passes of
-// equal size up to kMaxRows (16 rows: two of 8), each over a unit while it is in cache.
+// equal size up to kMaxRows (on AVX-512, 16 rows: two of 8), each over a unit while it is in cache.
 struct RowPlan {
     int64_t rows, whole_pass_rows, chunks;
     bool tiled;
@@ -442,7 +447,7 @@ int linear(const T *x, const T *weight, const T *bias, T *out, int64_t rows, int
         alignas(64) float sums[kTileRows * kBlockCols];
         tile_sums(weights, x + row * in_features, end - row, in_features, pass, sums);
         for (int r = 0; r < end - row; r++)
-            for (int v = 0; v < kBlockCols / kLanes; v++) sink(r, v, Ops<T>::loaded(sums + r * kBlockCols + v * kLanes));
+            for (int v = 0; v < kBlockVecs; v++) sink(r, v, Ops<T>::loaded(sums + r * kBlockCols + v * kLanes));
     });
     return 0;
 }

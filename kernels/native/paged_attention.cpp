@@ -167,20 +167,31 @@ struct Scratch {
           weight_pairs((rows + kTilePadRows) * kStride / 2) {}
 };
 
-// Scores of ROWS query rows against a chunk's keys (keys_t: the chunk's column of [DIM][kStride]; scores:
-// rows of kStride), the accumulators kept in registers. Fewer than four rows split the head dimension over
-// two sets of accumulators: independent FMAs overlap, where one chain would wait on each FMA's latency.
 // Score sums kept in registers, half of them (common.h's kVecRegisters), beside a chunk's keys and a broadcast
 // query value: 8 rows' on AVX-512, 2 rows' on AVX2, where more rows are scored a group at a time.
 constexpr int64_t kScoreSumVecs = kVecRegisters / 2;
 
 template <int64_t ROWS, int64_t DIM>
+inline void score_group(const float *__restrict queries, const float *__restrict keys_t, float *__restrict scores);
+
+// Scores of ROWS query rows against a chunk's keys (keys_t: the chunk's column of [DIM][kStride]; scores:
+// rows of kStride), the accumulators kept in registers, a group of rows at a time.
+template <int64_t ROWS, int64_t DIM>
 inline void score_rows(const float *__restrict queries, const float *__restrict keys_t, float *__restrict scores) {
     constexpr int64_t kGroup = kScoreSumVecs / kChunkVecs;
     if constexpr (ROWS > kGroup) {
         score_rows<kGroup, DIM>(queries, keys_t, scores);
-        return score_rows<ROWS - kGroup, DIM>(queries + kGroup * DIM, keys_t, scores + kGroup * kStride);
+        score_rows<ROWS - kGroup, DIM>(queries + kGroup * DIM, keys_t, scores + kGroup * kStride);
+    } else {
+        score_group<ROWS, DIM>(queries, keys_t, scores);
     }
+}
+
+// score_rows for rows whose sums fit the registers together. Rows whose two sets of sums fit too (fewer than 4
+// on AVX-512, 1 on AVX2) split the head dimension over two sets: independent FMAs overlap, where one chain
+// would wait on each FMA's latency.
+template <int64_t ROWS, int64_t DIM>
+inline void score_group(const float *__restrict queries, const float *__restrict keys_t, float *__restrict scores) {
     constexpr int64_t kSets = ROWS < 4 && 2 * ROWS * kChunkVecs <= kScoreSumVecs ? 2 : 1;
     Vec sums[kSets][ROWS][kChunkVecs] = {};
     for (int64_t d = 0; d < DIM; d += kSets) {
@@ -221,8 +232,8 @@ inline void dot_rows(const float *__restrict queries, const float *__restrict ke
     }
 }
 
-// Value sums kept in registers, half of them, beside a token's values: 4 rows x 64 dimensions on AVX-512, half
-// of that on AVX2, where the head's dimensions go a slice at a time.
+// Value sums kept in registers where a row's whole head does not fit, half of them, beside a token's values: 4
+// rows x 64 dimensions on AVX-512, 4 rows x 16 on AVX2, where the head's dimensions go a slice at a time.
 constexpr int64_t kValueSumVecs = kVecRegisters / 2;
 
 // The largest divisor of n that is at most `bound` (1 if none is).
@@ -236,7 +247,9 @@ constexpr int64_t largest_divisor_at_most(int64_t n, int64_t bound) {
 template <int64_t ROWS, int64_t DIM>
 inline void accumulate_rows(float *__restrict acc, const float *__restrict rescale, const float *__restrict weights,
                             const float *__restrict values, int64_t n) {
-    constexpr int64_t kSliceVecs = largest_divisor_at_most(DIM / kLanes, kValueSumVecs / ROWS);
+    constexpr int64_t kVecs = DIM / kLanes;  // whole rows where their sums and a token's values fit the registers
+    constexpr int64_t kSliceVecs = (ROWS + 1) * kVecs <= kVecRegisters - 2
+                                       ? kVecs : largest_divisor_at_most(kVecs, kValueSumVecs / ROWS);
     for (int64_t slice = 0; slice < DIM; slice += kSliceVecs * kLanes) {
         Vec sums[ROWS][kSliceVecs];
         for (int64_t r = 0; r < ROWS; r++)
