@@ -269,7 +269,7 @@ inline void accumulate_rows(float *__restrict acc, const float *__restrict resca
 
 #if defined(__AVX512F__)
 // 16 vectors of 16 32-bit lanes transposed in registers: rows[c] lane r <- rows[r] lane c.
-inline void transpose16(__m512i rows[16]) {
+inline void transpose_lanes(__m512i rows[16]) {
     __m512i t[16];
     for (int i = 0; i < 16; i += 2) {
         t[i] = _mm512_unpacklo_epi32(rows[i], rows[i + 1]);
@@ -298,23 +298,11 @@ inline __m512i key_lanes(const BFloat16 *row, int64_t d) {  // bf16 -> fp32: the
     return _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(row + d))), 16);
 }
 
-// A segment's keys as fp32 columns, [DIM][kStride] (token t's dimension d at d * kStride + t; zeros past n tokens
-// to `padded`, a whole number of chunks), transposed 16 tokens x 16 dimensions at a time in registers. Copied
-// one element at a time they had been a fifth of an fp32 prefill's attention (perf).
-template <int64_t DIM, typename T>
-inline void keys_to_columns(const T *const *keys, int64_t n, int64_t padded, float *keys_t) {
-    static_assert(DIM % 16 == 0, "whole 16-lane columns");
-    for (int64_t token0 = 0; token0 < padded; token0 += 16)
-        for (int64_t d0 = 0; d0 < DIM; d0 += 16) {
-            __m512i rows[16];
-            for (int r = 0; r < 16; r++) rows[r] = token0 + r < n ? key_lanes(keys[token0 + r], d0) : _mm512_setzero_si512();
-            transpose16(rows);
-            for (int c = 0; c < 16; c++) _mm512_storeu_si512(keys_t + (d0 + c) * kStride + token0, rows[c]);
-        }
-}
+typedef __m512i KeyLanes;
+inline void store_lanes(float *to, __m512i x) { _mm512_storeu_si512(to, x); }
 #elif defined(__AVX2__)
-// The same on AVX2, 8 tokens x 8 dimensions at a time: 8 vectors of 8 floats transposed in registers.
-inline void transpose8(__m256 rows[8]) {
+// The same on AVX2: 8 vectors of 8 floats transposed in registers.
+inline void transpose_lanes(__m256 rows[8]) {
     __m256 t[8], u[8];
     for (int i = 0; i < 8; i += 2) {
         t[i] = _mm256_unpacklo_ps(rows[i], rows[i + 1]);
@@ -338,15 +326,23 @@ inline __m256 key_lanes(const BFloat16 *row, int64_t d) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
 
+typedef __m256 KeyLanes;
+inline void store_lanes(float *to, __m256 x) { _mm256_storeu_ps(to, x); }
+#endif
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+// A segment's keys as fp32 columns, [DIM][kStride] (token t's dimension d at d * kStride + t; zeros past n tokens
+// to `padded`, a whole number of chunks), transposed kLanes tokens x kLanes dimensions at a time in registers.
+// Copied one element at a time they had been a fifth of an fp32 prefill's attention (perf).
 template <int64_t DIM, typename T>
 inline void keys_to_columns(const T *const *keys, int64_t n, int64_t padded, float *keys_t) {
-    static_assert(DIM % 8 == 0, "whole 8-lane columns");
-    for (int64_t token0 = 0; token0 < padded; token0 += 8)
-        for (int64_t d0 = 0; d0 < DIM; d0 += 8) {
-            __m256 rows[8];
-            for (int r = 0; r < 8; r++) rows[r] = token0 + r < n ? key_lanes(keys[token0 + r], d0) : _mm256_setzero_ps();
-            transpose8(rows);
-            for (int c = 0; c < 8; c++) _mm256_storeu_ps(keys_t + (d0 + c) * kStride + token0, rows[c]);
+    static_assert(DIM % kLanes == 0, "whole columns of lanes");
+    for (int64_t token0 = 0; token0 < padded; token0 += kLanes)
+        for (int64_t d0 = 0; d0 < DIM; d0 += kLanes) {
+            KeyLanes rows[kLanes];
+            for (int r = 0; r < kLanes; r++) rows[r] = token0 + r < n ? key_lanes(keys[token0 + r], d0) : KeyLanes{};
+            transpose_lanes(rows);
+            for (int c = 0; c < kLanes; c++) store_lanes(keys_t + (d0 + c) * kStride + token0, rows[c]);
         }
 }
 #else
@@ -470,7 +466,7 @@ inline void keys_to_pairs(const uint16_t *const *keys, int64_t n, uint32_t *key_
             for (int r = 0; r < 16; r++)
                 rows[r] = token0 + r < n ? _mm512_maskz_loadu_epi32(mask, reinterpret_cast<const int32_t *>(keys[token0 + r]) + pair0)
                                          : _mm512_setzero_si512();
-            transpose16(rows);
+            transpose_lanes(rows);
             for (int64_t c = 0; c < cols; c++)
                 _mm512_storeu_si512(key_pairs + (pair0 + c) * kStride + token0, rows[c]);
         }
