@@ -263,6 +263,41 @@ constexpr int64_t kTileInputs = 32;  // inputs a tile multiply-add takes: 16 pai
 // 0.99x, and 1,024 (the input alone ~L2's size) 1.11x (benchmarks.kernel_revisions, 100 rounds a load order).
 constexpr int64_t kChunkRows = 256;
 
+// A pass's rows of output: the first row's line of the block's outputs, and the rows' distance in bytes.
+struct OutputLines {
+    const char *first = nullptr;
+    int64_t stride = 0;
+
+    template <typename T>
+    static OutputLines of(const T *out, int64_t row_elements) {
+        return {reinterpret_cast<const char *>(out), row_elements * static_cast<int64_t>(sizeof(T))};
+    }
+};
+
+// The pass's output lines asked into L1 while its tiles compute, a few a step, spread over all its steps: a
+// prefill's output (2 MB for a 1,024-row bf16 QKV) may have left the caches since the allocator last handed it out,
+// and then each row's line written after the products missed, the stores queueing behind their lines' reads. In a
+// stand-alone loop of 1,024-row calls on one core (SmolLM2's shapes, a fresh-from-DRAM output, alternating in one
+// process) the outputs took the tiles' products from 1,185 to 898 GFLOP/s at QKV's 960 x 576 and from 1,095 to 707
+// at 3,072 x 576; asked for this way, 987 and 891. In the kernel A/B, whose outputs come from torch's allocator as
+// the engine's do (benchmarks.kernel_revisions, bf16, 40-60 rounds a load order, five runs), a layer's 1,024-row
+// linears took 0.94-0.97x the time while the unchanged attention measured 1.01-1.05x (112 rows 0.98-0.99x;
+// docs/benchmarks/kernel_revisions_output_prefetch_bf16.json); the gated linear, whose silu epilogue follows two
+// blocks' products, measured 1.02-1.04x with the requests and has none.
+class OutputPrefetch {
+public:
+    OutputPrefetch(OutputLines out, int64_t rows, int64_t steps) : out_(out), rows_(out.first ? rows : 0), steps_(steps) {}
+
+    void step() {  // once per step of the pass
+        const int64_t want = ++step_ * rows_ / steps_;
+        for (; asked_ < want; asked_++) __builtin_prefetch(out_.first + asked_ * out_.stride, 1, 3);
+    }
+
+private:
+    OutputLines out_;
+    int64_t rows_, steps_, step_ = 0, asked_ = 0;
+};
+
 #if defined(PARROT_AMX)
 // The calling thread's tiles for passes of `rows` (1-32) rows: 0-1 the sums of the first 16 rows (or fewer),
 // 2-3 of the rest, 4-5 those rows of input, 6-7 a block's two halves of 16 features.
@@ -273,9 +308,11 @@ void configure_row_tiles(int64_t rows) {
 
 // sums [rows][32 features] (kBlockCols apart) of x's `rows` rows (row stride in_features) against one packed
 // block, the tiles configured for `rows`.
-void tile_block(const uint16_t *block, const uint16_t *x, int64_t rows, int64_t in_features, Pass pass, float *sums) {
+void tile_block(const uint16_t *block, const uint16_t *x, int64_t rows, int64_t in_features, Pass pass, float *sums,
+                OutputLines out) {
     const int64_t row_bytes = in_features * 2, step_bytes = 2 * kBlockCols * 2, sum_bytes = kBlockCols * 4;
     NextBlockPrefetch prefetch(block + kBlockCols * in_features, kTileInputs * kBlockCols * 2, pass);
+    OutputPrefetch out_prefetch(out, rows, in_features / kTileInputs);
     _tile_zero(0);
     _tile_zero(1);
     if (rows > 16) {
@@ -285,6 +322,7 @@ void tile_block(const uint16_t *block, const uint16_t *x, int64_t rows, int64_t 
     for (int64_t k = 0; k < in_features; k += kTileInputs) {
         const uint16_t *weights = block + k * kBlockCols;  // pair step k / 2: 2 * kBlockCols values a step
         prefetch.step();
+        out_prefetch.step();
         _tile_loadd(4, x + k, row_bytes);
         _tile_loadd(6, weights, step_bytes);
         _tile_loadd(7, weights + kLanes * 2, step_bytes);
@@ -305,7 +343,7 @@ void tile_block(const uint16_t *block, const uint16_t *x, int64_t rows, int64_t 
 }
 #else
 void configure_row_tiles(int64_t) {}
-void tile_block(const uint16_t *, const uint16_t *, int64_t, int64_t, Pass, float *) {}
+void tile_block(const uint16_t *, const uint16_t *, int64_t, int64_t, Pass, float *, OutputLines) {}
 #endif
 
 // Whether rows of this dtype and width go through tiles here.
@@ -316,8 +354,8 @@ bool tiles_take(int64_t in_features) {
 
 // A tile pass's sums [rows][kBlockCols] of one block, where tiles_take<T>() (never called otherwise).
 template <typename T>
-void tile_sums(const T *block, const T *x, int64_t rows, int64_t in_features, Pass pass, float *sums) {
-    if constexpr (std::is_same<T, uint16_t>::value) tile_block(block, x, rows, in_features, pass, sums);
+void tile_sums(const T *block, const T *x, int64_t rows, int64_t in_features, Pass pass, float *sums, OutputLines out = {}) {
+    if constexpr (std::is_same<T, uint16_t>::value) tile_block(block, x, rows, in_features, pass, sums, out);
 }
 
 // One thread's band of a call's work items, claimed one at a time: by its thread from the front, in order (within
@@ -445,7 +483,7 @@ int linear(const T *x, const T *weight, const T *bias, T *out, int64_t rows, int
         if (!tiled)
             return block_rows_for<T, Output<T>>(end - row)(weights, x + row * in_features, in_features, pass, sink);
         alignas(64) float sums[kTileRows * kBlockCols];
-        tile_sums(weights, x + row * in_features, end - row, in_features, pass, sums);
+        tile_sums(weights, x + row * in_features, end - row, in_features, pass, sums, OutputLines::of(sink.out, out_features));
         for (int r = 0; r < end - row; r++)
             for (int v = 0; v < kBlockVecs; v++) sink(r, v, Ops<T>::loaded(sums + r * kBlockCols + v * kLanes));
     });
