@@ -262,6 +262,13 @@ constexpr int64_t kTileInputs = 32;  // inputs a tile multiply-add takes: 16 pai
 // 1,024-row bf16 linears 0.97-0.98x the time at 256 rows against 128, the gated one alone 0.96x; 512 rows
 // 0.99x, and 1,024 (the input alone ~L2's size) 1.11x (benchmarks.kernel_revisions, 100 rounds a load order).
 constexpr int64_t kChunkRows = 256;
+// The vector path's chunks (fp32 at any row count, bf16 without tiles): rows whose input is about this many bytes,
+// so that it stays in L2 while a thread's blocks pass over it; in one chunk of all its rows a 1,000-token fp32
+// prefill's input (2.3 MB at 576 features) went back to L3 for every block. Kernel A/B, fp32, 30 rounds a load
+// order (benchmarks.kernel_revisions, docs/benchmarks/kernel_revisions_vector_chunks_fp32.json): a layer's
+// 1,024-row linears 0.96x the time at 512 KB (227 rows at 576 features, 85 at 1,536), 0.98x at 256 KB and
+// 1 MB; fixed 96, 192 and 384-row chunks 0.96x, 0.96x, 0.98x. A call whose input fits is one chunk, as before.
+constexpr int64_t kVectorChunkBytes = 512 << 10;
 
 // A pass's rows of output: the first row's line of the block's outputs, and the rows' distance in bytes.
 struct OutputLines {
@@ -405,15 +412,17 @@ private:
 
 // How a call's rows go in passes over each unit: chunks of rows, each chunk's passes over a unit one work item.
 // Tiled: chunks of kChunkRows (their input stays in cache while a band of units passes over them) in passes of
-// 32 rows, then one chunk of the rest, in tiles configured to its count; else one chunk of all rows in passes of
-// equal size up to kMaxRows (on AVX-512, 16 rows: two of 8), each over a unit while it is in cache.
+// 32 rows, then one chunk of the rest, in tiles configured to its count; else chunks of kVectorChunkBytes of input
+// in passes of equal size up to kMaxRows (on AVX-512, 16 rows: two of 8), each over a unit while it is in cache.
 struct RowPlan {
-    int64_t rows, whole_pass_rows, chunks;
+    int64_t rows, whole_pass_rows, vector_chunk_rows, chunks;
     bool tiled;
 
-    RowPlan(int64_t rows, bool tiled)
+    RowPlan(int64_t rows, bool tiled, int64_t row_bytes)
         : rows(rows), whole_pass_rows(tiled ? rows / kTileRows * kTileRows : 0),
-          chunks(tiled ? (whole_pass_rows + kChunkRows - 1) / kChunkRows + (rows > whole_pass_rows) : rows > 0),
+          vector_chunk_rows(std::max<int64_t>(kMaxRows, kVectorChunkBytes / row_bytes)),
+          chunks(tiled ? (whole_pass_rows + kChunkRows - 1) / kChunkRows + (rows > whole_pass_rows)
+                       : (rows + vector_chunk_rows - 1) / vector_chunk_rows),
           tiled(tiled) {}
 
     // f(unit, row, end, pass) for each pass of `chunk` over `unit`; `configured`: the rows the calling thread's
@@ -421,8 +430,10 @@ struct RowPlan {
     template <typename F>
     void run(int64_t chunk, int64_t unit, int64_t &configured, F &f) const {
         if (!tiled) {
-            const int64_t passes = (rows + kMaxRows - 1) / kMaxRows;
-            for (int64_t p = 0; p < passes; p++) f(unit, rows * p / passes, rows * (p + 1) / passes, Pass{p, passes});
+            const int64_t first = chunk * vector_chunk_rows, count = std::min(rows - first, vector_chunk_rows);
+            const int64_t passes = (count + kMaxRows - 1) / kMaxRows;
+            for (int64_t p = 0; p < passes; p++)
+                f(unit, first + count * p / passes, first + count * (p + 1) / passes, Pass{p, passes});
             return;
         }
         const int64_t first = chunk * kChunkRows, whole = whole_pass_rows;
@@ -442,9 +453,9 @@ struct RowPlan {
 // band is done takes the last items of the following threads' bands in turn (Band). A band whose thread the
 // team lacks (OpenMP may give fewer threads than asked) is taken from the front, in its owner's order.
 template <typename F>
-void for_each_unit(int64_t units, int64_t rows, int num_threads, bool tiled, F f) {
+void for_each_unit(int64_t units, int64_t rows, int64_t row_bytes, int num_threads, bool tiled, F f) {
     constexpr int kStackBands = 16;  // a decode step makes ~120 calls: no allocation for the usual thread counts
-    const RowPlan plan(rows, tiled);
+    const RowPlan plan(rows, tiled, row_bytes);
     if (!plan.chunks || !units) return;
     const int bands_count = std::max(num_threads, 1);
     const auto first_unit = [&](int band) { return units * band / bands_count; };
@@ -486,7 +497,7 @@ int linear(const T *x, const T *weight, const T *bias, T *out, int64_t rows, int
            int64_t in_features, int num_threads) {
     if (!sizes_fit<T>(rows, out_features, in_features)) return -1;
     const bool tiled = tiles_take<T>(in_features);
-    for_each_unit(out_features / kBlockCols, rows, num_threads, tiled, [&](int64_t block, int64_t row, int64_t end, Pass pass) {
+    for_each_unit(out_features / kBlockCols, rows, in_features * sizeof(T), num_threads, tiled, [&](int64_t block, int64_t row, int64_t end, Pass pass) {
         const int64_t feature = block * kBlockCols;
         const T *weights = weight + feature * in_features;
         const Output<T> sink{out + row * out_features + feature, out_features, bias ? bias + feature : nullptr};
@@ -515,7 +526,7 @@ int gated_linear(const T *x, const T *weight, T *out, int64_t rows, int64_t out_
     using O = Ops<T>;
     if (!sizes_fit<T>(rows, out_features, in_features)) return -1;
     const bool tiled = tiles_take<T>(in_features);
-    for_each_unit(out_features / kBlockCols, rows, num_threads, tiled, [&](int64_t block, int64_t row, int64_t end, Pass pass) {
+    for_each_unit(out_features / kBlockCols, rows, in_features * sizeof(T), num_threads, tiled, [&](int64_t block, int64_t row, int64_t end, Pass pass) {
         const T *gate = weight + 2 * block * kBlockCols * in_features, *up = gate + kBlockCols * in_features;
         alignas(64) float gates[kTileRows * kBlockCols], ups[kTileRows * kBlockCols];
         const int64_t count = end - row;
