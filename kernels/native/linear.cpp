@@ -262,12 +262,13 @@ constexpr int64_t kTileInputs = 32;  // inputs a tile multiply-add takes: 16 pai
 // 1,024-row bf16 linears 0.97-0.98x the time at 256 rows against 128, the gated one alone 0.96x; 512 rows
 // 0.99x, and 1,024 (the input alone ~L2's size) 1.11x (benchmarks.kernel_revisions, 100 rounds a load order).
 constexpr int64_t kChunkRows = 256;
-// The vector path's chunks (fp32 at any row count, bf16 without tiles): rows whose input is about this many bytes,
-// so that it stays in L2 while a thread's blocks pass over it; in one chunk of all its rows a 1,000-token fp32
-// prefill's input (2.3 MB at 576 features) went back to L3 for every block. Kernel A/B, fp32, 30 rounds a load
-// order (benchmarks.kernel_revisions, docs/benchmarks/kernel_revisions_vector_chunks_fp32.json): a layer's
-// 1,024-row linears 0.96x the time at 512 KB (227 rows at 576 features, 85 at 1,536), 0.98x at 256 KB and
-// 1 MB; fixed 96, 192 and 384-row chunks 0.96x, 0.96x, 0.98x. A call whose input fits is one chunk, as before.
+// The vector path's chunks: at most this many bytes of input rows, equal in size, so that a chunk stays in L2
+// while a thread's blocks pass over it; in one chunk of all its rows a 1,000-token fp32 prefill's input (2.3 MB
+// at 576 features) went back to L3 for every block. Kernel A/B, fp32, 30 rounds a load order
+// (benchmarks.kernel_revisions, docs/benchmarks/kernel_revisions_vector_chunks_fp32.json): a layer's 1,024-row
+// linears 0.96x the time at 512 KB (up to 227 rows at 576 features, 85 at 1,536), 0.98x at 256 KB and 1 MB;
+// fixed 96, 192 and 384-row chunks 0.96x, 0.96x, 0.98x. A call whose input fits is one chunk, as before. (Measured
+// in fp32; bf16 without tiles takes the same bytes, twice the rows.)
 constexpr int64_t kVectorChunkBytes = 512 << 10;
 
 // A pass's rows of output: the first row's line of the block's outputs, and the rows' distance in bytes.
@@ -293,7 +294,8 @@ struct OutputLines {
 // blocks' products, measured 1.02-1.04x with the requests and has none.
 class OutputPrefetch {
 public:
-    OutputPrefetch(OutputLines out, int64_t rows, int64_t steps) : out_(out), rows_(out.first ? rows : 0), steps_(steps) {}
+    OutputPrefetch(OutputLines out, int64_t rows, int64_t steps)
+        : out_(out), rows_(out.first ? rows : 0), steps_(steps) {}
 
     void step() {  // once per step of the pass
         const int64_t want = ++step_ * rows_ / steps_;
@@ -363,29 +365,31 @@ bool tiles_take(int64_t in_features) {
     return std::is_same<T, uint16_t>::value && in_features % kTileInputs == 0 && tiles_usable();
 }
 
-// A tile pass's sums [rows][kBlockCols] of one block, where tiles_take<T>() (never called otherwise).
-// `between`: as tile_block's.
+// No work between a tile pass's steps.
 struct NothingBetween {
     void operator()(int64_t, int64_t) const {}
 };
 
+// A tile pass's sums [rows][kBlockCols] of one block, where tiles_take<T>() (never called otherwise); `out` and
+// `between` as tile_block's.
 template <typename T, typename Between = NothingBetween>
-void tile_sums(const T *block, const T *x, int64_t rows, int64_t in_features, Pass pass, float *sums, OutputLines out = {},
-               Between &&between = {}) {
+void tile_sums(const T *block, const T *x, int64_t rows, int64_t in_features, Pass pass, float *sums,
+               OutputLines out = {}, Between &&between = {}) {
     if constexpr (std::is_same<T, uint16_t>::value) tile_block(block, x, rows, in_features, pass, sums, out, between);
 }
 
 // One thread's band of a call's work items, claimed one at a time: by its thread from the front, in order (within
 // a chunk, the next block a pass prefetches is the one it takes next), and once another thread's own band is
-// empty, by that thread from the back (the band's last chunk, which its owner would reach last). Bands split evenly and kept (static) left one thread waiting for the other whenever
+// empty, by that thread from the back (the band's last chunk, which its owner would reach last). Bands split
+// evenly and kept (static) left one thread waiting for the other whenever
 // their vCPUs ran at different speeds, which on this host (a Firecracker guest) is often: its two vCPUs ran a
 // layer's 1,024-row bf16 linears alone at 336 and 747 GFLOP/s in the same minute, and a perf trace of compiled
 // prefill steps found a thread waiting at the end of a parallel region ~30% of its time, mostly while the other
 // was not running at all (preempted by the host). Kernel A/B (benchmarks.kernel_revisions): a layer's linears
 // at 1,024 rows 0.79x and 0.88x the time in two runs (0.64x in a minute when one vCPU was slow), 112 rows
 // 0.84x and 1.00x, 1-16 rows level (0.97-1.02x). Front and back share one atomic word (32 bits each: a call
-// has at most a few million items, rows / 32 x outputs / 32), so a claim is one successful compare-exchange and
-// never hands out an item twice.
+// has at most a few million items, its chunks of rows x outputs / 32), so a claim is one successful
+// compare-exchange and never hands out an item twice.
 class alignas(64) Band {
 public:
     void reset(int64_t first, int64_t last) { range_.store(pack(first, last), std::memory_order_relaxed); }
@@ -415,22 +419,27 @@ private:
 // 32 rows, then one chunk of the rest, in tiles configured to its count; else chunks of kVectorChunkBytes of input
 // in passes of equal size up to kMaxRows (on AVX-512, 16 rows: two of 8), each over a unit while it is in cache.
 struct RowPlan {
-    int64_t rows, whole_pass_rows, vector_chunk_rows, chunks;
+    int64_t rows, whole_pass_rows, chunks;
     bool tiled;
 
     RowPlan(int64_t rows, bool tiled, int64_t row_bytes)
         : rows(rows), whole_pass_rows(tiled ? rows / kTileRows * kTileRows : 0),
-          vector_chunk_rows(std::max<int64_t>(kMaxRows, kVectorChunkBytes / row_bytes)),
           chunks(tiled ? (whole_pass_rows + kChunkRows - 1) / kChunkRows + (rows > whole_pass_rows)
-                       : (rows + vector_chunk_rows - 1) / vector_chunk_rows),
+                       : vector_chunks(rows, row_bytes)),
           tiled(tiled) {}
+
+    // Chunks of at most kVectorChunkBytes of input, each at least a pass of kMaxRows rows (one for no input).
+    static int64_t vector_chunks(int64_t rows, int64_t row_bytes) {
+        const int64_t by_bytes = (rows * row_bytes + kVectorChunkBytes - 1) / kVectorChunkBytes;
+        return std::max<int64_t>(rows > 0, std::min(by_bytes, (rows + kMaxRows - 1) / kMaxRows));
+    }
 
     // f(unit, row, end, pass) for each pass of `chunk` over `unit`; `configured`: the rows the calling thread's
     // tiles are set up for (0: none yet).
     template <typename F>
     void run(int64_t chunk, int64_t unit, int64_t &configured, F &f) const {
         if (!tiled) {
-            const int64_t first = chunk * vector_chunk_rows, count = std::min(rows - first, vector_chunk_rows);
+            const int64_t first = rows * chunk / chunks, count = rows * (chunk + 1) / chunks - first;  // even chunks
             const int64_t passes = (count + kMaxRows - 1) / kMaxRows;
             for (int64_t p = 0; p < passes; p++)
                 f(unit, first + count * p / passes, first + count * (p + 1) / passes, Pass{p, passes});
@@ -497,14 +506,17 @@ int linear(const T *x, const T *weight, const T *bias, T *out, int64_t rows, int
            int64_t in_features, int num_threads) {
     if (!sizes_fit<T>(rows, out_features, in_features)) return -1;
     const bool tiled = tiles_take<T>(in_features);
-    for_each_unit(out_features / kBlockCols, rows, in_features * sizeof(T), num_threads, tiled, [&](int64_t block, int64_t row, int64_t end, Pass pass) {
+    const int64_t row_bytes = in_features * sizeof(T);
+    for_each_unit(out_features / kBlockCols, rows, row_bytes, num_threads, tiled,
+                  [&](int64_t block, int64_t row, int64_t end, Pass pass) {
         const int64_t feature = block * kBlockCols;
         const T *weights = weight + feature * in_features;
         const Output<T> sink{out + row * out_features + feature, out_features, bias ? bias + feature : nullptr};
         if (!tiled)
             return block_rows_for<T, Output<T>>(end - row)(weights, x + row * in_features, in_features, pass, sink);
         alignas(64) float sums[kTileRows * kBlockCols];
-        tile_sums(weights, x + row * in_features, end - row, in_features, pass, sums, OutputLines::of(sink.out, out_features));
+        const OutputLines out_lines = OutputLines::of(sink.out, out_features);
+        tile_sums(weights, x + row * in_features, end - row, in_features, pass, sums, out_lines);
         for (int r = 0; r < end - row; r++)
             for (int v = 0; v < kBlockVecs; v++) sink(r, v, Ops<T>::loaded(sums + r * kBlockCols + v * kLanes));
     });
@@ -526,7 +538,9 @@ int gated_linear(const T *x, const T *weight, T *out, int64_t rows, int64_t out_
     using O = Ops<T>;
     if (!sizes_fit<T>(rows, out_features, in_features)) return -1;
     const bool tiled = tiles_take<T>(in_features);
-    for_each_unit(out_features / kBlockCols, rows, in_features * sizeof(T), num_threads, tiled, [&](int64_t block, int64_t row, int64_t end, Pass pass) {
+    const int64_t row_bytes = in_features * sizeof(T);
+    for_each_unit(out_features / kBlockCols, rows, row_bytes, num_threads, tiled,
+                  [&](int64_t block, int64_t row, int64_t end, Pass pass) {
         const T *gate = weight + 2 * block * kBlockCols * in_features, *up = gate + kBlockCols * in_features;
         alignas(64) float gates[kTileRows * kBlockCols], ups[kTileRows * kBlockCols];
         const int64_t count = end - row;

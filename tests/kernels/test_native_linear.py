@@ -63,6 +63,29 @@ def test_every_thread_count_gives_the_same_outputs(dtype):
     torch.testing.assert_close(outputs[0][1].float(), F.silu(gate) * up, rtol=4 * step, atol=1e-2)
 
 
+# Past ~512 KB of input the vector path takes the rows in equal chunks (native/linear.cpp's kVectorChunkBytes):
+# 1,001 fp32 rows of 576 features are 5 chunks of 200-201 rows, each in passes of its own; every row is computed
+# (a row no chunk covers would keep whatever its output memory held).
+def test_many_rows_go_in_chunks_each_row_once():
+    torch.manual_seed(1)
+    x, weight, gate_up = torch.randn(1001, 576), 0.05 * torch.randn(96, 576), 0.05 * torch.randn(2 * 64, 576)
+    plain = native_linear.native_linear(x, native_linear.pack(weight), None)
+    gated = native_linear.native_gated_linear(x, native_linear.pack_gated(gate_up))
+    torch.testing.assert_close(plain, F.linear(x, weight), rtol=2.0**-20, atol=1e-4)
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    torch.testing.assert_close(gated, F.silu(gate) * up, rtol=2.0**-19, atol=1e-4)
+    for rows in (0, 1, 227, 228):  # nothing; one row; a chunk's worth; just past it (two of 114)
+        out = native_linear.native_linear(x[:rows], native_linear.pack(weight), None)
+        torch.testing.assert_close(out, F.linear(x[:rows], weight), rtol=2.0**-20, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_no_input_features_give_the_bias(dtype):
+    weight, bias = torch.zeros(64, 0, dtype=dtype), torch.randn(64, dtype=dtype)
+    out = native_linear.native_linear(torch.zeros(300, 0, dtype=dtype), native_linear.pack(weight), bias)
+    assert torch.equal(out, bias.expand(300, 64))
+
+
 def test_weights_off_its_blocks_are_left_to_torch():
     kernels = native.library()
     assert kernels.supports_linear(torch.zeros(64, 33)), "fp32 takes any input count"
