@@ -281,8 +281,12 @@ class EngineCore(StepLoop):
 
             return deliver
 
-        for i, prompt in enumerate(prompts):
-            self._start_generation(params, collector(i), None, prompt, parent_context_id, self._grammar_matcher(params))
+        # All prompts admitted before the loop thread schedules any: one at a time, a step could start between two
+        # and split the batch by timing (its chunks, and with them the quantized kernels' rounding, then varied).
+        with self._lock:
+            for i, prompt in enumerate(prompts):
+                self._start_generation(params, collector(i), None, prompt, parent_context_id,
+                                       self._grammar_matcher(params))
         if self._thread is None:
             while not all(event.is_set() for event in done):
                 self.step()

@@ -46,7 +46,7 @@ class StepLoop:
     def __init__(self, num_threads: int | None = None, cores: tuple[int, ...] | None = None) -> None:
         self._num_threads = num_threads  # torch's intra-op threads for the step thread; None: torch's default
         self._compute_threads = ComputeThreads(cores) if cores else None  # None: the OS places them
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entered by generate_batch, which admits a whole batch before a step
         self._wakeup = threading.Event()
         self._thread: threading.Thread | None = None
         self._stopping = False
