@@ -282,11 +282,12 @@ class EngineCore(StepLoop):
             return deliver
 
         # All prompts admitted before the loop thread schedules any: one at a time, a step could start between two
-        # and split the batch by timing (its chunks, and with them the quantized kernels' rounding, then varied).
+        # and split the batch by timing (the prompts' chunks, and with them the attention's summation order, then
+        # varied). The grammar matchers are built first, outside the lock (see _grammar_matcher).
+        matchers = [self._grammar_matcher(params) for _ in prompts]
         with self._lock:
-            for i, prompt in enumerate(prompts):
-                self._start_generation(params, collector(i), None, prompt, parent_context_id,
-                                       self._grammar_matcher(params))
+            for i, (prompt, matcher) in enumerate(zip(prompts, matchers)):
+                self._start_generation(params, collector(i), None, prompt, parent_context_id, matcher)
         if self._thread is None:
             while not all(event.is_set() for event in done):
                 self.step()

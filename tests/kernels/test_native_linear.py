@@ -66,7 +66,7 @@ def test_every_thread_count_gives_the_same_outputs(dtype):
 # Past ~512 KB of input the vector path takes the rows in equal chunks (native/linear.cpp's kVectorChunkBytes):
 # 1,001 fp32 rows of 576 features are 5 chunks of 200-201 rows, each in passes of its own; every row is computed
 # (a row no chunk covers would keep whatever its output memory held).
-def test_many_rows_go_in_chunks_each_row_once():
+def test_many_rows_go_in_chunks_that_cover_every_row():
     torch.manual_seed(1)
     x, weight, gate_up = torch.randn(1001, 576), 0.05 * torch.randn(96, 576), 0.05 * torch.randn(2 * 64, 576)
     plain = native_linear.native_linear(x, native_linear.pack(weight), None)
