@@ -155,6 +155,8 @@ constexpr int64_t kTilePadRows = 16;
 
 struct Scratch {
     std::vector<float> queries, acc, running_max, total, scores, weights, keys_t, keys, values;
+    // A segment's key and value rows as fp32: the cache's own rows in fp32, else rows of keys and values converted.
+    const float *key_rows[kSegment], *value_rows[kSegment];
     // bf16 pairs (the bf16 dot-product path): queries [rows][dim/2], keys [dim/2][kStride], values
     // [kSegment/2][dim] (tokens 2t and 2t+1 of one dimension), weights [rows][kStride/2].
     std::vector<uint32_t> query_pairs, key_pairs, value_pairs, weight_pairs;
@@ -212,18 +214,17 @@ inline void score_group(const float *__restrict queries, const float *__restrict
         }
 }
 
-// The same scores for a few rows, from a chunk's n keys as rows ([n][DIM]): a dot product per (row, token),
-// each ending in a sum across lanes. Cheaper than transposing the keys when few rows read them.
+// The same scores for a few rows, from a chunk's n key rows: a dot product per (row, token), each ending in a
+// sum across lanes. Cheaper than transposing the keys when few rows read them.
 template <int64_t ROWS, int64_t DIM>
-inline void dot_rows(const float *__restrict queries, const float *__restrict keys, int64_t n,
-                     float *__restrict scores) {
+inline void dot_rows(const float *__restrict queries, const float *const *keys, int64_t n, float *__restrict scores) {
     constexpr int64_t kVecs = DIM / kLanes;
     Vec query[ROWS][kVecs];
     for (int64_t r = 0; r < ROWS; r++)
         for (int64_t v = 0; v < kVecs; v++) query[r][v] = load(queries + r * DIM + v * kLanes);
     for (int64_t t = 0; t < n; t++) {
         Vec key[kVecs];
-        for (int64_t v = 0; v < kVecs; v++) key[v] = load(keys + t * DIM + v * kLanes);
+        for (int64_t v = 0; v < kVecs; v++) key[v] = load(keys[t] + v * kLanes);
         for (int64_t r = 0; r < ROWS; r++) {
             Vec products = query[r][0] * key[0];
             for (int64_t v = 1; v < kVecs; v++) products += query[r][v] * key[v];
@@ -243,20 +244,23 @@ constexpr int64_t largest_divisor_at_most(int64_t n, int64_t bound) {
     return 1;
 }
 
-// acc[r] = acc[r] * rescale[r] + sum over the segment's n tokens of weight[r][t] * value[t], for ROWS rows.
+// acc[r] = acc[r] * rescale[r] + sum over n tokens of weight[r][t] * values[t], for ROWS rows (rescale null: by 1).
 template <int64_t ROWS, int64_t DIM>
 inline void accumulate_rows(float *__restrict acc, const float *__restrict rescale, const float *__restrict weights,
-                            const float *__restrict values, int64_t n) {
+                            const float *const *values, int64_t n) {
     constexpr int64_t kVecs = DIM / kLanes;  // whole rows where their sums and a token's values fit the registers
     constexpr int64_t kSliceVecs = (ROWS + 1) * kVecs <= kVecRegisters - 2
                                        ? kVecs : largest_divisor_at_most(kVecs, kValueSumVecs / ROWS);
     for (int64_t slice = 0; slice < DIM; slice += kSliceVecs * kLanes) {
         Vec sums[ROWS][kSliceVecs];
         for (int64_t r = 0; r < ROWS; r++)
-            for (int64_t v = 0; v < kSliceVecs; v++) sums[r][v] = load(acc + r * DIM + slice + v * kLanes) * rescale[r];
+            for (int64_t v = 0; v < kSliceVecs; v++) {
+                const Vec sum = load(acc + r * DIM + slice + v * kLanes);
+                sums[r][v] = rescale ? sum * rescale[r] : sum;
+            }
         for (int64_t t = 0; t < n; t++) {
             Vec value[kSliceVecs];
-            for (int64_t v = 0; v < kSliceVecs; v++) value[v] = load(values + t * DIM + slice + v * kLanes);
+            for (int64_t v = 0; v < kSliceVecs; v++) value[v] = load(values[t] + slice + v * kLanes);
             for (int64_t r = 0; r < ROWS; r++) {
                 const float w = weights[r * kStride + t];
                 for (int64_t v = 0; v < kSliceVecs; v++) sums[r][v] += w * value[v];
@@ -656,6 +660,8 @@ inline void accumulate_rows_tiles(float *, const float *, const uint32_t *, uint
 #endif
 
 constexpr int64_t kRowBlock = 4;  // rows scored together: 4 x 2 score and 4 x DIM/16 value accumulators
+// Tokens whose values all of a task's rows add before the next tokens' (accumulate_segment).
+constexpr int64_t kValueRun = 64;
 // Many rows (a prefix's tile) score 8 at a time: 16 accumulators per key load, fewer loads per FMA.
 constexpr int64_t kScoreRows = 8;
 
@@ -702,7 +708,7 @@ void score_chunk(Scratch &s, int64_t first, int64_t count, int64_t chunk, int64_
         });
     } else {
         with_rows(count, [&](auto rows) {
-            dot_rows<decltype(rows)::value, DIM>(queries, s.keys.data() + chunk * DIM, n, scores);
+            dot_rows<decltype(rows)::value, DIM>(queries, s.key_rows + chunk, n, scores);
         });
     }
 }
@@ -727,12 +733,18 @@ void accumulate_segment(Scratch &s, int64_t first, int64_t count, const float *r
         });
         return;
     }
-    const float *weights = s.weights.data() + first * kStride;
-    for (; r + kRowBlock <= count; r += kRowBlock)
-        accumulate_rows<kRowBlock, DIM>(acc + r * DIM, rescale + r, weights + r * kStride, s.values.data(), n);
-    with_rows(count - r, [&](auto rows) {
-        accumulate_rows<decltype(rows)::value, DIM>(acc + r * DIM, rescale + r, weights + r * kStride, s.values.data(), n);
-    });
+    // A run of the segment's tokens at a time, all the rows over it: its values (16 KB at 64 dimensions) stay in L1
+    // while each block of rows reads them, where a whole segment's (64 KB) came from L2 again for every block.
+    for (int64_t t = 0; t < n; t += kValueRun) {
+        const int64_t run = std::min(kValueRun, n - t);
+        const float *weights = s.weights.data() + first * kStride + t, *const *values = s.value_rows + t;
+        const auto scales = [&](int64_t row) { return t ? nullptr : rescale + row; };  // later runs: already scaled
+        for (r = 0; r + kRowBlock <= count; r += kRowBlock)
+            accumulate_rows<kRowBlock, DIM>(acc + r * DIM, scales(r), weights + r * kStride, values, run);
+        with_rows(count - r, [&](auto rows) {
+            accumulate_rows<decltype(rows)::value, DIM>(acc + r * DIM, scales(r), weights + r * kStride, values, run);
+        });
+    }
 }
 
 // Cache rows (count of them) asked into L2 before they are read: a step's caches are cold (the layers' weights
@@ -752,6 +764,22 @@ struct SegmentRows {
     int64_t n = 0;
 };
 
+// A segment's n cache rows as fp32 rows (`rows`): fp32 ones read where the cache holds them, bf16 ones converted
+// into `converted`. fp32 rows had been copied too: 16 decodes over 100 tokens took 0.77-0.79x the time without
+// the copies (benchmarks.kernel_revisions, fp32).
+template <int64_t DIM>
+inline void fp32_rows(const float *const *cache_rows, int64_t n, float *, const float **rows) {
+    std::copy(cache_rows, cache_rows + n, rows);
+}
+
+template <int64_t DIM>
+inline void fp32_rows(const BFloat16 *const *cache_rows, int64_t n, float *converted, const float **rows) {
+    for (int64_t t = 0; t < n; t++) {
+        for (int64_t d = 0; d < DIM; d++) converted[t * DIM + d] = to_float(cache_rows[t][d]);
+        rows[t] = converted + t * DIM;
+    }
+}
+
 // Rows [first, first + count) over a segment's tokens (key and value rows of one kv head), row r over its
 // first row_ends[r]: all scores, then each row's softmax step, then the values.
 template <int64_t DIM, typename T>
@@ -765,8 +793,7 @@ void attend_segment(Scratch &s, int64_t first, int64_t count, const SegmentRows<
     if (pairs) {  // zeros past the segment's last token (their weights are 0 too)
         keys_to_pairs<DIM>(reinterpret_cast<const uint16_t *const *>(key_rows), n, s.key_pairs.data());
     } else if (by_token) {
-        for (int64_t t = 0; t < n; t++)
-            for (int64_t d = 0; d < DIM; d++) s.keys[t * DIM + d] = to_float(key_rows[t][d]);
+        fp32_rows<DIM>(key_rows, n, s.keys.data(), s.key_rows);
     } else {
         keys_to_columns<DIM>(key_rows, n, padded, s.keys_t.data());
     }
@@ -797,8 +824,7 @@ void attend_segment(Scratch &s, int64_t first, int64_t count, const SegmentRows<
         for (int64_t r = 0; r < count; r++)
             rescale[r] = softmax_step(s.scores.data() + (first + r) * kStride, row_ends[r], padded,
                                       s.running_max[first + r], s.total[first + r], s.weights.data() + (first + r) * kStride);
-        for (int64_t t = 0; t < n; t++)
-            for (int64_t d = 0; d < DIM; d++) s.values[t * DIM + d] = to_float(value_rows[t][d]);
+        fp32_rows<DIM>(value_rows, n, s.values.data(), s.value_rows);
     }
     accumulate_segment<DIM>(s, first, count, rescale, n, pairs);
 }
