@@ -148,14 +148,16 @@ inline const T *cache_row(const T *cache, int64_t slot, int64_t kv_head, const S
 constexpr int64_t kChunkVecs = kChunk / kLanes;
 
 // Per task: the online softmax state of up to kTileRows query rows; a segment's scores and weights
-// ([rows][kStride]); its keys (transposed, [dim][kStride], or as rows) and values ([kSegment][dim]) in fp32.
+// ([rows][kStride]); its keys transposed ([dim][kStride]), and bf16 keys and values converted to fp32 rows
+// ([kSegment][dim]) for key_rows and value_rows (fp32 caches' rows are read where they are).
 // Rows past a call's last that a tile pass may read and write (scores, weights, queries: the tile's 16 rows
 // padded; those rows' results are dropped, and each row's products depend on its own inputs alone).
 constexpr int64_t kTilePadRows = 16;
 
 struct Scratch {
     std::vector<float> queries, acc, running_max, total, scores, weights, keys_t, keys, values;
-    // A segment's key and value rows as fp32: the cache's own rows in fp32, else rows of keys and values converted.
+    // A segment's first n key and value rows as fp32 (fp32_rows): the cache's own in fp32, else rows of keys and
+    // values. key_rows is filled for few rows (dot_rows), value_rows off the bf16 pair paths.
     const float *key_rows[kSegment], *value_rows[kSegment];
     // bf16 pairs (the bf16 dot-product path): queries [rows][dim/2], keys [dim/2][kStride], values
     // [kSegment/2][dim] (tokens 2t and 2t+1 of one dimension), weights [rows][kStride/2].
@@ -682,7 +684,7 @@ inline void with_rows(int64_t rows, F f) {
 static_assert(kRowBlock == 4, "with_rows covers 1..kRowBlock rows");
 
 // Scores of rows [first, first + count) against a chunk's keys: those at `chunk` tokens into the segment's
-// (s.key_pairs on the bf16 dot-product path, scaled by `scale` once scored; else s.keys_t or s.keys).
+// (s.key_pairs on the bf16 dot-product path, scaled by `scale` once scored; else s.keys_t or s.key_rows).
 template <int64_t DIM>
 void score_chunk(Scratch &s, int64_t first, int64_t count, int64_t chunk, int64_t n, bool pairs, float scale) {
     float *scores = s.scores.data() + first * kStride + chunk;
@@ -735,7 +737,7 @@ void accumulate_segment(Scratch &s, int64_t first, int64_t count, const float *r
     }
     // A run of the segment's tokens at a time, all the rows over it: its values (16 KB at 64 dimensions) stay in L1
     // while each block of rows reads them, where a whole segment's (64 KB) came from L2 again for every block.
-    for (int64_t t = 0; t < n; t += kValueRun) {
+    for (int64_t t = 0; t == 0 || t < n; t += kValueRun) {  // no tokens: the sums scaled all the same
         const int64_t run = std::min(kValueRun, n - t);
         const float *weights = s.weights.data() + first * kStride + t, *const *values = s.value_rows + t;
         const auto scales = [&](int64_t row) { return t ? nullptr : rescale + row; };  // later runs: already scaled
@@ -765,8 +767,8 @@ struct SegmentRows {
 };
 
 // A segment's n cache rows as fp32 rows (`rows`): fp32 ones read where the cache holds them, bf16 ones converted
-// into `converted`. fp32 rows had been copied too: 16 decodes over 100 tokens took 0.77-0.79x the time without
-// the copies (benchmarks.kernel_revisions, fp32).
+// into `converted`. Read in place, not copied, and with accumulate_segment's runs, 16 fp32 decodes over 100 tokens
+// took 0.77x the time (benchmarks.kernel_revisions; docs/benchmarks/kernel_revisions_fp32_rows_in_place.json).
 template <int64_t DIM>
 inline void fp32_rows(const float *const *cache_rows, int64_t n, float *, const float **rows) {
     std::copy(cache_rows, cache_rows + n, rows);
