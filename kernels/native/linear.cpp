@@ -381,8 +381,8 @@ void tile_sums(const T *block, const T *x, int64_t rows, int64_t in_features, Pa
 // One thread's band of a call's work items, claimed one at a time: by its thread from the front, in order (within
 // a chunk, the next block a pass prefetches is the one it takes next), and once another thread's own band is
 // empty, by that thread from the back (the band's last chunk, which its owner would reach last). Bands split
-// evenly and kept (static) left one thread waiting for the other whenever
-// their vCPUs ran at different speeds, which on this host (a Firecracker guest) is often: its two vCPUs ran a
+// evenly and kept (static) left one thread waiting for the other whenever their vCPUs ran at different speeds,
+// which on this host (a Firecracker guest) is often: its two vCPUs ran a
 // layer's 1,024-row bf16 linears alone at 336 and 747 GFLOP/s in the same minute, and a perf trace of compiled
 // prefill steps found a thread waiting at the end of a parallel region ~30% of its time, mostly while the other
 // was not running at all (preempted by the host). Kernel A/B (benchmarks.kernel_revisions): a layer's linears

@@ -149,15 +149,14 @@ constexpr int64_t kChunkVecs = kChunk / kLanes;
 
 // Per task: the online softmax state of up to kTileRows query rows; a segment's scores and weights
 // ([rows][kStride]); its keys transposed ([dim][kStride]), and bf16 keys and values converted to fp32 rows
-// ([kSegment][dim]) for key_rows and value_rows (fp32 caches' rows are read where they are).
+// ([kSegment][dim], pointed to by key_rows and value_rows; fp32 caches' rows are read where they are).
 // Rows past a call's last that a tile pass may read and write (scores, weights, queries: the tile's 16 rows
 // padded; those rows' results are dropped, and each row's products depend on its own inputs alone).
 constexpr int64_t kTilePadRows = 16;
 
 struct Scratch {
     std::vector<float> queries, acc, running_max, total, scores, weights, keys_t, keys, values;
-    // A segment's first n key and value rows as fp32 (fp32_rows): the cache's own in fp32, else rows of keys and
-    // values. key_rows is filled for few rows (dot_rows), value_rows off the bf16 pair paths.
+    // bf16 segments' rows of keys and values, one pointer a token (fp32_rows).
     const float *key_rows[kSegment], *value_rows[kSegment];
     // bf16 pairs (the bf16 dot-product path): queries [rows][dim/2], keys [dim/2][kStride], values
     // [kSegment/2][dim] (tokens 2t and 2t+1 of one dimension), weights [rows][kStride/2].
@@ -684,9 +683,11 @@ inline void with_rows(int64_t rows, F f) {
 static_assert(kRowBlock == 4, "with_rows covers 1..kRowBlock rows");
 
 // Scores of rows [first, first + count) against a chunk's keys: those at `chunk` tokens into the segment's
-// (s.key_pairs on the bf16 dot-product path, scaled by `scale` once scored; else s.keys_t or s.key_rows).
+// (s.key_pairs on the bf16 dot-product path, scaled by `scale` once scored; else s.keys_t, or key_rows, the
+// segment's fp32 key rows, for few rows).
 template <int64_t DIM>
-void score_chunk(Scratch &s, int64_t first, int64_t count, int64_t chunk, int64_t n, bool pairs, float scale) {
+void score_chunk(Scratch &s, int64_t first, int64_t count, int64_t chunk, int64_t n, bool pairs, float scale,
+                 const float *const *key_rows) {
     float *scores = s.scores.data() + first * kStride + chunk;
     const float *queries = s.queries.data() + first * DIM;
     int64_t r = 0;
@@ -710,14 +711,16 @@ void score_chunk(Scratch &s, int64_t first, int64_t count, int64_t chunk, int64_
         });
     } else {
         with_rows(count, [&](auto rows) {
-            dot_rows<decltype(rows)::value, DIM>(queries, s.key_rows + chunk, n, scores);
+            dot_rows<decltype(rows)::value, DIM>(queries, key_rows + chunk, n, scores);
         });
     }
 }
 
-// The segment's weighted values added to rows [first, first + count), their sums first scaled by `rescale`.
+// The segment's weighted values added to rows [first, first + count), their sums first scaled by `rescale`
+// (value_rows: the segment's fp32 value rows, off the pair paths).
 template <int64_t DIM>
-void accumulate_segment(Scratch &s, int64_t first, int64_t count, const float *rescale, int64_t n, bool pairs) {
+void accumulate_segment(Scratch &s, int64_t first, int64_t count, const float *rescale, int64_t n, bool pairs,
+                        const float *const *value_rows) {
     float *acc = s.acc.data() + first * DIM;
     int64_t r = 0;
     if constexpr (DIM % 32 == 0) if (pairs && s.tiles) {
@@ -739,7 +742,7 @@ void accumulate_segment(Scratch &s, int64_t first, int64_t count, const float *r
     // while each block of rows reads them, where a whole segment's (64 KB) came from L2 again for every block.
     for (int64_t t = 0; t == 0 || t < n; t += kValueRun) {  // no tokens: the sums scaled all the same
         const int64_t run = std::min(kValueRun, n - t);
-        const float *weights = s.weights.data() + first * kStride + t, *const *values = s.value_rows + t;
+        const float *weights = s.weights.data() + first * kStride + t, *const *values = value_rows + t;
         const auto scales = [&](int64_t row) { return t ? nullptr : rescale + row; };  // later runs: already scaled
         for (r = 0; r + kRowBlock <= count; r += kRowBlock)
             accumulate_rows<kRowBlock, DIM>(acc + r * DIM, scales(r), weights + r * kStride, values, run);
@@ -766,20 +769,22 @@ struct SegmentRows {
     int64_t n = 0;
 };
 
-// A segment's n cache rows as fp32 rows (`rows`): fp32 ones read where the cache holds them, bf16 ones converted
-// into `converted`. Read in place, not copied, and with accumulate_segment's runs, 16 fp32 decodes over 100 tokens
+// A segment's n cache rows as fp32 rows: fp32 ones where the cache holds them, bf16 ones converted into
+// `converted` (`rows` pointing to them). Read in place, not copied, and with accumulate_segment's runs, 16 fp32 decodes over 100 tokens
 // took 0.77x the time (benchmarks.kernel_revisions; docs/benchmarks/kernel_revisions_fp32_rows_in_place.json).
 template <int64_t DIM>
-inline void fp32_rows(const float *const *cache_rows, int64_t n, float *, const float **rows) {
-    std::copy(cache_rows, cache_rows + n, rows);
+inline const float *const *fp32_rows(const float *const *cache_rows, int64_t, float *, const float **) {
+    return cache_rows;
 }
 
 template <int64_t DIM>
-inline void fp32_rows(const BFloat16 *const *cache_rows, int64_t n, float *converted, const float **rows) {
+inline const float *const *fp32_rows(const BFloat16 *const *cache_rows, int64_t n, float *converted,
+                                     const float **rows) {
     for (int64_t t = 0; t < n; t++) {
         for (int64_t d = 0; d < DIM; d++) converted[t * DIM + d] = to_float(cache_rows[t][d]);
         rows[t] = converted + t * DIM;
     }
+    return rows;
 }
 
 // Rows [first, first + count) over a segment's tokens (key and value rows of one kv head), row r over its
@@ -792,10 +797,11 @@ void attend_segment(Scratch &s, int64_t first, int64_t count, const SegmentRows<
     prefetch_rows<DIM>(value_rows, n);
     const int64_t padded = (n + kChunk - 1) / kChunk * kChunk;
     const bool by_token = !transposed(count);
+    const float *const *key_fp32 = nullptr;  // the key rows as fp32, for few rows
     if (pairs) {  // zeros past the segment's last token (their weights are 0 too)
         keys_to_pairs<DIM>(reinterpret_cast<const uint16_t *const *>(key_rows), n, s.key_pairs.data());
     } else if (by_token) {
-        fp32_rows<DIM>(key_rows, n, s.keys.data(), s.key_rows);
+        key_fp32 = fp32_rows<DIM>(key_rows, n, s.keys.data(), s.key_rows);
     } else {
         keys_to_columns<DIM>(key_rows, n, padded, s.keys_t.data());
     }
@@ -811,10 +817,11 @@ void attend_segment(Scratch &s, int64_t first, int64_t count, const SegmentRows<
     } else {
         for (int64_t chunk = 0; chunk < n; chunk += kChunk) {
             prefetch_next(chunk);
-            score_chunk<DIM>(s, first, count, chunk, std::min(kChunk, n - chunk), pairs, scale);
+            score_chunk<DIM>(s, first, count, chunk, std::min(kChunk, n - chunk), pairs, scale, key_fp32);
         }
     }
     float rescale[kMaxTileRows];
+    const float *const *value_fp32 = nullptr;  // the value rows as fp32, off the pair paths
     if (pairs) {
         const float score_scale = tiles ? scale : 1.0f;  // the tiles' scores are stored unscaled
         for (int64_t r = first; r < first + count; r++)
@@ -826,9 +833,9 @@ void attend_segment(Scratch &s, int64_t first, int64_t count, const SegmentRows<
         for (int64_t r = 0; r < count; r++)
             rescale[r] = softmax_step(s.scores.data() + (first + r) * kStride, row_ends[r], padded,
                                       s.running_max[first + r], s.total[first + r], s.weights.data() + (first + r) * kStride);
-        fp32_rows<DIM>(value_rows, n, s.values.data(), s.value_rows);
+        value_fp32 = fp32_rows<DIM>(value_rows, n, s.values.data(), s.value_rows);
     }
-    accumulate_segment<DIM>(s, first, count, rescale, n, pairs);
+    accumulate_segment<DIM>(s, first, count, rescale, n, pairs, value_fp32);
 }
 
 // Attends rows [first, first + count) of the scratch state over `tokens` of one kv head; with `row_lengths`,
