@@ -18,7 +18,7 @@ benchmarks.kernels --cpu`, its "decode step" rows).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -131,22 +131,42 @@ def decode_rows(block_tables: torch.Tensor, context_lens: torch.Tensor,
     return NativeRows(*prefixes, block_tables, context_lens)
 
 
-def join_rows(parts: list[NativeRows]) -> NativeRows:
+def join_rows(parts: list[NativeRows], block_size: int) -> NativeRows:
     """One step's rows in one layout, in the order given (the step's tokens: decodes, then prefill chunks), for
     one kernel call a layer: the chunks' tiles and the decodes share the call's threads, and its Python cost is
-    paid once, not once a chunk. Tables are padded with block 0, never read past a row's length."""
+    paid once, not once a chunk. Tables are padded with block 0, never read past a row's length. Parts whose
+    prefixes are the same blocks share one prefix (_same_prefixes_shared)."""
     if len(parts) == 1:
         return parts[0]
     offsets = torch.tensor([0] + [len(part.prefix_len) for part in parts]).cumsum(0).tolist()
     ids = [torch.where(part.prefix_ids < 0, part.prefix_ids, part.prefix_ids + offset)
            for part, offset in zip(parts, offsets)]
-    return NativeRows(
+    return _same_prefixes_shared(NativeRows(
         prefix_ids=torch.cat(ids).to(torch.int32),
         prefix_table=_padded_rows([part.prefix_table for part in parts]),
         prefix_len=torch.cat([part.prefix_len for part in parts]).to(torch.int32),
         own_tables=_padded_rows([part.own_tables for part in parts]),
         own_lens=torch.cat([part.own_lens for part in parts]).to(torch.int32),
-    )
+    ), block_size)
+
+
+def _same_prefixes_shared(rows: NativeRows, block_size: int) -> NativeRows:
+    """The rows whose prefixes are the same blocks given the first such prefix's id: the kernel then reads those
+    blocks once for a whole tile of them. A step's prefill chunks over one cached prompt (forks' first chunks
+    after a shared system prompt) each had a tile of their own, which read all the prompt's keys and values for
+    a few rows. 16 forks' chunks of 3 new tokens over 896 shared tokens, one call of SmolLM2's heads, alternating
+    300 rounds: 0.60x the time in fp32, 0.47x in bf16; of 20 new tokens (a fork's first tile full already) 1.0x
+    and 0.94x. Prefixes that only begin alike (a fork's own cached tokens past the shared blocks) stay apart."""
+    lengths = rows.prefix_len.tolist()
+    first_with, ids = {}, list(range(len(lengths)))
+    for prefix, length in enumerate(lengths):
+        if length > 0:  # rows over no prefix stay apart: one tile each keeps them on the call's threads
+            blocks = tuple(rows.prefix_table[prefix, : -(-length // block_size)].tolist())
+            ids[prefix] = first_with.setdefault((length, blocks), prefix)
+    if len(first_with) == sum(length > 0 for length in lengths):
+        return rows
+    ids.append(-1)  # a row with no prefix (-1) indexes the last
+    return replace(rows, prefix_ids=torch.tensor(ids, dtype=torch.int32)[rows.prefix_ids.long()])
 
 
 def _padded_rows(tables: list[torch.Tensor]) -> torch.Tensor:

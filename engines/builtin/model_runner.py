@@ -249,6 +249,6 @@ class ModelRunner:
             parts.append(cpu_attention.decode_rows(meta.decode.block_tables, meta.decode.context_lens))
         if meta.prefill is not None:
             parts += [chunk.cached_rows for chunk in meta.prefill.plan]
-        rows = cpu_attention.join_rows(parts)
+        rows = cpu_attention.join_rows(parts, self.block_size)
         return self.native_kernels.prepare_decode(rows.own_tables, rows.own_lens,
                                                   (rows.prefix_ids, rows.prefix_table, rows.prefix_len))

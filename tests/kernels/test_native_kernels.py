@@ -1,10 +1,12 @@
 """The C++ CPU decode kernels (kernels/native): built here, equal to the references, and left for the
 torch paths where they cannot serve."""
 
+import itertools
 import logging
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kernels import cpu_attention, dispatch, native, reference
 
@@ -122,7 +124,7 @@ def test_a_steps_rows_joined_in_one_call(kernels, kv, tol):
     prefill_q = kv.queries(sum(q_lens))
     plan = cpu_attention.plan_prefill(tables, cu, context_lens, kv.block_size, native_dtype=kv.k_cache.dtype)
     rows = cpu_attention.join_rows([cpu_attention.decode_rows(shared[6], shared[7], shared[3:6]),
-                                    *(chunk.cached_rows for chunk in plan)])
+                                    *(chunk.cached_rows for chunk in plan)], kv.block_size)
     prepared = kernels.prepare_decode(rows.own_tables, rows.own_lens, (rows.prefix_ids, rows.prefix_table, rows.prefix_len))
 
     out = prepared(torch.cat([shared[0], prefill_q]), kv.k_cache, kv.v_cache, kv.scale)
@@ -130,6 +132,35 @@ def test_a_steps_rows_joined_in_one_call(kernels, kv, tol):
     torch.testing.assert_close(out[:3], reference.shared_prefix_decode(*shared), **tol)
     expected = reference.paged_prefill(prefill_q, kv.k_cache, kv.v_cache, tables, cu, context_lens, kv.scale)
     torch.testing.assert_close(out[3:], expected, **tol)
+
+
+@pytest.mark.parametrize("block_size", [16], ids=["page16"])
+def test_forks_first_chunks_share_their_prompts_blocks(kernels, kv, tol, two_threads):
+    """As a step after 16 forks of a 100-token prompt: each fork's first chunk (1-4 new tokens) over the prompt's
+    6 whole blocks, which all their tables share, and its own copy of the prompt's last 4 tokens. join_rows gives
+    the chunks one prefix (the kernel reads it once a tile of rows, not once a fork) beside a chunk over other
+    blocks, and each row equals the reference over its own table."""
+    shared_blocks = kv.block_tables([96])[0]
+    q_lens = [1 + i % 4 for i in range(16)]
+    own = kv.block_tables([4 + n for n in q_lens])  # the prompt's last 4 tokens (a fork's copy), then its new ones
+    other = kv.block_tables([130])  # another prompt's 9 blocks
+    forks = torch.cat([shared_blocks.expand(16, -1), own], dim=1)
+    tables = torch.cat([F.pad(forks, (0, other.shape[1] - forks.shape[1]), value=-1), other])
+    q_lens.append(30)
+    context = torch.tensor([100 + n for n in q_lens[:16]] + [130], dtype=torch.int32)
+    cu = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+    q = kv.queries(sum(q_lens))
+    plan = cpu_attention.plan_prefill(tables, cu, context, kv.block_size, native_dtype=kv.k_cache.dtype)
+    rows = cpu_attention.join_rows([chunk.cached_rows for chunk in plan], kv.block_size)
+
+    out = kernels.prepare_decode(rows.own_tables, rows.own_lens, (rows.prefix_ids, rows.prefix_table, rows.prefix_len))(
+        q, kv.k_cache, kv.v_cache, kv.scale)
+
+    forks_prefixes = rows.prefix_ids[: cu[16]]
+    assert forks_prefixes.unique().tolist() == [forks_prefixes[0].item()], "the forks' chunks share one prefix"
+    assert rows.prefix_len[forks_prefixes[0]].item() == 96
+    assert forks_prefixes[0].item() not in rows.prefix_ids[cu[16] :].tolist(), "another prompt's blocks stay apart"
+    torch.testing.assert_close(out, reference.paged_prefill(q, kv.k_cache, kv.v_cache, tables, cu, context, kv.scale), **tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16], ids=["bf16"])
