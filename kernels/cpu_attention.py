@@ -110,7 +110,8 @@ def decode_per_sequence(q, k_cache, v_cache, block_tables, context_lens, scale, 
 class NativeRows:
     """Query rows as the native kernel takes them: each row attends to a prefix (or none), then its own run.
 
-    A prefill chunk's new tokens go in tiles of ``native_tile_tokens(dtype)``, each tile a prefix: a tile's rows read
+    A prefill chunk's new tokens go in tiles of ``native_tile_tokens(dtype)``, each tile a prefix (join_rows then gives
+    tiles over the same blocks one): a tile's rows read
     the whole blocks before its first token once, together, then each row its own few tokens up to itself
     (causal). A decode's row has its context as its own run, or a shared prefix and its suffix.
     """
@@ -134,39 +135,55 @@ def decode_rows(block_tables: torch.Tensor, context_lens: torch.Tensor,
 def join_rows(parts: list[NativeRows], block_size: int) -> NativeRows:
     """One step's rows in one layout, in the order given (the step's tokens: decodes, then prefill chunks), for
     one kernel call a layer: the chunks' tiles and the decodes share the call's threads, and its Python cost is
-    paid once, not once a chunk. Tables are padded with block 0, never read past a row's length. Parts whose
-    prefixes are the same blocks share one prefix (_same_prefixes_shared)."""
+    paid once, not once a chunk. Prefixes of the same blocks are then one (_same_prefixes_shared; ``block_size``:
+    the cache's, which says how many of a prefix's table entries it reads)."""
+    return _same_prefixes_shared(concatenated_rows(parts), block_size)
+
+
+def concatenated_rows(parts: list[NativeRows]) -> NativeRows:
+    """The parts' rows one after another, each part's prefixes with ids of their own. Tables are padded with
+    block 0, never read past a row's length."""
     if len(parts) == 1:
         return parts[0]
     offsets = torch.tensor([0] + [len(part.prefix_len) for part in parts]).cumsum(0).tolist()
     ids = [torch.where(part.prefix_ids < 0, part.prefix_ids, part.prefix_ids + offset)
            for part, offset in zip(parts, offsets)]
-    return _same_prefixes_shared(NativeRows(
+    return NativeRows(
         prefix_ids=torch.cat(ids).to(torch.int32),
         prefix_table=_padded_rows([part.prefix_table for part in parts]),
         prefix_len=torch.cat([part.prefix_len for part in parts]).to(torch.int32),
         own_tables=_padded_rows([part.own_tables for part in parts]),
         own_lens=torch.cat([part.own_lens for part in parts]).to(torch.int32),
-    ), block_size)
+    )
 
 
 def _same_prefixes_shared(rows: NativeRows, block_size: int) -> NativeRows:
-    """The rows whose prefixes are the same blocks given the first such prefix's id: the kernel then reads those
-    blocks once for a whole tile of them. A step's prefill chunks over one cached prompt (forks' first chunks
-    after a shared system prompt) each had a tile of their own, which read all the prompt's keys and values for
-    a few rows. 16 forks' chunks of 3 new tokens over 896 shared tokens, one call of SmolLM2's heads, alternating
-    300 rounds: 0.60x the time in fp32, 0.47x in bf16; of 20 new tokens (a fork's first tile full already) 1.0x
-    and 0.94x. Prefixes that only begin alike (a fork's own cached tokens past the shared blocks) stay apart."""
+    """The rows with each prefix id remapped to the first prefix of the same length over the same blocks: the
+    kernel then groups those rows into shared tiles and reads the blocks once a tile. A step's prefill chunks over
+    one cached prompt (forks' first chunks after a shared system prompt) each had a tile of their own, which
+    read all the prompt's keys and values for a few rows. 16 forks' chunks of 3 new tokens over 896 shared tokens,
+    one call of SmolLM2's heads on 2 threads: 0.62x the time in fp32, 0.50x in bf16; of 20 new tokens 1.00x and
+    0.92x (an fp32 tile of 16 tokens is full already; ``python -m benchmarks.fork_prefill``,
+    docs/benchmarks/fork_prefill.json). Prefixes that only begin alike (a fork's own cached block after the shared
+    ones) stay apart."""
     lengths = rows.prefix_len.tolist()
-    first_with, ids = {}, list(range(len(lengths)))
-    for prefix, length in enumerate(lengths):
-        if length > 0:  # rows over no prefix stay apart: one tile each keeps them on the call's threads
-            blocks = tuple(rows.prefix_table[prefix, : -(-length // block_size)].tolist())
-            ids[prefix] = first_with.setdefault((length, blocks), prefix)
-    if len(first_with) == sum(length > 0 for length in lengths):
+    with_length: dict[int, list[int]] = {}
+    for prefix_id, length in enumerate(lengths):
+        if length > 0:  # empty prefixes have nothing to share: merged, they would only pack chunks into fewer tasks
+            with_length.setdefault(length, []).append(prefix_id)
+    shared_id = list(range(len(lengths)))
+    for length, prefix_ids in with_length.items():
+        if len(prefix_ids) < 2:  # a chunk's tiles have lengths of their own: most steps compare no tables
+            continue
+        # Only the blocks the length covers: _tiled_rows gives every tile of a chunk its last tile's table.
+        tables = rows.prefix_table[prefix_ids, : -(-length // block_size)].tolist()
+        first_with: dict[tuple[int, ...], int] = {}
+        for prefix_id, table in zip(prefix_ids, tables):
+            shared_id[prefix_id] = first_with.setdefault(tuple(table), prefix_id)
+    if shared_id == list(range(len(lengths))):
         return rows
-    ids.append(-1)  # a row with no prefix (-1) indexes the last
-    return replace(rows, prefix_ids=torch.tensor(ids, dtype=torch.int32)[rows.prefix_ids.long()])
+    shared_id.append(-1)  # a row with no prefix (-1) indexes the last
+    return replace(rows, prefix_ids=torch.tensor(shared_id, dtype=torch.int32)[rows.prefix_ids.long()])
 
 
 def _padded_rows(tables: list[torch.Tensor]) -> torch.Tensor:

@@ -134,33 +134,63 @@ def test_a_steps_rows_joined_in_one_call(kernels, kv, tol):
     torch.testing.assert_close(out[3:], expected, **tol)
 
 
-@pytest.mark.parametrize("block_size", [16], ids=["page16"])
-def test_forks_first_chunks_share_their_prompts_blocks(kernels, kv, tol, two_threads):
-    """As a step after 16 forks of a 100-token prompt: each fork's first chunk (1-4 new tokens) over the prompt's
-    6 whole blocks, which all their tables share, and its own copy of the prompt's last 4 tokens. join_rows gives
-    the chunks one prefix (the kernel reads it once a tile of rows, not once a fork) beside a chunk over other
-    blocks, and each row equals the reference over its own table."""
-    shared_blocks = kv.block_tables([96])[0]
-    q_lens = [1 + i % 4 for i in range(16)]
-    own = kv.block_tables([4 + n for n in q_lens])  # the prompt's last 4 tokens (a fork's copy), then its new ones
-    other = kv.block_tables([130])  # another prompt's 9 blocks
-    forks = torch.cat([shared_blocks.expand(16, -1), own], dim=1)
-    tables = torch.cat([F.pad(forks, (0, other.shape[1] - forks.shape[1]), value=-1), other])
-    q_lens.append(30)
-    context = torch.tensor([100 + n for n in q_lens[:16]] + [130], dtype=torch.int32)
+FORKS = 16
+
+
+def forks_first_chunks(kv, shared_tokens: int, q_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tables and context lengths of forks of a prompt after their first chunks (q_lens new tokens each): the
+    prompt's whole blocks (shared_tokens) in every table, then each fork's own copy of the prompt's last 4 tokens
+    and its new ones."""
+    shared_blocks = kv.block_tables([shared_tokens])[0]
+    own = kv.block_tables([4 + n for n in q_lens])
+    tables = torch.cat([shared_blocks.expand(len(q_lens), -1), own], dim=1)
+    return tables, torch.tensor([shared_tokens + 4 + n for n in q_lens], dtype=torch.int32)
+
+
+def joined_prefill(kernels, kv, tables, context, q_lens):
+    """The chunks joined as the engine joins a step's (cpu_attention.join_rows), one kernel call; the rows and out."""
     cu = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
     q = kv.queries(sum(q_lens))
     plan = cpu_attention.plan_prefill(tables, cu, context, kv.block_size, native_dtype=kv.k_cache.dtype)
     rows = cpu_attention.join_rows([chunk.cached_rows for chunk in plan], kv.block_size)
+    prepared = kernels.prepare_decode(rows.own_tables, rows.own_lens, (rows.prefix_ids, rows.prefix_table, rows.prefix_len))
+    expected = reference.paged_prefill(q, kv.k_cache, kv.v_cache, tables, cu, context, kv.scale)
+    return rows, cu, prepared(q, kv.k_cache, kv.v_cache, kv.scale), expected
 
-    out = kernels.prepare_decode(rows.own_tables, rows.own_lens, (rows.prefix_ids, rows.prefix_table, rows.prefix_len))(
-        q, kv.k_cache, kv.v_cache, kv.scale)
 
-    forks_prefixes = rows.prefix_ids[: cu[16]]
-    assert forks_prefixes.unique().tolist() == [forks_prefixes[0].item()], "the forks' chunks share one prefix"
-    assert rows.prefix_len[forks_prefixes[0]].item() == 96
-    assert forks_prefixes[0].item() not in rows.prefix_ids[cu[16] :].tolist(), "another prompt's blocks stay apart"
-    torch.testing.assert_close(out, reference.paged_prefill(q, kv.k_cache, kv.v_cache, tables, cu, context, kv.scale), **tol)
+@pytest.mark.parametrize("block_size", [16], ids=["page16"])
+def test_forks_first_chunks_share_their_prompts_blocks(kernels, kv, tol):
+    """As a step after 16 forks of a 100-token prompt: each fork's first chunk (1-4 new tokens) over the prompt's
+    6 whole blocks, which all their tables share. join_rows gives the chunks one prefix (the kernel reads it once
+    a tile of rows, not once a fork); a chunk whose 6 blocks only begin alike (its sixth its own) and another
+    prompt's chunk keep theirs; every row equals the reference over its own table."""
+    q_lens = [1 + i % 4 for i in range(FORKS)]
+    forks, fork_context = forks_first_chunks(kv, 96, q_lens)
+    alike = torch.cat([forks[0, :5], kv.block_tables([32])[0]])  # the prompt's first 5 blocks, then its own
+    other = kv.block_tables([130])  # another prompt's 9 blocks
+    tables = torch.cat([F.pad(forks, (0, 2), value=-1), F.pad(alike, (0, 2), value=-1)[None], other])
+    context = torch.cat([fork_context, torch.tensor([102, 130], dtype=torch.int32)])
+    q_lens += [2, 30]
+
+    rows, cu, out, expected = joined_prefill(kernels, kv, tables, context, q_lens)
+
+    forks_prefix = rows.prefix_ids[0].item()
+    assert rows.prefix_ids[: cu[FORKS]].tolist() == [forks_prefix] * cu[FORKS].item(), "the forks' chunks share one prefix"
+    assert rows.prefix_len[forks_prefix].item() == 96
+    assert forks_prefix not in rows.prefix_ids[cu[FORKS] :].tolist(), "prefixes over other blocks stay apart"
+    torch.testing.assert_close(out, expected, **tol)
+
+
+@pytest.mark.parametrize("block_size", [16], ids=["page16"])
+def test_forks_shared_prefix_split_by_tokens(kernels, kv, tol, two_threads):
+    """4 forks' chunks of 2 tokens over 896 shared tokens: one tile of their rows, 3 tasks for 2 threads, so the
+    shared prefix splits by tokens and the halves' softmax states merge over rows of several sequences."""
+    tables, context = forks_first_chunks(kv, 896, [2] * 4)
+
+    rows, _, out, expected = joined_prefill(kernels, kv, tables, context, [2] * 4)
+
+    assert rows.prefix_ids.unique().numel() == 1
+    torch.testing.assert_close(out, expected, **tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16], ids=["bf16"])
