@@ -19,10 +19,10 @@ import time
 
 import torch
 
+from benchmarks.kernel_revisions import BLOCK, HEAD_DIM, HEADS, KV_HEADS  # SmolLM2-135M's attention
 from benchmarks.results_file import write_results
 from kernels import cpu_attention, native
 
-KV_HEADS, HEADS, HEAD_DIM, BLOCK = 3, 9, 64, 16  # SmolLM2-135M
 FORKS, SHARED_BLOCKS = 16, 56
 
 

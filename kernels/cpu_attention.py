@@ -171,7 +171,7 @@ def _same_prefixes_shared(rows: NativeRows, block_size: int) -> NativeRows:
     for prefix_id, length in enumerate(lengths):
         if length > 0:  # empty prefixes have nothing to share: merged, they would only pack chunks into fewer tasks
             with_length.setdefault(length, []).append(prefix_id)
-    shared_id = list(range(len(lengths)))
+    shared_id, merged = list(range(len(lengths))), False
     for length, prefix_ids in with_length.items():
         if len(prefix_ids) < 2:  # a chunk's tiles have lengths of their own: most steps compare no tables
             continue
@@ -180,7 +180,8 @@ def _same_prefixes_shared(rows: NativeRows, block_size: int) -> NativeRows:
         first_with: dict[tuple[int, ...], int] = {}
         for prefix_id, table in zip(prefix_ids, tables):
             shared_id[prefix_id] = first_with.setdefault(tuple(table), prefix_id)
-    if shared_id == list(range(len(lengths))):
+            merged |= shared_id[prefix_id] != prefix_id
+    if not merged:
         return rows
     shared_id.append(-1)  # a row with no prefix (-1) indexes the last
     return replace(rows, prefix_ids=torch.tensor(shared_id, dtype=torch.int32)[rows.prefix_ids.long()])

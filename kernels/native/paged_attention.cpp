@@ -770,8 +770,9 @@ struct SegmentRows {
 };
 
 // A segment's n cache rows as fp32 rows: fp32 ones where the cache holds them, bf16 ones converted into
-// `converted` (`rows` pointing to them). Read in place, not copied, and with accumulate_segment's runs, 16 fp32 decodes over 100 tokens
-// took 0.77x the time (benchmarks.kernel_revisions; docs/benchmarks/kernel_revisions_fp32_rows_in_place.json).
+// `converted` (`rows` pointing to them). fp32 rows read in place instead of copied, with accumulate_segment's
+// runs, took 16 fp32 decodes over 100 tokens to 0.77x the time (benchmarks.kernel_revisions;
+// docs/benchmarks/kernel_revisions_fp32_rows_in_place.json).
 template <int64_t DIM>
 inline const float *const *fp32_rows(const float *const *cache_rows, int64_t, float *, const float **) {
     return cache_rows;
