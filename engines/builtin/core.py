@@ -162,7 +162,7 @@ class EngineCore(StepLoop):
 
     async def _outcome(self, ctx: Context, arrival: int, future: asyncio.Future, aborted: str):
         """What a queued fill delivers; cancelling the wait aborts the fill."""
-        self._wakeup.set()
+        self._wake_after_this_tick(asyncio.get_running_loop())
         try:
             result = await future
         except asyncio.CancelledError:
@@ -210,6 +210,7 @@ class EngineCore(StepLoop):
             params, lambda event: loop.call_soon_threadsafe(queue.put_nowait, event), context_id, prompt_tokens,
             parent_context_id, grammar, parent_tokens=parent_tokens,
         )
+        self._wake_after_this_tick(loop)
         finished = False
         try:
             while True:
@@ -258,9 +259,7 @@ class EngineCore(StepLoop):
             ctx.grammar = grammar
             ctx.deliver = deliver
             self.scheduler.add(ctx)
-            arrival = ctx.arrival
-        self._wakeup.set()
-        return ctx, arrival
+            return ctx, ctx.arrival
 
     def generate_batch(self, prompts: list[list[int]], params: SamplingParams, *,
                        parent_context_id: str | None = None) -> list[list[int]]:
@@ -288,6 +287,7 @@ class EngineCore(StepLoop):
         with self._lock:
             for i, (prompt, matcher) in enumerate(zip(prompts, matchers)):
                 self._start_generation(params, collector(i), None, prompt, parent_context_id, matcher)
+        self._wakeup.set()
         if self._thread is None:
             while not all(event.is_set() for event in done):
                 self.step()

@@ -204,6 +204,14 @@ class StepLoop:
             if ctx.arrival == arrival and ctx.status is not Status.IDLE:
                 self.registry.finish(ctx, "abort")
 
+    def _wake_after_this_tick(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Wakes the step thread once ``loop`` has run the rest of its current iteration, so that requests submitted
+        together (a gather of generations, an app's fan-out) reach the same step. Woken by the first of 16 forks, the
+        step thread took the GIL after Python's switch interval (5 ms) and stepped with the 2 submitted by then; the
+        other 14 waited out that step, and the 16 finished a step later. A step thread already awake takes what
+        has arrived when it next schedules, as before."""
+        loop.call_soon(self._wakeup.set)
+
     def _request_abort(self, ctx: Context, arrival: int) -> None:
         with self._lock:
             self._aborts.append((ctx, arrival))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import pytest
 
@@ -108,6 +109,26 @@ async def test_an_id_freed_while_busy_can_be_taken_again_at_once(make_engine):
     await wait_until(lambda: engine.stats().waiting == engine.stats().running == 0)
     await engine.free_context("reused")
     await wait_until(lambda: all_free(engine))
+
+
+async def test_generations_started_together_share_their_first_step(make_engine):
+    """Forks started in one event-loop iteration (a gather, an app's fan-out) all reach the step thread's next step,
+    even when it may take the GIL from the submitting thread after every few bytecodes."""
+    engine = make_engine()
+    parent = await engine.fill(list(range(100, 140)))
+    await wait_until(lambda: engine._idle)  # the step thread waits for work, as between an app's calls
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+    async def steps(prompt):
+        return [e.step async for e in engine.generate_from_prompt(prompt, params, parent_context_id=parent.context_id)]
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        runs = await asyncio.gather(*(steps([7 + i, 8, 9]) for i in range(8)))
+    finally:
+        sys.setswitchinterval(interval)
+    assert {run[0] for run in runs} == {runs[0][0]}, runs
 
 
 async def test_a_refused_fork_creates_no_parent(make_engine):
