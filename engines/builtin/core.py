@@ -284,10 +284,12 @@ class EngineCore(StepLoop):
         # and split the batch by timing (the prompts' chunks, and with them the attention's summation order, then
         # varied). The grammar matchers are built first, outside the lock (see _grammar_matcher).
         matchers = [self._grammar_matcher(params) for _ in prompts]
-        with self._lock:
-            for i, (prompt, matcher) in enumerate(zip(prompts, matchers)):
-                self._start_generation(params, collector(i), None, prompt, parent_context_id, matcher)
-        self._wakeup.set()
+        try:
+            with self._lock:
+                for i, (prompt, matcher) in enumerate(zip(prompts, matchers)):
+                    self._start_generation(params, collector(i), None, prompt, parent_context_id, matcher)
+        finally:  # those admitted before a refusal are served too
+            self._wakeup.set()
         if self._thread is None:
             while not all(event.is_set() for event in done):
                 self.step()

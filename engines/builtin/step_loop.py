@@ -205,11 +205,11 @@ class StepLoop:
                 self.registry.finish(ctx, "abort")
 
     def _wake_after_this_tick(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Wakes the step thread once ``loop`` has run the rest of its current iteration, so that requests submitted
-        together (a gather of generations, an app's fan-out) reach the same step. Woken by the first of 16 forks, the
-        step thread took the GIL after Python's switch interval (5 ms) and stepped with the 2 submitted by then; the
-        other 14 waited out that step, and the 16 finished a step later. A step thread already awake takes what
-        has arrived when it next schedules, as before."""
+        """Wakes the step thread once ``loop`` has run the rest of its current iteration: requests submitted in one
+        iteration (a gather of generations, an app's fan-out) reach the same step. Grammar-constrained ones come back
+        from their matcher's thread in iterations of their own. A step thread already awake schedules what has
+        arrived, as before. (Woken at the first of 16 forks, it had taken the GIL after Python's switch interval and
+        stepped with 2 of them; the other 14 waited out that step.)"""
         loop.call_soon(self._wakeup.set)
 
     def _request_abort(self, ctx: Context, arrival: int) -> None:

@@ -131,6 +131,14 @@ async def test_generations_started_together_share_their_first_step(make_engine):
     assert {run[0] for run in runs} == {runs[0][0]}, runs
 
 
+async def test_a_batch_refused_partway_still_serves_what_it_admitted(make_engine):
+    engine = make_engine(max_model_len=64)
+    await wait_until(lambda: engine._idle)
+    with pytest.raises(PromptTooLong):  # the first prompt is admitted, the second refused
+        engine.generate_batch([list(range(100, 110)), list(range(100))], SamplingParams(max_tokens=2))
+    await wait_until(lambda: engine.stats().waiting == engine.stats().running == 0)  # it ran: nothing else woke it
+
+
 async def test_a_refused_fork_creates_no_parent(make_engine):
     engine = make_engine(max_model_len=64)
     with pytest.raises(PromptTooLong):
