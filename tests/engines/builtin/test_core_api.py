@@ -128,7 +128,7 @@ async def test_generations_started_together_share_their_first_step(make_engine):
         runs = await asyncio.gather(*(steps([7 + i, 8, 9]) for i in range(8)))
     finally:
         sys.setswitchinterval(interval)
-    assert {run[0] for run in runs} == {runs[0][0]}, runs
+    assert len({first for first, *_ in runs}) == 1, f"the forks' first tokens came from steps {runs}"
 
 
 async def test_a_batch_refused_partway_still_serves_what_it_admitted(make_engine):
