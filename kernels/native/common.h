@@ -103,6 +103,55 @@ inline void save(float *to, Vec x) { *reinterpret_cast<UnalignedVec *>(to) = x; 
 // kernels are not built with -frounding-math), so this folds to a broadcast load.
 inline Vec splat(float x) { return x - Vec{}; }
 
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512F__)
+// 16 vectors of 16 32-bit lanes transposed in registers: rows[c] lane r <- rows[r] lane c.
+inline void transpose_lanes(__m512i rows[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(rows[i], rows[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(rows[i], rows[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        rows[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        rows[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        rows[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        rows[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 16; i += 8)
+        for (int j = 0; j < 4; j++) {
+            t[i + j] = _mm512_shuffle_i32x4(rows[i + j], rows[i + j + 4], 0x88);
+            t[i + j + 4] = _mm512_shuffle_i32x4(rows[i + j], rows[i + j + 4], 0xdd);
+        }
+    for (int j = 0; j < 8; j++) {
+        rows[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+        rows[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+    }
+}
+#elif defined(__AVX2__)
+// The same on AVX2: 8 vectors of 8 floats transposed in registers.
+inline void transpose_lanes(__m256 rows[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(rows[i], rows[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(rows[i], rows[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int j = 0; j < 4; j++) {
+        rows[j] = _mm256_permute2f128_ps(u[j], u[j + 4], 0x20);
+        rows[j + 4] = _mm256_permute2f128_ps(u[j], u[j + 4], 0x31);
+    }
+}
+#endif
+
 // exp lane by lane for -87 <= x <= 88 (callers clamp to what they need): Cephes' expf polynomial after
 // x = n ln2 + r, n rounded by the 1.5 x 2^23 trick and 2^n made from its bits; relative error ~1e-7.
 inline Vec exp_in_range(Vec x) {

@@ -189,7 +189,15 @@ struct Sums {
 // Rows x one block, its sums to `sink`, a part of the block's features at a time: `unroll` sets of accumulators
 // take alternate steps, so that few rows still have enough independent sums in flight to hide the multiply-add
 // latency.
-template <typename T, int rows, int unroll, typename Sink>
+// A pass reads row r's input at step s from x's rows as the caller holds them (row stride in_features), or, when
+// `interleaved`, from the pass's rows laid out step by step, [steps][rows][kPack] (interleave_rows below).
+template <typename T, int rows, bool interleaved>
+const T *row_input(const T *x, int r, int64_t s, int64_t in_features) {
+    constexpr int64_t pack = Ops<T>::kPack;
+    return interleaved ? x + (s * rows + r) * pack : x + r * in_features + s * pack;
+}
+
+template <typename T, int rows, int unroll, bool interleaved, typename Sink>
 void block_rows(const T *block, const T *x, int64_t in_features, Pass pass, Sink sink) {
     using O = Ops<T>;
     constexpr int64_t step = O::kPack * kBlockCols;  // a block's weights per input step
@@ -210,14 +218,14 @@ void block_rows(const T *block, const T *x, int64_t in_features, Pass pass, Sink
                 prefetch.step();
                 const auto w = O::template weights<vecs>(weights + (s + u) * step);
                 for (int r = 0; r < rows; r++) {
-                    const auto input = O::input(x + r * in_features + (s + u) * O::kPack);
+                    const auto input = O::input(row_input<T, rows, interleaved>(x, r, s + u, in_features));
                     for (int v = 0; v < vecs; v++) O::multiply_add(sums[u][r][v], input, w[v]);
                 }
             }
         for (; s < steps; s++) {
             const auto w = O::template weights<vecs>(weights + s * step);
             for (int r = 0; r < rows; r++) {
-                const auto input = O::input(x + r * in_features + s * O::kPack);
+                const auto input = O::input(row_input<T, rows, interleaved>(x, r, s, in_features));
                 for (int v = 0; v < vecs; v++) O::multiply_add(sums[0][r][v], input, w[v]);
             }
         }
@@ -237,17 +245,17 @@ using BlockRows = void (*)(const T *, const T *, int64_t, Pass, Sink);
 template <int rows>
 constexpr int kUnroll = std::clamp(kSumBudget<kRowVecs<rows>> / (kRowVecs<rows> * rows), 1, 4);
 
-template <typename T, typename Sink, int... rows>
+template <typename T, typename Sink, bool interleaved, int... rows>
 BlockRows<T, Sink> block_rows_among(int64_t count, std::integer_sequence<int, rows...>) {
     BlockRows<T, Sink> chosen = nullptr;
-    ((chosen = count == rows + 1 ? block_rows<T, rows + 1, kUnroll<rows + 1>, Sink> : chosen), ...);
-    return chosen ? chosen : block_rows<T, kMaxRows, 1, Sink>;
+    ((chosen = count == rows + 1 ? block_rows<T, rows + 1, kUnroll<rows + 1>, interleaved, Sink> : chosen), ...);
+    return chosen ? chosen : block_rows<T, kMaxRows, 1, interleaved, Sink>;
 }
 
 // The pass for `rows` rows (at most kMaxRows).
-template <typename T, typename Sink>
+template <typename T, typename Sink, bool interleaved = false>
 BlockRows<T, Sink> block_rows_for(int64_t rows) {
-    return block_rows_among<T, Sink>(rows, std::make_integer_sequence<int, kMaxRows>{});
+    return block_rows_among<T, Sink, interleaved>(rows, std::make_integer_sequence<int, kMaxRows>{});
 }
 
 // bf16 rows in tiles on AMX (common.h): the packed weight is already a tile's layout (a block's 16 pairs of
@@ -434,17 +442,19 @@ struct RowPlan {
         return std::max<int64_t>(rows > 0, std::min(by_bytes, (rows + kMaxRows - 1) / kMaxRows));
     }
 
+    // g(row, end, pass) for each pass of a vector chunk: equal chunks, in passes of equal size up to kMaxRows.
+    template <typename G>
+    void vector_passes(int64_t chunk, G &&g) const {
+        const int64_t first = rows * chunk / chunks, count = rows * (chunk + 1) / chunks - first;
+        const int64_t passes = (count + kMaxRows - 1) / kMaxRows;
+        for (int64_t p = 0; p < passes; p++) g(first + count * p / passes, first + count * (p + 1) / passes, Pass{p, passes});
+    }
+
     // f(unit, row, end, pass) for each pass of `chunk` over `unit`; `configured`: the rows the calling thread's
     // tiles are set up for (0: none yet).
     template <typename F>
     void run(int64_t chunk, int64_t unit, int64_t &configured, F &f) const {
-        if (!tiled) {
-            const int64_t first = rows * chunk / chunks, count = rows * (chunk + 1) / chunks - first;  // even chunks
-            const int64_t passes = (count + kMaxRows - 1) / kMaxRows;
-            for (int64_t p = 0; p < passes; p++)
-                f(unit, first + count * p / passes, first + count * (p + 1) / passes, Pass{p, passes});
-            return;
-        }
+        if (!tiled) return vector_passes(chunk, [&](int64_t row, int64_t end, Pass pass) { f(unit, row, end, pass); });
         const int64_t first = chunk * kChunkRows, whole = whole_pass_rows;
         if (first >= whole) {  // the rest, fewer than a pass
             if (configured != rows - whole) configure_row_tiles(configured = rows - whole);
@@ -462,9 +472,8 @@ struct RowPlan {
 // band is done takes the last items of the following threads' bands in turn (Band). A band whose thread the
 // team lacks (OpenMP may give fewer threads than asked) is taken from the front, in its owner's order.
 template <typename F>
-void for_each_unit(int64_t units, int64_t rows, int64_t row_bytes, int num_threads, bool tiled, F f) {
+void for_each_unit(int64_t units, const RowPlan &plan, int num_threads, F f) {
     constexpr int kStackBands = 16;  // a decode step makes ~120 calls: no allocation for the usual thread counts
-    const RowPlan plan(rows, tiled, row_bytes);
     if (!plan.chunks || !units) return;
     const int bands_count = std::max(num_threads, 1);
     const auto first_unit = [&](int band) { return units * band / bands_count; };
@@ -495,6 +504,75 @@ void for_each_unit(int64_t units, int64_t rows, int64_t row_bytes, int num_threa
     }
 }
 
+// The vector passes read a call's input interleaved from this many rows on: prefill chunks. A batched decode
+// step's few rows (up to 16: two passes of 8, whose pointers fit the registers) are read in place, as measured
+// before interleaving existed; they were not measured interleaved.
+constexpr int64_t kInterleavedRows = 17;
+
+// `rows` (at most kLanes) rows of x, [rows][steps] 32-bit elements (an fp32 value, or a pair of bf16 inputs),
+// laid out step by step, [steps][rows], at `to`: kLanes steps at a time transposed in registers (common.h), the
+// first `rows` lanes of each stored. Element by element it took ~0.85 cycles an element, ~5% of a 1,024-row
+// fp32 down projection's time.
+inline void interleave(const uint32_t *x, int64_t rows, int64_t steps, uint32_t *to) {
+    int64_t s = 0;
+#if defined(__AVX512F__)
+    const __mmask16 first_rows = static_cast<__mmask16>((1u << rows) - 1);
+    for (; s + kLanes <= steps; s += kLanes) {
+        __m512i lanes[kLanes];
+        for (int r = 0; r < kLanes; r++) lanes[r] = r < rows ? _mm512_loadu_si512(x + r * steps + s) : _mm512_setzero_si512();
+        transpose_lanes(lanes);
+        for (int c = 0; c < kLanes; c++) _mm512_mask_storeu_epi32(to + (s + c) * rows, first_rows, lanes[c]);
+    }
+#elif defined(__AVX2__)
+    const __m256i first_rows = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(rows)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    for (; s + kLanes <= steps; s += kLanes) {
+        __m256 lanes[kLanes];
+        for (int r = 0; r < kLanes; r++)
+            lanes[r] = r < rows ? _mm256_loadu_ps(reinterpret_cast<const float *>(x + r * steps + s)) : _mm256_setzero_ps();
+        transpose_lanes(lanes);
+        for (int c = 0; c < kLanes; c++) _mm256_maskstore_ps(reinterpret_cast<float *>(to + (s + c) * rows), first_rows, lanes[c]);
+    }
+#endif
+    for (; s < steps; s++)
+        for (int64_t r = 0; r < rows; r++) to[s * rows + r] = x[r * steps + s];
+}
+
+// x's rows as the vector passes read them from kInterleavedRows on: each pass's rows interleaved (interleave) where
+// the pass's first row would be, in a buffer the calling thread keeps for its next calls. Read in place, a pass of
+// 12 rows kept 12 row pointers, more than the general registers left free: the compiler moved some through vector
+// registers and the stack every step, on a multiply-add port; interleaved, a step's broadcasts are one line
+// through one pointer. Kernel A/B with ask_for_output below (benchmarks.kernel_revisions, fp32, 40 rounds a load
+// order, docs/benchmarks/kernel_revisions_interleaved_rows_fp32.json): a layer's linears 0.92x the time at 1,024
+// rows and 0.94x at 112, the gated one alone 0.91x and 0.90x, 1-16 rows and attention level (0.98-1.01x). bf16
+// rows without tiles (this host with its tiles off; one process, alternating builds): 0.96-0.98x at 1,024 rows.
+template <typename T>
+const T *interleaved_rows(const T *x, const RowPlan &plan, int64_t in_features, int num_threads) {
+    static thread_local std::unique_ptr<T[]> buffer;
+    static thread_local int64_t capacity = 0;
+    if (plan.rows * in_features > capacity) buffer.reset(new T[capacity = plan.rows * in_features]);
+    T *const to = buffer.get();
+#pragma omp parallel for num_threads(std::max(num_threads, 1)) schedule(static)
+    for (int64_t chunk = 0; chunk < plan.chunks; chunk++)
+        plan.vector_passes(chunk, [&](int64_t row, int64_t end, Pass) {
+            static_assert(sizeof(T) * Ops<T>::kPack == sizeof(uint32_t) && kMaxRows <= kLanes, "a pass's step is a vector");
+            interleave(reinterpret_cast<const uint32_t *>(x + row * in_features), end - row, in_features / Ops<T>::kPack,
+                       reinterpret_cast<uint32_t *>(to + row * in_features));
+        });
+    return to;
+}
+
+// A vector pass's lines of output (`rows` rows of a block's kBlockCols features, `stride` elements apart) asked
+// into L1 before its multiply-adds: a prefill's output (4 MB for a 1,024-row fp32 QKV) is mostly out of the caches
+// when the allocator hands it out, and the pass's stores then waited on their lines' reads. SmolLM2's 1,024-row
+// fp32 QKV and o linears took 0.82-0.88x the time with this beside interleaving alone (the down projection
+// 0.93-1.0x; one core and two, alternating builds in one process).
+template <typename T>
+void ask_for_output(const T *first, int64_t stride, int64_t rows) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t byte = 0; byte < kBlockCols * static_cast<int64_t>(sizeof(T)); byte += 64)
+            __builtin_prefetch(reinterpret_cast<const char *>(first + r * stride) + byte, 1, 3);
+}
+
 // Whether the kernel takes these sizes: whole input steps and whole blocks of output features.
 template <typename T>
 bool sizes_fit(int64_t rows, int64_t out_features, int64_t in_features) {
@@ -505,15 +583,18 @@ template <typename T>
 int linear(const T *x, const T *weight, const T *bias, T *out, int64_t rows, int64_t out_features,
            int64_t in_features, int num_threads) {
     if (!sizes_fit<T>(rows, out_features, in_features)) return -1;
-    const bool tiled = tiles_take<T>(in_features);
-    const int64_t row_bytes = in_features * sizeof(T);
-    for_each_unit(out_features / kBlockCols, rows, row_bytes, num_threads, tiled,
-                  [&](int64_t block, int64_t row, int64_t end, Pass pass) {
+    const bool tiled = tiles_take<T>(in_features), interleaved = !tiled && rows >= kInterleavedRows;
+    const RowPlan plan(rows, tiled, in_features * sizeof(T));
+    const T *const input = interleaved ? interleaved_rows(x, plan, in_features, num_threads) : x;
+    for_each_unit(out_features / kBlockCols, plan, num_threads, [&](int64_t block, int64_t row, int64_t end, Pass pass) {
         const int64_t feature = block * kBlockCols;
         const T *weights = weight + feature * in_features;
         const Output<T> sink{out + row * out_features + feature, out_features, bias ? bias + feature : nullptr};
-        if (!tiled)
-            return block_rows_for<T, Output<T>>(end - row)(weights, x + row * in_features, in_features, pass, sink);
+        if (!tiled && !interleaved) return block_rows_for<T, Output<T>>(end - row)(weights, x + row * in_features, in_features, pass, sink);
+        if (!tiled) {
+            ask_for_output(sink.out, out_features, end - row);
+            return block_rows_for<T, Output<T>, true>(end - row)(weights, input + row * in_features, in_features, pass, sink);
+        }
         alignas(64) float sums[kTileRows * kBlockCols];
         const OutputLines out_lines = OutputLines::of(sink.out, out_features);
         tile_sums(weights, x + row * in_features, end - row, in_features, pass, sums, out_lines);
@@ -537,10 +618,10 @@ int gated_linear(const T *x, const T *weight, T *out, int64_t rows, int64_t out_
                  int num_threads) {
     using O = Ops<T>;
     if (!sizes_fit<T>(rows, out_features, in_features)) return -1;
-    const bool tiled = tiles_take<T>(in_features);
-    const int64_t row_bytes = in_features * sizeof(T);
-    for_each_unit(out_features / kBlockCols, rows, row_bytes, num_threads, tiled,
-                  [&](int64_t block, int64_t row, int64_t end, Pass pass) {
+    const bool tiled = tiles_take<T>(in_features), interleaved = !tiled && rows >= kInterleavedRows;
+    const RowPlan plan(rows, tiled, in_features * sizeof(T));
+    const T *const input = interleaved ? interleaved_rows(x, plan, in_features, num_threads) : x;
+    for_each_unit(out_features / kBlockCols, plan, num_threads, [&](int64_t block, int64_t row, int64_t end, Pass pass) {
         const T *gate = weight + 2 * block * kBlockCols * in_features, *up = gate + kBlockCols * in_features;
         alignas(64) float gates[kTileRows * kBlockCols], ups[kTileRows * kBlockCols];
         const int64_t count = end - row;
@@ -562,9 +643,10 @@ int gated_linear(const T *x, const T *weight, T *out, int64_t rows, int64_t out_
             tile_sums(up, x + row * in_features, count, in_features, pass, ups, {},
                       [&](int64_t step, int64_t steps) { activate_rows((step + 1) * count / steps); });
         } else {
-            const BlockRows<T, Sums<T>> run = block_rows_for<T, Sums<T>>(count);
-            run(gate, x + row * in_features, in_features, pass, {gates});
-            run(up, x + row * in_features, in_features, pass, {ups});
+            if (interleaved) ask_for_output(out + row * out_features + block * kBlockCols, out_features, count);
+            const auto run = interleaved ? block_rows_for<T, Sums<T>, true>(count) : block_rows_for<T, Sums<T>>(count);
+            run(gate, input + row * in_features, in_features, pass, {gates});
+            run(up, input + row * in_features, in_features, pass, {ups});
         }
         activate_rows(count);
         for (int64_t r = 0; r < count; r++)

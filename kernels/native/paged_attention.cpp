@@ -273,30 +273,6 @@ inline void accumulate_rows(float *__restrict acc, const float *__restrict resca
 }
 
 #if defined(__AVX512F__)
-// 16 vectors of 16 32-bit lanes transposed in registers: rows[c] lane r <- rows[r] lane c.
-inline void transpose_lanes(__m512i rows[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(rows[i], rows[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(rows[i], rows[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        rows[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        rows[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        rows[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        rows[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    for (int i = 0; i < 16; i += 8)
-        for (int j = 0; j < 4; j++) {
-            t[i + j] = _mm512_shuffle_i32x4(rows[i + j], rows[i + j + 4], 0x88);
-            t[i + j + 4] = _mm512_shuffle_i32x4(rows[i + j], rows[i + j + 4], 0xdd);
-        }
-    for (int j = 0; j < 8; j++) {
-        rows[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
-        rows[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
-    }
-}
-
 // Key row r's dimensions [d, d + 16) as 16 fp32 lanes.
 inline __m512i key_lanes(const float *row, int64_t d) { return _mm512_loadu_si512(row + d); }
 inline __m512i key_lanes(const BFloat16 *row, int64_t d) {  // bf16 -> fp32: the 16 bits into the high half
@@ -306,25 +282,6 @@ inline __m512i key_lanes(const BFloat16 *row, int64_t d) {  // bf16 -> fp32: the
 typedef __m512i KeyLanes;
 inline void store_lanes(float *to, __m512i x) { _mm512_storeu_si512(to, x); }
 #elif defined(__AVX2__)
-// The same on AVX2: 8 vectors of 8 floats transposed in registers.
-inline void transpose_lanes(__m256 rows[8]) {
-    __m256 t[8], u[8];
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(rows[i], rows[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(rows[i], rows[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4) {
-        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
-        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
-    }
-    for (int j = 0; j < 4; j++) {
-        rows[j] = _mm256_permute2f128_ps(u[j], u[j + 4], 0x20);
-        rows[j + 4] = _mm256_permute2f128_ps(u[j], u[j + 4], 0x31);
-    }
-}
-
 inline __m256 key_lanes(const float *row, int64_t d) { return _mm256_loadu_ps(row + d); }
 inline __m256 key_lanes(const BFloat16 *row, int64_t d) {
     const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i *>(row + d));

@@ -17,9 +17,10 @@ def _reference(x, weight, bias):
     return F.linear(x.double(), weight.double(), None if bias is None else bias.double())
 
 
-# 1-6: unrolled steps; 7-12 one pass; 13, 16, 25: passes of equal rows; 0: nothing to do.
+# 1-6: unrolled steps; 7-12 one pass; 13, 16: passes of equal rows; 0: nothing to do; from 17 (17, 25, 40) the
+# passes read their rows interleaved (native/linear.cpp's interleave: whole vectors of steps, then the rest).
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 12, 13, 16, 25])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 12, 13, 16, 17, 25, 40])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_matches_fp64(dtype, rows, with_bias):
     torch.manual_seed(rows)
