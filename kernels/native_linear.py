@@ -22,7 +22,7 @@ docs/benchmarks/kernels_cpu_fp32_rows.txt):
 In an earlier run (30 layers' weights, one process, alternating) the plain kernel ran 0.93-1.04x MKL from 96 to
 1,000 rows: level within this host's noise. Later runs there found MKL 1.1-1.2x faster at 1,024 rows; with a
 prefill's rows interleaved for the passes and their output lines asked for first (native/linear.cpp's
-interleaved_rows, ask_for_output), SmolLM2's 1,024-row linears ran 0.85-1.12x MKL's rate on the plain ones and
+interleaved_rows, ask_for_output), SmolLM2's 1,024-row linears ran 0.84-1.14x MKL's rate on the plain ones and
 1.2-1.3x on the gated one (one process, alternating; one core and two).
 bf16 keeps the kernel at every row count too: its tiles (AMX) were level with or ahead of oneDNN.
 """
