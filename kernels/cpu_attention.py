@@ -110,7 +110,7 @@ def decode_per_sequence(q, k_cache, v_cache, block_tables, context_lens, scale, 
 class NativeRows:
     """Query rows as the native kernel takes them: each row attends to a prefix (or none), then its own run.
 
-    A prefill chunk's new tokens go in tiles of ``native_tile_tokens(dtype)``, each tile a prefix (join_rows then gives
+    A prefill chunk's new tokens go in tiles of ``native_tile_tokens()``, each tile a prefix (join_rows then gives
     tiles over the same blocks one): a tile's rows read
     the whole blocks before its first token once, together, then each row its own few tokens up to itself
     (causal). A decode's row has its context as its own run, or a shared prefix and its suffix.
@@ -213,11 +213,10 @@ class PrefillChunk:
         return torch.arange(self.length)[None, :] <= positions[:, None]
 
 
-def native_tile_tokens(dtype: torch.dtype) -> int:
+def native_tile_tokens() -> int:
     """The tokens of a chunk the native kernel takes a tile: with SmolLM2's 3 query heads per kv head, its
-    widest tile (native.MAX_GROUP, the kernel's kTileRows: 96 query rows in bf16, 48 in fp32) shares each key
-    and value read."""
-    return native.MAX_GROUP[dtype] // 3
+    widest tile (native.MAX_GROUP, the kernel's kTileRows: 96 query rows) shares each key and value read."""
+    return native.MAX_GROUP // 3
 
 
 def plan_prefill(block_tables, cu_seqlens_q, context_lens, block_size: int, *,
@@ -230,7 +229,7 @@ def plan_prefill(block_tables, cu_seqlens_q, context_lens, block_size: int, *,
             continue
         blocks = block_tables[b, : -(-length // block_size)]
         cached_rows = (None if native_dtype is None else
-                       _tiled_rows(blocks, length - (end - start), end - start, block_size, native_tile_tokens(native_dtype)))
+                       _tiled_rows(blocks, length - (end - start), end - start, block_size, native_tile_tokens()))
         chunks.append(PrefillChunk(start, end, length, blocks, cached_rows))
     return chunks
 

@@ -47,7 +47,7 @@ _LINEAR_ARGS = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT]
 _GATED_ARGS = [_PTR, _PTR, _PTR, _I64, _I64, _I64, _INT]
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 HEAD_DIMS = (32, 64, 80, 96, 128, 256)
-MAX_GROUP = {torch.float32: 48, torch.bfloat16: 96}  # the kernel's kTileRows: query heads a kv head it takes
+MAX_GROUP = 96  # the kernel's kTileRows: query heads a kv head it takes
 LINEAR_BLOCK = 32  # native/linear.cpp's block of output features
 LINEAR_PACK = {torch.float32: 1, torch.bfloat16: 2}  # inputs a step takes: the packed weight's last dimension
 
@@ -75,7 +75,7 @@ class NativeKernels:
                                if self._run_linear(probe[:1].to(dtype), pack_linear(probe.to(dtype)), None, LINEAR_BLOCK, 2)[0] == 0}
 
     def supports(self, dtype: torch.dtype, head_dim: int, query_group: int) -> bool:
-        return dtype in self._decode and head_dim in HEAD_DIMS and query_group <= MAX_GROUP[dtype]
+        return dtype in self._decode and head_dim in HEAD_DIMS and query_group <= MAX_GROUP
 
     def supports_linear(self, weight: torch.Tensor) -> bool:
         """Whether linear() takes this weight (its dtype, and sizes multiples of the kernel's tiles)."""

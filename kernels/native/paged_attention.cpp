@@ -48,20 +48,18 @@ constexpr int64_t kSegment = 256;
 // A row of a segment's scores, weights or transposed keys: a segment and a vector, so that rows a whole 1 KB
 // apart do not all fall in the same few L1 sets (fp32 attention ran 1.2-1.7x slower with rows 1 KB apart).
 constexpr int64_t kStride = kSegment + kLanes;
-// Query rows sharing one pass over a prefix. In bf16 a 32-token prefill tile with SmolLM2's 3 query heads a kv
-// head (kernels/cpu_attention.py lays prefill out so): at twice the 48 it was, a prefill converts each prefix's
-// keys and values half as often: with score_segment_tiles and value_tiles_two_rows, a 1,000-token prefill's
-// attention 0.85x the time, 256 tokens 0.86x, decodes 0.98-1.03x (benchmarks/kernel_revisions). fp32 stays at
-// 48: its scratch sized for 96 rows alone ran its decodes 3-15% slower (where the buffers fall in L1, as
-// kStride's note says).
-constexpr int64_t kMaxTileRows = 96;  // the largest kTileRows (below): the bound of a task's per-row arrays
+// Query rows sharing one pass over a prefix: a 32-token prefill tile with SmolLM2's 3 query heads a kv head
+// (kernels/cpu_attention.py lays prefill out so). At twice the 48 it was, a prefill converts (bf16) or transposes
+// (fp32) each prefix's keys and values half as often. bf16, with score_segment_tiles and value_tiles_two_rows:
+// a 1,000-token prefill's attention 0.85x the time, 256 tokens 0.86x, decodes 0.98-1.03x (benchmarks/kernel_revisions).
+// fp32 had stayed at 48, its scratch sized for 96 rows then running its decodes 3-15% slower; since kStride's
+// padding, 96 ran a 1,000-token fp32 prefill's attention at 0.87-0.94x the time and 256 tokens 0.92-0.95x, decodes
+// 1.00x and 16 forks 0.93-0.99x (two A/Bs of 40 alternating rounds, the earlier revision planned in 48-row tiles).
+constexpr int64_t kTileRows = 96;  // also the bound of a task's per-row arrays
 
 struct BFloat16 {
     uint16_t bits;
 };
-
-template <typename T>
-constexpr int64_t kTileRows = std::is_same_v<T, BFloat16> ? kMaxTileRows : 48;
 
 inline float to_float(float x) { return x; }
 
@@ -778,7 +776,7 @@ void attend_segment(Scratch &s, int64_t first, int64_t count, const SegmentRows<
             score_chunk<DIM>(s, first, count, chunk, std::min(kChunk, n - chunk), pairs, scale, key_fp32);
         }
     }
-    float rescale[kMaxTileRows];
+    float rescale[kTileRows];
     const float *const *value_fp32 = nullptr;  // the value rows as fp32, off the pair paths
     if (pairs) {
         const float score_scale = tiles ? scale : 1.0f;  // the tiles' scores are stored unscaled
@@ -808,7 +806,7 @@ void attend(Scratch &s, int64_t first, int64_t count, const T *k_cache, const T 
     // less. A decode of 16 x 3 rows over 150 tokens: 107 -> 73 us.
     const bool pairs = kBf16Dot && std::is_same_v<T, BFloat16> && (count >= kScoreRows || tokens.length >= kChunk);
     SegmentRows<T> segments[2];  // this segment's rows and the next's
-    int64_t row_ends[kMaxTileRows], block = 0, offset = 0, start = 0;
+    int64_t row_ends[kTileRows], block = 0, offset = 0, start = 0;
     const auto gather = [&](SegmentRows<T> &rows) {  // the next segment's token rows, walking the block table
         rows.n = std::min(kSegment, tokens.length - start);
         for (int64_t t = 0; t < rows.n; t++) {
@@ -919,7 +917,7 @@ void run_task(const Task &task, Scratch &s, const T *q, const T *k_cache, const 
     float *const own_states = task.part < 0 ? nullptr : states + task.states + task.part * partial_floats(rows, DIM);
     if (task.part == 0) return save_partial<DIM>(s, rows, own_states);
     for_each_table_group(task, own_tables, own_stride, own_lens, [&](size_t m, size_t count, int64_t longest) {
-        int64_t lengths[kMaxTileRows];
+        int64_t lengths[kTileRows];
         for (size_t i = m; i < m + count; i++)
             for (int64_t g = 0; g < group; g++) lengths[(i - m) * group + g] = own_lens[task.members[i]];
         const Tokens own{own_tables + longest * own_stride, own_lens[longest]};
@@ -1064,7 +1062,7 @@ void run_tasks(const Plan &plan, const T *q, const T *k_cache, const T *v_cache,
     {
         // One per thread, kept between calls: allocating (and zeroing) it per call cost more than a short
         // decode's arithmetic.
-        thread_local Scratch scratch(kMaxHeadDim, kTileRows<T>);
+        thread_local Scratch scratch(kMaxHeadDim, kTileRows);
         scratch.tiles = kTiles && std::is_same_v<T, BFloat16> && DIM % 32 == 0 && tiles_usable();
         if (scratch.tiles) configure_attention_tiles();
 #pragma omp for schedule(dynamic, 1)
@@ -1083,7 +1081,7 @@ template <typename T>
 int decode(const T *q, const T *k_cache, const T *v_cache, const int32_t *prefix_ids, const int32_t *prefix_tables,
            int64_t prefix_stride, const int32_t *prefix_lens, int64_t num_prefixes, const int32_t *own_tables,
            int64_t own_stride, const int32_t *own_lens, T *out, int64_t batch, const Shape &shape, int num_threads) {
-    if (shape.group() > kTileRows<T>) return -1;
+    if (shape.group() > kTileRows) return -1;
     const auto blocks_valid = [&](const int32_t *table, int64_t length) {
         for (int64_t i = 0; i < (length + shape.block_size - 1) / shape.block_size; i++)
             if (table[i] < 0 || table[i] >= shape.num_blocks) return false;
@@ -1094,7 +1092,7 @@ int decode(const T *q, const T *k_cache, const T *v_cache, const int32_t *prefix
     for (int64_t p = 0; p < num_prefixes; p++)
         if (!blocks_valid(prefix_tables + p * prefix_stride, prefix_lens[p])) return -2;
     const Plan plan = plan_tasks(batch, prefix_ids, prefix_tables, prefix_stride, prefix_lens, num_prefixes, own_lens,
-                                  shape, kTileRows<T>, num_threads);
+                                  shape, kTileRows, num_threads);
     const auto run = [&](auto dim) {
         run_tasks<decltype(dim)::value>(plan, q, k_cache, v_cache, own_tables, own_stride, own_lens, out, shape,
                                         num_threads);

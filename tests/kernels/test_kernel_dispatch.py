@@ -47,7 +47,7 @@ def test_prefill_matches_reference(kv, tol, decode_path):
     expected = reference.paged_prefill(q, kv.k_cache, kv.v_cache, tables, cu, context_lens, kv.scale)
     torch.testing.assert_close(out, expected, **tol)
     plan = cpu_attention.plan_prefill(tables, cu, context_lens, kv.block_size, native_dtype=kv.k_cache.dtype)
-    tiles = [-(-n // cpu_attention.native_tile_tokens(kv.k_cache.dtype)) for n in q_lens if n]
+    tiles = [-(-n // cpu_attention.native_tile_tokens()) for n in q_lens if n]
     assert [len(chunk.cached_rows.prefix_len) for chunk in plan] == tiles  # every chunk, in tiles
 
 
