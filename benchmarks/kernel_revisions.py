@@ -16,6 +16,7 @@ per-round after/before ratios. (``benchmarks.revisions`` does the same for the w
 from __future__ import annotations
 
 import argparse
+import ast
 import ctypes
 import functools
 import importlib.util
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -48,11 +50,23 @@ def build(checkout: Path, into: Path) -> ctypes.CDLL:
 
 
 def module_from(checkout: Path):
+    """The checkout's cpu_attention, its tiles sized by its own kernel (its native.py's MAX_GROUP; the rest of
+    kernels.native is this checkout's)."""
     spec = importlib.util.spec_from_file_location("before_cpu_attention", checkout / "kernels" / "cpu_attention.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
+    module.native = types.SimpleNamespace(**vars(native))
+    module.native.MAX_GROUP = max_group_of(checkout)
     return module
+
+
+def max_group_of(checkout: Path):
+    """The value the checkout's kernels/native.py assigns MAX_GROUP (a number, or one per dtype in older ones)."""
+    tree = ast.parse((checkout / "kernels" / "native.py").read_text())
+    value = next(node.value for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                 and any(isinstance(target, ast.Name) and target.id == "MAX_GROUP" for target in node.targets))
+    return eval(compile(ast.Expression(value), "MAX_GROUP", "eval"), {"torch": torch})
 
 
 def plan(module, tables, cu, lens, dtype):
