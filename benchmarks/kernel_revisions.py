@@ -56,13 +56,15 @@ def module_from(checkout: Path):
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
-    module.native = types.SimpleNamespace(**vars(native))
-    module.native.MAX_GROUP = max_group_of(checkout)
+    if hasattr(module, "native_tile_tokens"):  # tiles sized by native.MAX_GROUP (older ones: a constant of their own)
+        module.native = types.SimpleNamespace(**vars(native))
+        module.native.MAX_GROUP = max_group_of(checkout)
     return module
 
 
 def max_group_of(checkout: Path):
-    """The value the checkout's kernels/native.py assigns MAX_GROUP (a number, or one per dtype in older ones)."""
+    """The value the checkout's kernels/native.py assigns MAX_GROUP to by name (a number, or one per dtype in
+    the revisions whose cpu_attention has native_tile_tokens)."""
     tree = ast.parse((checkout / "kernels" / "native.py").read_text())
     value = next(node.value for node in ast.walk(tree) if isinstance(node, ast.Assign)
                  and any(isinstance(target, ast.Name) and target.id == "MAX_GROUP" for target in node.targets))

@@ -163,7 +163,7 @@ def _same_prefixes_shared(rows: NativeRows, block_size: int) -> NativeRows:
     one cached prompt (forks' first chunks after a shared system prompt) each had a tile of their own, which
     read all the prompt's keys and values for a few rows. 16 forks' chunks of 3 new tokens over 896 shared tokens,
     one call of SmolLM2's heads on 2 threads: 0.62x the time in fp32, 0.50x in bf16; of 20 new tokens 1.00x and
-    0.92x (an fp32 tile of 16 tokens is full already; ``python -m benchmarks.fork_prefill``,
+    0.92x (fp32's tiles were 16 tokens then, full already; ``python -m benchmarks.fork_prefill``,
     docs/benchmarks/fork_prefill.json). Prefixes that only begin alike (a fork's own cached block after the shared
     ones) stay apart."""
     lengths = rows.prefix_len.tolist()
@@ -221,7 +221,8 @@ def native_tile_tokens() -> int:
 
 def plan_prefill(block_tables, cu_seqlens_q, context_lens, block_size: int, *,
                  native_dtype: torch.dtype | None = None) -> list[PrefillChunk]:
-    """``native_dtype``: also lay each chunk out in tiles for the native kernel at that dtype."""
+    """``native_dtype`` (the native kernel's dtype, or None): also lay each chunk out in the kernel's tiles (one
+    size for every dtype)."""
     bounds, chunks = cu_seqlens_q.tolist(), []
     for b, length in enumerate(context_lens.tolist()):
         start, end = bounds[b], bounds[b + 1]

@@ -20,10 +20,11 @@ docs/benchmarks/kernels_cpu_fp32_rows.txt):
   call on the kernel, against the plain linears on MKL from 96 rows on (the gated one on the kernel in both; a
   one-off A/B in one process, 10 alternating rounds, of a routing this file no longer has).
 In an earlier run (30 layers' weights, one process, alternating) the plain kernel ran 0.93-1.04x MKL from 96 to
-1,000 rows: level within this host's noise. Later runs there found MKL 1.1-1.2x faster at 1,024 rows; with a
-prefill's rows interleaved for the passes and their output lines asked for first (native/linear.cpp's
-interleaved_rows, ask_for_output), SmolLM2's 1,024-row linears ran 0.84-1.14x MKL's rate on the plain ones and
-1.2-1.3x on the gated one (one process, alternating; one core and two).
+1,000 rows: level within this host's noise. A later session there found MKL 1.1-1.25x faster on the plain
+linears at 1,024 rows (one process, alternating). A prefill's rows are now interleaved for the passes and their
+output lines asked for first (native/linear.cpp's interleaved_rows, ask_for_output): a layer's 1,024-row linears
+0.92x the time in a kernel A/B (docs/benchmarks/kernel_revisions_interleaved_rows_fp32.json); against MKL in a
+run minutes later, 0.84-1.14x its rate on the plain ones and 1.2-1.3x on the gated one (one core and two).
 bf16 keeps the kernel at every row count too: its tiles (AMX) were level with or ahead of oneDNN.
 """
 

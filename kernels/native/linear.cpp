@@ -29,6 +29,7 @@
 #include <memory>
 #include <type_traits>
 #include <utility>
+#include <vector>
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -190,7 +191,7 @@ struct Sums {
 // take alternate steps, so that few rows still have enough independent sums in flight to hide the multiply-add
 // latency.
 // A pass reads row r's input at step s from x's rows as the caller holds them (row stride in_features), or, when
-// `interleaved`, from the pass's rows laid out step by step, [steps][rows][kPack] (interleave_rows below).
+// `interleaved`, from the pass's rows laid out step by step, [steps][rows][kPack] (interleave below).
 template <typename T, int rows, bool interleaved>
 const T *row_input(const T *x, int r, int64_t s, int64_t in_features) {
     constexpr int64_t pack = Ops<T>::kPack;
@@ -504,16 +505,23 @@ void for_each_unit(int64_t units, const RowPlan &plan, int num_threads, F f) {
     }
 }
 
-// The vector passes read a call's input interleaved from this many rows on: prefill chunks. A batched decode
-// step's few rows (up to 16: two passes of 8, whose pointers fit the registers) are read in place, as measured
-// before interleaving existed; they were not measured interleaved.
+// The vector passes read a call's input interleaved from this many rows on: prefill chunks, on AVX-512, where it
+// was measured. 1-16 rows (a batched decode step: one pass of up to 12 rows, or two of 7-8) are read in place, as
+// before interleaving existed; they were not measured interleaved. AVX2's passes (up to 6 rows) keep their few
+// pointers in registers, and it was not measured there either.
+#if defined(__AVX512F__)
 constexpr int64_t kInterleavedRows = 17;
+#else
+constexpr int64_t kInterleavedRows = INT64_MAX;
+#endif
 
-// `rows` (at most kLanes) rows of x, [rows][steps] 32-bit elements (an fp32 value, or a pair of bf16 inputs),
-// laid out step by step, [steps][rows], at `to`: kLanes steps at a time transposed in registers (common.h), the
-// first `rows` lanes of each stored. Element by element it took ~0.85 cycles an element, ~5% of a 1,024-row
-// fp32 down projection's time.
-inline void interleave(const uint32_t *x, int64_t rows, int64_t steps, uint32_t *to) {
+// A 32-bit element (an fp32 value, or a pair of bf16 inputs) read and written through any type's storage.
+typedef uint32_t Element __attribute__((may_alias));
+
+// `rows` (at most kLanes) rows of x, [rows][steps] elements, laid out step by step, [steps][rows], at `to`: kLanes
+// steps at a time transposed in registers (common.h), the first `rows` lanes of each stored. Element by element
+// it took ~0.85 cycles an element, ~5% of a 1,024-row fp32 down projection's time.
+inline void interleave(const Element *x, int64_t rows, int64_t steps, Element *to) {
     int64_t s = 0;
 #if defined(__AVX512F__)
     const __mmask16 first_rows = static_cast<__mmask16>((1u << rows) - 1);
@@ -523,22 +531,14 @@ inline void interleave(const uint32_t *x, int64_t rows, int64_t steps, uint32_t 
         transpose_lanes(lanes);
         for (int c = 0; c < kLanes; c++) _mm512_mask_storeu_epi32(to + (s + c) * rows, first_rows, lanes[c]);
     }
-#elif defined(__AVX2__)
-    const __m256i first_rows = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(rows)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    for (; s + kLanes <= steps; s += kLanes) {
-        __m256 lanes[kLanes];
-        for (int r = 0; r < kLanes; r++)
-            lanes[r] = r < rows ? _mm256_loadu_ps(reinterpret_cast<const float *>(x + r * steps + s)) : _mm256_setzero_ps();
-        transpose_lanes(lanes);
-        for (int c = 0; c < kLanes; c++) _mm256_maskstore_ps(reinterpret_cast<float *>(to + (s + c) * rows), first_rows, lanes[c]);
-    }
 #endif
     for (; s < steps; s++)
         for (int64_t r = 0; r < rows; r++) to[s * rows + r] = x[r * steps + s];
 }
 
 // x's rows as the vector passes read them from kInterleavedRows on: each pass's rows interleaved (interleave) where
-// the pass's first row would be, in a buffer the calling thread keeps for its next calls. Read in place, a pass of
+// the pass's first row would be, in a buffer the calling thread keeps for its next calls (as large as its largest
+// call's input: 12.6 MB for a 2,048-token fp32 prefill step's 1,536-wide down projection). Read in place, a pass of
 // 12 rows kept 12 row pointers, more than the general registers left free: the compiler moved some through vector
 // registers and the stack every step, on a multiply-add port; interleaved, a step's broadcasts are one line
 // through one pointer. Kernel A/B with ask_for_output below (benchmarks.kernel_revisions, fp32, 40 rounds a load
@@ -547,17 +547,25 @@ inline void interleave(const uint32_t *x, int64_t rows, int64_t steps, uint32_t 
 // rows without tiles (this host with its tiles off; one process, alternating builds): 0.96-0.98x at 1,024 rows.
 template <typename T>
 const T *interleaved_rows(const T *x, const RowPlan &plan, int64_t in_features, int num_threads) {
+    static_assert(sizeof(T) * Ops<T>::kPack == sizeof(Element) && kMaxRows <= kLanes, "a pass's step is a vector");
     static thread_local std::unique_ptr<T[]> buffer;
     static thread_local int64_t capacity = 0;
-    if (plan.rows * in_features > capacity) buffer.reset(new T[capacity = plan.rows * in_features]);
+    if (const int64_t need = plan.rows * in_features; need > capacity) {
+        buffer.reset();  // the old one freed first; capacity recorded once the new one exists
+        buffer.reset(new T[need]);
+        capacity = need;
+    }
     T *const to = buffer.get();
-#pragma omp parallel for num_threads(std::max(num_threads, 1)) schedule(static)
+    // Every pass its own item, so that a call of one chunk (up to 512 KB of input) spreads over the threads too.
+    std::vector<std::pair<int64_t, int64_t>> passes;
     for (int64_t chunk = 0; chunk < plan.chunks; chunk++)
-        plan.vector_passes(chunk, [&](int64_t row, int64_t end, Pass) {
-            static_assert(sizeof(T) * Ops<T>::kPack == sizeof(uint32_t) && kMaxRows <= kLanes, "a pass's step is a vector");
-            interleave(reinterpret_cast<const uint32_t *>(x + row * in_features), end - row, in_features / Ops<T>::kPack,
-                       reinterpret_cast<uint32_t *>(to + row * in_features));
-        });
+        plan.vector_passes(chunk, [&](int64_t row, int64_t end, Pass) { passes.emplace_back(row, end); });
+#pragma omp parallel for num_threads(std::max(num_threads, 1)) schedule(static)
+    for (size_t p = 0; p < passes.size(); p++) {
+        const auto [row, end] = passes[p];
+        interleave(reinterpret_cast<const Element *>(x + row * in_features), end - row, in_features / Ops<T>::kPack,
+                   reinterpret_cast<Element *>(to + row * in_features));
+    }
     return to;
 }
 

@@ -21,7 +21,7 @@
 // of tile multiply-adds instead: 16 query rows a tile (2.4-2.8x the dot-product path on a prefill here).
 //
 // A causal prefill is the same call (kernels/cpu_attention.py lays it out): its new tokens in tiles of
-// 16, a tile's "prefix" the whole blocks before its first token, each row's own tokens the rest up to
+// 32 (kTileRows / 3 with SmolLM2's heads), a tile's "prefix" the whole blocks before its first token, each row's own tokens the rest up to
 // itself (runs nested in one table, which the tile's rows take in one pass). The engine makes a step's
 // decodes and prefill chunks one call (cpu_attention.join_rows); tasks run longest first.
 
@@ -54,7 +54,8 @@ constexpr int64_t kStride = kSegment + kLanes;
 // a 1,000-token prefill's attention 0.85x the time, 256 tokens 0.86x, decodes 0.98-1.03x (benchmarks/kernel_revisions).
 // fp32 had stayed at 48, its scratch sized for 96 rows then running its decodes 3-15% slower; since kStride's
 // padding, 96 ran a 1,000-token fp32 prefill's attention at 0.87-0.94x the time and 256 tokens 0.92-0.95x, decodes
-// 1.00x and 16 forks 0.93-0.99x (two A/Bs of 40 alternating rounds, the earlier revision planned in 48-row tiles).
+// 1.00x and 16 forks 0.93-1.00x (three A/Bs of 40 alternating rounds, the earlier revision planned in 48-row tiles;
+// docs/benchmarks/kernel_revisions_fp32_tiles_96.json).
 constexpr int64_t kTileRows = 96;  // also the bound of a task's per-row arrays
 
 struct BFloat16 {

@@ -41,7 +41,7 @@ def test_shared_prefix_decode_matches_reference(kernels, kv, tol):
     assert torch.all(out[-1] == 0)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16], ids=["bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("block_size", [16], ids=["page16"])
 @pytest.mark.parametrize("members", [40, 21, 16, 2])
 def test_a_prefix_with_more_members_than_one_tile_holds(kernels, kv, tol, members):

@@ -64,6 +64,21 @@ def test_every_thread_count_gives_the_same_outputs(dtype):
     torch.testing.assert_close(outputs[0][1].float(), F.silu(gate) * up, rtol=4 * step, atol=1e-2)
 
 
+# From 17 rows a prefill's rows are interleaved for the vector passes (native/linear.cpp's interleaved_rows, on
+# AVX-512): the same multiply-adds in the same order as rows read in place, so 24 rows (two interleaved passes of
+# 12) equal two calls of 12 (each one pass read in place) bit for bit, plain and gated.
+def test_interleaved_rows_sum_as_rows_read_in_place():
+    torch.manual_seed(2)
+    x, weight, gate_up = torch.randn(24, 96), torch.randn(64, 96), torch.randn(2 * 64, 96)
+    packed, packed_gated = native_linear.pack(weight), native_linear.pack_gated(gate_up)
+    halves = lambda op, w: torch.cat([op(x[:12].contiguous(), w), op(x[12:].contiguous(), w)])  # noqa: E731
+
+    plain = native_linear.native_linear(x, packed, None)
+    assert torch.equal(plain, halves(lambda rows, w: native_linear.native_linear(rows, w, None), packed))
+    assert torch.equal(native_linear.native_gated_linear(x, packed_gated), halves(native_linear.native_gated_linear, packed_gated))
+    torch.testing.assert_close(plain, F.linear(x, weight), rtol=2.0**-20, atol=1e-4)
+
+
 # Past ~512 KB of input the vector path takes the rows in equal chunks (native/linear.cpp's kVectorChunkBytes):
 # 1,001 fp32 rows of 576 features are 5 chunks of 200-201 rows, each in passes of its own; every row is computed
 # (a row no chunk covers would keep whatever its output memory held).
