@@ -187,9 +187,6 @@ struct Sums {
     }
 };
 
-// Rows x one block, its sums to `sink`, a part of the block's features at a time: `unroll` sets of accumulators
-// take alternate steps, so that few rows still have enough independent sums in flight to hide the multiply-add
-// latency.
 // A pass reads row r's input at step s from x's rows as the caller holds them (row stride in_features), or, when
 // `interleaved`, from the pass's rows laid out step by step, [steps][rows][kPack] (interleave below).
 template <typename T, int rows, bool interleaved>
@@ -198,6 +195,9 @@ const T *row_input(const T *x, int r, int64_t s, int64_t in_features) {
     return interleaved ? x + (s * rows + r) * pack : x + r * in_features + s * pack;
 }
 
+// Rows x one block, its sums to `sink`, a part of the block's features at a time: `unroll` sets of accumulators
+// take alternate steps, so that few rows still have enough independent sums in flight to hide the multiply-add
+// latency.
 template <typename T, int rows, int unroll, bool interleaved, typename Sink>
 void block_rows(const T *block, const T *x, int64_t in_features, Pass pass, Sink sink) {
     using O = Ops<T>;
@@ -253,10 +253,11 @@ BlockRows<T, Sink> block_rows_among(int64_t count, std::integer_sequence<int, ro
     return chosen ? chosen : block_rows<T, kMaxRows, 1, interleaved, Sink>;
 }
 
-// The pass for `rows` rows (at most kMaxRows).
-template <typename T, typename Sink, bool interleaved = false>
-BlockRows<T, Sink> block_rows_for(int64_t rows) {
-    return block_rows_among<T, Sink, interleaved>(rows, std::make_integer_sequence<int, kMaxRows>{});
+// The pass for `rows` rows (at most kMaxRows), reading them in place or interleaved.
+template <typename T, typename Sink>
+BlockRows<T, Sink> block_rows_for(int64_t rows, bool interleaved = false) {
+    constexpr auto counts = std::make_integer_sequence<int, kMaxRows>{};
+    return interleaved ? block_rows_among<T, Sink, true>(rows, counts) : block_rows_among<T, Sink, false>(rows, counts);
 }
 
 // bf16 rows in tiles on AMX (common.h): the packed weight is already a tile's layout (a block's 16 pairs of
@@ -581,6 +582,26 @@ void ask_for_output(const T *first, int64_t stride, int64_t rows) {
             __builtin_prefetch(reinterpret_cast<const char *>(first + r * stride) + byte, 1, 3);
 }
 
+// How a call reads its rows: through tiles, or in vector passes over the rows in place or interleaved (`input`:
+// x, or its interleaved copy), chunked by `plan`.
+template <typename T>
+struct CallRows {
+    bool tiled, interleaved;
+    RowPlan plan;
+    const T *input;
+
+    CallRows(const T *x, int64_t rows, int64_t in_features, int num_threads)
+        : tiled(tiles_take<T>(in_features)), interleaved(!tiled && rows >= kInterleavedRows),
+          plan(rows, tiled, in_features * sizeof(T)),
+          input(interleaved ? interleaved_rows(x, plan, in_features, num_threads) : x) {}
+
+    // The vector pass over `count` rows from `row` against one block's `weights`, its sums to `sink`.
+    template <typename Sink>
+    void vector_pass(const T *weights, int64_t row, int64_t count, int64_t in_features, Pass pass, Sink sink) const {
+        block_rows_for<T, Sink>(count, interleaved)(weights, input + row * in_features, in_features, pass, sink);
+    }
+};
+
 // Whether the kernel takes these sizes: whole input steps and whole blocks of output features.
 template <typename T>
 bool sizes_fit(int64_t rows, int64_t out_features, int64_t in_features) {
@@ -591,17 +612,14 @@ template <typename T>
 int linear(const T *x, const T *weight, const T *bias, T *out, int64_t rows, int64_t out_features,
            int64_t in_features, int num_threads) {
     if (!sizes_fit<T>(rows, out_features, in_features)) return -1;
-    const bool tiled = tiles_take<T>(in_features), interleaved = !tiled && rows >= kInterleavedRows;
-    const RowPlan plan(rows, tiled, in_features * sizeof(T));
-    const T *const input = interleaved ? interleaved_rows(x, plan, in_features, num_threads) : x;
-    for_each_unit(out_features / kBlockCols, plan, num_threads, [&](int64_t block, int64_t row, int64_t end, Pass pass) {
+    const CallRows<T> call(x, rows, in_features, num_threads);
+    for_each_unit(out_features / kBlockCols, call.plan, num_threads, [&](int64_t block, int64_t row, int64_t end, Pass pass) {
         const int64_t feature = block * kBlockCols;
         const T *weights = weight + feature * in_features;
         const Output<T> sink{out + row * out_features + feature, out_features, bias ? bias + feature : nullptr};
-        if (!tiled && !interleaved) return block_rows_for<T, Output<T>>(end - row)(weights, x + row * in_features, in_features, pass, sink);
-        if (!tiled) {
-            ask_for_output(sink.out, out_features, end - row);
-            return block_rows_for<T, Output<T>, true>(end - row)(weights, input + row * in_features, in_features, pass, sink);
+        if (!call.tiled) {
+            if (call.interleaved) ask_for_output(sink.out, out_features, end - row);
+            return call.vector_pass(weights, row, end - row, in_features, pass, sink);
         }
         alignas(64) float sums[kTileRows * kBlockCols];
         const OutputLines out_lines = OutputLines::of(sink.out, out_features);
@@ -626,10 +644,8 @@ int gated_linear(const T *x, const T *weight, T *out, int64_t rows, int64_t out_
                  int num_threads) {
     using O = Ops<T>;
     if (!sizes_fit<T>(rows, out_features, in_features)) return -1;
-    const bool tiled = tiles_take<T>(in_features), interleaved = !tiled && rows >= kInterleavedRows;
-    const RowPlan plan(rows, tiled, in_features * sizeof(T));
-    const T *const input = interleaved ? interleaved_rows(x, plan, in_features, num_threads) : x;
-    for_each_unit(out_features / kBlockCols, plan, num_threads, [&](int64_t block, int64_t row, int64_t end, Pass pass) {
+    const CallRows<T> call(x, rows, in_features, num_threads);
+    for_each_unit(out_features / kBlockCols, call.plan, num_threads, [&](int64_t block, int64_t row, int64_t end, Pass pass) {
         const T *gate = weight + 2 * block * kBlockCols * in_features, *up = gate + kBlockCols * in_features;
         alignas(64) float gates[kTileRows * kBlockCols], ups[kTileRows * kBlockCols];
         const int64_t count = end - row;
@@ -641,7 +657,7 @@ int gated_linear(const T *x, const T *weight, T *out, int64_t rows, int64_t out_
                     save(g, O::rounded(silu(O::rounded(load(g)))));
                 }
         };
-        if (tiled) {
+        if (call.tiled) {
             tile_sums(gate, x + row * in_features, count, in_features, pass, gates);
             // The gates' silu on the vector units while the up's tiles compute, a few rows a step: after them it
             // held the next pass's tiles back. Kernel A/B (benchmarks.kernel_revisions, bf16, 60-100 rounds a load
@@ -651,10 +667,9 @@ int gated_linear(const T *x, const T *weight, T *out, int64_t rows, int64_t out_
             tile_sums(up, x + row * in_features, count, in_features, pass, ups, {},
                       [&](int64_t step, int64_t steps) { activate_rows((step + 1) * count / steps); });
         } else {
-            if (interleaved) ask_for_output(out + row * out_features + block * kBlockCols, out_features, count);
-            const auto run = interleaved ? block_rows_for<T, Sums<T>, true>(count) : block_rows_for<T, Sums<T>>(count);
-            run(gate, input + row * in_features, in_features, pass, {gates});
-            run(up, input + row * in_features, in_features, pass, {ups});
+            if (call.interleaved) ask_for_output(out + row * out_features + block * kBlockCols, out_features, count);
+            call.vector_pass(gate, row, count, in_features, pass, Sums<T>{gates});
+            call.vector_pass(up, row, count, in_features, pass, Sums<T>{ups});
         }
         activate_rows(count);
         for (int64_t r = 0; r < count; r++)

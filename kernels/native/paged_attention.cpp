@@ -21,8 +21,8 @@
 // of tile multiply-adds instead: 16 query rows a tile (2.4-2.8x the dot-product path on a prefill here).
 //
 // A causal prefill is the same call (kernels/cpu_attention.py lays it out): its new tokens in tiles of
-// 32 (kTileRows / 3 with SmolLM2's heads), a tile's "prefix" the whole blocks before its first token, each row's own tokens the rest up to
-// itself (runs nested in one table, which the tile's rows take in one pass). The engine makes a step's
+// 32 (kTileRows / 3 with SmolLM2's heads), a tile's "prefix" the whole blocks before its first token, each
+// row's own tokens the rest up to itself (runs nested in one table, which the tile's rows take in one pass). The engine makes a step's
 // decodes and prefill chunks one call (cpu_attention.join_rows); tasks run longest first.
 
 #include <cmath>
