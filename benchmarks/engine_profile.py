@@ -6,14 +6,15 @@ Each category is the wall time of the calls that make it up (timed by wrappers t
 around the engine's parts, not by a sampling profiler), per step, median over the measured steps:
 
   linears    every nn.Linear (or quantized / prepacked linear) of the decoder layers
-  lm_head    the output head (vocabulary-wide linear)
+  lm_head    the output head and its norm: the vocabulary-wide linear, or an all-greedy step's screen of it
+             (engines/builtin/greedy_head.py)
   attention  KV write + paged attention (kernels/cpu_attention.py via kernels/dispatch.py)
   model rest norms, rope, residual adds, SiLU, embedding: the model's forward minus the above
   prepare    the runner's batch metadata (host lists -> tensors), once per step
   sampling   the sampler, the logits' copy to the host included
   engine     schedule + postprocess: the step minus the runner
 With --compile (engines/builtin/compiled_model.py) only the model's total is timed: "model rest"
-is then all of it. Then "ops" is the share of the step spent inside aten kernels (torch.profiler's self CPU time over
+is then all of it but the head. Then "ops" is the share of the step spent inside aten kernels (torch.profiler's self CPU time over
 one profiled step's wall time) and "dispatch" the rest: Python, module calls and op dispatch;
 "syncs" counts the step's device->host reads (aten::item / _local_scalar_dense).
 """
@@ -61,12 +62,14 @@ def instrument(engine: EngineCore, clock: Clock) -> None:
     model = engine.runner.model
     if not engine.config.compile:  # a compiled forward runs its graph, not these modules: only its total is timed
         for name, module in model.named_modules():
-            if name == "lm_head":
-                module.forward = clock.wrap("lm_head", module.forward)
-            elif name.startswith("model.layers.") and name.rsplit(".", 1)[-1].endswith("proj"):
+            if name.startswith("model.layers.") and name.rsplit(".", 1)[-1].endswith("proj"):
                 module.forward = clock.wrap("linears", module.forward)
         model_module.paged_attention = clock.wrap("attention", model_module.paged_attention)
-    engine.runner.forward = clock.wrap("model", engine.runner.forward)
+    # The head is called after the forward, eager or compiled: its logits, or an all-greedy step's screen.
+    model.logits = clock.wrap("lm_head", model.logits)
+    if engine.runner.greedy_head is not None:
+        engine.runner.greedy_head = clock.wrap("lm_head", engine.runner.greedy_head)
+    engine.runner.last_hidden = clock.wrap("model", engine.runner.last_hidden)
     engine.runner.prepare = clock.wrap("prepare", engine.runner.prepare)
     engine.runner.sampler = clock.wrap("sampling", engine.runner.sampler)
     engine.runner.run = clock.wrap("runner", engine.runner.run)
@@ -75,7 +78,7 @@ def instrument(engine: EngineCore, clock: Clock) -> None:
 def step_breakdown(clock: Clock, wall: float) -> dict[str, float]:
     t = clock.totals
     out = {name: t[name] for name in ("linears", "lm_head", "attention", "prepare", "sampling")}
-    out["model rest"] = t["model"] - t["linears"] - t["lm_head"] - t["attention"]
+    out["model rest"] = t["model"] - t["linears"] - t["attention"]
     out["engine"] = wall - t["runner"]
     out["step"] = wall
     return {k: v * 1e3 for k, v in out.items()}

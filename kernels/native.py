@@ -24,13 +24,14 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).parent / "native" / name
-                for name in ("paged_attention.cpp", "linear.cpp", "affinity.cpp", "argmax.cpp"))
+                for name in ("paged_attention.cpp", "linear.cpp", "affinity.cpp", "argmax.cpp", "greedy_head.cpp"))
 # Included by the sources: part of the build's key.
 HEADERS = tuple(Path(__file__).parent / "native" / name for name in ("common.h", "c_api.h"))
 # The linear and attention kernels again, with torch operators over them (torch_ops()): built apart, with torch's headers.
@@ -45,11 +46,13 @@ _DECODE_ARGS = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR
 _WRITE_ARGS = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64]
 _LINEAR_ARGS = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT]
 _GATED_ARGS = [_PTR, _PTR, _PTR, _I64, _I64, _I64, _INT]
+_SCREENED_ARGMAX_ARGS = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _INT]
 _SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 HEAD_DIMS = (32, 64, 80, 96, 128, 256)
 MAX_GROUP = 96  # the kernel's kTileRows: query heads a kv head it takes
 LINEAR_BLOCK = 32  # native/linear.cpp's block of output features
 LINEAR_PACK = {torch.float32: 1, torch.bfloat16: 2}  # inputs a step takes: the packed weight's last dimension
+MAX_SCREENED_ROWS = 16  # native/greedy_head.cpp's kMaxScreenedRows
 
 
 class NativeKernels:
@@ -68,6 +71,9 @@ class NativeKernels:
         # Absent from a library built from older sources (benchmarks.kernel_revisions' "before" build).
         self._argmax = (_bound(library, "parrot_argmax_rows_f32", [_PTR, _I64, _I64, _I64, _PTR, _INT], _INT)
                         if hasattr(library, "parrot_argmax_rows_f32") else None)
+        self._screened_argmax = {dtype: _bound(library, f"parrot_screened_argmax_{suffix}", _SCREENED_ARGMAX_ARGS, _INT)
+                                 for dtype, suffix in _SUFFIXES.items()
+                                 if hasattr(library, f"parrot_screened_argmax_{suffix}")}
         self._use_tiles = _bound(library, "parrot_use_tiles", [_INT], _INT)
         # Built without a bf16 dot product (another CPU or compiler), the bf16 linear answers -2.
         probe = torch.zeros(LINEAR_BLOCK, 2, dtype=torch.bfloat16)
@@ -142,6 +148,22 @@ class NativeKernels:
         if self._argmax(logits.data_ptr(), rows, cols, row_stride, out.data_ptr(), torch.get_num_threads()) != 0:
             return None
         return out.tolist()
+
+    def screened_argmax(self, x: torch.Tensor, packed_head: torch.Tensor, screen: HeadScreen) -> list[int] | None:
+        """Each row's argmax of x [rows, K] @ head.T, the head packed by pack_linear(), as argmax_rows() answers it
+        over linear()'s logits, reading the head's int8 screen and a few of its blocks instead of all of it
+        (native/greedy_head.cpp). None where it does not answer: sizes or dtypes it does not take, more than
+        MAX_SCREENED_ROWS rows, an input or bound that is not finite, a NaN among the candidates' logits."""
+        vocab, in_features = linear_shape(packed_head)
+        run = self._screened_argmax.get(x.dtype)
+        if (run is None or x.dtype not in self._linear_dtypes or packed_head.dtype != x.dtype or x.dim() != 2
+                or not x.is_contiguous() or x.shape[1] != in_features or not 1 <= x.shape[0] <= MAX_SCREENED_ROWS
+                or screen.codes.shape != (vocab // LINEAR_BLOCK, in_features // 2, LINEAR_BLOCK, 2)):
+            return None
+        tokens = torch.empty(x.shape[0], dtype=torch.int64)
+        status = run(x.data_ptr(), x.shape[0], in_features, packed_head.data_ptr(), screen.codes.data_ptr(),
+                     screen.scales.data_ptr(), screen.radii.data_ptr(), vocab, tokens.data_ptr(), torch.get_num_threads())
+        return tokens.tolist() if status == 0 else None
 
     def use_tiles(self, enable: bool) -> bool:
         """Whether bf16 linears and attention products run on AMX tiles (the default where the CPU has them) or
@@ -300,6 +322,45 @@ def pack_gated_linear(weight: torch.Tensor) -> torch.Tensor:
     output features alternate, gate block j then up block j (I a multiple of 32)."""
     halves = weight.reshape(2, weight.shape[0] // (2 * LINEAR_BLOCK), LINEAR_BLOCK, weight.shape[1])
     return pack_linear(halves.transpose(0, 1).reshape(weight.shape))
+
+
+class HeadScreen(NamedTuple):
+    """An output head's int8 copy for native/greedy_head.cpp: each vocabulary row n in codes of scale scales[n],
+    blocked as pack_linear() blocks a bf16 weight, in pairs of inputs ([N/32, K/2, 32, 2]), and radii[n]: how far the
+    row's approximate logit scales[n] * (codes_n . x) may lie from the exact one computed by the linear kernel, per
+    unit of |x|_1 (the kernel adds what rounding x to integers may add)."""
+    codes: torch.Tensor
+    scales: torch.Tensor
+    radii: torch.Tensor
+
+
+def head_screen(packed_head: torch.Tensor) -> HeadScreen | None:
+    """The screen of an fp32 or bf16 head packed by pack_linear(), or None for a weight that is not finite or an odd
+    number of inputs.
+
+    A row's radius bounds, per unit of |x|_1 (each |w_k x_k| <= max|w| |x_k|):
+    - its quantisation error, max_k |w_k - scale * code_k| (computed exactly in float64);
+    - the fp32 rounding of the exact logit's sum and of the screen's (each within gamma_n of the sum of the terms'
+      magnitudes, n the additions along a chain, taken as 2K + 16 for bf16's pairs and the kernels' unrolled sums);
+    and is then widened by 2^-10 and rounded up to fp32."""
+    vocab, in_features = linear_shape(packed_head)
+    if in_features % 2:
+        return None
+    w = packed_head.detach().transpose(1, 2).reshape(vocab, in_features).to(torch.float64)
+    if not torch.isfinite(w).all():
+        return None
+    largest = w.abs().amax(dim=1)
+    scales = (largest / 127).to(torch.float32)
+    scale = torch.where(scales > 0, scales, torch.ones_like(scales)).to(torch.float64)
+    codes = (w / scale[:, None]).round().clamp(-127, 127)
+    error = (w - codes * scale[:, None]).abs().amax(dim=1)
+    unit = 2.0 ** -24
+    chain = 2 * in_features + 16
+    gamma = chain * unit / (1 - chain * unit)
+    radii = ((error + gamma * (largest + 127 * scale)) * (1 + 2.0 ** -10)).to(torch.float32)
+    radii = torch.nextafter(radii, torch.full_like(radii, float("inf")))
+    blocked = codes.to(torch.int8).reshape(vocab // LINEAR_BLOCK, LINEAR_BLOCK, in_features // 2, 2).transpose(1, 2)
+    return HeadScreen(blocked.contiguous(), scales.where(scales > 0, torch.ones_like(scales)).contiguous(), radii.contiguous())
 
 
 def linear_shape(packed: torch.Tensor) -> tuple[int, int]:

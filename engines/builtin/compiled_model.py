@@ -99,7 +99,8 @@ class _Decoder(nn.Module):
 
 
 class CompiledForward:
-    """Called as the model is: (input_ids, positions, meta, logit_rows) -> logits."""
+    """Called as the model's last_hidden is: (input_ids, positions, meta, logit_rows) -> the last layer's hidden states
+    of the logit rows (the head is the caller's: model.logits, or the greedy head's screen)."""
 
     def __init__(self, model: LlamaForCausalLM, native_attention: bool = False):
         """native_attention: every step's attention is the C++ kernel's (its PreparedKvWrite and PreparedDecode
@@ -136,7 +137,7 @@ class CompiledForward:
                 hidden = self._decoder(input_ids, positions, rows_to_finish(input_ids, logit_rows))
         finally:
             self.meta = None
-        return None if logit_rows is None else self.model.logits(hidden)
+        return None if logit_rows is None else hidden
 
     def attend(self, q, k, v, layer_index: int) -> torch.Tensor:
         attn = self._attentions[layer_index]

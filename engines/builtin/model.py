@@ -164,8 +164,16 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         logit_rows: torch.Tensor | None,  # [num_samples] rows whose next-token logits are wanted
     ) -> torch.Tensor | None:  # [num_samples, vocab] float32
+        hidden = self.last_hidden(input_ids, positions, meta, logit_rows)
+        return None if hidden is None else self.logits(hidden)
+
+    @torch.inference_mode()
+    def last_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                    logit_rows: torch.Tensor | None) -> torch.Tensor | None:
+        """The last layer's hidden states of the rows at logit_rows, [num_samples, hidden], before the final norm
+        (what forward() takes the head of); None without logit_rows."""
         hidden = self.decoder(input_ids, positions, self.paged_attention(meta), rows_to_finish(input_ids, logit_rows))
-        return None if logit_rows is None else self.logits(hidden)
+        return None if logit_rows is None else hidden
 
     def decoder(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend, rows: torch.Tensor) -> torch.Tensor:
         """Hidden states after the last layer of the tokens at `rows`, [len(rows), hidden].

@@ -9,6 +9,7 @@ import torch
 
 from engines.builtin.attention import AttentionMetadata, DecodeMetadata, PrefillMetadata, SharedPrefixMetadata
 from engines.builtin.model import LlamaForCausalLM, head_dim_of
+from engines.builtin.greedy_head import GreedyHead
 from engines.builtin.sampler import SampleResult, Sampler, score_tokens
 from engines.builtin.context import Context
 from engines.builtin.types import TokenScore
@@ -85,14 +86,16 @@ class ModelRunner:
         # decodes with arguments prepared once for all layers.
         self.native_kernels = None if triton else dispatch.native_decode(query, model.model.layers[0].self_attn.k_cache)
         native = self.native_kernels is not None
-        # What a step calls: the model, or its compiled forward (same arguments, same logits).
-        self.forward = self.model
+        # What a step calls: the model's last_hidden, or its compiled forward (same arguments, same hidden states).
+        self.last_hidden = self.model.last_hidden
+        # An all-greedy step's few tokens from the head's int8 screen (the same tokens as its logits' argmax).
+        self.greedy_head = GreedyHead.of(self.model) if self.device.type == "cpu" else None
         if compile:
             # Imported only here: importing torch._inductor breaks Triton kernels run later through the
             # interpreter in the same process (tests on CPU), and an eager engine never needs it.
             from engines.builtin.compiled_model import CompiledForward
 
-            self.forward = CompiledForward(self.model, native_attention=native and native_module.torch_ops())
+            self.last_hidden = CompiledForward(self.model, native_attention=native and native_module.torch_ops())
         self.native_dtype = dtype if native else None  # prefill chunks laid out in its tiles (plan_prefill)
         # Mean shared-prefix tokens per decode from which prefix groups go to the shared-prefix kernel.
         self.min_shared_tokens = 0 if triton or native else CPU_MIN_SHARED_TOKENS
@@ -109,8 +112,14 @@ class ModelRunner:
     @torch.inference_mode()  # the step's metadata too: a compiled graph's guards tell inference tensors apart
     def run(self, batch: ScheduledBatch) -> StepResult:
         input_ids, positions, meta, logit_rows, sampled, scored = self.prepare(batch)
-        logits = self.forward(input_ids, positions, meta, logit_rows)
-        # The sampler works on the host; sampled rows come first, then the scored ones.
+        hidden = self.last_hidden(input_ids, positions, meta, logit_rows)
+        # Sampled rows come first, then the scored ones.
+        if sampled and not scored and self.greedy_head is not None:
+            tokens = self.greedy_head(hidden, sampled)
+            if tokens is not None:
+                return StepResult(SampleResult(tokens), [])
+        logits = None if hidden is None else self.model.logits(hidden)
+        # The sampler works on the host.
         samples = self.sampler(logits[: len(sampled)].cpu(), sampled) if sampled else None
         return StepResult(samples, self._scores(logits[len(sampled):], scored) if scored else [])
 

@@ -32,12 +32,12 @@ def main() -> None:
     engine = _started(request["model"], request)
     try:
         graphs_at_start = counters["stats"]["unique_graphs"]
-        seen = _probe_graph_calls(engine.runner.forward)
+        seen = _probe_graph_calls(engine.runner.last_hidden)
         outputs = [engine.generate_batch(prompts, params) for prompts in request["batches"]]
         result = {"outputs": outputs, "graphs_at_start": graphs_at_start,
                   "graphs_after": counters["stats"]["unique_graphs"],
-                  "forward": type(engine.runner.forward).__name__, "head": type(engine.runner.model.lm_head).__name__,
-                  "native_attention": engine.runner.forward.native_attention,
+                  "forward": type(engine.runner.last_hidden).__name__, "head": type(engine.runner.model.lm_head).__name__,
+                  "native_attention": engine.runner.last_hidden.native_attention,
                   "context_sizes": [size for size, _ in seen], "cache_key_tags": sorted({tag for _, tag in seen}),
                   "operators_cache_tag": native.operators_cache_tag()}
     finally:

@@ -43,3 +43,34 @@ def test_greedy_batch_matches_hf_generate(engine, hf_model):
     assert "Paris" in engine.tokenizer.decode(outputs[1])
     stats = engine.stats()
     assert stats.blocks_free == stats.blocks_total
+
+
+def test_greedy_steps_take_the_heads_screen_and_give_the_full_heads_tokens(engine):
+    """engines/builtin/greedy_head.py: batches of 1-3 all-greedy sequences take their tokens from the head's int8
+    screen, and they are the tokens of the full head's logits, step after step (the screened run's tokens feed its
+    next steps, so one differing token would change the rest)."""
+    head = engine.runner.greedy_head
+    assert head is not None, "SmolLM2's fp32 head is on the native kernel: it must have a screen"
+    answered = []
+
+    def counted(hidden, seqs):
+        tokens = head(hidden, seqs)
+        answered.append(tokens is not None)
+        return tokens
+
+    prompts = [engine.tokenizer.encode(q) for q in QUESTIONS]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    engine.runner.greedy_head = counted
+    try:
+        screened = engine.generate_batch(prompts, params)
+        screened_steps = len(answered)
+        with_logprobs = engine.generate_batch(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0, logprobs=True))
+        engine.runner.greedy_head = None
+        full = engine.generate_batch(prompts, params)
+    finally:
+        engine.runner.greedy_head = head
+
+    assert screened == full
+    assert screened_steps >= 40 and all(answered[:screened_steps])
+    # A step wanting logprobs needs the logits: the screen declines it and the full head serves.
+    assert answered[screened_steps:] == [False] * 4 and with_logprobs[0] == full[0][:4]

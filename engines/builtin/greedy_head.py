@@ -1,0 +1,50 @@
+"""An all-greedy step's tokens from the output head's int8 screen, without the whole head's logits.
+
+Why: a one-sequence fp32 decode step of SmolLM2 reads its 113 MB tied head (a fifth of the step's weights) to take
+one argmax. kernels/native/greedy_head.cpp reads a 28 MB int8 copy of the head instead, bounds how far each
+vocabulary row's logit can be from its approximation, and computes exactly only the rows that could be the largest
+(a few blocks of 32), with the head's own kernel: the token is the one the full head's logits and argmax give, bit
+for bit the same logits compared. Only for steps whose every sampled row is greedy with nothing else to compute
+from the logits (no logprobs, penalties, biases, grammars, scored prompt rows), and for few rows, where the head's
+reads bound its time (up to 16 rows in fp32, 4 in bf16, whose head is half the bytes).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engines.builtin.context import Context
+from engines.builtin.cpu_linear import NativeLinear
+from engines.builtin.sampler import needs_full_path
+from kernels import native
+
+# The most rows a step screens, by the head's dtype. Measured against the full head and its argmax, SmolLM2's head
+# from DRAM (400 MB read between calls), random inputs, one process: fp32 1 / 2 / 4 / 8 / 12 / 16 rows 0.32x /
+# 0.35x / 0.48x / 0.49-0.51x / 0.72x / 0.83x the time; bf16 (half the bytes) 1 / 2 / 4 / 8 rows 0.56x / 0.64x /
+# 0.78x / 0.89-0.94x, 12 rows 1.2x.
+SCREENED_ROWS = {torch.float32: 16, torch.bfloat16: 4}
+
+
+class GreedyHead:
+    """Called with the last layer's hidden states of the sampled rows and their sequences: their greedy tokens, or
+    None where the screen does not answer (the caller takes the full head's logits then)."""
+
+    def __init__(self, norm: nn.Module, head: NativeLinear, kernels: native.NativeKernels):
+        self.norm, self.packed, self.kernels = norm, head.packed, kernels
+        self.screen = native.head_screen(head.packed)
+        self.max_rows = min(SCREENED_ROWS.get(head.packed.dtype, 0), native.MAX_SCREENED_ROWS)
+
+    @classmethod
+    def of(cls, model: nn.Module) -> GreedyHead | None:
+        """The model's greedy head where its head is on the native kernel (unquantized, bias-free), else None."""
+        head, kernels = model.lm_head, native.library()
+        if kernels is None or type(head) is not NativeLinear or head.bias is not None:
+            return None
+        made = cls(model.model.norm, head, kernels)
+        return made if made.screen is not None and made.max_rows else None
+
+    def __call__(self, hidden: torch.Tensor, seqs: list[Context]) -> list[int] | None:
+        if len(seqs) > self.max_rows or any(needs_full_path(ctx.params) for ctx in seqs):
+            return None
+        return self.kernels.screened_argmax(self.norm(hidden).contiguous(), self.packed, self.screen)

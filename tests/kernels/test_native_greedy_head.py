@@ -1,0 +1,83 @@
+"""The screened greedy head (kernels/native/greedy_head.cpp): each row's token is the argmax of the full head's logits
+as the linear kernel computes them (argmax_rows over linear()), ties and near-ties included, and it declines (None)
+what it cannot answer so that the caller computes the full head."""
+
+import pytest
+import torch
+
+from kernels import native, native_linear
+
+needs_bf16_dot = pytest.mark.skipif(not native_linear.fits(torch.zeros(32, 2, dtype=torch.bfloat16)),
+                                    reason="the kernels were built without a bf16 dot product (this CPU or compiler)")
+DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16_dot)]
+
+
+def _head(vocab: int, in_features: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    return (torch.randn(vocab, in_features, generator=torch.Generator().manual_seed(seed)) * 0.05).to(dtype)
+
+
+def _full_argmax(kernels, x: torch.Tensor, packed: torch.Tensor) -> list[int]:
+    return kernels.argmax_rows(kernels.linear(x, packed, None).float())
+
+
+# 1-8 rows: one screening pass; 9-16: two (8 rows a pass on AVX-512); 3 and 7 leave the linear's unrolled passes
+# remainders. 90 inputs: an odd number of pairs.
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 16])
+def test_tokens_equal_the_full_heads_argmax(kernels, two_threads, dtype, rows):
+    packed = native.pack_linear(_head(4096, 90, dtype, seed=rows))
+    screen = native.head_screen(packed)
+    for seed in range(4):
+        # Hidden states with a few large dimensions, as a model's have: the input's rounding to integers then counts.
+        x = torch.randn(rows, 90, generator=torch.Generator().manual_seed(100 + seed))
+        x[:, seed::23] *= 30
+        x = x.to(dtype)
+
+        assert kernels.screened_argmax(x, packed, screen) == _full_argmax(kernels, x, packed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ties_go_to_the_first_and_near_ties_to_the_exact_logit(kernels, dtype):
+    head = _head(2048, 64, dtype, seed=0)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+    signs = x.float().sign()
+    aligned = [(signs[r] * 0.2).to(dtype) for r in range(3)]  # each row's largest logit among entries of size 0.2
+    head[[700, 40, 1500]] = aligned[0]  # exact ties for row 0, the later ones in other blocks and lanes: the first
+    # Rows 1 and 2 each lead with a pair that differs in one entry by less than an int8 code's step, where row 0's
+    # sign differs (so the pair stays below row 0's ties): only the exact logit tells the pair apart.
+    for row, (first, bump) in zip((1, 2), ((300, 2.0**-6), (1201, 2.0**-7))):
+        d = int((signs[row] != signs[0]).nonzero()[row - 1])
+        near = aligned[row].clone()
+        near[d] = near[d] * (1 + bump)
+        head[first], head[first + 1] = (aligned[row], near) if row == 1 else (near, aligned[row])
+    packed = native.pack_linear(head)
+
+    tokens = kernels.screened_argmax(x, packed, native.head_screen(packed))
+
+    assert tokens == _full_argmax(kernels, x, packed)
+    # Row 0's ties: the first. Rows 1 and 2: the pair's larger exact logit in fp32; bf16 logits round the pair's
+    # difference away (a tie again: the first of the pair).
+    assert tokens == ([40, 301, 1201] if dtype == torch.float32 else [40, 300, 1201])
+
+
+def test_declines_what_it_cannot_answer(kernels):
+    packed = native.pack_linear(_head(256, 32, torch.float32, seed=2))
+    screen = native.head_screen(packed)
+    x = torch.randn(2, 32)
+    nan, inf = x.clone(), x.clone()
+    nan[1, 3], inf[0, 0] = float("nan"), float("inf")
+
+    assert kernels.screened_argmax(torch.randn(native.MAX_SCREENED_ROWS + 1, 32), packed, screen) is None
+    assert kernels.screened_argmax(nan, packed, screen) is None  # torch's argmax picks a NaN: the full head answers
+    assert kernels.screened_argmax(inf, packed, screen) is None
+    assert kernels.screened_argmax(x.t().contiguous().t(), packed, screen) is None  # columns apart
+    assert kernels.screened_argmax(x[:, :30].contiguous(), packed, screen) is None  # another width
+    assert kernels.screened_argmax(x, packed, screen) == _full_argmax(kernels, x, packed)
+
+
+def test_no_screen_for_a_head_that_is_not_finite_or_has_an_odd_width(kernels):
+    head = _head(64, 32, torch.float32, seed=3)
+    head[5, 7] = float("inf")
+
+    assert native.head_screen(native.pack_linear(head)) is None
+    assert native.head_screen(native.pack_linear(_head(64, 33, torch.float32, seed=3))) is None
