@@ -153,7 +153,8 @@ class NativeKernels:
         """Each row's argmax of x [rows, K] @ head.T, the head packed by pack_linear(), as argmax_rows() answers it
         over linear()'s logits, reading the head's int8 screen and a few of its blocks instead of all of it
         (native/greedy_head.cpp). None where it does not answer: sizes or dtypes it does not take, more than
-        MAX_SCREENED_ROWS rows, an input or bound that is not finite, a NaN among the candidates' logits."""
+        MAX_SCREENED_ROWS rows, an input or bound that is not finite, a NaN among the candidates' logits, more
+        candidates than the full head would cost."""
         vocab, in_features = linear_shape(packed_head)
         run = self._screened_argmax.get(x.dtype)
         if (run is None or x.dtype not in self._linear_dtypes or packed_head.dtype != x.dtype or x.dim() != 2

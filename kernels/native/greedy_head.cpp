@@ -30,12 +30,17 @@ constexpr int kBlockVecs = kBlockCols / kLanes;
 constexpr int kPassRows = kVecRegisters == 32 ? 8 : 2;
 // Rows a call screens at most: past about this many the full head's multiply-adds, not its reads, bound its time.
 constexpr int64_t kMaxScreenedRows = 16;
+// The most of the head's blocks a call computes exactly: a quarter, which with the screen (a quarter of the fp32 head's
+// bytes) is about what the full head costs; more, and the caller computes the full head. SmolLM2's fp32 steps have
+// had a handful of candidates a row (median 5, 90th percentile 23, at most 80 of 49,152), and 16-row steps up to 173
+// of its 1,536 blocks: with at most 64 most of those steps had been declined, after screening.
+constexpr int64_t kExactBlocksPerHead = 4;
 
 // The screen's products are integers: the codes (int8) times each row's input as int16, x_k ~ t * p_k with
 // |p_k| <= the largest that keeps a sum of in_features products within int32, pairs of them a 32-bit lane's dot
-// product (AVX-512 VNNI's vpdpwssd, or vpmaddwd and an add). With the codes widened to floats and fp32
-// multiply-adds the screen took 1.1 ms a row from L3 (three vector instructions per 16 codes), ~2/3 of the head's
-// reads' time; this takes one and a half.
+// product (AVX-512 VNNI's vpdpwssd, or vpmaddwd and an add): one and a half vector instructions per 16 codes. With
+// the codes widened to floats and fp32 multiply-adds (three) a one-row screen of SmolLM2's head took 1.5-1.6 ms
+// with the codes from DRAM and 1.1 ms from L3; this 1.2 and 0.9 ms (the full fp32 head 3.7-4.0 and 2.3-2.5).
 typedef int32_t IntSums __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
 // A step's 2 inputs x 32 features of codes ([pair][32][2] int8) as a block's kBlockVecs vectors of int16 pairs.
@@ -179,10 +184,10 @@ int linear_of(const uint16_t *x, const uint16_t *weight, uint16_t *out, int64_t 
     return parrot_linear_bf16(x, weight, nullptr, out, rows, out_features, in_features, 1);
 }
 
-// See the top of this file; `relative`: 0 for fp32 logits, bf16's rounding of a logit for bf16 ones.
 // A row's input as int16 pairs for the screen, x_k ~ unit * p_k with |p_k| <= largest; its bounds' terms.
 template <typename T>
-Bounds integer_input(const T *x, int64_t in_features, int32_t largest, float relative, int32_t *pairs, float &unit) {
+Bounds integer_input(const T *x, int64_t in_features, int32_t largest, float output_rounding, int32_t *pairs,
+                     float &unit) {
     double l1 = 0, top = 0;
     for (int64_t k = 0; k < in_features; k++) {
         const double value = as_float(x[k]);
@@ -198,7 +203,8 @@ Bounds integer_input(const T *x, int64_t in_features, int32_t largest, float rel
     // |x_k - t p_k| <= t / 2 (the division and rounding in double: 2^-20 more kept), times the largest code (127).
     const double rounded = 127 * in_features * (t / 2) * (1 + 0x1p-20);
     // |x|_1 rounded up; the bounds' own fp32 sums widened by 2^-20 of their magnitude.
-    return {static_cast<float>(l1 * (1 + 0x1p-20)), static_cast<float>(rounded * (1 + 0x1p-20)), relative + 0x1p-20f};
+    return {static_cast<float>(l1 * (1 + 0x1p-20)), static_cast<float>(rounded * (1 + 0x1p-20)),
+            output_rounding + 0x1p-20f};
 }
 
 // See the top of this file; `output_rounding`: 0 for fp32 logits, bf16's rounding of a logit for bf16 ones.
@@ -233,12 +239,16 @@ int screened_argmax(const T *x, int64_t rows, int64_t in_features, const T *pack
     }
     std::sort(blocks.begin(), blocks.end());
     blocks.erase(std::unique(blocks.begin(), blocks.end()), blocks.end());
+    if (static_cast<int64_t>(blocks.size()) * kExactBlocksPerHead > vocab / kBlockCols) return 1;
     // The candidates' blocks exactly, each as the full call computes it: [block][rows][32].
+    // Spread over the threads, a block to a call (whose own team of one runs on the calling thread).
     std::vector<T> exact(blocks.size() * rows * kBlockCols);
+    int status = 0;
+#pragma omp parallel for num_threads(std::max(num_threads, 1)) schedule(dynamic, 1) reduction(| : status)
     for (size_t j = 0; j < blocks.size(); j++)
-        if (int status = linear_of(x, packed_head + blocks[j] * kBlockCols * in_features,
-                                   exact.data() + j * rows * kBlockCols, rows, kBlockCols, in_features))
-            return status;
+        status |= linear_of(x, packed_head + blocks[j] * kBlockCols * in_features, exact.data() + j * rows * kBlockCols,
+                            rows, kBlockCols, in_features);
+    if (status) return status;
     for (int64_t r = 0; r < rows; r++) {
         float best = -INFINITY;
         int64_t best_at = -1;

@@ -75,6 +75,13 @@ def test_declines_what_it_cannot_answer(kernels):
     assert kernels.screened_argmax(x, packed, screen) == _full_argmax(kernels, x, packed)
 
 
+def test_declines_a_step_with_too_many_candidates(kernels):
+    """A head whose 4,096 rows are all the same: every row may be the largest, 128 blocks to compute exactly, more
+    than the full head costs."""
+    packed = native.pack_linear(_head(1, 32, torch.float32, seed=4).expand(4096, 32).contiguous())
+    assert kernels.screened_argmax(torch.randn(1, 32), packed, native.head_screen(packed)) is None
+
+
 def test_no_screen_for_a_head_that_is_not_finite_or_has_an_odd_width(kernels):
     head = _head(64, 32, torch.float32, seed=3)
     head[5, 7] = float("inf")
