@@ -9,12 +9,12 @@ around the engine's parts, not by a sampling profiler), per step, median over th
   lm_head    the output head and its norm: the vocabulary-wide linear, or an all-greedy step's screen of it
              (engines/builtin/greedy_head.py)
   attention  KV write + paged attention (kernels/cpu_attention.py via kernels/dispatch.py)
-  model rest norms, rope, residual adds, SiLU, embedding: the model's forward minus the above
+  model rest norms, rope, residual adds, SiLU, embedding: the decoder's time (runner.last_hidden) minus the above
   prepare    the runner's batch metadata (host lists -> tensors), once per step
   sampling   the sampler, the logits' copy to the host included
   engine     schedule + postprocess: the step minus the runner
-With --compile (engines/builtin/compiled_model.py) only the model's total is timed: "model rest"
-is then all of it but the head. Then "ops" is the share of the step spent inside aten kernels (torch.profiler's self CPU time over
+With --compile (engines/builtin/compiled_model.py) the decoder is timed as a whole ("model rest" is then all of
+it) and the head apart, as eager. Then "ops" is the share of the step spent inside aten kernels (torch.profiler's self CPU time over
 one profiled step's wall time) and "dispatch" the rest: Python, module calls and op dispatch;
 "syncs" counts the step's device->host reads (aten::item / _local_scalar_dense).
 """

@@ -53,6 +53,7 @@ MAX_GROUP = 96  # the kernel's kTileRows: query heads a kv head it takes
 LINEAR_BLOCK = 32  # native/linear.cpp's block of output features
 LINEAR_PACK = {torch.float32: 1, torch.bfloat16: 2}  # inputs a step takes: the packed weight's last dimension
 MAX_SCREENED_ROWS = 16  # native/greedy_head.cpp's kMaxScreenedRows
+SCREEN_CHUNK_BLOCKS = 128  # head_screen()'s blocks at a time (19 MB of float64 at SmolLM2's 576 inputs)
 
 
 class NativeKernels:
@@ -337,31 +338,46 @@ class HeadScreen(NamedTuple):
 
 def head_screen(packed_head: torch.Tensor) -> HeadScreen | None:
     """The screen of an fp32 or bf16 head packed by pack_linear(), or None for a weight that is not finite or an odd
-    number of inputs.
-
-    A row's radius bounds, per unit of |x|_1 (each |w_k x_k| <= max|w| |x_k|):
-    - its quantisation error, max_k |w_k - scale * code_k| (computed exactly in float64);
-    - the fp32 rounding of the exact logit's sum and of the screen's (each within gamma_n of the sum of the terms'
-      magnitudes, n the additions along a chain, taken as 2K + 16 for bf16's pairs and the kernels' unrolled sums);
-    and is then widened by 2^-10 and rounded up to fp32."""
+    number of inputs. Made SCREEN_CHUNK_BLOCKS blocks at a time: in float64 at once SmolLM2's head took ~1 GB of
+    temporaries, a 128k x 4,096 head ~15 GB."""
     vocab, in_features = linear_shape(packed_head)
     if in_features % 2:
         return None
-    w = packed_head.detach().transpose(1, 2).reshape(vocab, in_features).to(torch.float64)
+    codes = torch.empty(vocab, in_features, dtype=torch.int8)
+    scales, radii = torch.empty(vocab), torch.empty(vocab)
+    for block in range(0, vocab // LINEAR_BLOCK, SCREEN_CHUNK_BLOCKS):
+        part = packed_head[block : block + SCREEN_CHUNK_BLOCKS].detach().transpose(1, 2).reshape(-1, in_features)
+        rows = slice(block * LINEAR_BLOCK, block * LINEAR_BLOCK + part.shape[0])
+        if not _screen_rows(part.to(torch.float64), codes[rows], scales[rows], radii[rows]):
+            return None
+    blocked = codes.reshape(vocab // LINEAR_BLOCK, LINEAR_BLOCK, in_features // 2, 2).transpose(1, 2)
+    return HeadScreen(blocked.contiguous(), scales, radii)
+
+
+def _screen_rows(w: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, radii: torch.Tensor) -> bool:
+    """Codes, scales and radii of a head's [rows, K] float64 rows, written into the given views; False for a weight
+    that is not finite.
+
+    A row's radius bounds, per unit of |x|_1 (each |w_k x_k| <= max|w| |x_k|), how far the exact logit as the linear
+    kernel computes it can be from scale * (codes . x):
+    - the row's quantisation error, max_k |w_k - scale * code_k| (exactly, in float64);
+    - the fp32 rounding of the exact logit's sum: within gamma_n of the sum of the terms' magnitudes, n the additions
+      along a chain, taken as 2K + 16 for bf16's pairs and the kernels' unrolled sums;
+    widened by 2^-10 and rounded up to fp32. The screen's own sums are integers (exact); the kernel adds what rounding
+    x to integers and its fp32 products may add. An all-zero row has scale 0 and radius 0: its logit is 0 exactly."""
     if not torch.isfinite(w).all():
-        return None
+        return False
     largest = w.abs().amax(dim=1)
-    scales = (largest / 127).to(torch.float32)
-    scale = torch.where(scales > 0, scales, torch.ones_like(scales)).to(torch.float64)
-    codes = (w / scale[:, None]).round().clamp(-127, 127)
-    error = (w - codes * scale[:, None]).abs().amax(dim=1)
-    unit = 2.0 ** -24
-    chain = 2 * in_features + 16
-    gamma = chain * unit / (1 - chain * unit)
-    radii = ((error + gamma * (largest + 127 * scale)) * (1 + 2.0 ** -10)).to(torch.float32)
-    radii = torch.nextafter(radii, torch.full_like(radii, float("inf")))
-    blocked = codes.to(torch.int8).reshape(vocab // LINEAR_BLOCK, LINEAR_BLOCK, in_features // 2, 2).transpose(1, 2)
-    return HeadScreen(blocked.contiguous(), scales.where(scales > 0, torch.ones_like(scales)).contiguous(), radii.contiguous())
+    scales.copy_(largest / 127)
+    divisor = torch.where(scales > 0, scales, 1.0).to(torch.float64)[:, None]
+    rounded = (w / divisor).round_().clamp_(-127, 127)
+    codes.copy_(rounded)
+    error = rounded.mul_(divisor).sub_(w).abs_().amax(dim=1)
+    chain = 2 * w.shape[1] + 16
+    gamma = chain * 2.0**-24 / (1 - chain * 2.0**-24)
+    radii.copy_((error + gamma * largest) * (1 + 2.0**-10))
+    radii.copy_(torch.nextafter(radii, torch.tensor(float("inf"))))
+    return True
 
 
 def linear_shape(packed: torch.Tensor) -> tuple[int, int]:

@@ -11,11 +11,13 @@ reads bound its time (up to 16 rows in fp32, 4 in bf16, whose head is half the b
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
-from torch import nn
 
 from engines.builtin.context import Context
 from engines.builtin.cpu_linear import NativeLinear
+from engines.builtin.model import LlamaForCausalLM
 from engines.builtin.sampler import needs_full_path
 from kernels import native
 
@@ -30,21 +32,22 @@ class GreedyHead:
     """Called with the last layer's hidden states of the sampled rows and their sequences: their greedy tokens, or
     None where the screen does not answer (the caller takes the full head's logits then)."""
 
-    def __init__(self, norm: nn.Module, head: NativeLinear, kernels: native.NativeKernels):
-        self.norm, self.packed, self.kernels = norm, head.packed, kernels
+    def __init__(self, head_input: Callable[[torch.Tensor], torch.Tensor], head: NativeLinear,
+                 kernels: native.NativeKernels):
+        self.head_input, self.packed, self.kernels = head_input, head.packed, kernels
         self.screen = native.head_screen(head.packed)
         self.max_rows = min(SCREENED_ROWS.get(head.packed.dtype, 0), native.MAX_SCREENED_ROWS)
 
     @classmethod
-    def of(cls, model: nn.Module) -> GreedyHead | None:
+    def of(cls, model: LlamaForCausalLM) -> GreedyHead | None:
         """The model's greedy head where its head is on the native kernel (unquantized, bias-free), else None."""
         head, kernels = model.lm_head, native.library()
         if kernels is None or type(head) is not NativeLinear or head.bias is not None:
             return None
-        made = cls(model.model.norm, head, kernels)
+        made = cls(model.head_input, head, kernels)
         return made if made.screen is not None and made.max_rows else None
 
     def __call__(self, hidden: torch.Tensor, seqs: list[Context]) -> list[int] | None:
         if len(seqs) > self.max_rows or any(needs_full_path(ctx.params) for ctx in seqs):
             return None
-        return self.kernels.screened_argmax(self.norm(hidden).contiguous(), self.packed, self.screen)
+        return self.kernels.screened_argmax(self.head_input(hidden).contiguous(), self.packed, self.screen)

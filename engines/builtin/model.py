@@ -157,21 +157,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.inference_mode()
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [num_tokens]
-        positions: torch.Tensor,  # [num_tokens]
-        meta: AttentionMetadata,
-        logit_rows: torch.Tensor | None,  # [num_samples] rows whose next-token logits are wanted
-    ) -> torch.Tensor | None:  # [num_samples, vocab] float32
-        hidden = self.last_hidden(input_ids, positions, meta, logit_rows)
-        return None if hidden is None else self.logits(hidden)
-
-    @torch.inference_mode()
     def last_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                     logit_rows: torch.Tensor | None) -> torch.Tensor | None:
         """The last layer's hidden states of the rows at logit_rows, [num_samples, hidden], before the final norm
-        (what forward() takes the head of); None without logit_rows."""
+        (logits() takes the head of them); None without logit_rows."""
         hidden = self.decoder(input_ids, positions, self.paged_attention(meta), rows_to_finish(input_ids, logit_rows))
         return None if logit_rows is None else hidden
 
@@ -189,7 +178,11 @@ class LlamaForCausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The vocabulary-wide head over the decoder's rows (the tokens whose next-token logits are wanted)."""
-        return self.lm_head(self.model.norm(hidden)).float()
+        return self.lm_head(self.head_input(hidden)).float()
+
+    def head_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the head multiplies: the decoder's rows after the final norm (also the greedy head's input)."""
+        return self.model.norm(hidden)
 
     def paged_attention(self, meta: AttentionMetadata) -> Attend:
         """Each layer's attention over its own cache, for one step's metadata."""

@@ -6,11 +6,11 @@
 // each row's approximate logit a_n = scale_n * t * (codes_n . p), x ~ t * p in integers, differs from the exact
 // one by at most radius_n * |x|_1 (the row's largest quantisation error plus what fp32 rounding can add to the exact
 // sum, kernels/native.py's head_screen()) + scale_n * 127 * in_features * t / 2 (the input's rounding). A vocabulary
-// row whose upper bound falls below some row's lower bound cannot be the argmax; the few that remain (a handful
-// of SmolLM2's 49,152) are computed exactly, by the head's own linear
-// over those blocks of 32 rows. The linear's arithmetic for a block depends only on the call's rows and inputs, not
-// on how many blocks the call has, so each candidate's logit is the one the full call computes, and the first
-// largest among them (candidates in ascending order; every other row strictly below) is torch.argmax's answer.
+// row whose upper bound falls below some row's lower bound cannot be the argmax; the few that remain (a handful of
+// SmolLM2's 49,152) are computed exactly, by the head's own linear over those blocks of 32 rows. The linear's
+// arithmetic for a block depends only on the call's rows and inputs, not on how many blocks the call has, so each
+// candidate's logit is the one the full call computes (given all the step's rows, as the full head is), and the
+// first largest among them (candidates in ascending order; every other row strictly below) is torch.argmax's answer.
 
 #include <algorithm>
 #include <cmath>
@@ -26,31 +26,35 @@ namespace {
 
 constexpr int64_t kBlockCols = 32;  // linear.cpp's block of output features; the codes are blocked alike
 constexpr int kBlockVecs = kBlockCols / kLanes;
-// Rows a screening pass keeps sums for in registers (2 vectors a row beside the codes' and the input's).
-constexpr int kPassRows = kVecRegisters == 32 ? 8 : 2;
+// Sums a screening pass keeps in registers beside a step's codes and an input: 28 on AVX-512 (a row's sums are 2
+// vectors), 10 on AVX2 (4 vectors a row).
+constexpr int kSumRegisters = kVecRegisters - kBlockVecs - 2;
+constexpr int kPassRows = std::min(8, std::max(1, kSumRegisters / kBlockVecs));  // 8 on AVX-512, 2 on AVX2
+// Sets of sums taking alternate steps, so that few rows still have enough independent sums in flight.
+template <int rows>
+constexpr int kUnroll = std::clamp(kSumRegisters / (kBlockVecs * rows), 1, 4);
 // Rows a call screens at most: past about this many the full head's multiply-adds, not its reads, bound its time.
 constexpr int64_t kMaxScreenedRows = 16;
 // The most of the head's blocks a call computes exactly: a quarter, which with the screen (a quarter of the fp32 head's
 // bytes) is about what the full head costs; more, and the caller computes the full head. SmolLM2's fp32 steps have
 // had a handful of candidates a row (median 5, 90th percentile 23, at most 80 of 49,152), and 16-row steps up to 173
 // of its 1,536 blocks: with at most 64 most of those steps had been declined, after screening.
-constexpr int64_t kExactBlocksPerHead = 4;
+constexpr int64_t kHeadBlocksPerExactBlock = 4;
 
 // The screen's products are integers: the codes (int8) times each row's input as int16, x_k ~ t * p_k with
 // |p_k| <= the largest that keeps a sum of in_features products within int32, pairs of them a 32-bit lane's dot
 // product (AVX-512 VNNI's vpdpwssd, or vpmaddwd and an add): one and a half vector instructions per 16 codes. With
 // the codes widened to floats and fp32 multiply-adds (three) a one-row screen of SmolLM2's head took 1.5-1.6 ms
 // with the codes from DRAM and 1.1 ms from L3; this 1.2 and 0.9 ms (the full fp32 head 3.7-4.0 and 2.3-2.5).
-typedef int32_t IntSums __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
 // A step's 2 inputs x 32 features of codes ([pair][32][2] int8) as a block's kBlockVecs vectors of int16 pairs.
-inline void widen_codes(const int8_t *step, IntSums (&w)[kBlockVecs]) {
+inline void widen_codes(const int8_t *step, IntVec (&w)[kBlockVecs]) {
     for (int v = 0; v < kBlockVecs; v++) {
         const int8_t *from = step + v * 2 * kLanes;
-#if defined(__AVX512BW__)
-        w[v] = (IntSums)_mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(from)));
-#elif defined(__AVX2__)
-        w[v] = (IntSums)_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i *>(from)));
+#if PARROT_LANES == 16 && defined(__AVX512BW__)
+        w[v] = (IntVec)_mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(from)));
+#elif PARROT_LANES == 8 && defined(__AVX2__)
+        w[v] = (IntVec)_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i *>(from)));
 #else
         int16_t pairs[2 * kLanes];
         for (int i = 0; i < 2 * kLanes; i++) pairs[i] = from[i];
@@ -60,13 +64,13 @@ inline void widen_codes(const int8_t *step, IntSums (&w)[kBlockVecs]) {
 }
 
 // sum += the lanes' pair products of codes (int16 pairs) and input (one int16 pair in every lane).
-inline void dot_pairs(IntSums &sum, IntSums codes, IntSums input) {
-#if defined(__AVX512VNNI__)
-    sum = (IntSums)_mm512_dpwssd_epi32((__m512i)sum, (__m512i)codes, (__m512i)input);
-#elif defined(__AVX512BW__)
-    sum += (IntSums)_mm512_madd_epi16((__m512i)codes, (__m512i)input);
-#elif defined(__AVX2__)
-    sum += (IntSums)_mm256_madd_epi16((__m256i)codes, (__m256i)input);
+inline void dot_pairs(IntVec &sum, IntVec codes, IntVec input) {
+#if PARROT_LANES == 16 && defined(__AVX512VNNI__)
+    sum = (IntVec)_mm512_dpwssd_epi32((__m512i)sum, (__m512i)codes, (__m512i)input);
+#elif PARROT_LANES == 16 && defined(__AVX512BW__)
+    sum += (IntVec)_mm512_madd_epi16((__m512i)codes, (__m512i)input);
+#elif PARROT_LANES == 8 && defined(__AVX2__)
+    sum += (IntVec)_mm256_madd_epi16((__m256i)codes, (__m256i)input);
 #else
     int16_t c[2 * kLanes], x[2 * kLanes];
     std::memcpy(c, &codes, sizeof c);
@@ -83,30 +87,30 @@ template <int rows, int unroll>
 void screen_pass(const int8_t *codes, const int32_t *inputs, const float *units, int64_t pairs, const float *scales,
                  float *approx, int64_t vocab) {
     constexpr int64_t kStep = 2 * kBlockCols;  // bytes of codes a step
-    IntSums sums[unroll][rows][kBlockVecs] = {};
+    IntVec sums[unroll][rows][kBlockVecs] = {};
     const int8_t *next = codes + pairs * kStep;
     int64_t s = 0;
     for (; s + unroll <= pairs; s += unroll)
         for (int u = 0; u < unroll; u++) {
             __builtin_prefetch(next + (s + u) * kStep, 0, 2);
-            IntSums w[kBlockVecs];
+            IntVec w[kBlockVecs];
             widen_codes(codes + (s + u) * kStep, w);
             for (int r = 0; r < rows; r++) {
-                const IntSums input = inputs[r * pairs + s + u] - IntSums{};
+                const IntVec input = inputs[r * pairs + s + u] - IntVec{};
                 for (int v = 0; v < kBlockVecs; v++) dot_pairs(sums[u][r][v], w[v], input);
             }
         }
     for (; s < pairs; s++) {
-        IntSums w[kBlockVecs];
+        IntVec w[kBlockVecs];
         widen_codes(codes + s * kStep, w);
         for (int r = 0; r < rows; r++) {
-            const IntSums input = inputs[r * pairs + s] - IntSums{};
+            const IntVec input = inputs[r * pairs + s] - IntVec{};
             for (int v = 0; v < kBlockVecs; v++) dot_pairs(sums[0][r][v], w[v], input);
         }
     }
     for (int r = 0; r < rows; r++)
         for (int v = 0; v < kBlockVecs; v++) {
-            IntSums sum = sums[0][r][v];
+            IntVec sum = sums[0][r][v];
             for (int u = 1; u < unroll; u++) sum += sums[u][r][v];
             save(approx + r * vocab + v * kLanes, __builtin_convertvector(sum, Vec) * (load(scales + v * kLanes) * units[r]));
         }
@@ -117,7 +121,7 @@ using ScreenPass = void (*)(const int8_t *, const int32_t *, const float *, int6
 template <int... rows>
 ScreenPass screen_pass_among(int64_t count, std::integer_sequence<int, rows...>) {
     ScreenPass chosen = nullptr;
-    ((chosen = count == rows + 1 ? screen_pass<rows + 1, std::max(1, 4 / (rows + 1))> : chosen), ...);
+    ((chosen = count == rows + 1 ? screen_pass<rows + 1, kUnroll<rows + 1>> : chosen), ...);
     return chosen;
 }
 
@@ -151,19 +155,19 @@ struct Bounds {
 // finite (the caller computes the full head then).
 bool candidates_of(const float *approx, const float *radii, const float *scales, int64_t vocab, Bounds bounds,
                    std::vector<int32_t> &out) {
-    Vec floor = Vec{} - INFINITY, ceiling_max = floor;
+    Vec max_low = Vec{} - INFINITY, max_high = max_low;
     for (int64_t n = 0; n < vocab; n += kLanes) {
         const Vec a = load(approx + n), reach = bounds.reach(a, load(radii + n), load(scales + n));
         const Vec low = a - reach, high = a + reach;
-        floor = low > floor ? low : floor;
-        ceiling_max = high > ceiling_max ? high : ceiling_max;
-        ceiling_max = high != high ? Vec{} + INFINITY : ceiling_max;  // a NaN
+        max_low = low > max_low ? low : max_low;
+        max_high = high > max_high ? high : max_high;
+        max_high = high != high ? Vec{} + INFINITY : max_high;  // a NaN
     }
-    const float lowest = max_lanes(floor);
-    if (!std::isfinite(lowest) || !std::isfinite(max_lanes(ceiling_max))) return false;
+    const float threshold = max_lanes(max_low);  // no row whose upper bound is below it can be the largest
+    if (!std::isfinite(threshold) || !std::isfinite(max_lanes(max_high))) return false;
     for (int64_t n = 0; n < vocab; n += kLanes) {
         const Vec a = load(approx + n), high = a + bounds.reach(a, load(radii + n), load(scales + n));
-        const auto reaches = high >= lowest;
+        const auto reaches = high >= threshold;
         bool any = false;
         for (int l = 0; l < kLanes; l++) any |= reaches[l] != 0;
         if (!any) continue;
@@ -194,6 +198,7 @@ Bounds integer_input(const T *x, int64_t in_features, int32_t largest, float out
         l1 += std::fabs(value);
         top = std::max(top, std::fabs(value));
     }
+    if (!std::isfinite(l1)) return {NAN, NAN, NAN};  // before converting to integers what may be NaN or inf
     const double t = top > 0 ? top / largest : 1;
     for (int64_t k = 0; k < in_features; k += 2) {
         const auto p = [&](int64_t i) { return static_cast<uint16_t>(static_cast<int16_t>(std::nearbyint(as_float(x[i]) / t))); };
@@ -205,6 +210,35 @@ Bounds integer_input(const T *x, int64_t in_features, int32_t largest, float out
     // |x|_1 rounded up; the bounds' own fp32 sums widened by 2^-20 of their magnitude.
     return {static_cast<float>(l1 * (1 + 0x1p-20)), static_cast<float>(rounded * (1 + 0x1p-20)),
             output_rounding + 0x1p-20f};
+}
+
+// The candidates' blocks of the head exactly, each as the full call computes it, [block][rows][32]: a block to a
+// call (whose own team of one runs on the calling thread), spread over the threads. 0, or the linear's status.
+template <typename T>
+int exact_blocks(const T *x, int64_t rows, int64_t in_features, const T *packed_head, const std::vector<int32_t> &blocks,
+                 T *exact, int num_threads) {
+    int status = 0;
+#pragma omp parallel for num_threads(std::max(num_threads, 1)) schedule(dynamic, 1) reduction(| : status)
+    for (size_t j = 0; j < blocks.size(); j++)
+        status |= linear_of(x, packed_head + blocks[j] * kBlockCols * in_features, exact + j * rows * kBlockCols, rows,
+                            kBlockCols, in_features);
+    return status;
+}
+
+// Row r's first largest exact logit among its candidates (ascending), -1 for a NaN among them (torch's argmax would
+// pick it: the caller computes the full head).
+template <typename T>
+int64_t first_largest(const std::vector<int32_t> &candidates, const std::vector<int32_t> &blocks, const T *exact,
+                      int64_t rows, int64_t r) {
+    float best = -INFINITY;
+    int64_t best_at = -1;
+    for (int32_t n : candidates) {
+        const size_t j = std::lower_bound(blocks.begin(), blocks.end(), n / kBlockCols) - blocks.begin();
+        const float logit = as_float(exact[(j * rows + r) * kBlockCols + n % kBlockCols]);
+        if (std::isnan(logit)) return -1;
+        if (best_at < 0 || logit > best) best = logit, best_at = n;
+    }
+    return best_at;
 }
 
 // See the top of this file; `output_rounding`: 0 for fp32 logits, bf16's rounding of a logit for bf16 ones.
@@ -239,27 +273,11 @@ int screened_argmax(const T *x, int64_t rows, int64_t in_features, const T *pack
     }
     std::sort(blocks.begin(), blocks.end());
     blocks.erase(std::unique(blocks.begin(), blocks.end()), blocks.end());
-    if (static_cast<int64_t>(blocks.size()) * kExactBlocksPerHead > vocab / kBlockCols) return 1;
-    // The candidates' blocks exactly, each as the full call computes it: [block][rows][32].
-    // Spread over the threads, a block to a call (whose own team of one runs on the calling thread).
+    if (static_cast<int64_t>(blocks.size()) * kHeadBlocksPerExactBlock > vocab / kBlockCols) return 1;
     std::vector<T> exact(blocks.size() * rows * kBlockCols);
-    int status = 0;
-#pragma omp parallel for num_threads(std::max(num_threads, 1)) schedule(dynamic, 1) reduction(| : status)
-    for (size_t j = 0; j < blocks.size(); j++)
-        status |= linear_of(x, packed_head + blocks[j] * kBlockCols * in_features, exact.data() + j * rows * kBlockCols,
-                            rows, kBlockCols, in_features);
-    if (status) return status;
-    for (int64_t r = 0; r < rows; r++) {
-        float best = -INFINITY;
-        int64_t best_at = -1;
-        for (int32_t n : candidates[r]) {
-            const size_t j = std::lower_bound(blocks.begin(), blocks.end(), n / kBlockCols) - blocks.begin();
-            const float logit = as_float(exact[(j * rows + r) * kBlockCols + n % kBlockCols]);
-            if (std::isnan(logit)) return 1;  // torch's argmax picks a NaN: the full head answers that
-            if (best_at < 0 || logit > best) best = logit, best_at = n;
-        }
-        tokens[r] = best_at;
-    }
+    if (int status = exact_blocks(x, rows, in_features, packed_head, blocks, exact.data(), num_threads)) return status;
+    for (int64_t r = 0; r < rows; r++)
+        if ((tokens[r] = first_largest(candidates[r], blocks, exact.data(), rows, r)) < 0) return 1;
     return 0;
 }
 
@@ -276,7 +294,7 @@ int parrot_screened_argmax_f32(const float *x, int64_t rows, int64_t in_features
 int parrot_screened_argmax_bf16(const uint16_t *x, int64_t rows, int64_t in_features, const uint16_t *packed_head,
                                 const int8_t *codes, const float *scales, const float *radii, int64_t vocab,
                                 int64_t *tokens, int num_threads) {
-    // A bf16 logit is its fp32 sum rounded to nearest: within 2^-9 of its magnitude (2^-8 kept).
+    // A bf16 logit is its fp32 sum rounded to nearest bf16 (8 significant bits): within 2^-8 of its magnitude.
     return screened_argmax<uint16_t>(x, rows, in_features, packed_head, codes, scales, radii, vocab, tokens,
                                      num_threads, 0x1p-8f);
 }

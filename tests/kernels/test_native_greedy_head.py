@@ -21,15 +21,18 @@ def _full_argmax(kernels, x: torch.Tensor, packed: torch.Tensor) -> list[int]:
 
 
 # 1-8 rows: one screening pass; 9-16: two (8 rows a pass on AVX-512); 3 and 7 leave the linear's unrolled passes
-# remainders. 90 inputs: an odd number of pairs.
+# remainders. 90 inputs: an odd number of pairs, and small enough that the input's integers are int16's largest;
+# 576 (SmolLM2's): the input's integers limited so that a sum stays within int32, and bf16 on AMX tiles where the CPU
+# has them (whole tiles of 32 inputs).
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 16])
-def test_tokens_equal_the_full_heads_argmax(kernels, two_threads, dtype, rows):
-    packed = native.pack_linear(_head(4096, 90, dtype, seed=rows))
+@pytest.mark.parametrize("in_features", [90, 576])
+def test_tokens_equal_the_full_heads_argmax(kernels, two_threads, dtype, rows, in_features):
+    packed = native.pack_linear(_head(16384, in_features, dtype, seed=rows))  # 512 blocks: a quarter holds 16 rows' candidates
     screen = native.head_screen(packed)
     for seed in range(4):
         # Hidden states with a few large dimensions, as a model's have: the input's rounding to integers then counts.
-        x = torch.randn(rows, 90, generator=torch.Generator().manual_seed(100 + seed))
+        x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(100 + seed))
         x[:, seed::23] *= 30
         x = x.to(dtype)
 
@@ -88,3 +91,31 @@ def test_no_screen_for_a_head_that_is_not_finite_or_has_an_odd_width(kernels):
 
     assert native.head_screen(native.pack_linear(head)) is None
     assert native.head_screen(native.pack_linear(_head(64, 33, torch.float32, seed=3))) is None
+
+
+def test_sums_at_the_integer_limit_and_zero_rows(kernels):
+    """Every input at its largest magnitude, signed as the codes of a row at +-127 (its integer sum at the most int32
+    may hold at 576 inputs), and all-zero head rows (scale 0: their logit is 0 exactly, never a spread-out bound)."""
+    head = _head(512, 576, torch.float32, seed=5)
+    head[64:128] = 0
+    x = torch.randn(2, 576, generator=torch.Generator().manual_seed(6))
+    head[300] = x[0].sign() * head.abs().max()  # codes all +-127, aligned with row 0's signs
+    x[0] = x[0].sign() * 3.0  # every |x_k| the row's largest: each integer at its limit
+    x[1] = -x[1].abs()  # row 1: the zero rows' 0 may lead when every other logit is negative
+    head[:64] = head[:64].abs()
+    packed = native.pack_linear(head)
+    screen = native.head_screen(packed)
+
+    assert (screen.scales[64:128] == 0).all() and (screen.radii[64:128] < 1e-30).all()
+    assert kernels.screened_argmax(x, packed, screen) == _full_argmax(kernels, x, packed)
+    assert kernels.screened_argmax(x, packed, screen)[0] == 300
+
+
+def test_the_exact_blocks_are_the_engines_linear_bit_for_bit(kernels):
+    """The screen computes its candidates' blocks with the kernels library's linear (kernels.linear); the engine's head
+    runs native_linear.ops()'s operator, built apart with torch's headers (native/torch_ops.cpp): the same logits."""
+    weight = _head(1024, 576, torch.float32, seed=7)
+    x = torch.randn(16, 576, generator=torch.Generator().manual_seed(8))
+    packed = native.pack_linear(weight)
+    for rows in (1, 5, 16):
+        assert torch.equal(kernels.linear(x[:rows], packed, None), native_linear.ops()[0](x[:rows], packed, None))

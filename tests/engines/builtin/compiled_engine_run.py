@@ -8,7 +8,8 @@ never imports it.
 Request: {"model": DIR, "dtype": ..., "max_tokens": N, "batches": [[prompt, ...], ...]}, optionally
 "quantization", "max_num_batched_tokens" and "then_model" (another model, compiled in the same process after the first, given
 the same batches). Prints JSON: the greedy tokens of each batch (run in turn), the graphs compiled
-when the engine was ready and after the batches, the classes of the runner's forward and of the head,
+when the engine was ready and after the batches, the classes of the runner's last_hidden and of the head, how many
+steps took their tokens from the greedy head's screen,
 whether the graph's attention is the C++-bodied operator, "then_outputs", the second model's tokens, and
 what each call of the compiled graph saw on the step thread: the context's size (its variables) and
 torch.compile's cache key tag, beside kernels.native.operators_cache_tag()."""
@@ -33,10 +34,12 @@ def main() -> None:
     try:
         graphs_at_start = counters["stats"]["unique_graphs"]
         seen = _probe_graph_calls(engine.runner.last_hidden)
+        screened = _count_screened_steps(engine.runner)
         outputs = [engine.generate_batch(prompts, params) for prompts in request["batches"]]
         result = {"outputs": outputs, "graphs_at_start": graphs_at_start,
                   "graphs_after": counters["stats"]["unique_graphs"],
-                  "forward": type(engine.runner.last_hidden).__name__, "head": type(engine.runner.model.lm_head).__name__,
+                  "last_hidden": type(engine.runner.last_hidden).__name__,
+                  "head": type(engine.runner.model.lm_head).__name__, "screened_steps": len(screened),
                   "native_attention": engine.runner.last_hidden.native_attention,
                   "context_sizes": [size for size, _ in seen], "cache_key_tags": sorted({tag for _, tag in seen}),
                   "operators_cache_tag": native.operators_cache_tag()}
@@ -49,6 +52,20 @@ def main() -> None:
         finally:
             engine.shutdown()
     print(json.dumps(result))
+
+
+def _count_screened_steps(runner) -> list[None]:
+    """One entry for each step whose tokens the runner's greedy head (the head's int8 screen) gave."""
+    answered, head = [], runner.greedy_head
+    if head is not None:
+        def counted(hidden, seqs):
+            tokens = head(hidden, seqs)
+            if tokens is not None:
+                answered.append(None)
+            return tokens
+
+        runner.greedy_head = counted
+    return answered
 
 
 def _probe_graph_calls(forward) -> list[tuple[int, str]]:
