@@ -18,7 +18,7 @@ import torch
 from engines.builtin.context import Context
 from engines.builtin.cpu_linear import NativeLinear
 from engines.builtin.model import LlamaForCausalLM
-from engines.builtin.sampler import needs_full_path
+from engines.builtin.sampler import takes_argmax
 from kernels import native
 
 # The most rows a step screens, by the head's dtype. Measured against the full head and its argmax, SmolLM2's head
@@ -48,6 +48,6 @@ class GreedyHead:
         return made if made.screen is not None and made.max_rows else None
 
     def __call__(self, hidden: torch.Tensor, seqs: list[Context]) -> list[int] | None:
-        if len(seqs) > self.max_rows or any(needs_full_path(ctx.params) for ctx in seqs):
+        if len(seqs) > self.max_rows or not takes_argmax(seqs):
             return None
         return self.kernels.screened_argmax(self.head_input(hidden).contiguous(), self.packed, self.screen)

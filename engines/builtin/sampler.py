@@ -37,6 +37,11 @@ def needs_full_path(params: SamplingParams) -> bool:
     )
 
 
+def takes_argmax(seqs: list[Context]) -> bool:
+    """Whether a batch's tokens are its rows' argmax, nothing else computed from the logits (the greedy fast path)."""
+    return not any(needs_full_path(ctx.params) for ctx in seqs)
+
+
 # Each row's argmax of [batch, vocab] fp32 logits as torch.argmax(dim=-1) answers it, or None where it does not
 # take those logits.
 RowArgmax = Callable[[torch.Tensor], "list[int] | None"]
@@ -52,7 +57,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Context]) -> SampleResult:
         # logits: [batch, vocab] float32, row i for seqs[i]
         params = [ctx.params for ctx in seqs]
-        if not any(needs_full_path(p) for p in params):
+        if takes_argmax(seqs):
             tokens = self.row_argmax(logits) if self.row_argmax is not None else None
             return SampleResult(tokens if tokens is not None else logits.argmax(dim=-1).tolist())
         logits = logits.clone()

@@ -1,11 +1,16 @@
 // The kernels' C functions that another of these sources calls, declared once: defined in linear.cpp and
 // paged_attention.cpp (which include this, so the compiler holds each definition to its declaration), called
-// by torch_ops.cpp's operators. kernels/native.py binds them again through ctypes, where no header reaches.
-// bf16 values are their 16 bits (uint16_t), as torch stores them.
+// by torch_ops.cpp's operators and greedy_head.cpp. kernels/native.py binds them again through ctypes, where no
+// header reaches. bf16 values are their 16 bits (uint16_t), as torch stores them. Also the packed linear weight's
+// block, which those sources all read.
 
 #pragma once
 
 #include <cstdint>
+
+// Output features a block of a packed linear weight holds ([N/32][K/P][32][P], kernels/native.py's pack_linear() and
+// LINEAR_BLOCK): a row's sums of a block are two AVX-512 vectors, four AVX2.
+constexpr int64_t kBlockCols = 32;
 
 extern "C" {
 

@@ -24,8 +24,7 @@
 
 namespace {
 
-constexpr int64_t kBlockCols = 32;  // linear.cpp's block of output features; the codes are blocked alike
-constexpr int kBlockVecs = kBlockCols / kLanes;
+constexpr int kBlockVecs = kBlockCols / kLanes;  // the codes are blocked as the linear's weights (c_api.h)
 // Sums a screening pass keeps in registers beside a step's codes and an input: 28 on AVX-512 (a row's sums are 2
 // vectors), 10 on AVX2 (4 vectors a row).
 constexpr int kSumRegisters = kVecRegisters - kBlockVecs - 2;
@@ -88,26 +87,22 @@ void screen_pass(const int8_t *codes, const int32_t *inputs, const float *units,
                  float *approx, int64_t vocab) {
     constexpr int64_t kStep = 2 * kBlockCols;  // bytes of codes a step
     IntVec sums[unroll][rows][kBlockVecs] = {};
+    const auto add_step = [&](IntVec(&into)[rows][kBlockVecs], int64_t s) {
+        IntVec w[kBlockVecs];
+        widen_codes(codes + s * kStep, w);
+        for (int r = 0; r < rows; r++) {
+            const IntVec input = inputs[r * pairs + s] - IntVec{};
+            for (int v = 0; v < kBlockVecs; v++) dot_pairs(into[r][v], w[v], input);
+        }
+    };
     const int8_t *next = codes + pairs * kStep;
     int64_t s = 0;
     for (; s + unroll <= pairs; s += unroll)
         for (int u = 0; u < unroll; u++) {
             __builtin_prefetch(next + (s + u) * kStep, 0, 2);
-            IntVec w[kBlockVecs];
-            widen_codes(codes + (s + u) * kStep, w);
-            for (int r = 0; r < rows; r++) {
-                const IntVec input = inputs[r * pairs + s + u] - IntVec{};
-                for (int v = 0; v < kBlockVecs; v++) dot_pairs(sums[u][r][v], w[v], input);
-            }
+            add_step(sums[u], s + u);
         }
-    for (; s < pairs; s++) {
-        IntVec w[kBlockVecs];
-        widen_codes(codes + s * kStep, w);
-        for (int r = 0; r < rows; r++) {
-            const IntVec input = inputs[r * pairs + s] - IntVec{};
-            for (int v = 0; v < kBlockVecs; v++) dot_pairs(sums[0][r][v], w[v], input);
-        }
-    }
+    for (; s < pairs; s++) add_step(sums[0], s);
     for (int r = 0; r < rows; r++)
         for (int v = 0; v < kBlockVecs; v++) {
             IntVec sum = sums[0][r][v];

@@ -42,7 +42,6 @@
 
 namespace {
 
-constexpr int64_t kBlockCols = 32;  // output features per block: a row's sums are two AVX-512 vectors, four AVX2
 constexpr int kBlockVecs = kBlockCols / kLanes;  // a row's sums of a whole block
 // Beyond a few rows a pass takes a block's features in parts of two vectors: the whole block on AVX-512, halves
 // on AVX2, where whole blocks left room for the sums of only 2 rows (3 spilled one to the stack); over halves

@@ -26,7 +26,6 @@
 
 namespace {
 
-constexpr int64_t kBlock = 32;  // linear.cpp's kBlockCols (kernels/native.py's LINEAR_BLOCK)
 
 // Inputs a packed step takes (kernels/native.py's LINEAR_PACK); 0 for a dtype the kernel has none for.
 int64_t pack_of(at::ScalarType dtype) {
@@ -37,9 +36,9 @@ int64_t pack_of(at::ScalarType dtype) {
 std::pair<int64_t, int64_t> checked(const at::Tensor &x, const at::Tensor &packed, const std::optional<at::Tensor> &bias) {
     const at::ScalarType dtype = packed.scalar_type();
     const int64_t pack = pack_of(dtype);
-    const bool blocked = pack > 0 && packed.dim() == 4 && packed.size(2) == kBlock && packed.size(3) == pack &&
+    const bool blocked = pack > 0 && packed.dim() == 4 && packed.size(2) == kBlockCols && packed.size(3) == pack &&
                          packed.is_contiguous() && packed.device().is_cpu();
-    const int64_t out_features = blocked ? packed.size(0) * kBlock : 0, in_features = blocked ? packed.size(1) * pack : 0;
+    const int64_t out_features = blocked ? packed.size(0) * kBlockCols : 0, in_features = blocked ? packed.size(1) * pack : 0;
     TORCH_CHECK_VALUE(blocked && x.dim() == 2 && x.size(1) == in_features && x.scalar_type() == dtype &&
                           x.device().is_cpu() &&
                           (!bias || (bias->scalar_type() == dtype && bias->dim() == 1 && bias->size(0) == out_features)),
