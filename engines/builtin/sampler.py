@@ -56,10 +56,10 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Context]) -> SampleResult:
         # logits: [batch, vocab] float32, row i for seqs[i]
-        params = [ctx.params for ctx in seqs]
         if takes_argmax(seqs):
             tokens = self.row_argmax(logits) if self.row_argmax is not None else None
             return SampleResult(tokens if tokens is not None else logits.argmax(dim=-1).tolist())
+        params = [ctx.params for ctx in seqs]
         logits = logits.clone()
         apply_logit_bias(logits, params)
         apply_penalties(logits, seqs)

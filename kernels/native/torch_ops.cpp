@@ -26,7 +26,6 @@
 
 namespace {
 
-
 // Inputs a packed step takes (kernels/native.py's LINEAR_PACK); 0 for a dtype the kernel has none for.
 int64_t pack_of(at::ScalarType dtype) {
     return dtype == at::kBFloat16 ? 2 : dtype == at::kFloat ? 1 : 0;

@@ -54,14 +54,14 @@ def main() -> None:
     print(json.dumps(result))
 
 
-def _count_screened_steps(runner) -> list[None]:
-    """One entry for each step whose tokens the runner's greedy head (the head's int8 screen) gave."""
+def _count_screened_steps(runner) -> list[int]:
+    """The rows of each step whose tokens the runner's greedy head (the head's int8 screen) gave."""
     answered, head = [], runner.greedy_head
     if head is not None:
         def counted(hidden, seqs):
             tokens = head(hidden, seqs)
             if tokens is not None:
-                answered.append(None)
+                answered.append(len(tokens))
             return tokens
 
         runner.greedy_head = counted
