@@ -1,6 +1,11 @@
 """benchmarks/machine_limits.py: the work a decode step and a prefill token cost, which the engine benchmark divides
 by the machine's limits, counted from the config the same as the engine's model holds it."""
 
+import os
+import threading
+import time
+
+import pytest
 import torch
 from torch import nn
 
@@ -28,6 +33,31 @@ def test_measuring_leaves_torch_threads_as_they_were():
     limits = measure(torch.bfloat16, threads=1 if before > 1 else 2)
     assert torch.get_num_threads() == before, "the benchmark's own threads must not change under it"
     assert 0 < limits.stream_gb_s < float("inf") and 0 < limits.gemm_gflop_s < float("inf")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in Linux's /proc")
+def test_measuring_leaves_the_calling_thread_no_openmp_workers():
+    """An idle set of OpenMP workers beside the engine's step thread slows every step (machine_limits.measure)."""
+
+    def thread_count() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    left_behind = []
+
+    def caller():  # a thread that has never run a parallel op, as the engine's step thread expects the others
+        before = thread_count()
+        measure(torch.float32, threads=2)
+        # A thread that ends tells its workers to exit and does not wait for them: give them time to go.
+        deadline = time.monotonic() + 30
+        while thread_count() > before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left_behind.append(thread_count() - before)
+
+    for work in (lambda: measure(torch.float32, threads=2), caller):  # first torch's threads made once per process
+        thread = threading.Thread(target=work)
+        thread.start()
+        thread.join()
+    assert left_behind == [0], "measuring left threads behind: the caller's own OpenMP workers"
 
 
 def test_the_best_of_several_measurements_takes_each_limit_at_its_highest():
