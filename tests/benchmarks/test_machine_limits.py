@@ -30,7 +30,8 @@ def test_the_cost_counts_every_weight_the_model_reads():
 
 def test_measuring_leaves_torch_threads_as_they_were():
     before = torch.get_num_threads()
-    limits = measure(torch.bfloat16, threads=1 if before > 1 else 2)
+    # float32: torch's bf16 GEMM on a CPU without a bf16 dot product (AVX2) took minutes here
+    limits = measure(torch.float32, threads=1 if before > 1 else 2)
     assert torch.get_num_threads() == before, "the benchmark's own threads must not change under it"
     assert 0 < limits.stream_gb_s < float("inf") and 0 < limits.gemm_gflop_s < float("inf")
 
@@ -57,7 +58,8 @@ def test_measuring_leaves_the_calling_thread_no_openmp_workers():
         thread = threading.Thread(target=work)
         thread.start()
         thread.join()
-    assert left_behind == [0], "measuring left threads behind: the caller's own OpenMP workers"
+    # (fewer is fine: an earlier measurement's workers may still have been leaving when this one began)
+    assert left_behind[0] <= 0, "measuring left threads behind: the caller's own OpenMP workers"
 
 
 def test_the_best_of_several_measurements_takes_each_limit_at_its_highest():
