@@ -80,7 +80,7 @@ def measure(dtype: torch.dtype, threads: int) -> MachineLimits:
     """The limits measured on a thread that then ends (core.on_a_passing_thread): torch's OpenMP workers live
     as long as the thread that started them, and an idle set of them beside the engine's step thread left the
     throttled spinning of libgomp (more of its threads than cores) on the step thread's: on a 2-core AMD EPYC
-    a compiled fp32 engine in the same process then streamed one request at 22-31 tok/s instead of 40-44."""
+    a compiled fp32 engine in the same process then streamed one request at 22-31 tok/s instead of 40-48."""
     return on_a_passing_thread(lambda: _measure_here(dtype, threads), threads)
 
 

@@ -2,7 +2,6 @@
 by the machine's limits, counted from the config the same as the engine's model holds it."""
 
 import os
-import threading
 import time
 
 import pytest
@@ -10,6 +9,7 @@ import torch
 from torch import nn
 
 from benchmarks.machine_limits import MachineLimits, ModelCost, best_of, measure
+from engines.builtin.core import on_a_passing_thread
 from engines.builtin.model import LlamaForCausalLM
 from tests.conftest import tiny_llama_config
 
@@ -28,38 +28,30 @@ def test_the_cost_counts_every_weight_the_model_reads():
     assert cost.prefill_flops_per_token(1000) == 2 * decoder + attention
 
 
-def test_measuring_leaves_torch_threads_as_they_were():
-    before = torch.get_num_threads()
-    # float32: torch's bf16 GEMM on a CPU without a bf16 dot product (AVX2) took minutes here
-    limits = measure(torch.float32, threads=1 if before > 1 else 2)
-    assert torch.get_num_threads() == before, "the benchmark's own threads must not change under it"
-    assert 0 < limits.stream_gb_s < float("inf") and 0 < limits.gemm_gflop_s < float("inf")
-
-
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in Linux's /proc")
-def test_measuring_leaves_the_calling_thread_no_openmp_workers():
-    """An idle set of OpenMP workers beside the engine's step thread slows every step (machine_limits.measure)."""
+def test_measuring_leaves_the_calling_thread_as_it_was():
+    """Neither the caller's torch thread count nor OpenMP workers of its own: an idle set of them beside the
+    engine's step thread slows every step (machine_limits.measure)."""
 
     def thread_count() -> int:
         return len(os.listdir("/proc/self/task"))
 
-    left_behind = []
-
     def caller():  # a thread that has never run a parallel op, as the engine's step thread expects the others
-        before = thread_count()
+        threads, before = torch.get_num_threads(), thread_count()
+        limits = measure(torch.float32, threads=1 if threads > 1 else 2)
         measure(torch.float32, threads=2)
         # A thread that ends tells its workers to exit and does not wait for them: give them time to go.
         deadline = time.monotonic() + 30
         while thread_count() > before and time.monotonic() < deadline:
             time.sleep(0.05)
-        left_behind.append(thread_count() - before)
+        return limits, threads, torch.get_num_threads(), thread_count() - before
 
-    for work in (lambda: measure(torch.float32, threads=2), caller):  # first torch's threads made once per process
-        thread = threading.Thread(target=work)
-        thread.start()
-        thread.join()
+    on_a_passing_thread(lambda: measure(torch.float32, threads=2))  # torch's once-per-process threads made first
+    limits, threads_before, threads_after, left_behind = on_a_passing_thread(caller)
+    assert threads_after == threads_before, "the benchmark's own threads must not change under it"
     # (fewer is fine: an earlier measurement's workers may still have been leaving when this one began)
-    assert left_behind[0] <= 0, "measuring left threads behind: the caller's own OpenMP workers"
+    assert left_behind <= 0, "measuring left threads behind: the caller's own OpenMP workers"
+    assert 0 < limits.stream_gb_s < float("inf") and 0 < limits.gemm_gflop_s < float("inf")
 
 
 def test_the_best_of_several_measurements_takes_each_limit_at_its_highest():
