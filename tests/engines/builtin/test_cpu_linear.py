@@ -14,7 +14,7 @@ from engines.builtin.model import MLP
 from kernels import native_linear
 
 needs_bf16 = pytest.mark.skipif(not native_linear.fits(torch.zeros(32, 2, dtype=torch.bfloat16)),
-                                reason="this CPU (or the kernels' compiler) has no bf16 dot product")
+                                reason="the kernels here have no bf16 path (neither AVX-512 BF16 nor AVX2)")
 DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16)]
 
 
