@@ -19,7 +19,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     model: str | None = None
     # "float32" (token-identical to HF's fp32 generate: what tests use), "bfloat16", or "auto":
     # bfloat16 where the device computes it natively (CPUs with AVX-512 BF16 / AMX; CUDA with bf16), else
-    # float32. On CPU its linears run on the C++ kernel (engines/builtin/cpu_linear.py), also on AVX2 CPUs,
+    # float32. On CPU its linears run on the C++ kernel (engines/builtin/cpu_linear.py), also on AVX2 CPUs without AVX-512,
     # where an explicit bfloat16 widens the weights to fp32 as it reads them.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
     # CPU only: "int8" (fbgemm int8 GEMM, fastest for batches) or "int4" (weight-only, 4-bit groups

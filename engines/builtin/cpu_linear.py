@@ -6,7 +6,7 @@ re-lays bf16 weights out on every call unless prepacked, torch's fp32 GEMV at ~1
 weights packed once at load time at a plain read's rate for 1-8 rows, and bf16 (on AMX tiles where the
 CPU has them) is level with or ahead of prepacked oneDNN up to 1,000-row prefills (``python
 benchmarks/kernels.py --cpu``), and fp32 level with or ahead of torch's MKL GEMM (kernels/native_linear.py).
-On CPUs without a bf16 dot product (AVX2) the kernel widens bf16 weights to fp32 as it reads them: half fp32's
+On AVX2 CPUs without AVX-512 (no bf16 dot product) the kernel widens bf16 weights to fp32 as it reads them: half fp32's
 weight bytes, so bf16 decodes faster than fp32 there and prefills about level (`auto` still picks fp32 on them).
 The packed copy replaces the weight, in either dtype. A tied head packs its own copy beside the embedding it
 shares. An MLP's gate-and-up projection writes silu(gate) * up directly (the kernel's gated variant), not gate

@@ -25,9 +25,9 @@ TIE_STEPS, TIE_FLOOR = 2, 0.0625
 def tie_tolerance(logit: float) -> float:
     return max(TIE_FLOOR, TIE_STEPS * 2.0 ** (math.floor(math.log2(abs(logit))) - 7))
 # The engine's bf16 linears run on the C++ kernel wherever it has a bf16 path: a bf16 dot product (AVX-512 BF16 /
-# AMX) or weights widened to fp32 (AVX2), so these hold on CPUs where `auto` still picks fp32.
+# AMX) or weights widened to fp32 (AVX2 without AVX-512), so these hold on CPUs where `auto` still picks fp32.
 needs_bf16 = pytest.mark.skipif(not native_linear.fits(torch.zeros(32, 2, dtype=torch.bfloat16)),
-                                reason="the kernels here have no bf16 path (neither AVX-512 BF16 nor AVX2)")
+                                reason="the kernels here have no bf16 path (AVX-512 BF16 / AMX, or AVX2 without AVX-512)")
 
 
 def test_auto_dtype_follows_the_cpu():
