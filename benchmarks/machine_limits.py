@@ -3,8 +3,9 @@
     python -m benchmarks.machine_limits [--dtype bfloat16] [--threads 2]
 
   stream GB/s    a plain sum over 1 GiB (far past any cache): the rate a decode step's weight reads approach
-  GEMM GFLOP/s   torch.mm of 2,048-square matrices in the dtype: the rate a prefill's linears approach (the
-                 engine's own AMX kernel may pass torch's bf16 GEMM, and a fraction above 1 says so)
+  GEMM GFLOP/s   torch.mm of 2,048-square matrices in the dtype the CPU computes it in: the rate a prefill's
+                 linears approach (the engine's own AMX kernel may pass torch's bf16 GEMM, and a fraction above 1
+                 says so). bf16 on a CPU without a bf16 dot product is computed in fp32 (compute_dtype)
 
 ``engine_throughput`` reports each figure as a fraction of these (#20: "the fraction of the machine's limit it
 reaches"): a decode step reads every weight once, so a decode workload's weight bytes per second over the
@@ -30,8 +31,8 @@ GEMM_SIZE = 2048
 class MachineLimits(msgspec.Struct):
     threads: int
     stream_gb_s: float
-    gemm_gflop_s: float  # in the dtype measured
-    dtype: str
+    gemm_gflop_s: float  # in `dtype`
+    dtype: str  # the GEMM's: the benchmark's, or what the CPU computes it in (compute_dtype)
 
 
 class ModelCost(msgspec.Struct):
@@ -84,10 +85,20 @@ def measure(dtype: torch.dtype, threads: int) -> MachineLimits:
     return on_a_passing_thread(lambda: _measure_here(dtype, threads), threads)
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype this CPU multiplies ``dtype`` in. Without a bf16 dot product (AVX2) bf16 products are fp32's: our
+    kernel widens bf16 weights to fp32, and torch's bf16 mm there ran a reference loop (well under 1 GFLOP/s on an
+    AMD EPYC, Zen 3), no limit of the machine's."""
+    from engines.builtin.cpu_linear import cpu_has_fast_bf16
+
+    return torch.float32 if dtype == torch.bfloat16 and not cpu_has_fast_bf16() else dtype
+
+
 def _measure_here(dtype: torch.dtype, threads: int) -> MachineLimits:
     data = torch.ones(STREAM_BYTES // 4)
     stream = STREAM_BYTES / median_seconds(data.sum) / 1e9
     del data
+    dtype = compute_dtype(dtype)
     a, b = torch.randn(GEMM_SIZE, GEMM_SIZE).to(dtype), torch.randn(GEMM_SIZE, GEMM_SIZE).to(dtype)
     gemm = 2 * GEMM_SIZE**3 / median_seconds(lambda: torch.mm(a, b)) / 1e9
     return MachineLimits(threads=threads, stream_gb_s=stream, gemm_gflop_s=gemm, dtype=str(dtype).removeprefix("torch."))

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from benchmarks.machine_limits import MachineLimits, ModelCost, best_of, measure
+from benchmarks.machine_limits import MachineLimits, ModelCost, best_of, compute_dtype, measure
+from engines.builtin.cpu_linear import cpu_has_fast_bf16
 from engines.builtin.core import on_a_passing_thread
 from engines.builtin.model import LlamaForCausalLM
 from tests.conftest import tiny_llama_config
@@ -58,3 +59,10 @@ def test_the_best_of_several_measurements_takes_each_limit_at_its_highest():
     slow_read = MachineLimits(threads=2, dtype="bfloat16", stream_gb_s=10.0, gemm_gflop_s=900.0)
     slow_gemm = MachineLimits(threads=2, dtype="bfloat16", stream_gb_s=20.0, gemm_gflop_s=300.0)
     assert best_of([slow_read, slow_gemm]) == MachineLimits(threads=2, dtype="bfloat16", stream_gb_s=20.0, gemm_gflop_s=900.0)
+
+
+def test_bf16_is_bounded_by_the_dtype_the_cpu_computes_it_in():
+    """Where the CPU has no bf16 dot product its bf16 products run in fp32 (torch's bf16 mm there is a reference
+    loop, no limit of the machine's): the prefill fraction is over fp32's GEMM."""
+    assert compute_dtype(torch.float32) == torch.float32
+    assert compute_dtype(torch.bfloat16) == (torch.bfloat16 if cpu_has_fast_bf16() else torch.float32)
