@@ -165,9 +165,9 @@ struct Ops<uint16_t> {
 };
 #elif defined(__AVX2__) && !defined(__AVX512F__)
 #define PARROT_WIDENED_BF16 1
-// bf16 where the CPU has no bf16 dot product (AVX2, as AMD's Zen 2-3): a call's rows are
-// widened to fp32 once (CallRows), and each vector of weight pairs to two fp32 vectors as a pass reads it (bf16 ->
-// fp32 is a shift into the high half: a pair's first value shifted up, its second masked in place), then
+// bf16 where the CPU has no bf16 dot product (AVX2, as AMD's Zen 2-3): a call's rows are widened to fp32 once
+// (CallRows), and each vector of weight pairs to two fp32 vectors as a pass reads it (bf16 -> fp32 is a shift
+// into the high half: a pair's first value shifted up, its second masked in place), then
 // multiplied as fp32's are, two fused multiply-adds a pair: the weights stream at half fp32's bytes, and the
 // widening is two integer operations a weight vector, shared by a pass's rows. torch's bf16 linear on such a CPU
 // ran SmolLM2's 1,000-token prefill linears at ~18 GFLOP/s (an eager step 12.4 s, fp32's 2.1 s) and a 16-row
