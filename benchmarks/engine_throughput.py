@@ -303,8 +303,7 @@ def run_all(args: argparse.Namespace) -> None:
     print_table(columns, ours, baselines, list(loads))
     for workload, note in notes.items():
         print(f"{workload}: {note}")
-    same_precision = [name for name in columns if name not in REFERENCE and not name.startswith(("ours-int8", "ours-int4"))]
-    fractions = fractions_of_limit({name: columns[name] for name in same_precision}, loads, best_of(limits), args)
+    fractions = fractions_of_limit({name: columns[name] for name in at_dtype(columns, args)}, loads, best_of(limits), args)
     print_fractions(fractions, limits)
     if args.out:
         write_results(args.out, {"args": vars(args), "tokens_per_s": columns, "notes": notes,
@@ -315,6 +314,14 @@ def run_all(args: argparse.Namespace) -> None:
 def machine_limits(args) -> MachineLimits:
     time.sleep(SETTLE_S)  # the last column's threads may still spin
     return measure(getattr(torch, args.dtype), args.threads or torch.get_num_threads())
+
+
+def at_dtype(columns, args) -> list[str]:
+    """The columns whose weights are known to be at --dtype, which the fractions count the bytes of: ours unquantized,
+    HF's, and a vLLM started here. A --compare-url server's format is its own (llama.cpp's Q4_1 counted as fp32
+    bytes read as 1.16 of the machine's plain read)."""
+    return [name for name in columns if name not in REFERENCE and not name.startswith(("ours-int8", "ours-int4"))
+            and (name != args.compare_name or args.start_vllm)]
 
 
 def fractions_of_limit(columns, loads, limit: MachineLimits, args) -> dict[str, dict[str, float]]:
