@@ -23,6 +23,7 @@ import msgspec
 import torch
 
 from engines.builtin.core import on_a_passing_thread
+from engines.builtin.cpu_linear import cpu_has_fast_bf16
 
 STREAM_BYTES = 1 << 30
 GEMM_SIZE = 2048
@@ -89,8 +90,6 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype this CPU multiplies ``dtype`` in. Without a bf16 dot product (AVX2) bf16 products are fp32's: our
     kernel widens bf16 weights to fp32, and torch's bf16 mm there ran a reference loop (well under 1 GFLOP/s on an
     AMD EPYC, Zen 3), no limit of the machine's."""
-    from engines.builtin.cpu_linear import cpu_has_fast_bf16
-
     return torch.float32 if dtype == torch.bfloat16 and not cpu_has_fast_bf16() else dtype
 
 

@@ -596,6 +596,21 @@ inline void interleave(const Element *x, int64_t rows, int64_t steps, Element *t
         for (int64_t r = 0; r < rows; r++) to[s * rows + r] = x[r * steps + s];
 }
 
+// The calling thread's buffer for a call's rows as its passes read them (interleaved or widened: a call takes one of
+// the two, and calls do not nest on a thread), at least `count` elements; kept for the thread's next calls, grown as
+// they need.
+template <typename U>
+U *calling_thread_rows(int64_t count) {
+    static thread_local std::unique_ptr<U[]> buffer;
+    static thread_local int64_t capacity = 0;
+    if (count > capacity) {
+        buffer.reset();  // the old one freed first; capacity recorded once the new one exists
+        buffer.reset(new U[count]);
+        capacity = count;
+    }
+    return buffer.get();
+}
+
 // x's rows as the vector passes read them from kInterleavedRows on: each pass's rows interleaved (interleave) where
 // the pass's first row would be, in a buffer the calling thread keeps for its next calls (as large as its largest
 // call's input: 12.6 MB for a 2,048-token fp32 prefill step's 1,536-wide down projection). Read in place, a pass of
@@ -608,14 +623,7 @@ inline void interleave(const Element *x, int64_t rows, int64_t steps, Element *t
 template <typename T>
 const T *interleaved_rows(const T *x, const RowPlan &plan, int64_t in_features, int num_threads) {
     static_assert(sizeof(T) * Ops<T>::kPack == sizeof(Element) && kMaxRows <= kLanes, "a pass's step is a vector");
-    static thread_local std::unique_ptr<T[]> buffer;
-    static thread_local int64_t capacity = 0;
-    if (const int64_t need = plan.rows * in_features; need > capacity) {
-        buffer.reset();  // the old one freed first; capacity recorded once the new one exists
-        buffer.reset(new T[need]);
-        capacity = need;
-    }
-    T *const to = buffer.get();
+    T *const to = calling_thread_rows<T>(plan.rows * in_features);
     // Every pass its own item, so that a call of one chunk (up to 512 KB of input) spreads over the threads too.
     std::vector<std::pair<int64_t, int64_t>> passes;
     for (int64_t chunk = 0; chunk < plan.chunks; chunk++)
@@ -642,16 +650,9 @@ void ask_for_output(const T *first, int64_t stride, int64_t rows) {
 }
 
 #if defined(PARROT_WIDENED_BF16)
-// A call's bf16 rows as fp32 (`count` values), in the calling thread's buffer, kept for its next calls.
+// A call's bf16 rows as fp32 (`count` values), in the calling thread's buffer (calling_thread_rows).
 inline const float *widened_rows(const uint16_t *x, int64_t count, int num_threads) {
-    static thread_local std::unique_ptr<float[]> buffer;
-    static thread_local int64_t capacity = 0;
-    if (count > capacity) {
-        buffer.reset();
-        buffer.reset(new float[count]);
-        capacity = count;
-    }
-    float *const to = buffer.get();
+    float *const to = calling_thread_rows<float>(count);
     const int64_t vectors = count / kLanes;
     // A decode step's few rows (a few thousand values) in one thread: a parallel region costs more than they do.
 #pragma omp parallel for num_threads(std::max(num_threads, 1)) schedule(static) if (vectors > (1 << 14))

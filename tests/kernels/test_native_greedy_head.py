@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from kernels import native, native_linear
+from tests.kernel_markers import needs_bf16
 
-needs_bf16 = pytest.mark.skipif(not native_linear.fits(torch.zeros(32, 2, dtype=torch.bfloat16)),
-                                    reason="the kernels here have no bf16 path (AVX-512 BF16 / AMX, or AVX2 without AVX-512)")
 DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16)]
 
 

@@ -13,7 +13,7 @@ import torch
 from engines.builtin.cpu_linear import NativeLinear, cpu_has_fast_bf16
 from engines.builtin.loader import resolve_dtype
 from engines.builtin.types import SamplingParams
-from kernels import native_linear
+from tests.kernel_markers import needs_bf16
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -24,10 +24,6 @@ TIE_STEPS, TIE_FLOOR = 2, 0.0625
 
 def tie_tolerance(logit: float) -> float:
     return max(TIE_FLOOR, TIE_STEPS * 2.0 ** (math.floor(math.log2(abs(logit))) - 7))
-# The engine's bf16 linears run on the C++ kernel wherever it has a bf16 path: a bf16 dot product (AVX-512 BF16 /
-# AMX) or weights widened to fp32 (AVX2 without AVX-512), so these hold on CPUs where `auto` still picks fp32.
-needs_bf16 = pytest.mark.skipif(not native_linear.fits(torch.zeros(32, 2, dtype=torch.bfloat16)),
-                                reason="the kernels here have no bf16 path (AVX-512 BF16 / AMX, or AVX2 without AVX-512)")
 
 
 def test_auto_dtype_follows_the_cpu():

@@ -1,0 +1,12 @@
+"""Skip markers for tests of the C++ kernels' optional paths (imported by test modules that import kernels anyway;
+tests/conftest.py must not import kernels at its top)."""
+
+import pytest
+import torch
+
+from kernels import native_linear
+
+# bf16 linears on the C++ kernel: a bf16 dot product (AVX-512 BF16 / AMX) or weights widened to fp32 (AVX2 without
+# AVX-512). Where neither is built, bf16 linears stay torch's.
+needs_bf16 = pytest.mark.skipif(not native_linear.fits(torch.zeros(32, 2, dtype=torch.bfloat16)),
+                                reason="the kernels here have no bf16 path (AVX-512 BF16 / AMX, or AVX2 without AVX-512)")
