@@ -52,6 +52,8 @@ HEAD_DIMS = (32, 64, 80, 96, 128, 256)
 MAX_GROUP = 96  # the kernel's kTileRows: query heads a kv head it takes
 LINEAR_BLOCK = 32  # native/linear.cpp's block of output features
 LINEAR_PACK = {torch.float32: 1, torch.bfloat16: 2}  # inputs a step takes: the packed weight's last dimension
+Q4_GROUP = 32  # native/linear.cpp's kGroupInputs: inputs a 4-bit group's scale and minimum cover
+Q4_BLOCK_BYTES_PER_INPUT = 20  # native/c_api.h's kQ4BlockBytesPerInput
 MAX_SCREENED_ROWS = 16  # native/greedy_head.cpp's kMaxScreenedRows
 SCREEN_CHUNK_BLOCKS = 128  # head_screen()'s blocks at a time (19 MB of float64 at SmolLM2's 576 inputs)
 
@@ -76,6 +78,8 @@ class NativeKernels:
                                  for dtype, suffix in _SUFFIXES.items()
                                  if hasattr(library, f"parrot_screened_argmax_{suffix}")}
         self._use_tiles = _bound(library, "parrot_use_tiles", [_INT], _INT)
+        self._pack_q4 = (_bound(library, "parrot_pack_q4", [_PTR, _PTR, _PTR, _PTR, _I64, _I64], _INT)
+                         if hasattr(library, "parrot_pack_q4") else None)
         # Built without a bf16 dot product (another CPU or compiler), the bf16 linear answers -2.
         probe = torch.zeros(LINEAR_BLOCK, 2, dtype=torch.bfloat16)
         self._linear_dtypes = {dtype for dtype in self._linear
@@ -135,6 +139,19 @@ class NativeKernels:
         status = self._linear[x.dtype](x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
                                        out.data_ptr(), rows, out_features, in_features, torch.get_num_threads())
         return status, out
+
+    def pack_q4(self, codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor) -> torch.Tensor:
+        """A 4-bit weight as parrot_native::linear_q4 reads it (native/linear.cpp's layout) from codes [N, K] (0-15)
+        and each group of Q4_GROUP inputs' scales and minimums [N, K / Q4_GROUP] (kept as fp16)."""
+        out_features, in_features = codes.shape
+        if (self._pack_q4 is None or out_features % LINEAR_BLOCK or in_features % Q4_GROUP
+                or scales.shape != minimums.shape or scales.shape != (out_features, in_features // Q4_GROUP)):
+            raise ValueError(f"the 4-bit layout does not take codes {tuple(codes.shape)}, scales {tuple(scales.shape)}")
+        codes = codes.to(torch.uint8).contiguous()
+        scales, minimums = scales.float().contiguous(), minimums.float().contiguous()
+        packed = torch.empty(out_features // LINEAR_BLOCK, Q4_BLOCK_BYTES_PER_INPUT * in_features, dtype=torch.uint8)
+        self._pack_q4(codes.data_ptr(), scales.data_ptr(), minimums.data_ptr(), packed.data_ptr(), out_features, in_features)
+        return packed
 
     def argmax_rows(self, logits: torch.Tensor) -> list[int] | None:
         """Each row's argmax of fp32 [rows, cols] logits, as torch.argmax(dim=-1) answers it (the first maximum,
@@ -473,8 +490,8 @@ def torch_ops() -> bool:
 
 @functools.cache
 def _load_torch_ops() -> bool:
-    """Whether the torch operators with C++ bodies (native/torch_ops.cpp: parrot_native::linear, ::gated_linear
-    and a compiled forward's ::attention) are loaded here, built on first use against this torch's headers (~20 s,
+    """Whether the torch operators with C++ bodies (native/torch_ops.cpp: parrot_native::linear, ::gated_linear,
+    ::linear_q4 and a compiled forward's ::attention) are loaded here, built on first use against this torch's headers (~20 s,
     cached as library() is). False where that fails (one warning says why) or the native kernels are switched
     off: the Python-bodied ops of kernels/native_linear.py and engines/builtin/compiled_model.py serve then."""
     if library() is None:
@@ -495,6 +512,8 @@ def _load_torch_ops() -> bool:
         lambda x, packed, bias: x.new_empty(x.shape[0], linear_shape(packed)[0]))
     torch.library.register_fake("parrot_native::gated_linear")(
         lambda x, packed: x.new_empty(x.shape[0], linear_shape(packed)[0] // 2))
+    torch.library.register_fake("parrot_native::linear_q4")(
+        lambda x, packed, bias: x.new_empty(x.shape[0], packed.shape[0] * LINEAR_BLOCK))
     torch.library.register_fake("parrot_native::attention")(lambda q, k, v, forward, layer: torch.empty_like(q))
     return True
 

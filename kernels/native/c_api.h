@@ -11,6 +11,9 @@
 // Output features a block of a packed linear weight holds ([N/32][K/P][32][P], kernels/native.py's pack_linear() and
 // LINEAR_BLOCK): a row's sums of a block are two AVX-512 vectors, four AVX2.
 constexpr int64_t kBlockCols = 32;
+// Bytes a block of a 4-bit weight (parrot_pack_q4) holds per input: 32 features' codes (16 bytes) and, for each
+// group of 32 inputs, their fp16 scales and minimums (128 bytes, 4 an input).
+constexpr int64_t kQ4BlockBytesPerInput = 20;
 
 extern "C" {
 
@@ -27,6 +30,14 @@ int parrot_gated_linear_f32(const float *x, const float *weight, float *out, int
                             int64_t in_features, int num_threads);
 int parrot_gated_linear_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *out, int64_t rows,
                              int64_t out_features, int64_t in_features, int num_threads);
+
+// out [rows, out_features] = x @ weight.T (+ bias), fp32, the weight 4-bit codes in groups of 32 inputs with an fp16
+// scale and minimum a group and feature, packed by parrot_pack_q4 ([N/32][kQ4BlockBytesPerInput * K] bytes) from
+// codes [N][K] (0-15) and scales and minimums [N][K/32]; -1 for sizes the kernel does not take.
+int parrot_linear_q4(const float *x, const uint8_t *weight, const float *bias, float *out, int64_t rows,
+                     int64_t out_features, int64_t in_features, int num_threads);
+int parrot_pack_q4(const uint8_t *codes, const float *scales, const float *minimums, uint8_t *packed,
+                   int64_t out_features, int64_t in_features);
 
 // Paged decode attention (paged_attention.cpp says what each argument is): 0, -1 where this build has no
 // kernel for head_dim or the query group, -2 when a table names a block past num_blocks (nothing read).

@@ -9,7 +9,14 @@ from torch import nn
 
 from engines.builtin.config import EngineConfig
 from engines.builtin.core import EngineCore
-from engines.builtin.quantization import INT4_GROUP_SIZE, Int4Linear, Int8Linear, quantize_linears
+from engines.builtin.quantization import (
+    INT4_GROUP_SIZE,
+    Int4Linear,
+    Int8Linear,
+    TorchInt4Linear,
+    int4_groups,
+    quantize_linears,
+)
 from engines.builtin.types import SamplingParams
 
 
@@ -34,29 +41,49 @@ def test_int8_linear_is_close_to_float(rows, bias):
     assert relative_error(Int8Linear(linear)(x), linear(x).detach()) < 0.02
 
 
+INT4_LINEARS = [Int4Linear, TorchInt4Linear]  # the C++ kernel, and torch's where that does not build
+
+
+@pytest.mark.parametrize("int4", INT4_LINEARS)
 @pytest.mark.parametrize("rows", [1, 3, 16])
 @pytest.mark.parametrize("bias", [False, True])
-def test_int4_linear_is_close_to_float(rows, bias):
+def test_int4_linear_is_close_to_float(int4, rows, bias):
     linear = random_linear(bias=bias)
     x = torch.randn(rows, 576)
-    out = Int4Linear(linear)(x)
+    out = int4(linear)(x)
     assert out.dtype == torch.float32 and out.shape == (rows, 960)
     assert relative_error(out, linear(x).detach()) < 0.12  # 16 levels per group of gaussian weights
 
 
-def test_int4_keeps_weights_that_already_are_4_bit_groups():
-    """GGUF Q4_1 weights (scale * code + min per group of 32) come back out of the int4 layout."""
+@pytest.mark.parametrize("int4, tolerance", [(Int4Linear, 1e-6), (TorchInt4Linear, 0.01)])
+def test_int4_keeps_weights_that_already_are_4_bit_groups(int4, tolerance):
+    """GGUF Q4_1 weights (scale * code + min per group of 32) come back out of the int4 layout: exactly on the
+    C++ kernel (fp16 scales and minimums, fp32 rows), up to bf16 rounding of the rows and output on torch's."""
     torch.manual_seed(0)
     out_features, in_features = 64, 128
     groups = (out_features, in_features // INT4_GROUP_SIZE, 1)
-    scale = torch.rand(groups).add(0.5).bfloat16().float() / 64  # bf16-exact, like the kernel keeps them
+    scale = torch.rand(groups).add(0.5).bfloat16().float() / 64  # exact in bf16 and fp16, as both kernels keep them
     low = -8 * scale
     codes = torch.randint(0, 16, (out_features, in_features // INT4_GROUP_SIZE, INT4_GROUP_SIZE))
     codes[..., 0], codes[..., 1] = 0, 15  # every group spans its whole range
     linear = nn.Linear(in_features, out_features, bias=False)
     linear.weight.data = (codes * scale + low).view(out_features, in_features)
     x = torch.randn(4, in_features).bfloat16().float()
-    assert relative_error(Int4Linear(linear)(x), linear(x).detach()) < 0.01  # bf16 output rounding only
+    assert relative_error(int4(linear)(x), linear(x).detach()) < tolerance
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 12, 13, 16, 100])
+def test_int4_kernel_multiplies_its_dequantized_weights(rows):
+    """Every row count the kernel's passes split differently (1-6 rows a pass on AVX2, 12 on AVX-512), a bias,
+    and an odd count of blocks: the products of the weights code * scale + minimum, scales and minimums in fp16."""
+    linear = random_linear(in_features=160, out_features=96, bias=True)
+    codes, scale, low = int4_groups(linear.weight)
+    scale, low = scale.half().double(), low.half().double()
+    weight = (codes.view(96, 5, 32).double() * scale[..., None] + low[..., None]).view(96, 160)
+    x = torch.randn(rows, 160)
+    expected = x.double() @ weight.T + linear.bias.double()
+    out = Int4Linear(linear)(x)
+    assert (out.double() - expected).abs().max() < 1e-5 * expected.abs().max()
 
 
 def test_quantize_linears_replaces_every_linear_and_rejects_unknown_schemes():
