@@ -80,6 +80,8 @@ class NativeKernels:
         self._use_tiles = _bound(library, "parrot_use_tiles", [_INT], _INT)
         self._pack_q4 = (_bound(library, "parrot_pack_q4", [_PTR, _PTR, _PTR, _PTR, _I64, _I64], _INT)
                          if hasattr(library, "parrot_pack_q4") else None)
+        # Built without AVX2 the 4-bit linear answers -2 (its 4-bit weights stay on torch's int4 kernel).
+        self.has_q4 = self._pack_q4 is not None and self._probe_q4(library) == 0
         # Built without a bf16 dot product (another CPU or compiler), the bf16 linear answers -2.
         probe = torch.zeros(LINEAR_BLOCK, 2, dtype=torch.bfloat16)
         self._linear_dtypes = {dtype for dtype in self._linear
@@ -139,6 +141,12 @@ class NativeKernels:
         status = self._linear[x.dtype](x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
                                        out.data_ptr(), rows, out_features, in_features, torch.get_num_threads())
         return status, out
+
+    def _probe_q4(self, library: ctypes.CDLL) -> int:
+        run = _bound(library, "parrot_linear_q4", _LINEAR_ARGS, _INT)
+        zeros = torch.zeros(LINEAR_BLOCK, Q4_GROUP)
+        packed, x, out = self.pack_q4(zeros.to(torch.uint8), zeros[:, :1], zeros[:, :1]), zeros[:1], zeros[:1]
+        return run(x.data_ptr(), packed.data_ptr(), None, out.data_ptr(), 1, LINEAR_BLOCK, Q4_GROUP, 1)
 
     def pack_q4(self, codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor) -> torch.Tensor:
         """A 4-bit weight as parrot_native::linear_q4 reads it (native/linear.cpp's layout) from codes [N, K] (0-15)

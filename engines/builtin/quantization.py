@@ -8,14 +8,14 @@ through torch's fp32 GEMV, so fp32 decoding tops out near 15 tok/s single-stream
   the fastest here once a step has more than a few tokens.
 - ``int4``: weights 4-bit in groups of 32 along the input with a scale and a minimum per group: the GGUF
   Q4_1 layout the default model ships in, whose codes come back exactly. On the C++ kernel
-  (kernels/native/linear.cpp's linear_q4): the scales and minimums kept as fp16 (as GGUF keeps them), rows
-  fp32, so a model answers as its fp32 form with those weights would, up to summation order. It ran SmolLM2's
-  decoder linears in 0.41-0.53x the time of torch's weight-only int4 kernel from 1 to 256 rows on an AVX2
-  CPU (an AMD EPYC). Where the kernels do not build, torch's kernel serves (TorchInt4Linear): it takes bf16
-  activations and scales, so a model answers as it does with ``dtype="bfloat16"``. 8x fewer bytes than fp32
-  for the codes (5 bits a weight with the scales) and the fastest for a step of a few tokens (single-stream
-  decode). The output head stays int8, as GGUF files keep it (Q8_0 in SmolLM2's): 4 bits there would drop
-  precision the source had.
+  (kernels/native/linear.cpp's linear_q4, AVX2): scales and minimums kept as fp16 (as GGUF keeps them), and each
+  call's rows quantized to int8 per group of 32 inputs for integer products, as llama.cpp computes Q4_1 (~1%
+  relative error on a product, beside the 4-bit weights' ~10%). It ran SmolLM2's decoder linears in about a third
+  of the time of torch's weight-only int4 kernel from 1 to 256 rows on an AVX2 CPU (an AMD EPYC). Where it does
+  not build, torch's kernel serves (TorchInt4Linear): bf16 activations and scales, so a model answers as it does
+  with ``dtype="bfloat16"``. 8x fewer bytes than fp32 for the codes (5 bits a weight with the scales) and the
+  fastest for a step of a few tokens (single-stream decode). The output head stays int8, as GGUF files keep it
+  (Q8_0 in SmolLM2's): 4 bits there would drop precision the source had.
 
 Both replace the ``nn.Linear`` modules of a built model in place (embeddings stay as they are).
 """
@@ -68,12 +68,13 @@ def int4_groups(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -> tupl
 
 
 class Int4Linear(nn.Module):
-    """4-bit weights on the C++ kernel (parrot_native::linear_q4), fp32 rows."""
+    """4-bit weights on the C++ kernel (parrot_native::linear_q4): rows quantized to int8 per group of 32 inputs
+    inside the kernel, as llama.cpp does for Q4_1."""
 
     def __init__(self, linear: nn.Linear, group_size: int = INT4_GROUP_SIZE):
         super().__init__()
-        if group_size != native.Q4_GROUP or not native.torch_ops():
-            raise ValueError(f"the 4-bit kernel takes groups of {native.Q4_GROUP} where the native operators build")
+        if group_size != native.Q4_GROUP or not native_int4():
+            raise ValueError(f"the 4-bit kernel takes groups of {native.Q4_GROUP} where it and the native operators build")
         codes, scale, low = int4_groups(linear.weight, group_size)
         self.register_buffer("packed", native.library().pack_q4(codes, scale, low))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float())
@@ -106,9 +107,15 @@ class TorchInt4Linear(nn.Module):
         return out if self.bias is None else out + self.bias.to(x.dtype)
 
 
+def native_int4() -> bool:
+    """Whether the C++ 4-bit kernel serves here: built (AVX2), and the native torch operators loaded."""
+    kernels = native.library()
+    return kernels is not None and kernels.has_q4 and native.torch_ops()
+
+
 def int4_linear(linear: nn.Linear) -> nn.Module:
-    """The int4 form of ``linear``: on the C++ kernel where the native operators build, else on torch's."""
-    return Int4Linear(linear) if native.torch_ops() else TorchInt4Linear(linear)
+    """The int4 form of ``linear``: on the C++ kernel where it serves (native_int4), else on torch's."""
+    return Int4Linear(linear) if native_int4() else TorchInt4Linear(linear)
 
 
 LINEARS = {"int8": Int8Linear, "int4": int4_linear}

@@ -773,141 +773,181 @@ int gated_linear(const T *x, const T *weight, T *out, int64_t rows, int64_t out_
 
 
 // ---- 4-bit weights: a linear whose [N, K] weight is codes 0-15 in groups of 32 inputs, each group and feature with
-// its own scale and minimum (weight = code * scale + minimum: GGUF's Q4_1, the default model's format), fp32 rows ----
+// its own scale and minimum (weight = code * scale + minimum: GGUF's Q4_1, the default model's format) ----
 // Why: torch's int4 kernel (_weight_int4pack_mm_for_cpu) is compute-bound on an AVX2 CPU: a batch-1 step of
 // SmolLM2's linears took 17-18 ms for ~53 MB of 4-bit weights, fp32's time, and one stream decoded at 0.85x
-// llama.cpp's. Here a pass widens each step's codes to fp32 in registers (a zero-extension, a mask or a shift, a
-// conversion), once for all the pass's rows, and sums code x input over each group of 32 inputs; a group's sums
-// then take its scale, plus its minimum times the row's sum of the group's inputs (made once a call):
-// sum(w x) = scale sum(code x) + minimum sum(x). The weights stream at 5 bits a weight (codes, and fp16 scales and
-// minimums: Q4_1's bytes), and the rows stay fp32 (torch's kernel rounds them and the scales to bf16). Dequantizing
-// every step instead (a multiply-add by scale and minimum a vector, shared by the rows) took 1.12-1.19x the time at
-// 1 row, level from 2 rows (SmolLM2's 30 layers' linears, alternating in one process, two runs, an AMD EPYC).
+// llama.cpp's. A first kernel of ours widened each step's codes to fp32 and multiplied them by fp32 rows
+// (0.41-0.53x torch's time from 1 to 256 rows); it was bound by its ~7 vector instructions per 16 weights (~4
+// weights a cycle a core with the weights in L2), and one stream decoded at 1.02x llama.cpp's. So here, as
+// llama.cpp does for Q4_1, each row is quantized once a call to int8 per group of 32 inputs (a step of its largest
+// |x| / 127, rounded to nearest even), and a group's products are integer: 4 inputs' codes x 8 features in one
+// register, multiplied and summed in pairs (vpmaddubsw: codes unsigned, inputs signed, at most 2 x 15 x 127 so no
+// saturation) and pairs of pairs (vpmaddwd), ~10 instructions per 64 weights and a row. Each group's integer sums
+// then take the group's scale times the row's step, plus its minimum times the row's exact (fp32) sum of the
+// group's inputs: sum(w x) = scale sum(code x) + minimum sum(x). The weights stream at 5 bits a weight (codes, and
+// fp16 scales and minimums: Q4_1's bytes). SmolLM2's 30 layers' linears took 0.73-0.82x the first kernel's time
+// from 1 to 256 rows (alternating in one process, an AMD EPYC); the rows' int8 adds ~1% relative error to a
+// product, the 4-bit weights themselves ~10%. AVX2 (256-bit) instructions, also on AVX-512 CPUs; elsewhere the
+// caller keeps torch's
+// kernel.
 //
-// Layout (parrot_pack_q4): for each block of kBlockCols features, its parts of kQ4PartCols features (a pass's two
-// vectors of sums a row) one after the other; a part is its groups in input order, a group is kQ4PartCols fp16
-// scales, kQ4PartCols fp16 minimums, then 32 steps of kLanes bytes: byte j of a step holds feature j's code in its
-// low nibble and feature kLanes + j's in its high one. So each pass reads one sequential stream.
+// Layout (parrot_pack_q4): for each block of kBlockCols features, its two parts of 16 one after the other; a part
+// is its groups in input order, a group is 16 fp16 scales, 16 fp16 minimums, then 8 quads of 4 inputs, 32 bytes
+// each: byte 4j + p of a quad holds the code of the part's feature j for the quad's input p in its low nibble, and
+// of feature 8 + j in its high one. So each pass reads one sequential stream.
 constexpr int64_t kGroupInputs = 32;
-constexpr int64_t kQ4PartCols = kPartVecs * kLanes;  // 16 on AVX2, 32 (a whole block) on AVX-512
+constexpr int64_t kQ4PartCols = 16;  // a part's sums: two vectors of 8 32-bit lanes
 constexpr int64_t kQ4Parts = kBlockCols / kQ4PartCols;
-constexpr int64_t kQ4GroupBytes = 2 * kQ4PartCols * 2 + kGroupInputs * kLanes;
+constexpr int64_t kQ4QuadBytes = 32;
+constexpr int64_t kQ4GroupBytes = 2 * kQ4PartCols * 2 + kGroupInputs / 4 * kQ4QuadBytes;
 static_assert(kQ4GroupBytes * kQ4Parts == kQ4BlockBytesPerInput * kGroupInputs, "c_api.h's bytes per input");
 
-// kLanes fp16 values, and kLanes bytes zero-extended to 32 bits a lane. With intrinsics where the CPU converts in
-// one instruction: GCC 12 turned the vector extension's conversions into a scalar instruction or two a lane.
-inline Vec widened_halves(const uint8_t *from) {
-#if defined(__AVX512F__)
-    return (Vec)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(from)));
-#elif defined(__AVX2__) && defined(__F16C__)
-    return (Vec)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(from)));
-#else
-    _Float16 halves[kLanes];
-    std::memcpy(halves, from, sizeof halves);
-    Vec widened;
-    for (int i = 0; i < kLanes; i++) widened[i] = static_cast<float>(halves[i]);
-    return widened;
-#endif
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define PARROT_Q4 1
+
+// A call's rows as the passes read them: int8 codes [rows][K], and per row and group of 32 inputs its step (the
+// codes' unit) and the exact sum of its inputs, [rows][groups].
+struct Q4Rows {
+    const int8_t *codes;
+    const float *steps, *sums;
+    int64_t in_features, groups;
+
+    Q4Rows from(int64_t row) const {
+        return {codes + row * in_features, steps + row * groups, sums + row * groups, in_features, groups};
+    }
+};
+
+inline float lanes_sum(__m256 x) {
+    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
 }
 
-inline IntVec widened_bytes(const uint8_t *from) {
-#if defined(__AVX512F__)
-    return (IntVec)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i *>(from)));
-#elif defined(__AVX2__)
-    return (IntVec)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i *>(from)));
-#else
-    IntVec widened;
-    for (int i = 0; i < kLanes; i++) widened[i] = from[i];
-    return widened;
-#endif
+inline float lanes_max(__m256 x) {
+    const __m128 half = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    const __m128 quarter = _mm_max_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_max_ss(quarter, _mm_movehdup_ps(quarter)));
 }
 
-// Rows x one block's 4-bit weights, the sums to `sink`; `unroll` sets of sums take alternate steps (as block_rows).
-template <int rows, int unroll, bool interleaved, typename Sink>
-void q4_block_rows(const uint8_t *block, const float *x, int64_t in_features, Pass pass, Sink sink, const float *xsums) {
-    static_assert(kGroupInputs % unroll == 0, "a group's steps split evenly among the sets of sums");
-    const int64_t groups = in_features / kGroupInputs;
+// One group of 32 inputs to int8 codes of step max|x| / 127 (0 for a group of zeros), and the inputs' sum.
+inline void quantize_group(const float *x, int8_t *codes, float &step, float &sum) {
+    __m256 v[4], largest = _mm256_setzero_ps(), total = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(x + 8 * i);
+        largest = _mm256_max_ps(largest, _mm256_andnot_ps(sign, v[i]));
+        total = _mm256_add_ps(total, v[i]);
+    }
+    const float most = lanes_max(largest);
+    step = most / 127.0f;
+    sum = lanes_sum(total);
+    const __m256 inverse = _mm256_set1_ps(most > 0.0f ? 127.0f / most : 0.0f);
+    __m256i q[4];
+    for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));  // to nearest even
+    // packs work within 128-bit halves: the 32-bit groups of 4 codes come out as 0, 2, 4, 6, 1, 3, 5, 7
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    const __m256i ordered = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i *>(codes), ordered);
+}
+
+// x's rows quantized (quantize_group) into the calling thread's buffers, kept for its next calls.
+inline Q4Rows quantized_rows(const float *x, int64_t rows, int64_t in_features, int num_threads) {
+    static thread_local std::vector<int8_t> codes;
+    static thread_local std::vector<float> steps_and_sums;
+    const int64_t groups = in_features / kGroupInputs, count = rows * groups;
+    codes.resize(rows * in_features);
+    steps_and_sums.resize(2 * count);
+    int8_t *const to = codes.data();
+    float *const steps = steps_and_sums.data(), *const sums = steps + count;
+    // A decode step's few rows in one thread: a parallel region costs more than they do.
+#pragma omp parallel for num_threads(std::max(num_threads, 1)) schedule(static) if (count > 4096)
+    for (int64_t i = 0; i < count; i++) quantize_group(x + i * kGroupInputs, to + i * kGroupInputs, steps[i], sums[i]);
+    return {to, steps, sums, in_features, groups};
+}
+
+// How far ahead of its group a pass asks for its stream (8 groups; past the block it is the thread's next block,
+// past the weight harmless), non-temporally. The hardware's prefetchers alone left the integer products waiting:
+// 30 layers' linears streamed at ~12 GB/s at 1 row, ~19 with the weights in L2. With these requests 0.79-0.98x the
+// time at 1-4 rows, 0.94-1.06x at 16 and 0.98-1.06x at 256 (three alternating runs in one process; T0 requests and
+// 1,280 or 5,120 bytes ahead streamed slower at 1 row).
+constexpr int64_t kQ4AheadBytes = 8 * kQ4GroupBytes;
+
+inline __m256 widened_halves(const uint8_t *from) {  // 8 fp16 values
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(from)));
+}
+
+// Rows x one block's 4-bit weights, their fp32 sums to sums [rows][kBlockCols].
+template <int rows>
+void q4_block_rows(const uint8_t *block, const Q4Rows &x, float *sums) {
+    const __m256i low_nibbles = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     for (int part = 0; part < kQ4Parts; part++) {
-        const uint8_t *group = block + part * groups * kQ4GroupBytes;
-        NextBlockPrefetch prefetch(block + groups * kQ4Parts * kQ4GroupBytes, kQ4GroupBytes,
-                                   Pass{pass.index * kQ4Parts + part, pass.count * kQ4Parts});
-        Vec totals[rows][kPartVecs] = {};
-        for (int64_t g = 0; g < groups; g++, group += kQ4GroupBytes) {
-            prefetch.step();
-            const uint8_t *codes = group + 2 * kQ4PartCols * 2;
-            Vec sums[unroll][rows][kPartVecs] = {};
-            for (int64_t i = 0; i < kGroupInputs; i += unroll)
-                for (int u = 0; u < unroll; u++) {
-                    const IntVec pairs = widened_bytes(codes + (i + u) * kLanes);
-                    const Vec w[2] = {__builtin_convertvector(pairs & 15, Vec), __builtin_convertvector(pairs >> 4, Vec)};
-                    const int64_t s = g * kGroupInputs + i + u;
-                    for (int r = 0; r < rows; r++) {
-                        const Vec input = splat(*row_input<float, rows, interleaved>(x, r, s, in_features));
-                        for (int v = 0; v < kPartVecs; v++) sums[u][r][v] += input * w[v];
-                    }
+        const uint8_t *group = block + part * x.groups * kQ4GroupBytes;
+        __m256 totals[rows][2];
+        for (int r = 0; r < rows; r++) totals[r][0] = totals[r][1] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < x.groups; g++, group += kQ4GroupBytes) {
+            const uint8_t *quads = group + 2 * kQ4PartCols * 2;
+            for (int64_t line = 0; line < kQ4GroupBytes; line += 64) __builtin_prefetch(group + kQ4AheadBytes + line, 0, 0);
+            __m256i dots[rows][2];
+            for (int r = 0; r < rows; r++) dots[r][0] = dots[r][1] = _mm256_setzero_si256();
+            for (int q = 0; q < kGroupInputs / 4; q++) {
+                const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(quads + q * kQ4QuadBytes));
+                const __m256i codes[2] = {_mm256_and_si256(packed, low_nibbles),
+                                          _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles)};
+                for (int r = 0; r < rows; r++) {
+                    int32_t quad;  // the row's 4 int8 inputs
+                    std::memcpy(&quad, x.codes + r * x.in_features + g * kGroupInputs + 4 * q, sizeof quad);
+                    const __m256i input = _mm256_set1_epi32(quad);
+                    for (int v = 0; v < 2; v++)
+                        dots[r][v] = _mm256_add_epi32(dots[r][v], _mm256_madd_epi16(_mm256_maddubs_epi16(codes[v], input), ones));
                 }
-            const Vec scale[2] = {widened_halves(group), widened_halves(group + 2 * kLanes)};
-            const Vec minimum[2] = {widened_halves(group + 4 * kLanes), widened_halves(group + 6 * kLanes)};
-            for (int r = 0; r < rows; r++)
-                for (int v = 0; v < kPartVecs; v++) {
-                    Vec sum = sums[0][r][v];
-                    for (int u = 1; u < unroll; u++) sum += sums[u][r][v];
-                    totals[r][v] += sum * scale[v] + minimum[v] * splat(xsums[r * groups + g]);
-                }
+            }
+            const __m256 scale[2] = {widened_halves(group), widened_halves(group + 16)};
+            const __m256 minimum[2] = {widened_halves(group + 32), widened_halves(group + 48)};
+            for (int r = 0; r < rows; r++) {
+                const __m256 step = _mm256_set1_ps(x.steps[r * x.groups + g]), sum = _mm256_set1_ps(x.sums[r * x.groups + g]);
+                for (int v = 0; v < 2; v++)
+                    totals[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r][v]), _mm256_mul_ps(scale[v], step),
+                                                   _mm256_fmadd_ps(minimum[v], sum, totals[r][v]));
+            }
         }
         for (int r = 0; r < rows; r++)
-            for (int v = 0; v < kPartVecs; v++) sink(r, part * kPartVecs + v, totals[r][v]);
+            for (int v = 0; v < 2; v++) _mm256_storeu_ps(sums + r * kBlockCols + part * kQ4PartCols + v * 8, totals[r][v]);
     }
 }
 
-// Sets of sums as kUnroll's, the registers also holding the pass's totals, and a power of two (a group's 32 steps
-// split evenly).
-template <int rows>
-constexpr int kQ4Sets = (kVecRegisters - 2 * kPartVecs - 1) / (kPartVecs * rows) - 1;
-template <int rows>
-constexpr int kQ4Unroll = kQ4Sets<rows> >= 4 ? 4 : kQ4Sets<rows> >= 2 ? 2 : 1;
+// Rows a q4_block_rows pass keeps its sums for in registers, beside a quad's two vectors of codes, their mask,
+// the ones and a row's input: 5 on AVX2's 16 registers, 13 where AVX-512 gives 32.
+constexpr int64_t kQ4MaxRows = (kVecRegisters - 5) / 2;
 
-template <typename Sink, bool interleaved, int... rows>
+template <int... rows>
 auto q4_block_rows_among(int64_t count, std::integer_sequence<int, rows...>) {
-    using Pick = void (*)(const uint8_t *, const float *, int64_t, Pass, Sink, const float *);
+    using Pick = void (*)(const uint8_t *, const Q4Rows &, float *);
     Pick chosen = nullptr;
-    ((chosen = count == rows + 1 ? q4_block_rows<rows + 1, kQ4Unroll<rows + 1>, interleaved, Sink> : chosen), ...);
-    return chosen ? chosen : q4_block_rows<kMaxRows, 1, interleaved, Sink>;
-}
-
-// Each row's sums of its groups of inputs, [rows][groups], in the calling thread's buffer (kept for its next calls):
-// what a group's minimums multiply.
-inline const float *q4_group_sums(const float *x, int64_t rows, int64_t groups) {
-    static thread_local std::vector<float> sums;
-    sums.resize(rows * groups);
-    for (int64_t i = 0; i < rows * groups; i++) {
-        Vec lanes{};
-        for (int64_t k = 0; k < kGroupInputs; k += kLanes) lanes += load(x + i * kGroupInputs + k);
-        float sum = 0;
-        for (int lane = 0; lane < kLanes; lane++) sum += lanes[lane];
-        sums[i] = sum;
-    }
-    return sums.data();
+    ((chosen = count == rows + 1 ? q4_block_rows<rows + 1> : chosen), ...);
+    return chosen;
 }
 
 int linear_q4(const float *x, const uint8_t *weight, const float *bias, float *out, int64_t rows, int64_t out_features,
               int64_t in_features, int num_threads) {
     if (in_features % kGroupInputs || out_features % kBlockCols || rows < 0) return -1;
-    const CallRows<float> call(x, rows, in_features, num_threads);
+    const Q4Rows quantized = quantized_rows(x, rows, in_features, num_threads);
+    const RowPlan plan(rows, false, in_features);
     const int64_t block_bytes = kQ4BlockBytesPerInput * in_features;
-    constexpr auto counts = std::make_integer_sequence<int, kMaxRows>{};
-    const int64_t groups = in_features / kGroupInputs;
-    const float *const group_sums = q4_group_sums(x, rows, groups);
-    for_each_unit(out_features / kBlockCols, call.plan, num_threads, [&](int64_t block, int64_t row, int64_t end, Pass pass) {
+    for_each_unit(out_features / kBlockCols, plan, num_threads, [&](int64_t block, int64_t row, int64_t end, Pass) {
+        alignas(64) float sums[kMaxRows * kBlockCols];
+        for (int64_t first = row; first < end; first += kQ4MaxRows) {
+            const int64_t count = std::min(kQ4MaxRows, end - first);
+            q4_block_rows_among(count, std::make_integer_sequence<int, kQ4MaxRows>{})(
+                weight + block * block_bytes, quantized.from(first), sums + (first - row) * kBlockCols);
+        }
         const int64_t feature = block * kBlockCols;
         const Output<float> sink{out + row * out_features + feature, out_features, bias ? bias + feature : nullptr};
-        if (call.interleaved) ask_for_output(sink.out, out_features, end - row);
-        const auto pass_rows = call.interleaved ? q4_block_rows_among<Output<float>, true>(end - row, counts)
-                                                : q4_block_rows_among<Output<float>, false>(end - row, counts);
-        pass_rows(weight + block * block_bytes, call.input + row * in_features, in_features, pass, sink, group_sums + row * groups);
+        for (int r = 0; r < end - row; r++)
+            for (int v = 0; v < kBlockVecs; v++) sink(r, v, load(sums + r * kBlockCols + v * kLanes));
     });
     return 0;
 }
+#endif
 
 // The packed layout above from codes [N][K] (0-15), scales and minimums [N][K/32].
 int pack_q4(const uint8_t *codes, const float *scales, const float *minimums, uint8_t *packed, int64_t out_features,
@@ -924,13 +964,13 @@ int pack_q4(const uint8_t *codes, const float *scales, const float *minimums, ui
                     halves[f] = static_cast<_Float16>(scales[(first + f) * groups + g]);
                     halves[kQ4PartCols + f] = static_cast<_Float16>(minimums[(first + f) * groups + g]);
                 }
-                uint8_t *steps = group + 2 * kQ4PartCols * 2;
+                uint8_t *quads = group + 2 * kQ4PartCols * 2;
                 for (int64_t i = 0; i < kGroupInputs; i++)
-                    for (int64_t j = 0; j < kLanes; j++) {
+                    for (int64_t j = 0; j < 8; j++) {
                         const int64_t k = g * kGroupInputs + i;
                         const uint8_t low = codes[(first + j) * in_features + k] & 15;
-                        const uint8_t high = codes[(first + kLanes + j) * in_features + k] & 15;
-                        steps[i * kLanes + j] = static_cast<uint8_t>(low | high << 4);
+                        const uint8_t high = codes[(first + 8 + j) * in_features + k] & 15;
+                        quads[i / 4 * kQ4QuadBytes + 4 * j + i % 4] = static_cast<uint8_t>(low | high << 4);
                     }
             }
     return 0;
@@ -979,9 +1019,15 @@ int parrot_use_tiles(int enable) {
     return tiles_usable();
 }
 
+// -2 where this build has no 4-bit kernel (not AVX2): the caller keeps torch's int4 kernel.
 int parrot_linear_q4(const float *x, const uint8_t *weight, const float *bias, float *out, int64_t rows,
                      int64_t out_features, int64_t in_features, int num_threads) {
+#if defined(PARROT_Q4)
     return linear_q4(x, weight, bias, out, rows, out_features, in_features, num_threads);
+#else
+    (void)x, (void)weight, (void)bias, (void)out, (void)rows, (void)out_features, (void)in_features, (void)num_threads;
+    return -2;
+#endif
 }
 
 int parrot_pack_q4(const uint8_t *codes, const float *scales, const float *minimums, uint8_t *packed,
