@@ -10,8 +10,8 @@ through torch's fp32 GEMV, so fp32 decoding tops out near 15 tok/s single-stream
   Q4_1 layout the default model ships in, whose codes come back exactly. On the C++ kernel
   (kernels/native/linear.cpp's linear_q4, AVX2): scales and minimums kept as fp16 (as GGUF keeps them), and each
   call's rows quantized to int8 per group of 32 inputs for integer products, as llama.cpp computes Q4_1 (~1%
-  relative error on a product, beside the 4-bit weights' ~10%). It ran SmolLM2's decoder linears in about a third
-  of the time of torch's weight-only int4 kernel from 1 to 256 rows on an AVX2 CPU (an AMD EPYC). Where it does
+  relative error on a product, beside the 4-bit weights' ~10%). It ran SmolLM2's decoder linears in 0.30-0.36x
+  the time of torch's weight-only int4 kernel from 1 to 256 rows on an AVX2 CPU (an AMD EPYC, one process). Where it does
   not build, torch's kernel serves (TorchInt4Linear): bf16 activations and scales, so a model answers as it does
   with ``dtype="bfloat16"``. 8x fewer bytes than fp32 for the codes (5 bits a weight with the scales) and the
   fastest for a step of a few tokens (single-stream decode). The output head stays int8, as GGUF files keep it
