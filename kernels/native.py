@@ -145,16 +145,20 @@ class NativeKernels:
     def _probe_q4(self, library: ctypes.CDLL) -> int:
         run = _bound(library, "parrot_linear_q4", _LINEAR_ARGS, _INT)
         zeros = torch.zeros(LINEAR_BLOCK, Q4_GROUP)
-        packed, x, out = self.pack_q4(zeros.to(torch.uint8), zeros[:, :1], zeros[:, :1]), zeros[:1], zeros[:1]
-        return run(x.data_ptr(), packed.data_ptr(), None, out.data_ptr(), 1, LINEAR_BLOCK, Q4_GROUP, 1)
+        packed = torch.empty(1, Q4_BLOCK_BYTES_PER_INPUT * Q4_GROUP, dtype=torch.uint8)
+        status = self._pack_q4(zeros.to(torch.uint8).data_ptr(), zeros.data_ptr(), zeros.data_ptr(), packed.data_ptr(),
+                               LINEAR_BLOCK, Q4_GROUP)
+        x, out = torch.zeros(1, Q4_GROUP), torch.empty(1, LINEAR_BLOCK)
+        return status or run(x.data_ptr(), packed.data_ptr(), None, out.data_ptr(), 1, LINEAR_BLOCK, Q4_GROUP, 1)
 
     def pack_q4(self, codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor) -> torch.Tensor:
         """A 4-bit weight as parrot_native::linear_q4 reads it (native/linear.cpp's layout) from codes [N, K] (0-15)
         and each group of Q4_GROUP inputs' scales and minimums [N, K / Q4_GROUP] (kept as fp16)."""
         out_features, in_features = codes.shape
-        if (self._pack_q4 is None or out_features % LINEAR_BLOCK or in_features % Q4_GROUP
+        if (not self.has_q4 or out_features % LINEAR_BLOCK or in_features % Q4_GROUP
                 or scales.shape != minimums.shape or scales.shape != (out_features, in_features // Q4_GROUP)):
-            raise ValueError(f"the 4-bit layout does not take codes {tuple(codes.shape)}, scales {tuple(scales.shape)}")
+            raise ValueError(f"the 4-bit kernel does not take codes {tuple(codes.shape)}, scales {tuple(scales.shape)}"
+                             + ("" if self.has_q4 else " (not built here: it needs AVX2 and F16C)"))
         codes = codes.to(torch.uint8).contiguous()
         scales, minimums = scales.float().contiguous(), minimums.float().contiguous()
         packed = torch.empty(out_features // LINEAR_BLOCK, Q4_BLOCK_BYTES_PER_INPUT * in_features, dtype=torch.uint8)

@@ -22,13 +22,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # float32. On CPU its linears run on the C++ kernel (engines/builtin/cpu_linear.py), also on AVX2 CPUs without AVX-512,
     # where an explicit bfloat16 widens the weights to fp32 as it reads them.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
-    # CPU only: "int8" (fbgemm int8 GEMM, fastest for batches) or "int4" (weight-only, 4-bit groups
-    # of 32 as in GGUF Q4_1, fastest single-stream); see engines/builtin/quantization.py.
+    # CPU only: "int8" (fbgemm int8 GEMM, fastest for batches) or "int4" (4-bit weight groups of 32 as in
+    # GGUF Q4_1, rows int8 per 32 inputs on AVX2 as llama.cpp computes them; fastest single-stream); see
+    # engines/builtin/quantization.py.
     quantization: Literal["int8", "int4"] | None = None
     device: str = "cpu"  # or "cuda": the model, KV cache and attention (Triton kernels) on the GPU
     # CPU, unquantized or int4: the model's forward compiled by torch.compile (engines/builtin/compiled_model.py):
-    # decode steps here 1.16x (batch 1) / 1.78x (batch 16) faster in fp32, 1.05-1.19x in bf16, 1.4x
-    # int4 at batch 1; the engine's start takes about a minute longer (a warm-up generation compiles it
+    # decode steps here 1.16x (batch 1) / 1.78x (batch 16) faster in fp32, 1.05-1.19x in bf16, int4's
+    # single stream 2.1-2.2x on an AVX2 host (benchmarks.engine_throughput); the engine's start takes about a minute longer (a warm-up generation compiles it
     # before it serves). Not int8: its fbgemm weights are objects the compiler cannot trace.
     compile: bool = False
     block_size: int = 16

@@ -31,9 +31,11 @@ int parrot_gated_linear_f32(const float *x, const float *weight, float *out, int
 int parrot_gated_linear_bf16(const uint16_t *x, const uint16_t *weight, uint16_t *out, int64_t rows,
                              int64_t out_features, int64_t in_features, int num_threads);
 
-// out [rows, out_features] = x @ weight.T (+ bias), fp32, the weight 4-bit codes in groups of 32 inputs with an fp16
-// scale and minimum a group and feature, packed by parrot_pack_q4 ([N/32][kQ4BlockBytesPerInput * K] bytes) from
-// codes [N][K] (0-15) and scales and minimums [N][K/32]; -1 for sizes the kernel does not take.
+// out [rows, out_features] ~ x @ weight.T (+ bias), fp32, x's rows quantized to int8 per group of 32 inputs inside
+// (as llama.cpp computes Q4_1), the weight 4-bit codes in groups of 32 inputs with an fp16 scale and minimum a group
+// and feature, packed by parrot_pack_q4 ([N/32][kQ4BlockBytesPerInput * K] bytes) from codes [N][K] (0-15) and
+// scales and minimums [N][K/32]; -1 for sizes the kernel does not take, -2 (both) where the build has no 4-bit
+// kernel (no AVX2 and F16C).
 int parrot_linear_q4(const float *x, const uint8_t *weight, const float *bias, float *out, int64_t rows,
                      int64_t out_features, int64_t in_features, int num_threads);
 int parrot_pack_q4(const uint8_t *codes, const float *scales, const float *minimums, uint8_t *packed,

@@ -787,9 +787,8 @@ int gated_linear(const T *x, const T *weight, T *out, int64_t rows, int64_t out_
 // group's inputs: sum(w x) = scale sum(code x) + minimum sum(x). The weights stream at 5 bits a weight (codes, and
 // fp16 scales and minimums: Q4_1's bytes). SmolLM2's 30 layers' linears took 0.73-0.82x the first kernel's time
 // from 1 to 256 rows (alternating in one process, an AMD EPYC); the rows' int8 adds ~1% relative error to a
-// product, the 4-bit weights themselves ~10%. AVX2 (256-bit) instructions, also on AVX-512 CPUs; elsewhere the
-// caller keeps torch's
-// kernel.
+// product, the 4-bit weights themselves ~10%. AVX2 (256-bit) and F16C instructions, also on AVX-512 CPUs; elsewhere
+// the caller keeps torch's kernel.
 //
 // Layout (parrot_pack_q4): for each block of kBlockCols features, its two parts of 16 one after the other; a part
 // is its groups in input order, a group is 16 fp16 scales, 16 fp16 minimums, then 8 quads of 4 inputs, 32 bytes
@@ -865,8 +864,8 @@ inline Q4Rows quantized_rows(const float *x, int64_t rows, int64_t in_features, 
     return {to, steps, sums, in_features, groups};
 }
 
-// How far ahead of its group a pass asks for its stream (8 groups; past the block it is the thread's next block,
-// past the weight harmless), non-temporally. The hardware's prefetchers alone left the integer products waiting:
+// How far ahead of its group a pass asks for its stream (8 groups: the part's, or past its end the bytes that
+// follow, mostly the block the thread takes next; past the weight harmless), non-temporally. The hardware's prefetchers alone left the integer products waiting:
 // 30 layers' linears streamed at ~12 GB/s at 1 row, ~19 with the weights in L2. With these requests 0.79-0.98x the
 // time at 1-4 rows, 0.94-1.06x at 16 and 0.98-1.06x at 256 (three alternating runs in one process; T0 requests and
 // 1,280 or 5,120 bytes ahead streamed slower at 1 row).
@@ -915,10 +914,10 @@ void q4_block_rows(const uint8_t *block, const Q4Rows &x, float *sums) {
     }
 }
 
-// Rows a q4_block_rows pass keeps its sums for in registers, beside a quad's two vectors of codes, their mask,
-// the ones and a row's input: 5 on AVX2's 16 registers, 13 where AVX-512 gives 32.
-constexpr int64_t kQ4MaxRows = (kVecRegisters - 5) / 2;
-
+// A pass takes the plan's rows (RowPlan: up to 6 on AVX2, 12 on AVX-512) at once, its sums in registers beside a
+// quad's two vectors of codes, their mask, the ones and a row's input: on AVX2's 16 registers 6 rows leave one
+// vector to the stack, and took 0.88-0.99x the time of passes of 5 rows and 1 (SmolLM2's 30 layers' linears at
+// 16-256 rows, two runs alternating in one process; level at 1 and 6 rows).
 template <int... rows>
 auto q4_block_rows_among(int64_t count, std::integer_sequence<int, rows...>) {
     using Pick = void (*)(const uint8_t *, const Q4Rows &, float *);
@@ -935,11 +934,8 @@ int linear_q4(const float *x, const uint8_t *weight, const float *bias, float *o
     const int64_t block_bytes = kQ4BlockBytesPerInput * in_features;
     for_each_unit(out_features / kBlockCols, plan, num_threads, [&](int64_t block, int64_t row, int64_t end, Pass) {
         alignas(64) float sums[kMaxRows * kBlockCols];
-        for (int64_t first = row; first < end; first += kQ4MaxRows) {
-            const int64_t count = std::min(kQ4MaxRows, end - first);
-            q4_block_rows_among(count, std::make_integer_sequence<int, kQ4MaxRows>{})(
-                weight + block * block_bytes, quantized.from(first), sums + (first - row) * kBlockCols);
-        }
+        q4_block_rows_among(end - row, std::make_integer_sequence<int, kMaxRows>{})(weight + block * block_bytes,
+                                                                                 quantized.from(row), sums);
         const int64_t feature = block * kBlockCols;
         const Output<float> sink{out + row * out_features + feature, out_features, bias ? bias + feature : nullptr};
         for (int r = 0; r < end - row; r++)
@@ -947,9 +943,8 @@ int linear_q4(const float *x, const uint8_t *weight, const float *bias, float *o
     });
     return 0;
 }
-#endif
 
-// The packed layout above from codes [N][K] (0-15), scales and minimums [N][K/32].
+// The packed layout above from codes [N][K] (0-15), scales and minimums [N][K/32] (each to fp16, nearest).
 int pack_q4(const uint8_t *codes, const float *scales, const float *minimums, uint8_t *packed, int64_t out_features,
             int64_t in_features) {
     if (in_features % kGroupInputs || out_features % kBlockCols) return -1;
@@ -958,11 +953,11 @@ int pack_q4(const uint8_t *codes, const float *scales, const float *minimums, ui
         for (int64_t part = 0; part < kQ4Parts; part++)
             for (int64_t g = 0; g < groups; g++) {
                 uint8_t *group = packed + ((block * kQ4Parts + part) * groups + g) * kQ4GroupBytes;
-                _Float16 *halves = reinterpret_cast<_Float16 *>(group);
+                uint16_t *halves = reinterpret_cast<uint16_t *>(group);
                 const int64_t first = block * kBlockCols + part * kQ4PartCols;
                 for (int64_t f = 0; f < kQ4PartCols; f++) {
-                    halves[f] = static_cast<_Float16>(scales[(first + f) * groups + g]);
-                    halves[kQ4PartCols + f] = static_cast<_Float16>(minimums[(first + f) * groups + g]);
+                    halves[f] = _cvtss_sh(scales[(first + f) * groups + g], _MM_FROUND_TO_NEAREST_INT);
+                    halves[kQ4PartCols + f] = _cvtss_sh(minimums[(first + f) * groups + g], _MM_FROUND_TO_NEAREST_INT);
                 }
                 uint8_t *quads = group + 2 * kQ4PartCols * 2;
                 for (int64_t i = 0; i < kGroupInputs; i++)
@@ -975,6 +970,7 @@ int pack_q4(const uint8_t *codes, const float *scales, const float *minimums, ui
             }
     return 0;
 }
+#endif
 
 }  // namespace
 
@@ -1032,7 +1028,12 @@ int parrot_linear_q4(const float *x, const uint8_t *weight, const float *bias, f
 
 int parrot_pack_q4(const uint8_t *codes, const float *scales, const float *minimums, uint8_t *packed,
                    int64_t out_features, int64_t in_features) {
+#if defined(PARROT_Q4)
     return pack_q4(codes, scales, minimums, packed, out_features, in_features);
+#else
+    (void)codes, (void)scales, (void)minimums, (void)packed, (void)out_features, (void)in_features;
+    return -2;
+#endif
 }
 
 }  // extern "C"

@@ -15,9 +15,11 @@ from engines.builtin.quantization import (
     Int8Linear,
     TorchInt4Linear,
     int4_groups,
+    native_int4,
     quantize_linears,
 )
 from engines.builtin.types import SamplingParams
+from tests.kernel_markers import needs_q4
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -41,7 +43,8 @@ def test_int8_linear_is_close_to_float(rows, bias):
     assert relative_error(Int8Linear(linear)(x), linear(x).detach()) < 0.02
 
 
-INT4_LINEARS = [Int4Linear, TorchInt4Linear]  # the C++ kernel, and torch's where that does not build
+# the C++ kernel, and torch's where that does not build
+INT4_LINEARS = [pytest.param(Int4Linear, marks=needs_q4), TorchInt4Linear]
 
 
 @pytest.mark.parametrize("int4", INT4_LINEARS)
@@ -55,7 +58,7 @@ def test_int4_linear_is_close_to_float(int4, rows, bias):
     assert relative_error(out, linear(x).detach()) < 0.12  # 16 levels per group of gaussian weights
 
 
-@pytest.mark.parametrize("int4, tolerance", [(Int4Linear, 1e-6), (TorchInt4Linear, 0.01)])
+@pytest.mark.parametrize("int4, tolerance", [pytest.param(Int4Linear, 1e-6, marks=needs_q4), (TorchInt4Linear, 0.01)])
 def test_int4_keeps_weights_that_already_are_4_bit_groups(int4, tolerance):
     """GGUF Q4_1 weights (scale * code + min per group of 32) come back out of the int4 layout: exactly on the
     C++ kernel (fp16 scales and minimums; rows that are whole int8 steps already), up to bf16 rounding of the
@@ -83,10 +86,11 @@ def int8_rows(x: torch.Tensor) -> torch.Tensor:
     return ((groups * inverse).round().double() * largest.div(127).double()).view(x.shape)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 12, 13, 16, 100])
+@needs_q4
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 12, 13, 16, 100, 1000])
 def test_int4_kernel_multiplies_its_dequantized_weights(rows):
-    """Every row count the kernel's passes split differently (5 rows a pass on AVX2, passes of up to 6 or 12), a
-    bias, a group of zeros and an odd count of blocks: the products of int8 rows and the weights code * scale +
+    """Every row count the kernel's passes split differently (passes of up to 6 rows on AVX2, 12 on AVX-512; 1,000
+    rows quantized by the team's threads), a bias, a group of zeros and an odd count of blocks: the products of int8 rows and the weights code * scale +
     minimum (fp16 scales and minimums), each group's minimum taking the group's exact sum of inputs."""
     linear = random_linear(in_features=160, out_features=96, bias=True)
     codes, scale, low = int4_groups(linear.weight)
@@ -108,7 +112,8 @@ def test_quantize_linears_replaces_every_linear_and_rejects_unknown_schemes():
     head = nn.Sequential()
     head.body, head.lm_head = nn.Linear(64, 64), nn.Linear(64, 32)
     quantize_linears(head, "int4")
-    assert isinstance(head.body, Int4Linear) and isinstance(head.lm_head, Int8Linear)  # the head keeps 8 bits
+    int4 = Int4Linear if native_int4() else TorchInt4Linear
+    assert isinstance(head.body, int4) and isinstance(head.lm_head, Int8Linear)  # the head keeps 8 bits
     with pytest.raises(ValueError, match="unknown quantization"):
         quantize_linears(nn.Sequential(nn.Linear(64, 64)), "int3")
 
