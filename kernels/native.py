@@ -52,7 +52,7 @@ HEAD_DIMS = (32, 64, 80, 96, 128, 256)
 MAX_GROUP = 96  # the kernel's kTileRows: query heads a kv head it takes
 LINEAR_BLOCK = 32  # native/linear.cpp's block of output features
 LINEAR_PACK = {torch.float32: 1, torch.bfloat16: 2}  # inputs a step takes: the packed weight's last dimension
-Q4_GROUP = 32  # native/linear.cpp's kGroupInputs: inputs a 4-bit group's scale and minimum cover
+Q4_GROUP = 32  # native/c_api.h's kQ4GroupInputs: inputs a 4-bit group's scale and minimum cover
 Q4_BLOCK_BYTES_PER_INPUT = 20  # native/c_api.h's kQ4BlockBytesPerInput
 MAX_SCREENED_ROWS = 16  # native/greedy_head.cpp's kMaxScreenedRows
 SCREEN_CHUNK_BLOCKS = 128  # head_screen()'s blocks at a time (19 MB of float64 at SmolLM2's 576 inputs)
@@ -80,8 +80,7 @@ class NativeKernels:
         self._use_tiles = _bound(library, "parrot_use_tiles", [_INT], _INT)
         self._pack_q4 = (_bound(library, "parrot_pack_q4", [_PTR, _PTR, _PTR, _PTR, _I64, _I64], _INT)
                          if hasattr(library, "parrot_pack_q4") else None)
-        # Built without AVX2 the 4-bit linear answers -2 (its 4-bit weights stay on torch's int4 kernel).
-        self.has_q4 = self._pack_q4 is not None and self._probe_q4(library) == 0
+        self.has_q4 = self._pack_q4 is not None and self._probe_q4(library)
         # Built without a bf16 dot product (another CPU or compiler), the bf16 linear answers -2.
         probe = torch.zeros(LINEAR_BLOCK, 2, dtype=torch.bfloat16)
         self._linear_dtypes = {dtype for dtype in self._linear
@@ -142,14 +141,16 @@ class NativeKernels:
                                        out.data_ptr(), rows, out_features, in_features, torch.get_num_threads())
         return status, out
 
-    def _probe_q4(self, library: ctypes.CDLL) -> int:
+    def _probe_q4(self, library: ctypes.CDLL) -> bool:
+        """Whether this build has the 4-bit kernel: built without AVX2 and F16C, both entry points answer -2 (and
+        int4 stays on torch's kernel). Every tensor is held by a name while the kernels read it."""
         run = _bound(library, "parrot_linear_q4", _LINEAR_ARGS, _INT)
-        zeros = torch.zeros(LINEAR_BLOCK, Q4_GROUP)
+        codes, scales = torch.zeros(LINEAR_BLOCK, Q4_GROUP, dtype=torch.uint8), torch.zeros(LINEAR_BLOCK, 1)
         packed = torch.empty(1, Q4_BLOCK_BYTES_PER_INPUT * Q4_GROUP, dtype=torch.uint8)
-        status = self._pack_q4(zeros.to(torch.uint8).data_ptr(), zeros.data_ptr(), zeros.data_ptr(), packed.data_ptr(),
-                               LINEAR_BLOCK, Q4_GROUP)
         x, out = torch.zeros(1, Q4_GROUP), torch.empty(1, LINEAR_BLOCK)
-        return status or run(x.data_ptr(), packed.data_ptr(), None, out.data_ptr(), 1, LINEAR_BLOCK, Q4_GROUP, 1)
+        return (self._pack_q4(codes.data_ptr(), scales.data_ptr(), scales.data_ptr(), packed.data_ptr(), LINEAR_BLOCK,
+                              Q4_GROUP) == 0
+                and run(x.data_ptr(), packed.data_ptr(), None, out.data_ptr(), 1, LINEAR_BLOCK, Q4_GROUP, 1) == 0)
 
     def pack_q4(self, codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor) -> torch.Tensor:
         """A 4-bit weight as parrot_native::linear_q4 reads it (native/linear.cpp's layout) from codes [N, K] (0-15)

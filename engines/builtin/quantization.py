@@ -30,7 +30,7 @@ from torch import nn
 from kernels import native
 
 SCHEMES = ("int8", "int4")
-INT4_GROUP_SIZE = 32
+INT4_GROUP_SIZE = native.Q4_GROUP  # inputs a 4-bit group's scale and minimum cover (GGUF Q4_1's 32)
 
 
 class Int8Linear(nn.Module):
@@ -71,11 +71,11 @@ class Int4Linear(nn.Module):
     """4-bit weights on the C++ kernel (parrot_native::linear_q4): rows quantized to int8 per group of 32 inputs
     inside the kernel, as llama.cpp does for Q4_1."""
 
-    def __init__(self, linear: nn.Linear, group_size: int = INT4_GROUP_SIZE):
+    def __init__(self, linear: nn.Linear):
         super().__init__()
-        if group_size != native.Q4_GROUP or not native_int4():
-            raise ValueError(f"the 4-bit kernel takes groups of {native.Q4_GROUP} where it and the native operators build")
-        codes, scale, low = int4_groups(linear.weight, group_size)
+        if not native_int4():
+            raise ValueError("the 4-bit kernel is not built here (it needs AVX2 and F16C, and the native torch operators)")
+        codes, scale, low = int4_groups(linear.weight)
         self.register_buffer("packed", native.library().pack_q4(codes, scale, low))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float())
         self.out_features = linear.out_features

@@ -11,8 +11,10 @@
 // Output features a block of a packed linear weight holds ([N/32][K/P][32][P], kernels/native.py's pack_linear() and
 // LINEAR_BLOCK): a row's sums of a block are two AVX-512 vectors, four AVX2.
 constexpr int64_t kBlockCols = 32;
-// Bytes a block of a 4-bit weight (parrot_pack_q4) holds per input: 32 features' codes (16 bytes) and, for each
-// group of 32 inputs, their fp16 scales and minimums (128 bytes, 4 an input).
+// Inputs a 4-bit weight's scale and minimum cover (kernels/native.py's Q4_GROUP), and the bytes a block of one
+// (parrot_pack_q4) holds per input: 32 features' codes (16 bytes) and, for each group, their fp16 scales and
+// minimums (128 bytes, 4 an input).
+constexpr int64_t kQ4GroupInputs = 32;
 constexpr int64_t kQ4BlockBytesPerInput = 20;
 
 extern "C" {

@@ -236,6 +236,10 @@ struct Output {
     void operator()(int r, int v, typename Ops<T>::Sum sum) const {  // sum v of row r: features from v * kLanes
         Ops<T>::store(out + r * out_features + v * kLanes, sum, bias ? bias + v * kLanes : nullptr);
     }
+    void from_sums(const float *sums, int64_t rows) const {  // fp32 sums [rows][kBlockCols] (tiles', or 4-bit's)
+        for (int r = 0; r < rows; r++)
+            for (int v = 0; v < kBlockVecs; v++) (*this)(r, v, Ops<T>::loaded(sums + r * kBlockCols + v * kLanes));
+    }
 };
 
 // ... or unrounded fp32 sums [rows][kBlockCols], for an epilogue that combines two blocks (the gated linear).
@@ -305,18 +309,32 @@ using BlockRows = void (*)(const T *, const typename Ops<T>::Input *, int64_t, P
 template <int rows>
 constexpr int kUnroll = std::clamp(kSumBudget<kRowVecs<rows>> / (kRowVecs<rows> * rows), 1, 4);
 
-template <typename T, typename Sink, bool interleaved, int... rows>
-BlockRows<T, Sink> block_rows_among(int64_t count, std::integer_sequence<int, rows...>) {
-    BlockRows<T, Sink> chosen = nullptr;
-    ((chosen = count == rows + 1 ? block_rows<T, rows + 1, kUnroll<rows + 1>, interleaved, Sink> : chosen), ...);
+// instance(std::integral_constant<int, r>) for r = count, among 1..kMaxRows (a pass's rows): the kernel compiled
+// for that many rows, or null for another count.
+template <typename Instance, int... rows>
+auto instance_for_rows(int64_t count, Instance instance, std::integer_sequence<int, rows...>) {
+    decltype(instance(std::integral_constant<int, 1>{})) chosen = nullptr;
+    ((chosen = count == rows + 1 ? instance(std::integral_constant<int, rows + 1>{}) : chosen), ...);
+    return chosen;
+}
+
+template <typename Instance>
+auto instance_for_rows(int64_t count, Instance instance) {
+    return instance_for_rows(count, instance, std::make_integer_sequence<int, kMaxRows>{});
+}
+
+template <typename T, typename Sink, bool interleaved>
+BlockRows<T, Sink> block_rows_among(int64_t count) {
+    const BlockRows<T, Sink> chosen = instance_for_rows(count, [](auto rows) {
+        return block_rows<T, rows.value, kUnroll<rows.value>, interleaved, Sink>;
+    });
     return chosen ? chosen : block_rows<T, kMaxRows, 1, interleaved, Sink>;
 }
 
 // The pass for `rows` rows (at most kMaxRows), reading them in place or interleaved.
 template <typename T, typename Sink>
 BlockRows<T, Sink> block_rows_for(int64_t rows, bool interleaved = false) {
-    constexpr auto counts = std::make_integer_sequence<int, kMaxRows>{};
-    return interleaved ? block_rows_among<T, Sink, true>(rows, counts) : block_rows_among<T, Sink, false>(rows, counts);
+    return interleaved ? block_rows_among<T, Sink, true>(rows) : block_rows_among<T, Sink, false>(rows);
 }
 
 // bf16 rows in tiles on AMX (common.h): the packed weight is already a tile's layout (a block's 16 pairs of
@@ -596,8 +614,8 @@ inline void interleave(const Element *x, int64_t rows, int64_t steps, Element *t
         for (int64_t r = 0; r < rows; r++) to[s * rows + r] = x[r * steps + s];
 }
 
-// The calling thread's buffer for a call's rows as its passes read them (interleaved or widened: a call takes one of
-// the two, and calls do not nest on a thread), at least `count` elements; kept for the thread's next calls, grown as
+// The calling thread's buffer for a call's rows as its passes read them (interleaved, widened, or quantized to int8
+// with their steps and sums: a call takes one of these, and calls do not nest on a thread), at least `count` elements; kept for the thread's next calls, grown as
 // they need.
 template <typename U>
 U *calling_thread_rows(int64_t count) {
@@ -715,8 +733,7 @@ int linear(const T *x, const T *weight, const T *bias, T *out, int64_t rows, int
         alignas(64) float sums[kTileRows * kBlockCols];
         const OutputLines out_lines = OutputLines::of(sink.out, out_features);
         tile_sums(weights, x + row * in_features, end - row, in_features, pass, sums, out_lines);
-        for (int r = 0; r < end - row; r++)
-            for (int v = 0; v < kBlockVecs; v++) sink(r, v, Ops<T>::loaded(sums + r * kBlockCols + v * kLanes));
+        sink.from_sums(sums, end - row);
     });
     return 0;
 }
@@ -794,12 +811,11 @@ int gated_linear(const T *x, const T *weight, T *out, int64_t rows, int64_t out_
 // is its groups in input order, a group is 16 fp16 scales, 16 fp16 minimums, then 8 quads of 4 inputs, 32 bytes
 // each: byte 4j + p of a quad holds the code of the part's feature j for the quad's input p in its low nibble, and
 // of feature 8 + j in its high one. So each pass reads one sequential stream.
-constexpr int64_t kGroupInputs = 32;
 constexpr int64_t kQ4PartCols = 16;  // a part's sums: two vectors of 8 32-bit lanes
 constexpr int64_t kQ4Parts = kBlockCols / kQ4PartCols;
 constexpr int64_t kQ4QuadBytes = 32;
-constexpr int64_t kQ4GroupBytes = 2 * kQ4PartCols * 2 + kGroupInputs / 4 * kQ4QuadBytes;
-static_assert(kQ4GroupBytes * kQ4Parts == kQ4BlockBytesPerInput * kGroupInputs, "c_api.h's bytes per input");
+constexpr int64_t kQ4GroupBytes = 2 * kQ4PartCols * 2 + kQ4GroupInputs / 4 * kQ4QuadBytes;
+static_assert(kQ4GroupBytes * kQ4Parts == kQ4BlockBytesPerInput * kQ4GroupInputs, "c_api.h's bytes per input");
 
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #define PARROT_Q4 1
@@ -816,51 +832,35 @@ struct Q4Rows {
     }
 };
 
-inline float lanes_sum(__m256 x) {
-    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
-}
-
-inline float lanes_max(__m256 x) {
-    const __m128 half = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    const __m128 quarter = _mm_max_ps(half, _mm_movehl_ps(half, half));
-    return _mm_cvtss_f32(_mm_max_ss(quarter, _mm_movehdup_ps(quarter)));
-}
-
 // One group of 32 inputs to int8 codes of step max|x| / 127 (0 for a group of zeros), and the inputs' sum.
 inline void quantize_group(const float *x, int8_t *codes, float &step, float &sum) {
-    __m256 v[4], largest = _mm256_setzero_ps(), total = _mm256_setzero_ps();
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (int i = 0; i < 4; i++) {
-        v[i] = _mm256_loadu_ps(x + 8 * i);
-        largest = _mm256_max_ps(largest, _mm256_andnot_ps(sign, v[i]));
-        total = _mm256_add_ps(total, v[i]);
+    Vec largest{}, total{};
+    for (int64_t i = 0; i < kQ4GroupInputs; i += kLanes) {
+        const Vec v = load(x + i);
+        const Vec magnitude = (Vec)((IntVec)v & 0x7fffffff);
+        largest = magnitude > largest ? magnitude : largest;
+        total += v;
     }
-    const float most = lanes_max(largest);
+    const float most = max_lanes(largest);
     step = most / 127.0f;
-    sum = lanes_sum(total);
+    sum = sum_lanes(total);
     const __m256 inverse = _mm256_set1_ps(most > 0.0f ? 127.0f / most : 0.0f);
     __m256i q[4];
-    for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));  // to nearest even
+    for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), inverse));  // nearest even
     // packs work within 128-bit halves: the 32-bit groups of 4 codes come out as 0, 2, 4, 6, 1, 3, 5, 7
     const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
     const __m256i ordered = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_storeu_si256(reinterpret_cast<__m256i *>(codes), ordered);
 }
 
-// x's rows quantized (quantize_group) into the calling thread's buffers, kept for its next calls.
+// x's rows quantized (quantize_group) into the calling thread's buffers (calling_thread_rows).
 inline Q4Rows quantized_rows(const float *x, int64_t rows, int64_t in_features, int num_threads) {
-    static thread_local std::vector<int8_t> codes;
-    static thread_local std::vector<float> steps_and_sums;
-    const int64_t groups = in_features / kGroupInputs, count = rows * groups;
-    codes.resize(rows * in_features);
-    steps_and_sums.resize(2 * count);
-    int8_t *const to = codes.data();
-    float *const steps = steps_and_sums.data(), *const sums = steps + count;
+    const int64_t groups = in_features / kQ4GroupInputs, count = rows * groups;
+    int8_t *const to = calling_thread_rows<int8_t>(rows * in_features);
+    float *const steps = calling_thread_rows<float>(2 * count), *const sums = steps + count;
     // A decode step's few rows in one thread: a parallel region costs more than they do.
 #pragma omp parallel for num_threads(std::max(num_threads, 1)) schedule(static) if (count > 4096)
-    for (int64_t i = 0; i < count; i++) quantize_group(x + i * kGroupInputs, to + i * kGroupInputs, steps[i], sums[i]);
+    for (int64_t i = 0; i < count; i++) quantize_group(x + i * kQ4GroupInputs, to + i * kQ4GroupInputs, steps[i], sums[i]);
     return {to, steps, sums, in_features, groups};
 }
 
@@ -888,13 +888,13 @@ void q4_block_rows(const uint8_t *block, const Q4Rows &x, float *sums) {
             for (int64_t line = 0; line < kQ4GroupBytes; line += 64) __builtin_prefetch(group + kQ4AheadBytes + line, 0, 0);
             __m256i dots[rows][2];
             for (int r = 0; r < rows; r++) dots[r][0] = dots[r][1] = _mm256_setzero_si256();
-            for (int q = 0; q < kGroupInputs / 4; q++) {
+            for (int q = 0; q < kQ4GroupInputs / 4; q++) {
                 const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(quads + q * kQ4QuadBytes));
                 const __m256i codes[2] = {_mm256_and_si256(packed, low_nibbles),
                                           _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles)};
                 for (int r = 0; r < rows; r++) {
                     int32_t quad;  // the row's 4 int8 inputs
-                    std::memcpy(&quad, x.codes + r * x.in_features + g * kGroupInputs + 4 * q, sizeof quad);
+                    std::memcpy(&quad, x.codes + r * x.in_features + g * kQ4GroupInputs + 4 * q, sizeof quad);
                     const __m256i input = _mm256_set1_epi32(quad);
                     for (int v = 0; v < 2; v++)
                         dots[r][v] = _mm256_add_epi32(dots[r][v], _mm256_madd_epi16(_mm256_maddubs_epi16(codes[v], input), ones));
@@ -917,29 +917,19 @@ void q4_block_rows(const uint8_t *block, const Q4Rows &x, float *sums) {
 // A pass takes the plan's rows (RowPlan: up to 6 on AVX2, 12 on AVX-512) at once, its sums in registers beside a
 // quad's two vectors of codes, their mask, the ones and a row's input: on AVX2's 16 registers 6 rows leave one
 // vector to the stack, and took 0.88-0.99x the time of passes of 5 rows and 1 (SmolLM2's 30 layers' linears at
-// 16-256 rows, two runs alternating in one process; level at 1 and 6 rows).
-template <int... rows>
-auto q4_block_rows_among(int64_t count, std::integer_sequence<int, rows...>) {
-    using Pick = void (*)(const uint8_t *, const Q4Rows &, float *);
-    Pick chosen = nullptr;
-    ((chosen = count == rows + 1 ? q4_block_rows<rows + 1> : chosen), ...);
-    return chosen;
-}
-
+// 16-256 rows, two runs alternating in one process; level at 1 and 6 rows). Picked by instance_for_rows.
 int linear_q4(const float *x, const uint8_t *weight, const float *bias, float *out, int64_t rows, int64_t out_features,
               int64_t in_features, int num_threads) {
-    if (in_features % kGroupInputs || out_features % kBlockCols || rows < 0) return -1;
+    if (in_features % kQ4GroupInputs || out_features % kBlockCols || rows < 0) return -1;
     const Q4Rows quantized = quantized_rows(x, rows, in_features, num_threads);
     const RowPlan plan(rows, false, in_features);
     const int64_t block_bytes = kQ4BlockBytesPerInput * in_features;
     for_each_unit(out_features / kBlockCols, plan, num_threads, [&](int64_t block, int64_t row, int64_t end, Pass) {
         alignas(64) float sums[kMaxRows * kBlockCols];
-        q4_block_rows_among(end - row, std::make_integer_sequence<int, kMaxRows>{})(weight + block * block_bytes,
-                                                                                 quantized.from(row), sums);
+        instance_for_rows(end - row, [](auto rows) { return q4_block_rows<rows.value>; })(
+            weight + block * block_bytes, quantized.from(row), sums);
         const int64_t feature = block * kBlockCols;
-        const Output<float> sink{out + row * out_features + feature, out_features, bias ? bias + feature : nullptr};
-        for (int r = 0; r < end - row; r++)
-            for (int v = 0; v < kBlockVecs; v++) sink(r, v, load(sums + r * kBlockCols + v * kLanes));
+        Output<float>{out + row * out_features + feature, out_features, bias ? bias + feature : nullptr}.from_sums(sums, end - row);
     });
     return 0;
 }
@@ -947,8 +937,8 @@ int linear_q4(const float *x, const uint8_t *weight, const float *bias, float *o
 // The packed layout above from codes [N][K] (0-15), scales and minimums [N][K/32] (each to fp16, nearest).
 int pack_q4(const uint8_t *codes, const float *scales, const float *minimums, uint8_t *packed, int64_t out_features,
             int64_t in_features) {
-    if (in_features % kGroupInputs || out_features % kBlockCols) return -1;
-    const int64_t groups = in_features / kGroupInputs;
+    if (in_features % kQ4GroupInputs || out_features % kBlockCols) return -1;
+    const int64_t groups = in_features / kQ4GroupInputs;
     for (int64_t block = 0; block < out_features / kBlockCols; block++)
         for (int64_t part = 0; part < kQ4Parts; part++)
             for (int64_t g = 0; g < groups; g++) {
@@ -960,9 +950,9 @@ int pack_q4(const uint8_t *codes, const float *scales, const float *minimums, ui
                     halves[kQ4PartCols + f] = _cvtss_sh(minimums[(first + f) * groups + g], _MM_FROUND_TO_NEAREST_INT);
                 }
                 uint8_t *quads = group + 2 * kQ4PartCols * 2;
-                for (int64_t i = 0; i < kGroupInputs; i++)
+                for (int64_t i = 0; i < kQ4GroupInputs; i++)
                     for (int64_t j = 0; j < 8; j++) {
-                        const int64_t k = g * kGroupInputs + i;
+                        const int64_t k = g * kQ4GroupInputs + i;
                         const uint8_t low = codes[(first + j) * in_features + k] & 15;
                         const uint8_t high = codes[(first + 8 + j) * in_features + k] & 15;
                         quads[i / 4 * kQ4QuadBytes + 4 * j + i % 4] = static_cast<uint8_t>(low | high << 4);

@@ -93,7 +93,7 @@ at::Tensor gated_linear(const at::Tensor &x, const at::Tensor &packed) {
 // x [rows, K] fp32 @ a 4-bit weight packed by parrot_pack_q4 ([N/32, kQ4BlockBytesPerInput * K] uint8) + bias.
 at::Tensor linear_q4(const at::Tensor &x, const at::Tensor &packed, const std::optional<at::Tensor> &bias) {
     const bool blocked = packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous() &&
-                         packed.device().is_cpu() && packed.size(1) % (kQ4BlockBytesPerInput * 32) == 0;
+                         packed.device().is_cpu() && packed.size(1) % (kQ4BlockBytesPerInput * kQ4GroupInputs) == 0;
     const int64_t out_features = blocked ? packed.size(0) * kBlockCols : 0;
     const int64_t in_features = blocked ? packed.size(1) / kQ4BlockBytesPerInput : 0;
     TORCH_CHECK_VALUE(blocked && x.dim() == 2 && x.size(1) == in_features && x.scalar_type() == at::kFloat &&

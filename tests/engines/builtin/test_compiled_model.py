@@ -75,8 +75,8 @@ def test_compiled_int4_follows_the_eager_tokens_up_to_rounding_ties(make_engine,
     assert compiled["head"] == "Int8Linear"  # the head runs eagerly
     eager = make_engine(quantization="int4")
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    for prompts, outputs in zip(batches, compiled["outputs"]):
-        for prompt, ours, theirs in zip(prompts, outputs, eager.generate_batch(prompts, params)):
+    for prompts, outputs in zip(batches, compiled["outputs"], strict=True):
+        for prompt, ours, theirs in zip(prompts, outputs, eager.generate_batch(prompts, params), strict=True):
             if ours == theirs:
                 continue
             first = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
