@@ -35,7 +35,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import msgspec  # noqa: E402
 import torch  # noqa: E402
 
-from engines.builtin.config import COMPILABLE, EngineConfig  # noqa: E402
+from engines.builtin.config import EngineConfig  # noqa: E402
+from engines.builtin.quantization import compilable  # noqa: E402
 from engines.builtin.core import EngineCore  # noqa: E402
 from engines.builtin.types import SamplingParams  # noqa: E402
 from benchmarks.machine_limits import MachineLimits, ModelCost, best_of, measure  # noqa: E402
@@ -272,7 +273,7 @@ def run_all(args: argparse.Namespace) -> None:
                                                 cpu_cores=args.cpu_cores, quantization=quantization))
     for scheme in args.quantization if args.compile else ():
         quantization = None if scheme == "none" else scheme
-        if quantization in COMPILABLE:
+        if compilable(quantization):
             name = f"ours-{scheme}" if quantization else f"ours-{DTYPE_NAMES[args.dtype]}"
             engines[f"{name}-compiled"] = EngineCore(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads,
                                                                   cpu_cores=args.cpu_cores,

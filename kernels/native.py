@@ -52,8 +52,9 @@ HEAD_DIMS = (32, 64, 80, 96, 128, 256)
 MAX_GROUP = 96  # the kernel's kTileRows: query heads a kv head it takes
 LINEAR_BLOCK = 32  # native/linear.cpp's block of output features
 LINEAR_PACK = {torch.float32: 1, torch.bfloat16: 2}  # inputs a step takes: the packed weight's last dimension
-Q4_GROUP = 32  # native/c_api.h's kQ4GroupInputs: inputs a 4-bit group's scale and minimum cover
-Q4_BLOCK_BYTES_PER_INPUT = 20  # native/c_api.h's kQ4BlockBytesPerInput
+GROUP_INPUTS = 32  # native/c_api.h's kGroupInputs: inputs a group-quantized weight's scale (and minimum) cover
+# native/c_api.h's kQ4BlockBytesPerInput and kQ8BlockBytesPerInput: a packed block's bytes per input, by format
+GROUPED_BLOCK_BYTES_PER_INPUT = {"q4": 20, "q8": 34}
 MAX_SCREENED_ROWS = 16  # native/greedy_head.cpp's kMaxScreenedRows
 SCREEN_CHUNK_BLOCKS = 128  # head_screen()'s blocks at a time (19 MB of float64 at SmolLM2's 576 inputs)
 
@@ -78,9 +79,11 @@ class NativeKernels:
                                  for dtype, suffix in _SUFFIXES.items()
                                  if hasattr(library, f"parrot_screened_argmax_{suffix}")}
         self._use_tiles = _bound(library, "parrot_use_tiles", [_INT], _INT)
-        self._pack_q4 = (_bound(library, "parrot_pack_q4", [_PTR, _PTR, _PTR, _PTR, _I64, _I64], _INT)
-                         if hasattr(library, "parrot_pack_q4") else None)
-        self.has_q4 = self._pack_q4 is not None and self._probe_q4(library)
+        # Absent from a library built from older sources; -2 from all four where the build has no AVX2 and F16C.
+        self._grouped = {format: (_bound(library, f"parrot_pack_{format}", [_PTR, _PTR, _PTR, _PTR, _I64, _I64], _INT),
+                                  _bound(library, f"parrot_linear_{format}", _LINEAR_ARGS, _INT))
+                         for format in GROUPED_BLOCK_BYTES_PER_INPUT if hasattr(library, f"parrot_pack_{format}")}
+        self.has_grouped = len(self._grouped) == len(GROUPED_BLOCK_BYTES_PER_INPUT) and all(map(self._probe_grouped, self._grouped))
         # Built without a bf16 dot product (another CPU or compiler), the bf16 linear answers -2.
         probe = torch.zeros(LINEAR_BLOCK, 2, dtype=torch.bfloat16)
         self._linear_dtypes = {dtype for dtype in self._linear
@@ -141,29 +144,41 @@ class NativeKernels:
                                        out.data_ptr(), rows, out_features, in_features, torch.get_num_threads())
         return status, out
 
-    def _probe_q4(self, library: ctypes.CDLL) -> bool:
-        """Whether this build has the 4-bit kernel: built without AVX2 and F16C, both entry points answer -2 (and
-        int4 stays on torch's kernel). Every tensor is held by a name while the kernels read it."""
-        run = _bound(library, "parrot_linear_q4", _LINEAR_ARGS, _INT)
-        codes, scales = torch.zeros(LINEAR_BLOCK, Q4_GROUP, dtype=torch.uint8), torch.zeros(LINEAR_BLOCK, 1)
-        packed = torch.empty(1, Q4_BLOCK_BYTES_PER_INPUT * Q4_GROUP, dtype=torch.uint8)
-        x, out = torch.zeros(1, Q4_GROUP), torch.empty(1, LINEAR_BLOCK)
-        return (self._pack_q4(codes.data_ptr(), scales.data_ptr(), scales.data_ptr(), packed.data_ptr(), LINEAR_BLOCK,
-                              Q4_GROUP) == 0
-                and run(x.data_ptr(), packed.data_ptr(), None, out.data_ptr(), 1, LINEAR_BLOCK, Q4_GROUP, 1) == 0)
+    def _probe_grouped(self, format: str) -> bool:
+        """Whether this build has the group-quantized ``format`` kernel (it answers -2 where not built, and the
+        engine keeps torch's kernels). Every tensor is held by a name while the kernels read it."""
+        pack, run = self._grouped[format]
+        codes, scales = torch.zeros(LINEAR_BLOCK, GROUP_INPUTS, dtype=torch.uint8), torch.zeros(LINEAR_BLOCK, 1)
+        packed = torch.empty(1, GROUPED_BLOCK_BYTES_PER_INPUT[format] * GROUP_INPUTS, dtype=torch.uint8)
+        x, out = torch.zeros(1, GROUP_INPUTS), torch.empty(1, LINEAR_BLOCK)
+        return (pack(codes.data_ptr(), scales.data_ptr(), scales.data_ptr(), packed.data_ptr(), LINEAR_BLOCK,
+                     GROUP_INPUTS) == 0
+                and run(x.data_ptr(), packed.data_ptr(), None, out.data_ptr(), 1, LINEAR_BLOCK, GROUP_INPUTS, 1) == 0)
 
     def pack_q4(self, codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor) -> torch.Tensor:
-        """A 4-bit weight as parrot_native::linear_q4 reads it (native/linear.cpp's layout) from codes [N, K] (0-15)
-        and each group of Q4_GROUP inputs' scales and minimums [N, K / Q4_GROUP] (kept as fp16)."""
+        """A 4-bit weight (GGUF's Q4_1) as parrot_native::linear_q4 reads it (native/linear.cpp's layout) from codes
+        [N, K] (0-15) and each group of GROUP_INPUTS inputs' scales and minimums [N, K / GROUP_INPUTS] (kept as fp16)."""
+        return self._pack_grouped("q4", codes.to(torch.uint8), scales, minimums)
+
+    def pack_q8(self, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """An 8-bit weight (GGUF's Q8_0) as parrot_native::linear_q8 reads it from codes [N, K] (int8, -127..127)
+        and each group of GROUP_INPUTS inputs' scales [N, K / GROUP_INPUTS] (kept as fp16)."""
+        if codes.dtype != torch.int8 or codes.eq(-128).any():
+            raise ValueError("8-bit codes are int8 from -127 to 127 (the kernel negates them)")
+        return self._pack_grouped("q8", codes.view(torch.uint8), scales, scales)
+
+    def _pack_grouped(self, format: str, codes, scales, minimums) -> torch.Tensor:
         out_features, in_features = codes.shape
-        if (not self.has_q4 or out_features % LINEAR_BLOCK or in_features % Q4_GROUP
-                or scales.shape != minimums.shape or scales.shape != (out_features, in_features // Q4_GROUP)):
-            raise ValueError(f"the 4-bit kernel does not take codes {tuple(codes.shape)}, scales {tuple(scales.shape)}"
-                             + ("" if self.has_q4 else " (not built here: it needs AVX2 and F16C)"))
-        codes = codes.to(torch.uint8).contiguous()
+        if (not self.has_grouped or out_features % LINEAR_BLOCK or in_features % GROUP_INPUTS
+                or scales.shape != minimums.shape or scales.shape != (out_features, in_features // GROUP_INPUTS)):
+            raise ValueError(f"the group-quantized kernel does not take codes {tuple(codes.shape)}, scales "
+                             f"{tuple(scales.shape)}" + ("" if self.has_grouped else " (not built here: it needs AVX2 and F16C)"))
+        codes = codes.contiguous()
         scales, minimums = scales.float().contiguous(), minimums.float().contiguous()
-        packed = torch.empty(out_features // LINEAR_BLOCK, Q4_BLOCK_BYTES_PER_INPUT * in_features, dtype=torch.uint8)
-        self._pack_q4(codes.data_ptr(), scales.data_ptr(), minimums.data_ptr(), packed.data_ptr(), out_features, in_features)
+        packed = torch.empty(out_features // LINEAR_BLOCK, GROUPED_BLOCK_BYTES_PER_INPUT[format] * in_features,
+                             dtype=torch.uint8)
+        pack, _ = self._grouped[format]
+        pack(codes.data_ptr(), scales.data_ptr(), minimums.data_ptr(), packed.data_ptr(), out_features, in_features)
         return packed
 
     def argmax_rows(self, logits: torch.Tensor) -> list[int] | None:
@@ -504,7 +519,7 @@ def torch_ops() -> bool:
 @functools.cache
 def _load_torch_ops() -> bool:
     """Whether the torch operators with C++ bodies (native/torch_ops.cpp: parrot_native::linear, ::gated_linear,
-    ::linear_q4 and a compiled forward's ::attention) are loaded here, built on first use against this torch's headers (~20 s,
+    ::linear_q4, ::linear_q8 and a compiled forward's ::attention) are loaded here, built on first use against this torch's headers (~20 s,
     cached as library() is). False where that fails (one warning says why) or the native kernels are switched
     off: the Python-bodied ops of kernels/native_linear.py and engines/builtin/compiled_model.py serve then."""
     if library() is None:
@@ -525,8 +540,9 @@ def _load_torch_ops() -> bool:
         lambda x, packed, bias: x.new_empty(x.shape[0], linear_shape(packed)[0]))
     torch.library.register_fake("parrot_native::gated_linear")(
         lambda x, packed: x.new_empty(x.shape[0], linear_shape(packed)[0] // 2))
-    torch.library.register_fake("parrot_native::linear_q4")(
-        lambda x, packed, bias: x.new_empty(x.shape[0], packed.shape[0] * LINEAR_BLOCK))
+    for grouped in ("linear_q4", "linear_q8"):
+        torch.library.register_fake(f"parrot_native::{grouped}")(
+            lambda x, packed, bias: x.new_empty(x.shape[0], packed.shape[0] * LINEAR_BLOCK))
     torch.library.register_fake("parrot_native::attention")(lambda q, k, v, forward, layer: torch.empty_like(q))
     return True
 

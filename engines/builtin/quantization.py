@@ -3,19 +3,23 @@
 A 135M-parameter model in fp32 is 540 MB a step; this machine's cores stream it at ~10 GB/s
 through torch's fp32 GEMV, so fp32 decoding tops out near 15 tok/s single-stream.
 
-- ``int8``: fbgemm's dynamic int8 GEMM. Weights are int8 per output channel; activations are
-  quantized per call; the products are int8 x int8 on AVX512-VNNI. 4x fewer bytes than fp32 and
-  the fastest here once a step has more than a few tokens.
-- ``int4``: weights 4-bit in groups of 32 along the input with a scale and a minimum per group: the GGUF
-  Q4_1 layout the default model ships in, whose codes come back exactly. On the C++ kernel
-  (kernels/native/linear.cpp's linear_q4, AVX2): scales and minimums kept as fp16 (as GGUF keeps them), and each
-  call's rows quantized to int8 per group of 32 inputs for integer products, as llama.cpp computes Q4_1 (~1%
-  relative error on a product, beside the 4-bit weights' ~10%). It ran SmolLM2's decoder linears in 0.30-0.36x
-  the time of torch's weight-only int4 kernel from 1 to 256 rows on an AVX2 CPU (an AMD EPYC, one process). Where it does
-  not build, torch's kernel serves (TorchInt4Linear): bf16 activations and scales, so a model answers as it does
-  with ``dtype="bfloat16"``. 8x fewer bytes than fp32 for the codes (5 bits a weight with the scales) and the
-  fastest for a step of a few tokens (single-stream decode). The output head stays int8, as GGUF files keep it
-  (Q8_0 in SmolLM2's): 4 bits there would drop precision the source had.
+Both schemes run on the C++ group-quantized kernels (kernels/native/linear.cpp's linear_q8 and linear_q4,
+AVX2): weights in groups of 32 inputs with an fp16 scale a group and feature, as GGUF stores them, and each
+call's rows quantized to int8 per group of 32 inputs for integer products, as llama.cpp computes them (~1%
+relative error on a product).
+
+- ``int8``: GGUF's Q8_0, codes -127..127 (8.5 bits a weight with the scales; ~0.5% error on a weight). It
+  answers as fp32 does far more often than fbgemm's int8 GEMM did (per-channel weights, 7-bit activations
+  per tensor: benchmarks.engine_accuracy), and SmolLM2's decoder linears took 0.34x fbgemm's time at 1 row
+  and 1.36x at 256 (an AMD EPYC, AVX2, one process). Where the kernels do not build, fbgemm's GEMM serves
+  (FbgemmInt8Linear), eager only.
+- ``int4``: GGUF's Q4_1, codes 0-15 and a minimum a group (weight = code * scale + minimum): the layout the
+  default model ships in, whose codes come back exactly. It ran SmolLM2's decoder linears in 0.30-0.36x the
+  time of torch's weight-only int4 kernel from 1 to 256 rows. Where it does not build, torch's kernel serves
+  (TorchInt4Linear): bf16 activations and scales, so a model answers as it does with ``dtype="bfloat16"``. 8x
+  fewer bytes than fp32 for the codes (5 bits a weight with the scales) and the fastest for a step of a few
+  tokens (single-stream decode). The output head stays 8-bit (Q8_0), as GGUF files keep it (SmolLM2's
+  does): 4 bits there would drop precision the source had.
 
 Both replace the ``nn.Linear`` modules of a built model in place (embeddings stay as they are).
 """
@@ -30,10 +34,81 @@ from torch import nn
 from kernels import native
 
 SCHEMES = ("int8", "int4")
-INT4_GROUP_SIZE = native.Q4_GROUP  # inputs a 4-bit group's scale and minimum cover (GGUF Q4_1's 32)
+GROUP_SIZE = native.GROUP_INPUTS  # inputs a group's scale (and minimum) cover: GGUF Q8_0's and Q4_1's 32
 
 
-class Int8Linear(nn.Module):
+def weight_groups(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> torch.Tensor:
+    """An [N, K] weight as [N, K / group_size, group_size] fp32 groups."""
+    weight = weight.detach().float()
+    out_features, in_features = weight.shape
+    if in_features % group_size:
+        raise ValueError(f"group quantization needs input sizes divisible by {group_size}, got {in_features}")
+    return weight.view(out_features, in_features // group_size, group_size)
+
+
+def int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An [N, K] weight as int8 codes [N, K] (-127..127) and each group's scale [N, K / 32], so that
+    weight ~ code * scale (GGUF's Q8_0)."""
+    groups = weight_groups(weight)
+    scale = (groups.abs().amax(-1, keepdim=True) / 127).clamp(min=1e-12)
+    codes = (groups / scale).round().clamp(-127, 127).to(torch.int8).view(weight.shape)
+    return codes, scale.squeeze(-1)
+
+
+def int4_groups(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, ...]:
+    """An [N, K] weight as 4-bit codes [N, K] (0-15) and each group's scale and minimum [N, K / group_size], so
+    that weight ~ code * scale + minimum (GGUF's Q4_1)."""
+    groups = weight_groups(weight, group_size)
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    scale = ((high - low) / 15).clamp(min=1e-12)
+    codes = ((groups - low) / scale).round().clamp(0, 15).to(torch.uint8).view(weight.shape)
+    return codes, scale.squeeze(-1), low.squeeze(-1)
+
+
+class GroupedLinear(nn.Module):
+    """A linear on a C++ group-quantized kernel (kernels/native/linear.cpp): rows quantized to int8 per group of
+    32 inputs inside the kernel, as llama.cpp does. Subclasses pack the weight and name the operator."""
+
+    def __init__(self, linear: nn.Linear, packed: torch.Tensor):
+        super().__init__()
+        self.register_buffer("packed", packed)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float())
+        self.out_features = linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).float()
+        out = self.operator(rows, self.packed, self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
+def grouped_kernels() -> native.NativeKernels:
+    """The library holding the group-quantized kernels, or ValueError where they do not serve (native_grouped)."""
+    if not native_grouped():
+        raise ValueError("the group-quantized kernels are not built here (they need AVX2 and F16C, and the native "
+                         "torch operators)")
+    return native.library()
+
+
+class Int8Linear(GroupedLinear):
+    """8-bit weights (Q8_0) on the C++ kernel, parrot_native::linear_q8."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__(linear, grouped_kernels().pack_q8(*int8_groups(linear.weight)))
+        self.operator = torch.ops.parrot_native.linear_q8
+
+
+class Int4Linear(GroupedLinear):
+    """4-bit weights (Q4_1) on the C++ kernel, parrot_native::linear_q4."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__(linear, grouped_kernels().pack_q4(*int4_groups(linear.weight)))
+        self.operator = torch.ops.parrot_native.linear_q4
+
+
+class FbgemmInt8Linear(nn.Module):
+    """8-bit weights per output channel on fbgemm's dynamic int8 GEMM (activations 7-bit per tensor), where the
+    C++ kernels do not build. Its packed weight is an object torch.compile cannot trace."""
+
     def __init__(self, linear: nn.Linear):
         super().__init__()
         weight = linear.weight.detach().float()
@@ -53,43 +128,10 @@ class Int8Linear(nn.Module):
         return torch.ops.quantized.linear_dynamic(x.float(), self.packed, True).to(x.dtype)
 
 
-def int4_groups(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -> tuple[torch.Tensor, ...]:
-    """An [N, K] weight as 4-bit codes [N, K] (0-15) and each group's scale and minimum [N, K / group_size], so
-    that weight ~ code * scale + minimum."""
-    weight = weight.detach().float()
-    out_features, in_features = weight.shape
-    if in_features % group_size:
-        raise ValueError(f"int4 needs input sizes divisible by {group_size}, got {in_features}")
-    groups = weight.view(out_features, in_features // group_size, group_size)
-    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
-    scale = ((high - low) / 15).clamp(min=1e-12)
-    codes = ((groups - low) / scale).round().clamp(0, 15).to(torch.uint8).view(out_features, in_features)
-    return codes, scale.squeeze(-1), low.squeeze(-1)
-
-
-class Int4Linear(nn.Module):
-    """4-bit weights on the C++ kernel (parrot_native::linear_q4): rows quantized to int8 per group of 32 inputs
-    inside the kernel, as llama.cpp does for Q4_1."""
-
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        if not native_int4():
-            raise ValueError("the 4-bit kernel is not built here (it needs AVX2 and F16C, and the native torch operators)")
-        codes, scale, low = int4_groups(linear.weight)
-        self.register_buffer("packed", native.library().pack_q4(codes, scale, low))
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float())
-        self.out_features = linear.out_features
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).float()
-        out = torch.ops.parrot_native.linear_q4(rows, self.packed, self.bias)
-        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
-
-
 class TorchInt4Linear(nn.Module):
     """4-bit weights on torch's weight-only int4 kernel (bf16 activations and scales)."""
 
-    def __init__(self, linear: nn.Linear, group_size: int = INT4_GROUP_SIZE):
+    def __init__(self, linear: nn.Linear, group_size: int = GROUP_SIZE):
         super().__init__()
         codes, scale, low = int4_groups(linear.weight, group_size)
         # The kernel dequantizes (code - 8) * scale + zero, so zero is the group's minimum + 8 scales.
@@ -107,19 +149,29 @@ class TorchInt4Linear(nn.Module):
         return out if self.bias is None else out + self.bias.to(x.dtype)
 
 
-def native_int4() -> bool:
-    """Whether the C++ 4-bit kernel serves here: built (AVX2), and the native torch operators loaded."""
+def native_grouped() -> bool:
+    """Whether the C++ group-quantized kernels serve here: built (AVX2), and the native torch operators loaded."""
     kernels = native.library()
-    return kernels is not None and kernels.has_q4 and native.torch_ops()
+    return kernels is not None and kernels.has_grouped and native.torch_ops()
+
+
+def int8_linear(linear: nn.Linear) -> nn.Module:
+    """The int8 form of ``linear``: on the C++ kernel where it serves (native_grouped), else on fbgemm's."""
+    return Int8Linear(linear) if native_grouped() else FbgemmInt8Linear(linear)
 
 
 def int4_linear(linear: nn.Linear) -> nn.Module:
-    """The int4 form of ``linear``: on the C++ kernel where it serves (native_int4), else on torch's."""
-    return Int4Linear(linear) if native_int4() else TorchInt4Linear(linear)
+    """The int4 form of ``linear``: on the C++ kernel where it serves (native_grouped), else on torch's."""
+    return Int4Linear(linear) if native_grouped() else TorchInt4Linear(linear)
 
 
-LINEARS = {"int8": Int8Linear, "int4": int4_linear}
-HEAD_LINEARS = {"int8": Int8Linear, "int4": Int8Linear}
+LINEARS = {"int8": int8_linear, "int4": int4_linear}
+HEAD_LINEARS = {"int8": int8_linear, "int4": int8_linear}
+
+
+def compilable(scheme: str | None) -> bool:
+    """Whether torch.compile can trace the linears ``scheme`` makes here (fbgemm's packed weights it cannot)."""
+    return scheme != "int8" or native_grouped()
 
 
 def quantize_linears(model: nn.Module, scheme: str, head: str = "lm_head") -> None:

@@ -11,11 +11,12 @@
 // Output features a block of a packed linear weight holds ([N/32][K/P][32][P], kernels/native.py's pack_linear() and
 // LINEAR_BLOCK): a row's sums of a block are two AVX-512 vectors, four AVX2.
 constexpr int64_t kBlockCols = 32;
-// Inputs a 4-bit weight's scale and minimum cover (kernels/native.py's Q4_GROUP), and the bytes a block of one
-// (parrot_pack_q4) holds per input: 32 features' codes (16 bytes) and, for each group, their fp16 scales and
-// minimums (128 bytes, 4 an input).
-constexpr int64_t kQ4GroupInputs = 32;
+// Inputs a group-quantized weight's scale (and minimum) covers (kernels/native.py's GROUP_INPUTS), and the bytes a
+// block of one holds per input: for Q4_1 (parrot_pack_q4) 32 features' codes (16 bytes) and, for each group, their
+// fp16 scales and minimums (128 bytes, 4 an input); for Q8_0 (parrot_pack_q8) 32 bytes of codes and 2 of scales.
+constexpr int64_t kGroupInputs = 32;
 constexpr int64_t kQ4BlockBytesPerInput = 20;
+constexpr int64_t kQ8BlockBytesPerInput = 34;
 
 extern "C" {
 
@@ -34,13 +35,19 @@ int parrot_gated_linear_bf16(const uint16_t *x, const uint16_t *weight, uint16_t
                              int64_t out_features, int64_t in_features, int num_threads);
 
 // out [rows, out_features] ~ x @ weight.T (+ bias), fp32, x's rows quantized to int8 per group of 32 inputs inside
-// (as llama.cpp computes Q4_1), the weight 4-bit codes in groups of 32 inputs with an fp16 scale and minimum a group
-// and feature, packed by parrot_pack_q4 ([N/32][kQ4BlockBytesPerInput * K] bytes) from codes [N][K] (0-15) and
-// scales and minimums [N][K/32]; -1 for sizes the kernel does not take, -2 (both) where the build has no 4-bit
-// kernel (no AVX2 and F16C).
+// (as llama.cpp computes its Q4_1 and Q8_0), the weight integer codes in groups of 32 inputs with an fp16 scale a
+// group and feature: Q4_1's 4-bit codes [N][K] (0-15) with a minimum too (weight = code * scale + minimum), packed
+// by parrot_pack_q4 ([N/32][kQ4BlockBytesPerInput * K] bytes), or Q8_0's int8 codes [N][K] (-127..127, weight =
+// code * scale), packed by parrot_pack_q8 ([N/32][kQ8BlockBytesPerInput * K] bytes; its minimums unused), from
+// scales and minimums [N][K/32]; -1 for sizes the kernel does not take, -2 (all four) where the build has no
+// group-quantized kernels (no AVX2 and F16C).
 int parrot_linear_q4(const float *x, const uint8_t *weight, const float *bias, float *out, int64_t rows,
                      int64_t out_features, int64_t in_features, int num_threads);
 int parrot_pack_q4(const uint8_t *codes, const float *scales, const float *minimums, uint8_t *packed,
+                   int64_t out_features, int64_t in_features);
+int parrot_linear_q8(const float *x, const uint8_t *weight, const float *bias, float *out, int64_t rows,
+                     int64_t out_features, int64_t in_features, int num_threads);
+int parrot_pack_q8(const uint8_t *codes, const float *scales, const float *minimums, uint8_t *packed,
                    int64_t out_features, int64_t in_features);
 
 // Paged decode attention (paged_attention.cpp says what each argument is): 0, -1 where this build has no

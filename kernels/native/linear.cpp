@@ -789,45 +789,59 @@ int gated_linear(const T *x, const T *weight, T *out, int64_t rows, int64_t out_
 }
 
 
-// ---- 4-bit weights: a linear whose [N, K] weight is codes 0-15 in groups of 32 inputs, each group and feature with
-// its own scale and minimum (weight = code * scale + minimum: GGUF's Q4_1, the default model's format) ----
+// ---- Group-quantized weights: a linear whose [N, K] weight is integer codes in groups of 32 inputs, each group and
+// feature with its own fp16 scale: GGUF's Q4_1 (codes 0-15 and a minimum: weight = code * scale + minimum, the
+// default model's format) and Q8_0 (codes -127..127: weight = code * scale, the format GGUF keeps its output heads
+// in) ----
 // Why: torch's int4 kernel (_weight_int4pack_mm_for_cpu) is compute-bound on an AVX2 CPU: a batch-1 step of
 // SmolLM2's linears took 17-18 ms for ~53 MB of 4-bit weights, fp32's time, and one stream decoded at 0.85x
 // llama.cpp's. A first kernel of ours widened each step's codes to fp32 and multiplied them by fp32 rows
 // (0.41-0.53x torch's time from 1 to 256 rows); it was bound by its ~7 vector instructions per 16 weights (~4
 // weights a cycle a core with the weights in L2), and one stream decoded at 1.02x llama.cpp's. So here, as
-// llama.cpp does for Q4_1, each row is quantized once a call to int8 per group of 32 inputs (a step of its largest
-// |x| / 127, rounded to nearest even), and a group's products are integer: 4 inputs' codes x 8 features in one
-// register, multiplied and summed in pairs (vpmaddubsw: codes unsigned, inputs signed, at most 2 x 15 x 127 so no
-// saturation) and pairs of pairs (vpmaddwd), ~10 instructions per 64 weights and a row. Each group's integer sums
-// then take the group's scale times the row's step, plus its minimum times the row's exact (fp32) sum of the
-// group's inputs: sum(w x) = scale sum(code x) + minimum sum(x). The weights stream at 5 bits a weight (codes, and
-// fp16 scales and minimums: Q4_1's bytes). SmolLM2's 30 layers' linears took 0.73-0.82x the first kernel's time
-// from 1 to 256 rows (alternating in one process, an AMD EPYC); the rows' int8 adds ~1% relative error to a
-// product, the 4-bit weights themselves ~10%. AVX2 (256-bit) and F16C instructions, also on AVX-512 CPUs; elsewhere
-// the caller keeps torch's kernel.
+// llama.cpp does, each row is quantized once a call to int8 per group of 32 inputs (a step of its largest |x| /
+// 127, rounded to nearest even), and a group's products are integer: 4 inputs' codes x 8 features in one register,
+// multiplied and summed in pairs (vpmaddubsw, whose first operand is unsigned: Q4_1's codes as they are, Q8_0's
+// signed codes against |x| with x's signs moved onto them, at most 2 x 127 x 127 so no saturation) and pairs of
+// pairs (vpmaddwd), ~10 instructions per 64 weights and a row at 4 bits. Each group's integer sums then take the
+// group's scale times the row's step, plus for Q4_1 its minimum times the row's exact (fp32) sum of the group's
+// inputs: sum(w x) = scale sum(code x) + minimum sum(x). The weights stream as GGUF stores them: 5 bits a weight
+// for Q4_1, 8.5 for Q8_0. SmolLM2's 30 layers' linears took 0.73-0.82x the first 4-bit kernel's time from 1 to 256
+// rows (alternating in one process, an AMD EPYC); the rows' int8 adds ~1% relative error to a product, 4-bit
+// weights ~10%, 8-bit ones ~0.5%. AVX2 (256-bit) and F16C instructions, also on AVX-512 CPUs; elsewhere the caller
+// keeps torch's kernels.
 //
-// Layout (parrot_pack_q4): for each block of kBlockCols features, its two parts of 16 one after the other; a part
-// is its groups in input order, a group is 16 fp16 scales, 16 fp16 minimums, then 8 quads of 4 inputs, 32 bytes
-// each: byte 4j + p of a quad holds the code of the part's feature j for the quad's input p in its low nibble, and
-// of feature 8 + j in its high one. So each pass reads one sequential stream.
-constexpr int64_t kQ4PartCols = 16;  // a part's sums: two vectors of 8 32-bit lanes
-constexpr int64_t kQ4Parts = kBlockCols / kQ4PartCols;
-constexpr int64_t kQ4QuadBytes = 32;
-constexpr int64_t kQ4GroupBytes = 2 * kQ4PartCols * 2 + kQ4GroupInputs / 4 * kQ4QuadBytes;
-static_assert(kQ4GroupBytes * kQ4Parts == kQ4BlockBytesPerInput * kQ4GroupInputs, "c_api.h's bytes per input");
+// Layout (parrot_pack_q4, parrot_pack_q8): for each block of kBlockCols features, its two parts of 16 one after
+// the other; a part is its groups in input order, a group is the format's header (16 fp16 scales; for Q4_1 then
+// 16 fp16 minimums), then 8 quads of 4 inputs: byte 4j + p of a quad holds the code for the quad's input p of the
+// part's feature j (Q8_0: 32 bytes for features 0-7, then 32 for 8-15), or for Q4_1 (32 bytes) of feature j in its
+// low nibble and of feature 8 + j in its high one. So each pass reads one sequential stream.
+constexpr int64_t kGroupPartCols = 16;  // a part's sums: two vectors of 8 32-bit lanes
+constexpr int64_t kGroupParts = kBlockCols / kGroupPartCols;
+constexpr int64_t kGroupQuads = kGroupInputs / 4;
+
+// What distinguishes a group format: its bytes, how a quad's codes are read, and how a group's sums are scaled.
+struct Q4_1 {
+    static constexpr int64_t kHeaderBytes = 2 * kGroupPartCols * 2, kQuadBytes = 32;
+    static constexpr int64_t kGroupBytes = kHeaderBytes + kGroupQuads * kQuadBytes;
+};
+struct Q8_0 {
+    static constexpr int64_t kHeaderBytes = kGroupPartCols * 2, kQuadBytes = 64;
+    static constexpr int64_t kGroupBytes = kHeaderBytes + kGroupQuads * kQuadBytes;
+};
+static_assert(Q4_1::kGroupBytes * kGroupParts == kQ4BlockBytesPerInput * kGroupInputs, "c_api.h's bytes per input");
+static_assert(Q8_0::kGroupBytes * kGroupParts == kQ8BlockBytesPerInput * kGroupInputs, "c_api.h's bytes per input");
 
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
-#define PARROT_Q4 1
+#define PARROT_GROUPED 1
 
 // A call's rows as the passes read them: int8 codes [rows][K], and per row and group of 32 inputs its step (the
 // codes' unit) and the exact sum of its inputs, [rows][groups].
-struct Q4Rows {
+struct GroupedRows {
     const int8_t *codes;
     const float *steps, *sums;
     int64_t in_features, groups;
 
-    Q4Rows from(int64_t row) const {
+    GroupedRows from(int64_t row) const {
         return {codes + row * in_features, steps + row * groups, sums + row * groups, in_features, groups};
     }
 };
@@ -835,7 +849,7 @@ struct Q4Rows {
 // One group of 32 inputs to int8 codes of step max|x| / 127 (0 for a group of zeros), and the inputs' sum.
 inline void quantize_group(const float *x, int8_t *codes, float &step, float &sum) {
     Vec largest{}, total{};
-    for (int64_t i = 0; i < kQ4GroupInputs; i += kLanes) {
+    for (int64_t i = 0; i < kGroupInputs; i += kLanes) {
         const Vec v = load(x + i);
         const Vec magnitude = (Vec)((IntVec)v & 0x7fffffff);
         largest = magnitude > largest ? magnitude : largest;
@@ -854,79 +868,105 @@ inline void quantize_group(const float *x, int8_t *codes, float &step, float &su
 }
 
 // x's rows quantized (quantize_group) into the calling thread's buffers (calling_thread_rows).
-inline Q4Rows quantized_rows(const float *x, int64_t rows, int64_t in_features, int num_threads) {
-    const int64_t groups = in_features / kQ4GroupInputs, count = rows * groups;
+inline GroupedRows quantized_rows(const float *x, int64_t rows, int64_t in_features, int num_threads) {
+    const int64_t groups = in_features / kGroupInputs, count = rows * groups;
     int8_t *const to = calling_thread_rows<int8_t>(rows * in_features);
     float *const steps = calling_thread_rows<float>(2 * count), *const sums = steps + count;
     // A decode step's few rows in one thread: a parallel region costs more than they do.
 #pragma omp parallel for num_threads(std::max(num_threads, 1)) schedule(static) if (count > 4096)
-    for (int64_t i = 0; i < count; i++) quantize_group(x + i * kQ4GroupInputs, to + i * kQ4GroupInputs, steps[i], sums[i]);
+    for (int64_t i = 0; i < count; i++) quantize_group(x + i * kGroupInputs, to + i * kGroupInputs, steps[i], sums[i]);
     return {to, steps, sums, in_features, groups};
 }
 
-// How far ahead of its group a pass asks for its stream (8 groups: the part's, or past its end the bytes that
-// follow, mostly the block the thread takes next; past the weight harmless), non-temporally. The hardware's prefetchers alone left the integer products waiting:
-// 30 layers' linears streamed at ~12 GB/s at 1 row, ~19 with the weights in L2. With these requests 0.79-0.98x the
-// time at 1-4 rows, 0.94-1.06x at 16 and 0.98-1.06x at 256 (three alternating runs in one process; T0 requests and
-// 1,280 or 5,120 bytes ahead streamed slower at 1 row).
-constexpr int64_t kQ4AheadBytes = 8 * kQ4GroupBytes;
+// How far ahead of its group a pass asks for its stream (8 of Q4_1's groups: the part's, or past its end the bytes
+// that follow, mostly the block the thread takes next; past the weight harmless), non-temporally. The hardware's
+// prefetchers alone left the integer products waiting: 30 layers' 4-bit linears streamed at ~12 GB/s at 1 row, ~19
+// with the weights in L2. With these requests 0.79-0.98x the time at 1-4 rows, 0.94-1.06x at 16 and 0.98-1.06x at
+// 256 (three alternating runs in one process; T0 requests and 1,280 or 5,120 bytes ahead streamed slower at 1 row).
+constexpr int64_t kGroupAheadBytes = 8 * Q4_1::kGroupBytes;
 
 inline __m256 widened_halves(const uint8_t *from) {  // 8 fp16 values
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(from)));
 }
 
-// Rows x one block's 4-bit weights, their fp32 sums to sums [rows][kBlockCols].
-template <int rows>
-void q4_block_rows(const uint8_t *block, const Q4Rows &x, float *sums) {
-    const __m256i low_nibbles = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-    for (int part = 0; part < kQ4Parts; part++) {
-        const uint8_t *group = block + part * x.groups * kQ4GroupBytes;
+// A quad's codes as two vectors of 8 features x 4 inputs: vpmaddubsw's unsigned operand for Q4_1, signed for Q8_0.
+inline void quad_codes(Q4_1, const uint8_t *quad, __m256i (&codes)[2]) {
+    const __m256i low_nibbles = _mm256_set1_epi8(0x0f);
+    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(quad));
+    codes[0] = _mm256_and_si256(packed, low_nibbles);
+    codes[1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
+}
+inline void quad_codes(Q8_0, const uint8_t *quad, __m256i (&codes)[2]) {
+    for (int v = 0; v < 2; v++) codes[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(quad + 32 * v));
+}
+
+// Pairs of code x input products, summed (16-bit lanes): `input` a row's 4 int8 inputs in every 32-bit lane,
+// `magnitude` their absolute values.
+inline __m256i pair_products(Q4_1, __m256i codes, __m256i input, __m256i) { return _mm256_maddubs_epi16(codes, input); }
+inline __m256i pair_products(Q8_0, __m256i codes, __m256i input, __m256i magnitude) {
+    return _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(codes, input));
+}
+
+// A group's integer sums `dots` (vector v of the part) scaled into the row's totals: by the group's scale times the
+// row's step, and for Q4_1 plus its minimum times the row's sum of the group's inputs.
+inline __m256 scaled(Q4_1, const uint8_t *group, int v, __m256i dots, __m256 step, __m256 sum, __m256 total) {
+    const __m256 scale = widened_halves(group + 16 * v), minimum = widened_halves(group + 32 + 16 * v);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(scale, step), _mm256_fmadd_ps(minimum, sum, total));
+}
+inline __m256 scaled(Q8_0, const uint8_t *group, int v, __m256i dots, __m256 step, __m256, __m256 total) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(widened_halves(group + 16 * v), step), total);
+}
+
+// Rows x one block's group-quantized weights, their fp32 sums to sums [rows][kBlockCols].
+template <typename Format, int rows>
+void grouped_block_rows(const uint8_t *block, const GroupedRows &x, float *sums) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int part = 0; part < kGroupParts; part++) {
+        const uint8_t *group = block + part * x.groups * Format::kGroupBytes;
         __m256 totals[rows][2];
         for (int r = 0; r < rows; r++) totals[r][0] = totals[r][1] = _mm256_setzero_ps();
-        for (int64_t g = 0; g < x.groups; g++, group += kQ4GroupBytes) {
-            const uint8_t *quads = group + 2 * kQ4PartCols * 2;
-            for (int64_t line = 0; line < kQ4GroupBytes; line += 64) __builtin_prefetch(group + kQ4AheadBytes + line, 0, 0);
+        for (int64_t g = 0; g < x.groups; g++, group += Format::kGroupBytes) {
+            const uint8_t *quads = group + Format::kHeaderBytes;
+            for (int64_t line = 0; line < Format::kGroupBytes; line += 64)
+                __builtin_prefetch(group + kGroupAheadBytes + line, 0, 0);
             __m256i dots[rows][2];
             for (int r = 0; r < rows; r++) dots[r][0] = dots[r][1] = _mm256_setzero_si256();
-            for (int q = 0; q < kQ4GroupInputs / 4; q++) {
-                const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(quads + q * kQ4QuadBytes));
-                const __m256i codes[2] = {_mm256_and_si256(packed, low_nibbles),
-                                          _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles)};
+            for (int q = 0; q < kGroupQuads; q++) {
+                __m256i codes[2];
+                quad_codes(Format{}, quads + q * Format::kQuadBytes, codes);
                 for (int r = 0; r < rows; r++) {
                     int32_t quad;  // the row's 4 int8 inputs
-                    std::memcpy(&quad, x.codes + r * x.in_features + g * kQ4GroupInputs + 4 * q, sizeof quad);
-                    const __m256i input = _mm256_set1_epi32(quad);
+                    std::memcpy(&quad, x.codes + r * x.in_features + g * kGroupInputs + 4 * q, sizeof quad);
+                    const __m256i input = _mm256_set1_epi32(quad), magnitude = _mm256_abs_epi8(input);
                     for (int v = 0; v < 2; v++)
-                        dots[r][v] = _mm256_add_epi32(dots[r][v], _mm256_madd_epi16(_mm256_maddubs_epi16(codes[v], input), ones));
+                        dots[r][v] = _mm256_add_epi32(
+                            dots[r][v], _mm256_madd_epi16(pair_products(Format{}, codes[v], input, magnitude), ones));
                 }
             }
-            const __m256 scale[2] = {widened_halves(group), widened_halves(group + 16)};
-            const __m256 minimum[2] = {widened_halves(group + 32), widened_halves(group + 48)};
             for (int r = 0; r < rows; r++) {
                 const __m256 step = _mm256_set1_ps(x.steps[r * x.groups + g]), sum = _mm256_set1_ps(x.sums[r * x.groups + g]);
-                for (int v = 0; v < 2; v++)
-                    totals[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[r][v]), _mm256_mul_ps(scale[v], step),
-                                                   _mm256_fmadd_ps(minimum[v], sum, totals[r][v]));
+                for (int v = 0; v < 2; v++) totals[r][v] = scaled(Format{}, group, v, dots[r][v], step, sum, totals[r][v]);
             }
         }
         for (int r = 0; r < rows; r++)
-            for (int v = 0; v < 2; v++) _mm256_storeu_ps(sums + r * kBlockCols + part * kQ4PartCols + v * 8, totals[r][v]);
+            for (int v = 0; v < 2; v++) _mm256_storeu_ps(sums + r * kBlockCols + part * kGroupPartCols + v * 8, totals[r][v]);
     }
 }
 
 // A pass takes the plan's rows (RowPlan: up to 6 on AVX2, 12 on AVX-512) at once, its sums in registers beside a
-// quad's two vectors of codes, their mask, the ones and a row's input: on AVX2's 16 registers 6 rows leave one
-// vector to the stack, and took 0.88-0.99x the time of passes of 5 rows and 1 (SmolLM2's 30 layers' linears at
+// quad's two vectors of codes, the ones and a row's input: on AVX2's 16 registers 6 rows of Q4_1 leave one vector
+// (its mask) to the stack, and took 0.88-0.99x the time of passes of 5 rows and 1 (SmolLM2's 30 layers' linears at
 // 16-256 rows, two runs alternating in one process; level at 1 and 6 rows). Picked by instance_for_rows.
-int linear_q4(const float *x, const uint8_t *weight, const float *bias, float *out, int64_t rows, int64_t out_features,
-              int64_t in_features, int num_threads) {
-    if (in_features % kQ4GroupInputs || out_features % kBlockCols || rows < 0) return -1;
-    const Q4Rows quantized = quantized_rows(x, rows, in_features, num_threads);
+template <typename Format>
+int grouped_linear(const float *x, const uint8_t *weight, const float *bias, float *out, int64_t rows,
+                   int64_t out_features, int64_t in_features, int num_threads) {
+    if (in_features % kGroupInputs || out_features % kBlockCols || rows < 0) return -1;
+    const GroupedRows quantized = quantized_rows(x, rows, in_features, num_threads);
     const RowPlan plan(rows, false, in_features);
-    const int64_t block_bytes = kQ4BlockBytesPerInput * in_features;
+    const int64_t block_bytes = Format::kGroupBytes * kGroupParts / kGroupInputs * in_features;
     for_each_unit(out_features / kBlockCols, plan, num_threads, [&](int64_t block, int64_t row, int64_t end, Pass) {
         alignas(64) float sums[kMaxRows * kBlockCols];
-        instance_for_rows(end - row, [](auto rows) { return q4_block_rows<rows.value>; })(
+        instance_for_rows(end - row, [](auto rows) { return grouped_block_rows<Format, rows.value>; })(
             weight + block * block_bytes, quantized.from(row), sums);
         const int64_t feature = block * kBlockCols;
         Output<float>{out + row * out_features + feature, out_features, bias ? bias + feature : nullptr}.from_sums(sums, end - row);
@@ -934,28 +974,37 @@ int linear_q4(const float *x, const uint8_t *weight, const float *bias, float *o
     return 0;
 }
 
-// The packed layout above from codes [N][K] (0-15), scales and minimums [N][K/32] (each to fp16, nearest).
-int pack_q4(const uint8_t *codes, const float *scales, const float *minimums, uint8_t *packed, int64_t out_features,
-            int64_t in_features) {
-    if (in_features % kQ4GroupInputs || out_features % kBlockCols) return -1;
-    const int64_t groups = in_features / kQ4GroupInputs;
+// The packed layout above from codes [N][K] (Q4_1: 0-15; Q8_0: -127..127), scales [N][K/32] and for Q4_1 minimums
+// [N][K/32] (each to fp16, nearest).
+template <typename Format>
+int pack_grouped(const uint8_t *codes, const float *scales, const float *minimums, uint8_t *packed,
+                 int64_t out_features, int64_t in_features) {
+    if (in_features % kGroupInputs || out_features % kBlockCols) return -1;
+    const int64_t groups = in_features / kGroupInputs;
+    constexpr bool nibbles = std::is_same_v<Format, Q4_1>;
     for (int64_t block = 0; block < out_features / kBlockCols; block++)
-        for (int64_t part = 0; part < kQ4Parts; part++)
+        for (int64_t part = 0; part < kGroupParts; part++)
             for (int64_t g = 0; g < groups; g++) {
-                uint8_t *group = packed + ((block * kQ4Parts + part) * groups + g) * kQ4GroupBytes;
+                uint8_t *group = packed + ((block * kGroupParts + part) * groups + g) * Format::kGroupBytes;
                 uint16_t *halves = reinterpret_cast<uint16_t *>(group);
-                const int64_t first = block * kBlockCols + part * kQ4PartCols;
-                for (int64_t f = 0; f < kQ4PartCols; f++) {
+                const int64_t first = block * kBlockCols + part * kGroupPartCols;
+                for (int64_t f = 0; f < kGroupPartCols; f++) {
                     halves[f] = _cvtss_sh(scales[(first + f) * groups + g], _MM_FROUND_TO_NEAREST_INT);
-                    halves[kQ4PartCols + f] = _cvtss_sh(minimums[(first + f) * groups + g], _MM_FROUND_TO_NEAREST_INT);
+                    if (nibbles)
+                        halves[kGroupPartCols + f] = _cvtss_sh(minimums[(first + f) * groups + g], _MM_FROUND_TO_NEAREST_INT);
                 }
-                uint8_t *quads = group + 2 * kQ4PartCols * 2;
-                for (int64_t i = 0; i < kQ4GroupInputs; i++)
+                uint8_t *quads = group + Format::kHeaderBytes;
+                for (int64_t i = 0; i < kGroupInputs; i++)
                     for (int64_t j = 0; j < 8; j++) {
-                        const int64_t k = g * kQ4GroupInputs + i;
-                        const uint8_t low = codes[(first + j) * in_features + k] & 15;
-                        const uint8_t high = codes[(first + 8 + j) * in_features + k] & 15;
-                        quads[i / 4 * kQ4QuadBytes + 4 * j + i % 4] = static_cast<uint8_t>(low | high << 4);
+                        const int64_t k = g * kGroupInputs + i;
+                        uint8_t *quad = quads + i / 4 * Format::kQuadBytes + 4 * j + i % 4;
+                        const uint8_t low = codes[(first + j) * in_features + k], high = codes[(first + 8 + j) * in_features + k];
+                        if (nibbles) {
+                            quad[0] = static_cast<uint8_t>((low & 15) | (high & 15) << 4);
+                        } else {
+                            quad[0] = low;
+                            quad[32] = high;
+                        }
                     }
             }
     return 0;
@@ -1005,25 +1054,23 @@ int parrot_use_tiles(int enable) {
     return tiles_usable();
 }
 
-// -2 where this build has no 4-bit kernel (not AVX2): the caller keeps torch's int4 kernel.
-int parrot_linear_q4(const float *x, const uint8_t *weight, const float *bias, float *out, int64_t rows,
-                     int64_t out_features, int64_t in_features, int num_threads) {
-#if defined(PARROT_Q4)
-    return linear_q4(x, weight, bias, out, rows, out_features, in_features, num_threads);
+// -2 where this build has no group-quantized kernels (not AVX2): the caller keeps torch's kernels.
+#if defined(PARROT_GROUPED)
+#define PARROT_GROUPED_ENTRIES(FORMAT, LINEAR, PACK)                                                                \
+    int LINEAR(const float *x, const uint8_t *weight, const float *bias, float *out, int64_t rows,                  \
+               int64_t out_features, int64_t in_features, int num_threads) {                                        \
+        return grouped_linear<FORMAT>(x, weight, bias, out, rows, out_features, in_features, num_threads);          \
+    }                                                                                                               \
+    int PACK(const uint8_t *codes, const float *scales, const float *minimums, uint8_t *packed,                     \
+             int64_t out_features, int64_t in_features) {                                                           \
+        return pack_grouped<FORMAT>(codes, scales, minimums, packed, out_features, in_features);                    \
+    }
 #else
-    (void)x, (void)weight, (void)bias, (void)out, (void)rows, (void)out_features, (void)in_features, (void)num_threads;
-    return -2;
+#define PARROT_GROUPED_ENTRIES(FORMAT, LINEAR, PACK)                                                                \
+    int LINEAR(const float *, const uint8_t *, const float *, float *, int64_t, int64_t, int64_t, int) { return -2; } \
+    int PACK(const uint8_t *, const float *, const float *, uint8_t *, int64_t, int64_t) { return -2; }
 #endif
-}
-
-int parrot_pack_q4(const uint8_t *codes, const float *scales, const float *minimums, uint8_t *packed,
-                   int64_t out_features, int64_t in_features) {
-#if defined(PARROT_Q4)
-    return pack_q4(codes, scales, minimums, packed, out_features, in_features);
-#else
-    (void)codes, (void)scales, (void)minimums, (void)packed, (void)out_features, (void)in_features;
-    return -2;
-#endif
-}
+PARROT_GROUPED_ENTRIES(Q4_1, parrot_linear_q4, parrot_pack_q4)
+PARROT_GROUPED_ENTRIES(Q8_0, parrot_linear_q8, parrot_pack_q8)
 
 }  // extern "C"

@@ -1,7 +1,7 @@
 // The linear kernels (linear.cpp) as torch operators with C++ bodies: parrot_native::linear and
 // parrot_native::gated_linear, the same contracts as kernels/native_linear.py's Python-bodied parrot:: ops, and
-// parrot_native::linear_q4 (4-bit weights; engines/builtin/quantization.py's int4, which has torch's int4 kernel
-// where this library does not build);
+// parrot_native::linear_q4 and ::linear_q8 (group-quantized weights; engines/builtin/quantization.py's int4 and
+// int8, which have torch's kernels where this library does not build);
 // and a compiled forward's attention, parrot_native::attention (KV write and paged_attention.cpp's decode, see
 // below), which engines/builtin/compiled_model.py calls instead of the Python-bodied parrot::paged_attention.
 //
@@ -90,26 +90,38 @@ at::Tensor gated_linear(const at::Tensor &x, const at::Tensor &packed) {
 }
 
 
-// x [rows, K] fp32 @ a 4-bit weight packed by parrot_pack_q4 ([N/32, kQ4BlockBytesPerInput * K] uint8) + bias.
-at::Tensor linear_q4(const at::Tensor &x, const at::Tensor &packed, const std::optional<at::Tensor> &bias) {
+// x [rows, K] fp32 @ a group-quantized weight packed by parrot_pack_q4 or parrot_pack_q8 ([N/32, bytes_per_input * K]
+// uint8: the format's kQ4BlockBytesPerInput or kQ8BlockBytesPerInput) + bias, by `kernel` (parrot_linear_q4, _q8).
+using GroupedKernel = int (*)(const float *, const uint8_t *, const float *, float *, int64_t, int64_t, int64_t, int);
+
+at::Tensor grouped_linear(const at::Tensor &x, const at::Tensor &packed, const std::optional<at::Tensor> &bias,
+                          GroupedKernel kernel, int64_t bytes_per_input) {
     const bool blocked = packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous() &&
-                         packed.device().is_cpu() && packed.size(1) % (kQ4BlockBytesPerInput * kQ4GroupInputs) == 0;
+                         packed.device().is_cpu() && packed.size(1) % (bytes_per_input * kGroupInputs) == 0;
     const int64_t out_features = blocked ? packed.size(0) * kBlockCols : 0;
-    const int64_t in_features = blocked ? packed.size(1) / kQ4BlockBytesPerInput : 0;
+    const int64_t in_features = blocked ? packed.size(1) / bytes_per_input : 0;
     TORCH_CHECK_VALUE(blocked && x.dim() == 2 && x.size(1) == in_features && x.scalar_type() == at::kFloat &&
                           x.device().is_cpu() &&
                           (!bias || (bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == out_features)),
-                      "the 4-bit linear does not take x ", x.sizes(), " ", x.scalar_type(), ", packed weight ",
+                      "the group-quantized linear does not take x ", x.sizes(), " ", x.scalar_type(), ", packed weight ",
                       packed.sizes(), " ", packed.scalar_type());
     const at::Tensor input = x.contiguous();
     const std::optional<at::Tensor> added = bias ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
     at::Tensor out = at::empty({input.size(0), out_features}, input.options());
-    const int status = parrot_linear_q4(input.const_data_ptr<float>(), packed.const_data_ptr<uint8_t>(),
-                                        added ? added->const_data_ptr<float>() : nullptr, out.mutable_data_ptr<float>(),
-                                        input.size(0), out_features, in_features, at::get_num_threads());
-    TORCH_CHECK_VALUE(status == 0, "the 4-bit linear refused x ", x.sizes(), " with a weight of ", out_features, "x",
-                      in_features);
+    const int status = kernel(input.const_data_ptr<float>(), packed.const_data_ptr<uint8_t>(),
+                              added ? added->const_data_ptr<float>() : nullptr, out.mutable_data_ptr<float>(),
+                              input.size(0), out_features, in_features, at::get_num_threads());
+    TORCH_CHECK_VALUE(status == 0, "the group-quantized linear refused x ", x.sizes(), " with a weight of ",
+                      out_features, "x", in_features);
     return out;
+}
+
+at::Tensor linear_q4(const at::Tensor &x, const at::Tensor &packed, const std::optional<at::Tensor> &bias) {
+    return grouped_linear(x, packed, bias, parrot_linear_q4, kQ4BlockBytesPerInput);
+}
+
+at::Tensor linear_q8(const at::Tensor &x, const at::Tensor &packed, const std::optional<at::Tensor> &bias) {
+    return grouped_linear(x, packed, bias, parrot_linear_q8, kQ8BlockBytesPerInput);
 }
 
 // ---- attention: a compiled forward's layers over the paged cache (engines/builtin/compiled_model.py) ----
@@ -263,6 +275,7 @@ TORCH_LIBRARY(parrot_native, m) {
     m.def("linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
     m.def("gated_linear(Tensor x, Tensor packed) -> Tensor");
     m.def("linear_q4(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+    m.def("linear_q8(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
     m.def("register_forward(int forward, Tensor[] k_caches, Tensor[] v_caches, float[] scales) -> ()");
     m.def("drop_forward(int forward) -> ()");
     m.def("set_step(int forward, Tensor slots, Tensor own_tables, Tensor own_lens, Tensor? prefix_ids, "
@@ -274,6 +287,7 @@ TORCH_LIBRARY_IMPL(parrot_native, CPU, m) {
     m.impl("linear", linear);
     m.impl("gated_linear", gated_linear);
     m.impl("linear_q4", linear_q4);
+    m.impl("linear_q8", linear_q8);
     m.impl("attention", attention);
 }
 

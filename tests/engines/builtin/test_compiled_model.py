@@ -1,6 +1,6 @@
 """`compile`: the forward compiled by torch.compile gives the eager forward's tokens (fp32: the
 same tokens for a batch of chunked prefills and batched decodes of several lengths, and for a single
-stream; bf16 in test_core_bf16.py; int4 up to its rows' int8 rounding ties), and is compiled before the engine serves. The compiled engine
+stream; bf16 in test_core_bf16.py; int4 and int8 up to their rows' int8 rounding ties), and is compiled before the engine serves. The compiled engine
 runs in a process of its own (compiled_engine_run.py says why)."""
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from engines.builtin import quantization
 from engines.builtin.types import SamplingParams
 from kernels import native
+from tests.kernel_markers import needs_grouped
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -60,8 +62,8 @@ def test_compiled_fp32_gives_the_eager_tokens_and_compiles_only_at_start(make_en
     assert len(compiled["context_sizes"]) > 10 and len(set(compiled["context_sizes"][1:])) == 1
 
 
-# How much less likely (nats) the eager int4 engine may find the compiled graph's pick than its own where the two
-# part. int4's rows are rounded to int8 inside each linear (as llama.cpp computes Q4_1), so the last-bit differences
+# How much less likely (nats) the eager int4 or int8 engine may find the compiled graph's pick than its own where the two
+# part. Their rows are rounded to int8 inside each linear (as llama.cpp computes Q4_1 and Q8_0), so the last-bit differences
 # between any two paths to the same hidden state (the graph's fused norms, or the eager engine's own prefill and
 # decode attention) can move a row across a rounding step, and this random model's ±30 logits magnify that: the eager
 # engine's greedy pick at one step and its own scoring of that step disagreed by 0.19 nats. A graph that computed
@@ -69,11 +71,12 @@ def test_compiled_fp32_gives_the_eager_tokens_and_compiles_only_at_start(make_en
 INT4_TIE_NATS = 0.5
 
 
-def test_compiled_int4_follows_the_eager_tokens_up_to_rounding_ties(make_engine, tiny_model_dir):
+@pytest.mark.parametrize("scheme", ["int4", pytest.param("int8", marks=needs_grouped)])  # fbgemm's int8 does not compile
+def test_compiled_quantized_model_follows_the_eager_tokens_up_to_rounding_ties(make_engine, tiny_model_dir, scheme):
     batches = [mixed_prompts(), mixed_prompts()[2:3]]
-    compiled = run_compiled(tiny_model_dir, "float32", batches, quantization="int4")
-    assert compiled["head"] == "Int8Linear"  # the head runs eagerly
-    eager = make_engine(quantization="int4")
+    compiled = run_compiled(tiny_model_dir, "float32", batches, quantization=scheme)
+    assert compiled["head"] == type(quantization.int8_linear(torch.nn.Linear(64, 64))).__name__  # runs eagerly
+    eager = make_engine(quantization=scheme)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     for prompts, outputs in zip(batches, compiled["outputs"], strict=True):
         for prompt, ours, theirs in zip(prompts, outputs, eager.generate_batch(prompts, params), strict=True):
@@ -117,7 +120,7 @@ def test_compile_is_refused_where_it_does_not_run():
     from engines.builtin.config import EngineConfig
 
     with pytest.raises(ValueError, match="compile"):
-        EngineConfig(compile=True, quantization="int8")
+        EngineConfig(compile=True, device="cuda")
 
 
 def test_the_operators_cache_tag_follows_an_operators_schema():
