@@ -1,6 +1,6 @@
 """Where a builtin-engine step's time goes: decode at batch 1 and 16, 16 forks of a ~900-token prompt, and a 1,000-token prefill.
 
-    python -m benchmarks.engine_profile [--dtype bfloat16] [--quantization int8 | --compile] [--steps 32]
+    python -m benchmarks.engine_profile [--dtype bfloat16] [--quantization int8 | int4] [--compile] [--steps 32]
 
 Each category is the wall time of the calls that make it up (timed by wrappers this script puts
 around the engine's parts, not by a sampling profiler), per step, median over the measured steps:

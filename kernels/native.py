@@ -79,7 +79,7 @@ class NativeKernels:
                                  for dtype, suffix in _SUFFIXES.items()
                                  if hasattr(library, f"parrot_screened_argmax_{suffix}")}
         self._use_tiles = _bound(library, "parrot_use_tiles", [_INT], _INT)
-        # Absent from a library built from older sources; -2 from all four where the build has no AVX2 and F16C.
+        # Absent from a library built from older sources; -2 from all four where the build has no AVX2, F16C and FMA.
         self._grouped = {format: (_bound(library, f"parrot_pack_{format}", [_PTR, _PTR, _PTR, _PTR, _I64, _I64], _INT),
                                   _bound(library, f"parrot_linear_{format}", _LINEAR_ARGS, _INT))
                          for format in GROUPED_BLOCK_BYTES_PER_INPUT if hasattr(library, f"parrot_pack_{format}")}
@@ -172,13 +172,14 @@ class NativeKernels:
         if (not self.has_grouped or out_features % LINEAR_BLOCK or in_features % GROUP_INPUTS
                 or scales.shape != minimums.shape or scales.shape != (out_features, in_features // GROUP_INPUTS)):
             raise ValueError(f"the group-quantized kernel does not take codes {tuple(codes.shape)}, scales "
-                             f"{tuple(scales.shape)}" + ("" if self.has_grouped else " (not built here: it needs AVX2 and F16C)"))
+                             f"{tuple(scales.shape)}" + ("" if self.has_grouped else " (not built here: it needs AVX2, F16C and FMA)"))
         codes = codes.contiguous()
         scales, minimums = scales.float().contiguous(), minimums.float().contiguous()
         packed = torch.empty(out_features // LINEAR_BLOCK, GROUPED_BLOCK_BYTES_PER_INPUT[format] * in_features,
                              dtype=torch.uint8)
         pack, _ = self._grouped[format]
-        pack(codes.data_ptr(), scales.data_ptr(), minimums.data_ptr(), packed.data_ptr(), out_features, in_features)
+        if pack(codes.data_ptr(), scales.data_ptr(), minimums.data_ptr(), packed.data_ptr(), out_features, in_features):
+            raise ValueError(f"the group-quantized kernel refused codes {tuple(codes.shape)}")
         return packed
 
     def argmax_rows(self, logits: torch.Tensor) -> list[int] | None:

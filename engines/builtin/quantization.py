@@ -11,8 +11,8 @@ relative error on a product).
 - ``int8``: GGUF's Q8_0, codes -127..127 (8.5 bits a weight with the scales; ~0.5% error on a weight). It
   answers as fp32 does far more often than fbgemm's int8 GEMM did (per-channel weights, 7-bit activations
   per tensor: benchmarks.engine_accuracy), and SmolLM2's decoder linears took 0.34x fbgemm's time at 1 row
-  and 1.36x at 256 (an AMD EPYC, AVX2, one process). Where the kernels do not build, fbgemm's GEMM serves
-  (FbgemmInt8Linear), eager only.
+  and 1.36x at 256 (an AMD EPYC, AVX2, one process). Where the kernels do not build, or for a linear whose sizes
+  they do not take (not multiples of 32), fbgemm's GEMM serves (FbgemmInt8Linear), eager only.
 - ``int4``: GGUF's Q4_1, codes 0-15 and a minimum a group (weight = code * scale + minimum): the layout the
   default model ships in, whose codes come back exactly. It ran SmolLM2's decoder linears in 0.30-0.36x the
   time of torch's weight-only int4 kernel from 1 to 256 rows. Where it does not build, torch's kernel serves
@@ -84,8 +84,8 @@ class GroupedLinear(nn.Module):
 def grouped_kernels() -> native.NativeKernels:
     """The library holding the group-quantized kernels, or ValueError where they do not serve (native_grouped)."""
     if not native_grouped():
-        raise ValueError("the group-quantized kernels are not built here (they need AVX2 and F16C, and the native "
-                         "torch operators)")
+        raise ValueError("the group-quantized kernels are not available here (they need AVX2, F16C and FMA, and the "
+                         "native torch operators)")
     return native.library()
 
 
@@ -155,14 +155,21 @@ def native_grouped() -> bool:
     return kernels is not None and kernels.has_grouped and native.torch_ops()
 
 
+def on_grouped_kernels(linear: nn.Linear) -> bool:
+    """Whether ``linear`` goes on the C++ group-quantized kernels: they serve here, and take its sizes (whole groups of
+    inputs, whole blocks of output features)."""
+    return (native_grouped() and linear.in_features % GROUP_SIZE == 0
+            and linear.out_features % native.LINEAR_BLOCK == 0)
+
+
 def int8_linear(linear: nn.Linear) -> nn.Module:
-    """The int8 form of ``linear``: on the C++ kernel where it serves (native_grouped), else on fbgemm's."""
-    return Int8Linear(linear) if native_grouped() else FbgemmInt8Linear(linear)
+    """The int8 form of ``linear``: on the C++ kernel where it goes (on_grouped_kernels), else on fbgemm's."""
+    return Int8Linear(linear) if on_grouped_kernels(linear) else FbgemmInt8Linear(linear)
 
 
 def int4_linear(linear: nn.Linear) -> nn.Module:
-    """The int4 form of ``linear``: on the C++ kernel where it serves (native_grouped), else on torch's."""
-    return Int4Linear(linear) if native_grouped() else TorchInt4Linear(linear)
+    """The int4 form of ``linear``: on the C++ kernel where it goes (on_grouped_kernels), else on torch's."""
+    return Int4Linear(linear) if on_grouped_kernels(linear) else TorchInt4Linear(linear)
 
 
 LINEARS = {"int8": int8_linear, "int4": int4_linear}
@@ -170,8 +177,14 @@ HEAD_LINEARS = {"int8": int8_linear, "int4": int8_linear}
 
 
 def compilable(scheme: str | None) -> bool:
-    """Whether torch.compile can trace the linears ``scheme`` makes here (fbgemm's packed weights it cannot)."""
+    """Whether torch.compile can trace the linears ``scheme`` makes here, for sizes the C++ kernels take
+    (fbgemm's packed weights it cannot)."""
     return scheme != "int8" or native_grouped()
+
+
+def untraceable_linears(module: nn.Module) -> list[str]:
+    """The names of ``module``'s linears that torch.compile cannot trace (fbgemm's)."""
+    return [name for name, child in module.named_modules() if isinstance(child, FbgemmInt8Linear)]
 
 
 def quantize_linears(model: nn.Module, scheme: str, head: str = "lm_head") -> None:

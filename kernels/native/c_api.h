@@ -40,7 +40,7 @@ int parrot_gated_linear_bf16(const uint16_t *x, const uint16_t *weight, uint16_t
 // by parrot_pack_q4 ([N/32][kQ4BlockBytesPerInput * K] bytes), or Q8_0's int8 codes [N][K] (-127..127, weight =
 // code * scale), packed by parrot_pack_q8 ([N/32][kQ8BlockBytesPerInput * K] bytes; its minimums unused), from
 // scales and minimums [N][K/32]; -1 for sizes the kernel does not take, -2 (all four) where the build has no
-// group-quantized kernels (no AVX2 and F16C).
+// group-quantized kernels (no AVX2, F16C and FMA).
 int parrot_linear_q4(const float *x, const uint8_t *weight, const float *bias, float *out, int64_t rows,
                      int64_t out_features, int64_t in_features, int num_threads);
 int parrot_pack_q4(const uint8_t *codes, const float *scales, const float *minimums, uint8_t *packed,

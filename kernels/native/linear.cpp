@@ -883,6 +883,8 @@ inline GroupedRows quantized_rows(const float *x, int64_t rows, int64_t in_featu
 // prefetchers alone left the integer products waiting: 30 layers' 4-bit linears streamed at ~12 GB/s at 1 row, ~19
 // with the weights in L2. With these requests 0.79-0.98x the time at 1-4 rows, 0.94-1.06x at 16 and 0.98-1.06x at
 // 256 (three alternating runs in one process; T0 requests and 1,280 or 5,120 bytes ahead streamed slower at 1 row).
+// The same bytes ahead for Q8_0 (~4.7 of its groups): 8 of its groups or 5,120 bytes took 0.98-1.06x the time at 1-64
+// rows (one run, alternating).
 constexpr int64_t kGroupAheadBytes = 8 * Q4_1::kGroupBytes;
 
 inline __m256 widened_halves(const uint8_t *from) {  // 8 fp16 values
@@ -907,15 +909,34 @@ inline __m256i pair_products(Q8_0, __m256i codes, __m256i input, __m256i magnitu
     return _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(codes, input));
 }
 
-// A group's integer sums `dots` (vector v of the part) scaled into the row's totals: by the group's scale times the
-// row's step, and for Q4_1 plus its minimum times the row's sum of the group's inputs.
-inline __m256 scaled(Q4_1, const uint8_t *group, int v, __m256i dots, __m256 step, __m256 sum, __m256 total) {
-    const __m256 scale = widened_halves(group + 16 * v), minimum = widened_halves(group + 32 + 16 * v);
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(scale, step), _mm256_fmadd_ps(minimum, sum, total));
-}
-inline __m256 scaled(Q8_0, const uint8_t *group, int v, __m256i dots, __m256 step, __m256, __m256 total) {
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(widened_halves(group + 16 * v), step), total);
-}
+// A group's scales (for Q4_1 and minimums) widened once, and its integer sums `dots` (vector v of the part) scaled
+// into a row's totals: by the group's scale times the row's step, and for Q4_1 plus its minimum times the row's sum
+// of the group's inputs.
+template <typename Format>
+struct GroupScales;
+
+template <>
+struct GroupScales<Q4_1> {
+    __m256 scale[2], minimum[2];
+
+    explicit GroupScales(const uint8_t *group)
+        : scale{widened_halves(group), widened_halves(group + 16)}, minimum{widened_halves(group + 32), widened_halves(group + 48)} {}
+
+    __m256 scaled(int v, __m256i dots, __m256 step, __m256 sum, __m256 total) const {
+        return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(scale[v], step), _mm256_fmadd_ps(minimum[v], sum, total));
+    }
+};
+
+template <>
+struct GroupScales<Q8_0> {
+    __m256 scale[2];
+
+    explicit GroupScales(const uint8_t *group) : scale{widened_halves(group), widened_halves(group + 16)} {}
+
+    __m256 scaled(int v, __m256i dots, __m256 step, __m256, __m256 total) const {
+        return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(scale[v], step), total);
+    }
+};
 
 // Rows x one block's group-quantized weights, their fp32 sums to sums [rows][kBlockCols].
 template <typename Format, int rows>
@@ -943,9 +964,10 @@ void grouped_block_rows(const uint8_t *block, const GroupedRows &x, float *sums)
                             dots[r][v], _mm256_madd_epi16(pair_products(Format{}, codes[v], input, magnitude), ones));
                 }
             }
+            const GroupScales<Format> scales(group);
             for (int r = 0; r < rows; r++) {
                 const __m256 step = _mm256_set1_ps(x.steps[r * x.groups + g]), sum = _mm256_set1_ps(x.sums[r * x.groups + g]);
-                for (int v = 0; v < 2; v++) totals[r][v] = scaled(Format{}, group, v, dots[r][v], step, sum, totals[r][v]);
+                for (int v = 0; v < 2; v++) totals[r][v] = scales.scaled(v, dots[r][v], step, sum, totals[r][v]);
             }
         }
         for (int r = 0; r < rows; r++)

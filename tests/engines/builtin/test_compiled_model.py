@@ -68,7 +68,7 @@ def test_compiled_fp32_gives_the_eager_tokens_and_compiles_only_at_start(make_en
 # decode attention) can move a row across a rounding step, and this random model's ±30 logits magnify that: the eager
 # engine's greedy pick at one step and its own scoring of that step disagreed by 0.19 nats. A graph that computed
 # anything else would part from the eager tokens by whole nats.
-INT4_TIE_NATS = 0.5
+TIE_NATS = 0.5
 
 
 @pytest.mark.parametrize("scheme", ["int4", pytest.param("int8", marks=needs_grouped)])  # fbgemm's int8 does not compile
@@ -86,7 +86,7 @@ def test_compiled_quantized_model_follows_the_eager_tokens_up_to_rounding_ties(m
             prefix = prompt + theirs[:first]
             eager_pick, compiled_pick = (asyncio.run(eager.score(prefix + [token]))[-1].logprob
                                          for token in (theirs[first], ours[first]))
-            assert eager_pick - compiled_pick <= INT4_TIE_NATS, f"parted at {first}: {eager_pick:.3f} vs {compiled_pick:.3f}"
+            assert eager_pick - compiled_pick <= TIE_NATS, f"parted at {first}: {eager_pick:.3f} vs {compiled_pick:.3f}"
 
 
 def test_a_second_compiled_model_runs_its_own_weights(make_engine, tiny_model_dir, smollm2_tokenizer_dir, tmp_path):
