@@ -11,7 +11,7 @@ relative error on a product).
 - ``int8``: GGUF's Q8_0, codes -127..127 (8.5 bits a weight with the scales; ~0.5% error on a weight). It
   answers as fp32 does far more often than fbgemm's int8 GEMM did (per-channel weights, 7-bit activations
   per tensor: benchmarks.engine_accuracy), and SmolLM2's decoder linears took 0.34x fbgemm's time at 1 row
-  and 1.36x at 256 (an AMD EPYC, AVX2, one process). Where the kernels do not build, or for a linear whose sizes
+  and 1.30-1.36x at 256 (an AMD EPYC, AVX2, one process). Where the kernels do not build, or for a linear whose sizes
   they do not take (not multiples of 32), fbgemm's GEMM serves (FbgemmInt8Linear), eager only.
 - ``int4``: GGUF's Q4_1, codes 0-15 and a minimum a group (weight = code * scale + minimum): the layout the
   default model ships in, whose codes come back exactly. It ran SmolLM2's decoder linears in 0.30-0.36x the
