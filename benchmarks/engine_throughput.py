@@ -17,7 +17,8 @@ Workloads (greedy, EOS ignored so every run makes the same number of tokens):
 Prints a table of median tokens/s (generated tokens / wall time; prompt tokens for prefill) and ratios, then
 each column at --dtype's precision as a fraction of the machine's limit, measured in the same run before and
 after the rounds (benchmarks/machine_limits.py: decode workloads' weight bytes/s over a plain read's GB/s,
-prefill's FLOP/s over torch's GEMM in that dtype).
+prefill's FLOP/s over torch's GEMM in that dtype), and our quantized columns' decode workloads with their weights'
+bytes as stored (machine_limits.STORED_BITS).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from engines.builtin.config import EngineConfig  # noqa: E402
 from engines.builtin.quantization import compilable  # noqa: E402
 from engines.builtin.core import EngineCore  # noqa: E402
 from engines.builtin.types import SamplingParams  # noqa: E402
-from benchmarks.machine_limits import MachineLimits, ModelCost, best_of, measure  # noqa: E402
+from benchmarks.machine_limits import STORED_BITS, MachineLimits, ModelCost, best_of, measure  # noqa: E402
 from benchmarks.results_file import write_results  # noqa: E402
 from benchmarks.vllm_server import SETTLE_S, LaunchedVLLM  # noqa: E402
 
@@ -304,7 +305,8 @@ def run_all(args: argparse.Namespace) -> None:
     print_table(columns, ours, baselines, list(loads))
     for workload, note in notes.items():
         print(f"{workload}: {note}")
-    fractions = fractions_of_limit({name: columns[name] for name in at_dtype(columns, args)}, loads, best_of(limits), args)
+    fractions = fractions_of_limit({name: columns[name] for name in [*at_dtype(columns, args), *quantized(columns)]},
+                                   loads, best_of(limits), args)
     print_fractions(fractions, limits)
     if args.out:
         write_results(args.out, {"args": vars(args), "tokens_per_s": columns, "notes": notes,
@@ -325,26 +327,34 @@ def at_dtype(columns, args) -> list[str]:
             and (name != args.compare_name or args.start_vllm)]
 
 
+def quantized(columns) -> dict[str, str]:
+    """Our quantized columns and their schemes, whose decode fractions count the weights' bytes as stored
+    (STORED_BITS); their prefill has no limit here (integer products, where the limits measure a float GEMM)."""
+    return {name: scheme for name in columns for scheme in STORED_BITS if name.startswith(f"ours-{scheme}")}
+
+
 def fractions_of_limit(columns, loads, limit: MachineLimits, args) -> dict[str, dict[str, float]]:
     """Each rate as a fraction of what the machine allows it: decode workloads read every weight once a step
-    (batch = the workload's requests), prefill computes prefill_flops_per_token a prompt token."""
+    (batch = the workload's requests), prefill computes prefill_flops_per_token a prompt token (--dtype's columns)."""
     from transformers import AutoConfig
 
     from engines.builtin.loader import ModelSource, cached_source
 
     source = cached_source(ModelSource(args.model))
     cost = ModelCost.of(AutoConfig.from_pretrained(source.directory, **source.hf_kwargs()))
+    schemes, dtype_bits = quantized(columns), 8 * getattr(torch, args.dtype).itemsize
     out: dict[str, dict[str, float]] = {}
     for name, rates in columns.items():
         out[name] = {}
+        bits = STORED_BITS[schemes[name]] if name in schemes else (dtype_bits, dtype_bits)
         for workload, rate in rates.items():
             prompts, _ = loads[workload]
-            if isinstance(prompts, FreshPrompts):
+            if not isinstance(prompts, FreshPrompts):
+                bytes_per_s = rate / len(prompts) * cost.decode_step_bytes(*bits)
+                out[name][workload] = bytes_per_s / 1e9 / limit.stream_gb_s
+            elif name not in schemes:
                 flops = rate * cost.prefill_flops_per_token(sum(map(len, prompts)) / len(prompts))
                 out[name][workload] = flops / 1e9 / limit.gemm_gflop_s
-            else:
-                bytes_per_s = rate / len(prompts) * cost.decode_step_bytes(getattr(torch, args.dtype))
-                out[name][workload] = bytes_per_s / 1e9 / limit.stream_gb_s
     return out
 
 

@@ -36,6 +36,12 @@ class MachineLimits(msgspec.Struct):
     dtype: str  # the GEMM's: the benchmark's, or what the CPU computes it in (compute_dtype)
 
 
+# Bits a weight as the engine's quantized modes store it, (decoder linears, output head): GGUF's Q8_0 (8-bit codes and
+# an fp16 scale per 32 inputs) for int8, and Q4_1 (4-bit codes, an fp16 scale and minimum per 32) with a Q8_0 head for
+# int4 (engines/builtin/quantization.py).
+STORED_BITS = {"int8": (8.5, 8.5), "int4": (5.0, 8.5)}
+
+
 class ModelCost(msgspec.Struct):
     """A decoder's work per step and per token, from its HF config."""
 
@@ -53,8 +59,9 @@ class ModelCost(msgspec.Struct):
         return cls(decoder_weights=per_layer * hf_config.num_hidden_layers, head_weights=hf_config.vocab_size * hidden,
                    layers=hf_config.num_hidden_layers, attention_width=heads * head_dim)
 
-    def decode_step_bytes(self, dtype: torch.dtype) -> int:
-        return (self.decoder_weights + self.head_weights) * dtype.itemsize
+    def decode_step_bytes(self, decoder_bits: float, head_bits: float) -> float:
+        """The bytes a decode step reads of the weights, stored at these bits a weight (STORED_BITS, or a dtype's)."""
+        return (self.decoder_weights * decoder_bits + self.head_weights * head_bits) / 8
 
     def prefill_flops_per_token(self, prompt_tokens: float) -> float:
         """Linears plus causal attention (scores and weighted values over half the prompt on average)."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from benchmarks.machine_limits import MachineLimits, ModelCost, best_of, compute_dtype, measure
+from benchmarks.machine_limits import STORED_BITS, MachineLimits, ModelCost, best_of, compute_dtype, measure
 from engines.builtin.cpu_linear import cpu_has_fast_bf16
 from engines.builtin.core import on_a_passing_thread
 from engines.builtin.model import LlamaForCausalLM
@@ -23,7 +23,9 @@ def test_the_cost_counts_every_weight_the_model_reads():
     cost = ModelCost.of(config)
     assert cost.decoder_weights == decoder
     assert cost.head_weights == model.lm_head.weight.numel()
-    assert cost.decode_step_bytes(torch.bfloat16) == 2 * (decoder + cost.head_weights)
+    assert cost.decode_step_bytes(16, 16) == 2 * (decoder + cost.head_weights)
+    # int4: Q4_1's 5 bits a decoder weight (4-bit codes, an fp16 scale and minimum per 32), the head Q8_0's 8.5
+    assert cost.decode_step_bytes(*STORED_BITS["int4"]) == (5 * decoder + 8.5 * cost.head_weights) / 8
     # a 1,000-token prompt: each token attends to 500 others on average, 4 FLOPs a head dimension (scores, values)
     attention = 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * 500
     assert cost.prefill_flops_per_token(1000) == 2 * decoder + attention
