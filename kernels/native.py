@@ -165,20 +165,23 @@ class NativeKernels:
         and each group of GROUP_INPUTS inputs' scales [N, K / GROUP_INPUTS] (kept as fp16)."""
         if codes.dtype != torch.int8 or codes.eq(-128).any():
             raise ValueError("8-bit codes are int8 from -127 to 127 (the kernel negates them)")
-        return self._pack_grouped("q8", codes.view(torch.uint8), scales, scales)
+        return self._pack_grouped("q8", codes.view(torch.uint8), scales)
 
-    def _pack_grouped(self, format: str, codes, scales, minimums) -> torch.Tensor:
+    def _pack_grouped(self, format: str, codes, scales, minimums=None) -> torch.Tensor:
         out_features, in_features = codes.shape
         if (not self.has_grouped or out_features % LINEAR_BLOCK or in_features % GROUP_INPUTS
-                or scales.shape != minimums.shape or scales.shape != (out_features, in_features // GROUP_INPUTS)):
+                or scales.shape != (out_features, in_features // GROUP_INPUTS)
+                or (minimums is not None and minimums.shape != scales.shape)):
             raise ValueError(f"the group-quantized kernel does not take codes {tuple(codes.shape)}, scales "
                              f"{tuple(scales.shape)}" + ("" if self.has_grouped else " (not built here: it needs AVX2, F16C and FMA)"))
         codes = codes.contiguous()
-        scales, minimums = scales.float().contiguous(), minimums.float().contiguous()
+        scales = scales.float().contiguous()
+        minimums = None if minimums is None else minimums.float().contiguous()
         packed = torch.empty(out_features // LINEAR_BLOCK, GROUPED_BLOCK_BYTES_PER_INPUT[format] * in_features,
                              dtype=torch.uint8)
         pack, _ = self._grouped[format]
-        if pack(codes.data_ptr(), scales.data_ptr(), minimums.data_ptr(), packed.data_ptr(), out_features, in_features):
+        if pack(codes.data_ptr(), scales.data_ptr(), None if minimums is None else minimums.data_ptr(), packed.data_ptr(),
+                out_features, in_features):
             raise ValueError(f"the group-quantized kernel refused codes {tuple(codes.shape)}")
         return packed
 

@@ -69,8 +69,9 @@ class GroupedLinear(nn.Module):
     """A linear on a C++ group-quantized kernel (kernels/native/linear.cpp): rows quantized to int8 per group of
     32 inputs inside the kernel, as llama.cpp does. Subclasses pack the weight and name the operator."""
 
-    def __init__(self, linear: nn.Linear, packed: torch.Tensor):
+    def __init__(self, linear: nn.Linear, packed: torch.Tensor, operator):
         super().__init__()
+        self.operator = operator
         self.register_buffer("packed", packed)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float())
         self.out_features = linear.out_features
@@ -93,16 +94,14 @@ class Int8Linear(GroupedLinear):
     """8-bit weights (Q8_0) on the C++ kernel, parrot_native::linear_q8."""
 
     def __init__(self, linear: nn.Linear):
-        super().__init__(linear, grouped_kernels().pack_q8(*int8_groups(linear.weight)))
-        self.operator = torch.ops.parrot_native.linear_q8
+        super().__init__(linear, grouped_kernels().pack_q8(*int8_groups(linear.weight)), torch.ops.parrot_native.linear_q8)
 
 
 class Int4Linear(GroupedLinear):
     """4-bit weights (Q4_1) on the C++ kernel, parrot_native::linear_q4."""
 
     def __init__(self, linear: nn.Linear):
-        super().__init__(linear, grouped_kernels().pack_q4(*int4_groups(linear.weight)))
-        self.operator = torch.ops.parrot_native.linear_q4
+        super().__init__(linear, grouped_kernels().pack_q4(*int4_groups(linear.weight)), torch.ops.parrot_native.linear_q4)
 
 
 class FbgemmInt8Linear(nn.Module):
@@ -174,12 +173,6 @@ def int4_linear(linear: nn.Linear) -> nn.Module:
 
 LINEARS = {"int8": int8_linear, "int4": int4_linear}
 HEAD_LINEARS = {"int8": int8_linear, "int4": int8_linear}
-
-
-def compilable(scheme: str | None) -> bool:
-    """Whether torch.compile can trace the linears ``scheme`` makes here, for sizes the C++ kernels take
-    (fbgemm's packed weights it cannot)."""
-    return scheme != "int8" or native_grouped()
 
 
 def untraceable_linears(module: nn.Module) -> list[str]:

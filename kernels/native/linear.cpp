@@ -819,18 +819,6 @@ constexpr int64_t kGroupPartCols = 16;  // a part's sums: two vectors of 8 32-bi
 constexpr int64_t kGroupParts = kBlockCols / kGroupPartCols;
 constexpr int64_t kGroupQuads = kGroupInputs / 4;
 
-// What distinguishes a group format: its bytes, how a quad's codes are read, and how a group's sums are scaled.
-struct Q4_1 {
-    static constexpr int64_t kHeaderBytes = 2 * kGroupPartCols * 2, kQuadBytes = 32;
-    static constexpr int64_t kGroupBytes = kHeaderBytes + kGroupQuads * kQuadBytes;
-};
-struct Q8_0 {
-    static constexpr int64_t kHeaderBytes = kGroupPartCols * 2, kQuadBytes = 64;
-    static constexpr int64_t kGroupBytes = kHeaderBytes + kGroupQuads * kQuadBytes;
-};
-static_assert(Q4_1::kGroupBytes * kGroupParts == kQ4BlockBytesPerInput * kGroupInputs, "c_api.h's bytes per input");
-static_assert(Q8_0::kGroupBytes * kGroupParts == kQ8BlockBytesPerInput * kGroupInputs, "c_api.h's bytes per input");
-
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #define PARROT_GROUPED 1
 
@@ -878,6 +866,79 @@ inline GroupedRows quantized_rows(const float *x, int64_t rows, int64_t in_featu
     return {to, steps, sums, in_features, groups};
 }
 
+inline __m256 widened_halves(const uint8_t *from) {  // 8 fp16 values
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(from)));
+}
+
+// A group format: its bytes; a quad's codes as two vectors of 8 features x 4 inputs (codes); pairs of their products
+// with a row's 4 int8 inputs, `input` in every 32-bit lane, summed in 16-bit lanes (pair_products); a group's scales
+// widened once (Scales), which scale its integer sums `dots` (vector v of the part) into a row's totals; and how the
+// packer writes a feature j's code and feature 8 + j's for one input at their place in a quad (pack_codes).
+struct Q4_1 {  // 16 fp16 scales, 16 fp16 minimums, quads of nibbles
+    static constexpr int64_t kHeaderBytes = 2 * kGroupPartCols * 2, kQuadBytes = 32;
+    static constexpr int64_t kGroupBytes = kHeaderBytes + kGroupQuads * kQuadBytes;
+    static constexpr bool kMinimums = true;
+
+    static void codes(const uint8_t *quad, __m256i (&codes)[2]) {
+        const __m256i low_nibbles = _mm256_set1_epi8(0x0f);
+        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(quad));
+        codes[0] = _mm256_and_si256(packed, low_nibbles);
+        codes[1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
+    }
+
+    static __m256i pair_products(__m256i codes, __m256i input) { return _mm256_maddubs_epi16(codes, input); }
+
+    // sum(w x) = scale step sum(code x') + minimum sum(x), x' the row's int8 inputs and sum(x) its exact one.
+    struct Scales {
+        __m256 scale[2], minimum[2];
+
+        explicit Scales(const uint8_t *group)
+            : scale{widened_halves(group), widened_halves(group + 16)},
+              minimum{widened_halves(group + 32), widened_halves(group + 48)} {}
+
+        __m256 scaled(int v, __m256i dots, __m256 step, __m256 sum, __m256 total) const {
+            return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(scale[v], step),
+                                   _mm256_fmadd_ps(minimum[v], sum, total));
+        }
+    };
+
+    static void pack_codes(uint8_t *quad, uint8_t low, uint8_t high) {
+        quad[0] = static_cast<uint8_t>((low & 15) | (high & 15) << 4);
+    }
+};
+
+struct Q8_0 {  // 16 fp16 scales, quads of bytes: 32 for features 0-7, then 32 for 8-15
+    static constexpr int64_t kHeaderBytes = kGroupPartCols * 2, kQuadBytes = 64;
+    static constexpr int64_t kGroupBytes = kHeaderBytes + kGroupQuads * kQuadBytes;
+    static constexpr bool kMinimums = false;
+
+    static void codes(const uint8_t *quad, __m256i (&codes)[2]) {
+        for (int v = 0; v < 2; v++) codes[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(quad + 32 * v));
+    }
+
+    // vpmaddubsw's first operand is unsigned: |x| against the codes with x's signs moved onto them.
+    static __m256i pair_products(__m256i codes, __m256i input) {
+        return _mm256_maddubs_epi16(_mm256_abs_epi8(input), _mm256_sign_epi8(codes, input));
+    }
+
+    struct Scales {
+        __m256 scale[2];
+
+        explicit Scales(const uint8_t *group) : scale{widened_halves(group), widened_halves(group + 16)} {}
+
+        __m256 scaled(int v, __m256i dots, __m256 step, __m256, __m256 total) const {
+            return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(scale[v], step), total);
+        }
+    };
+
+    static void pack_codes(uint8_t *quad, uint8_t low, uint8_t high) {
+        quad[0] = low;
+        quad[32] = high;
+    }
+};
+static_assert(Q4_1::kGroupBytes * kGroupParts == kQ4BlockBytesPerInput * kGroupInputs, "c_api.h's bytes per input");
+static_assert(Q8_0::kGroupBytes * kGroupParts == kQ8BlockBytesPerInput * kGroupInputs, "c_api.h's bytes per input");
+
 // How far ahead of its group a pass asks for its stream (8 of Q4_1's groups: the part's, or past its end the bytes
 // that follow, mostly the block the thread takes next; past the weight harmless), non-temporally. The hardware's
 // prefetchers alone left the integer products waiting: 30 layers' 4-bit linears streamed at ~12 GB/s at 1 row, ~19
@@ -886,57 +947,6 @@ inline GroupedRows quantized_rows(const float *x, int64_t rows, int64_t in_featu
 // The same bytes ahead for Q8_0 (~4.7 of its groups): 8 of its groups or 5,120 bytes took 0.98-1.06x the time at 1-64
 // rows (one run, alternating).
 constexpr int64_t kGroupAheadBytes = 8 * Q4_1::kGroupBytes;
-
-inline __m256 widened_halves(const uint8_t *from) {  // 8 fp16 values
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i *>(from)));
-}
-
-// A quad's codes as two vectors of 8 features x 4 inputs: vpmaddubsw's unsigned operand for Q4_1, signed for Q8_0.
-inline void quad_codes(Q4_1, const uint8_t *quad, __m256i (&codes)[2]) {
-    const __m256i low_nibbles = _mm256_set1_epi8(0x0f);
-    const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(quad));
-    codes[0] = _mm256_and_si256(packed, low_nibbles);
-    codes[1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
-}
-inline void quad_codes(Q8_0, const uint8_t *quad, __m256i (&codes)[2]) {
-    for (int v = 0; v < 2; v++) codes[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(quad + 32 * v));
-}
-
-// Pairs of code x input products, summed (16-bit lanes): `input` a row's 4 int8 inputs in every 32-bit lane,
-// `magnitude` their absolute values.
-inline __m256i pair_products(Q4_1, __m256i codes, __m256i input, __m256i) { return _mm256_maddubs_epi16(codes, input); }
-inline __m256i pair_products(Q8_0, __m256i codes, __m256i input, __m256i magnitude) {
-    return _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(codes, input));
-}
-
-// A group's scales (for Q4_1 and minimums) widened once, and its integer sums `dots` (vector v of the part) scaled
-// into a row's totals: by the group's scale times the row's step, and for Q4_1 plus its minimum times the row's sum
-// of the group's inputs.
-template <typename Format>
-struct GroupScales;
-
-template <>
-struct GroupScales<Q4_1> {
-    __m256 scale[2], minimum[2];
-
-    explicit GroupScales(const uint8_t *group)
-        : scale{widened_halves(group), widened_halves(group + 16)}, minimum{widened_halves(group + 32), widened_halves(group + 48)} {}
-
-    __m256 scaled(int v, __m256i dots, __m256 step, __m256 sum, __m256 total) const {
-        return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(scale[v], step), _mm256_fmadd_ps(minimum[v], sum, total));
-    }
-};
-
-template <>
-struct GroupScales<Q8_0> {
-    __m256 scale[2];
-
-    explicit GroupScales(const uint8_t *group) : scale{widened_halves(group), widened_halves(group + 16)} {}
-
-    __m256 scaled(int v, __m256i dots, __m256 step, __m256, __m256 total) const {
-        return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(scale[v], step), total);
-    }
-};
 
 // Rows x one block's group-quantized weights, their fp32 sums to sums [rows][kBlockCols].
 template <typename Format, int rows>
@@ -954,17 +964,16 @@ void grouped_block_rows(const uint8_t *block, const GroupedRows &x, float *sums)
             for (int r = 0; r < rows; r++) dots[r][0] = dots[r][1] = _mm256_setzero_si256();
             for (int q = 0; q < kGroupQuads; q++) {
                 __m256i codes[2];
-                quad_codes(Format{}, quads + q * Format::kQuadBytes, codes);
+                Format::codes(quads + q * Format::kQuadBytes, codes);
                 for (int r = 0; r < rows; r++) {
                     int32_t quad;  // the row's 4 int8 inputs
                     std::memcpy(&quad, x.codes + r * x.in_features + g * kGroupInputs + 4 * q, sizeof quad);
-                    const __m256i input = _mm256_set1_epi32(quad), magnitude = _mm256_abs_epi8(input);
+                    const __m256i input = _mm256_set1_epi32(quad);
                     for (int v = 0; v < 2; v++)
-                        dots[r][v] = _mm256_add_epi32(
-                            dots[r][v], _mm256_madd_epi16(pair_products(Format{}, codes[v], input, magnitude), ones));
+                        dots[r][v] = _mm256_add_epi32(dots[r][v], _mm256_madd_epi16(Format::pair_products(codes[v], input), ones));
                 }
             }
-            const GroupScales<Format> scales(group);
+            const typename Format::Scales scales(group);
             for (int r = 0; r < rows; r++) {
                 const __m256 step = _mm256_set1_ps(x.steps[r * x.groups + g]), sum = _mm256_set1_ps(x.sums[r * x.groups + g]);
                 for (int v = 0; v < 2; v++) totals[r][v] = scales.scaled(v, dots[r][v], step, sum, totals[r][v]);
@@ -1003,7 +1012,6 @@ int pack_grouped(const uint8_t *codes, const float *scales, const float *minimum
                  int64_t out_features, int64_t in_features) {
     if (in_features % kGroupInputs || out_features % kBlockCols) return -1;
     const int64_t groups = in_features / kGroupInputs;
-    constexpr bool nibbles = std::is_same_v<Format, Q4_1>;
     for (int64_t block = 0; block < out_features / kBlockCols; block++)
         for (int64_t part = 0; part < kGroupParts; part++)
             for (int64_t g = 0; g < groups; g++) {
@@ -1012,21 +1020,15 @@ int pack_grouped(const uint8_t *codes, const float *scales, const float *minimum
                 const int64_t first = block * kBlockCols + part * kGroupPartCols;
                 for (int64_t f = 0; f < kGroupPartCols; f++) {
                     halves[f] = _cvtss_sh(scales[(first + f) * groups + g], _MM_FROUND_TO_NEAREST_INT);
-                    if (nibbles)
+                    if (Format::kMinimums)
                         halves[kGroupPartCols + f] = _cvtss_sh(minimums[(first + f) * groups + g], _MM_FROUND_TO_NEAREST_INT);
                 }
                 uint8_t *quads = group + Format::kHeaderBytes;
                 for (int64_t i = 0; i < kGroupInputs; i++)
                     for (int64_t j = 0; j < 8; j++) {
                         const int64_t k = g * kGroupInputs + i;
-                        uint8_t *quad = quads + i / 4 * Format::kQuadBytes + 4 * j + i % 4;
-                        const uint8_t low = codes[(first + j) * in_features + k], high = codes[(first + 8 + j) * in_features + k];
-                        if (nibbles) {
-                            quad[0] = static_cast<uint8_t>((low & 15) | (high & 15) << 4);
-                        } else {
-                            quad[0] = low;
-                            quad[32] = high;
-                        }
+                        Format::pack_codes(quads + i / 4 * Format::kQuadBytes + 4 * j + i % 4,
+                                           codes[(first + j) * in_features + k], codes[(first + 8 + j) * in_features + k]);
                     }
             }
     return 0;

@@ -189,7 +189,9 @@ def test_linears_the_grouped_kernels_do_not_take_go_to_torchs(monkeypatch):
     monkeypatch.setattr(quantization, "native_grouped", lambda: False)
     assert isinstance(quantization.int8_linear(nn.Linear(64, 64)), FbgemmInt8Linear)
     assert isinstance(quantization.int4_linear(nn.Linear(64, 64)), TorchInt4Linear)
-    assert not quantization.compilable("int8") and quantization.compilable("int4") and quantization.compilable(None)
+    int4_model = nn.Sequential(nn.Linear(64, 64))
+    quantize_linears(int4_model, "int4")
+    assert quantization.untraceable_linears(int4_model) == []  # torch's int4 kernel traces
 
 
 def test_an_engine_refuses_to_compile_fbgemms_linears(monkeypatch):
