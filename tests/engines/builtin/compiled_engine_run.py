@@ -8,7 +8,8 @@ never imports it.
 Request: {"model": DIR, "dtype": ..., "max_tokens": N, "batches": [[prompt, ...], ...]}, optionally
 "quantization", "max_num_batched_tokens" and "then_model" (another model, compiled in the same process after the first, given
 the same batches). Prints JSON: the greedy tokens of each batch (run in turn), the graphs compiled
-when the engine was ready and after the batches, the classes of the runner's last_hidden and of the head, how many
+when the engine was ready and after the batches, how many times dynamo traced the forward by then (each attempt's
+count: "compile_attempt_1" counts the traces it restarted), the classes of the runner's last_hidden and of the head, how many
 steps took their tokens from the greedy head's screen,
 whether the graph's attention is the C++-bodied operator, "then_outputs", the second model's tokens, and
 what each call of the compiled graph saw on the step thread: the context's size (its variables) and
@@ -19,7 +20,7 @@ import json
 import sys
 
 import torch
-from torch._dynamo.utils import counters
+from torch._dynamo.utils import compilation_time_metrics, counters
 
 from engines.builtin.config import EngineConfig
 from engines.builtin.core import EngineCore
@@ -33,10 +34,11 @@ def main() -> None:
     engine = _started(request["model"], request)
     try:
         graphs_at_start = counters["stats"]["unique_graphs"]
+        traces = {name: len(times) for name, times in compilation_time_metrics.items() if name.startswith("compile_attempt_")}
         seen = _probe_graph_calls(engine.runner.last_hidden)
         screened = _count_screened_steps(engine.runner)
         outputs = [engine.generate_batch(prompts, params) for prompts in request["batches"]]
-        result = {"outputs": outputs, "graphs_at_start": graphs_at_start,
+        result = {"outputs": outputs, "graphs_at_start": graphs_at_start, "traces_at_start": traces,
                   "graphs_after": counters["stats"]["unique_graphs"],
                   "last_hidden": type(engine.runner.last_hidden).__name__,
                   "head": type(engine.runner.model.lm_head).__name__, "screened_steps": len(screened),

@@ -56,6 +56,9 @@ def test_compiled_fp32_gives_the_eager_tokens_and_compiles_only_at_start(make_en
     assert compiled["outputs"] == [eager.generate_batch(prompts, params) for prompts in batches]
     assert compiled["graphs_at_start"] > 0
     assert compiled["graphs_after"] == compiled["graphs_at_start"]  # nothing compiled while serving
+    # each graph traced once: floats the modules hold (the embedding's norm_type, the norms' eps) traced as symbols made dynamo trace
+    # every graph twice, half of a start's ~130 s
+    assert compiled["traces_at_start"] == {"compile_attempt_0": compiled["graphs_at_start"]}
     # each step's graph is keyed by the schemas of Parrot's operators, and entering those settings leaves no new
     # context variable behind once the step thread has them (a patch made per call left two a step)
     assert [tag.endswith(compiled["operators_cache_tag"]) for tag in compiled["cache_key_tags"]] == [True]
