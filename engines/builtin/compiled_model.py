@@ -12,15 +12,16 @@ kernel's and kernels/native/torch_ops.cpp builds, that op is parrot_native::atte
 holds the layers' caches (given at start) and the step's tables (given before each forward): a layer's
 call then never reaches Python, where it had spent ~20 us (decode steps 0.89-0.90x the time at batch 1,
 16 and over 16 forks; ``python -m benchmarks.cpp_ops --op attention``). The token count and the count of rows the
-last layer finishes (those whose logits are wanted) are dynamic; torch specialises size 1, so three
-graphs serve: several rows, one row of several tokens (a prefill), and batch-1 decodes. All are
+last layer finishes (those whose logits are wanted) are dynamic; torch specialises size 1, so two
+graphs serve: several tokens, and batch-1 decodes (a prompt's chunk finishing one row finishes it twice
+in the first, where a graph of its own took a third of the start). Both are
 compiled at engine start by a warm-up generation, so no request waits for them; every tensor they are
 given is an inference tensor (model_runner.run), or their guards would tell the two kinds apart and
 compile again while serving. Decode steps here:
 fp32 1.16x (batch 1) and 1.78x (batch 16) faster than eager with the same tokens, bf16 1.05-1.19x
-(one process, alternating). The start takes 73-78 s more for SmolLM2 on a 2-core AVX2 host (inductor's cache
+(one process, alternating). The start takes 40-52 s more for SmolLM2 on a 2-core AVX2 host (inductor's cache
 warm): dynamo specialises the floats the modules hold (the norms' eps, the embedding's norm_type), which as
-symbols made it trace each graph twice (129-145 s).
+symbols made it trace each graph twice, and there were three graphs (129-145 s).
 """
 
 from __future__ import annotations
@@ -139,10 +140,16 @@ class CompiledForward:
             torch.ops.parrot_native.set_step(self._number, meta.kv_write.slots, *meta.native.tables)
         try:
             with self._inductor_settings, self._dynamo_settings, self._keyed_by_operators:
-                hidden = self._decoder(input_ids, positions, rows_to_finish(input_ids, logit_rows))
+                hidden = self._decoder(input_ids, positions, self._rows(input_ids, logit_rows))
         finally:
             self.meta = None
-        return None if logit_rows is None else hidden
+        return None if logit_rows is None else hidden[:len(logit_rows)]
+
+    @staticmethod
+    def _rows(input_ids: torch.Tensor, logit_rows: torch.Tensor | None) -> torch.Tensor:
+        """rows_to_finish, with a lone row of several tokens' step given twice: the several-rows graph then serves it."""
+        rows = rows_to_finish(input_ids, logit_rows)
+        return rows.repeat(2) if len(rows) == 1 < len(input_ids) else rows
 
     def attend(self, q, k, v, layer_index: int) -> torch.Tensor:
         attn = self._attentions[layer_index]

@@ -29,7 +29,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # CPU: the model's forward compiled by torch.compile (engines/builtin/compiled_model.py):
     # decode steps here 1.16x (batch 1) / 1.78x (batch 16) faster in fp32, 1.05-1.19x in bf16, int4's
     # single stream 2.1-2.2x on an AVX2 host (benchmarks.engine_throughput); the engine's start takes
-    # 73-78 s longer for SmolLM2 on that host (a warm-up generation compiles it before it serves). Not int8 where the C++ kernels do
+    # 40-52 s longer for SmolLM2 on that host (a warm-up generation compiles it before it serves). Not int8 where the C++ kernels do
     # not build: fbgemm's weights are objects the compiler cannot trace (refused when the model loads).
     compile: bool = False
     block_size: int = 16
