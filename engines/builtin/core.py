@@ -58,8 +58,8 @@ class EngineCore(StepLoop):
             on_a_passing_thread(self._compile, config.num_threads, config.compute_cores)
 
     def _compile(self) -> None:
-        """Runs the shapes the compiled forward specialises on (prefills finishing 2 and 1 rows, then decodes
-        of 2 and of 1 sequence), so that they are compiled before the engine serves."""
+        """Runs both graphs of the compiled forward before the engine serves: several tokens (two prompts'
+        prefill and decodes; a lone prompt's prefill goes there too), then a batch-1 decode."""
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         self.generate_batch([[1, 2, 3], [4, 5, 6]], params)
         self.generate_batch([[1, 2, 3]], params)

@@ -35,6 +35,7 @@ def main() -> None:
     try:
         graphs_at_start = counters["stats"]["unique_graphs"]
         traces = {name: len(times) for name, times in compilation_time_metrics.items() if name.startswith("compile_attempt_")}
+        assert traces, "torch no longer names its metrics compile_attempt_N: count dynamo's traces another way"
         seen = _probe_graph_calls(engine.runner.last_hidden)
         screened = _count_screened_steps(engine.runner)
         outputs = [engine.generate_batch(prompts, params) for prompts in request["batches"]]

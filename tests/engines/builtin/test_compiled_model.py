@@ -54,7 +54,9 @@ def test_compiled_fp32_gives_the_eager_tokens_and_compiles_only_at_start(make_en
     eager = make_engine(max_num_batched_tokens=BUDGET)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     assert compiled["outputs"] == [eager.generate_batch(prompts, params) for prompts in batches]
-    assert compiled["graphs_at_start"] == 2  # several tokens, and batch-1 decodes: a lone row of a prompt goes in the first
+    # dynamo specialises sizes 0 and 1: a graph for several tokens (a prompt's lone row goes there too) and one for
+    # batch-1 decodes
+    assert compiled["graphs_at_start"] == 2
     assert compiled["graphs_after"] == compiled["graphs_at_start"]  # nothing compiled while serving
     # each graph traced once: floats the modules hold (the embedding's norm_type, the norms' eps) traced as symbols made dynamo trace
     # every graph twice, half of a start's ~130 s
