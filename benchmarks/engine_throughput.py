@@ -38,6 +38,7 @@ import torch  # noqa: E402
 
 from engines.builtin.config import EngineConfig  # noqa: E402
 from engines.builtin.core import EngineCore  # noqa: E402
+from engines.builtin.quantization import UntraceableError  # noqa: E402
 from engines.builtin.types import SamplingParams  # noqa: E402
 from benchmarks.machine_limits import STORED_BITS, MachineLimits, ModelCost, best_of, measure  # noqa: E402
 from benchmarks.results_file import write_results  # noqa: E402
@@ -278,7 +279,7 @@ def run_all(args: argparse.Namespace) -> None:
             engines[f"{name}-compiled"] = EngineCore(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads,
                                                                   cpu_cores=args.cpu_cores,
                                                                   quantization=quantization, compile=True))
-        except ValueError as exc:  # int8 on fbgemm's kernel, where the C++ kernels do not serve
+        except UntraceableError as exc:  # int8 on fbgemm's kernel, where the C++ kernels do not serve
             print(f"no compiled column for {name}: {exc}")
     tokenizer = next(iter(engines.values())).tokenizer
     loads = workloads(tokenizer)
@@ -324,14 +325,15 @@ def at_dtype(columns, args) -> list[str]:
     """The columns whose weights are known to be at --dtype, which the fractions count the bytes of: ours unquantized,
     HF's, and a vLLM started here. A --compare-url server's format is its own (llama.cpp's Q4_1 counted as fp32
     bytes read as 1.16 of the machine's plain read)."""
-    return [name for name in columns if name not in REFERENCE and not name.startswith(("ours-int8", "ours-int4"))
+    ours_quantized = quantized(columns)
+    return [name for name in columns if name not in REFERENCE and name not in ours_quantized
             and (name != args.compare_name or args.start_vllm)]
 
 
-def quantized(columns) -> dict[str, str]:
-    """Our quantized columns and their schemes, whose decode fractions count the weights' bytes as stored
-    (STORED_BITS); their prefill has no limit here (integer products, where the limits measure a float GEMM)."""
-    return {name: scheme for name in columns for scheme in STORED_BITS if name.startswith(f"ours-{scheme}")}
+def quantized(columns) -> dict[str, tuple[float, float]]:
+    """Our quantized columns and their weights' bits as stored (STORED_BITS), which their decode fractions count;
+    their prefill has no limit here (integer products, where the limits measure a float GEMM)."""
+    return {name: bits for name in columns for scheme, bits in STORED_BITS.items() if name.startswith(f"ours-{scheme}")}
 
 
 def fractions_of_limit(columns, loads, limit: MachineLimits, args) -> dict[str, dict[str, float]]:
@@ -343,17 +345,17 @@ def fractions_of_limit(columns, loads, limit: MachineLimits, args) -> dict[str, 
 
     source = cached_source(ModelSource(args.model))
     cost = ModelCost.of(AutoConfig.from_pretrained(source.directory, **source.hf_kwargs()))
-    schemes, dtype_bits = quantized(columns), 8 * getattr(torch, args.dtype).itemsize
+    stored, dtype_bits = quantized(columns), 8 * getattr(torch, args.dtype).itemsize
     out: dict[str, dict[str, float]] = {}
     for name, rates in columns.items():
         out[name] = {}
-        bits = STORED_BITS[schemes[name]] if name in schemes else (dtype_bits, dtype_bits)
+        bits = stored.get(name, (dtype_bits, dtype_bits))
         for workload, rate in rates.items():
             prompts, _ = loads[workload]
             if not isinstance(prompts, FreshPrompts):
                 bytes_per_s = rate / len(prompts) * cost.decode_step_bytes(*bits)
                 out[name][workload] = bytes_per_s / 1e9 / limit.stream_gb_s
-            elif name not in schemes:
+            elif name not in stored:
                 flops = rate * cost.prefill_flops_per_token(sum(map(len, prompts)) / len(prompts))
                 out[name][workload] = flops / 1e9 / limit.gemm_gflop_s
     return out

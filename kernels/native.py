@@ -80,10 +80,10 @@ class NativeKernels:
                                  if hasattr(library, f"parrot_screened_argmax_{suffix}")}
         self._use_tiles = _bound(library, "parrot_use_tiles", [_INT], _INT)
         # Absent from a library built from older sources; -2 from all four where the build has no AVX2, F16C and FMA.
-        self._grouped = {format: (_bound(library, f"parrot_pack_{format}", [_PTR, _PTR, _PTR, _PTR, _I64, _I64], _INT),
-                                  _bound(library, f"parrot_linear_{format}", _LINEAR_ARGS, _INT))
-                         for format in GROUPED_BLOCK_BYTES_PER_INPUT if hasattr(library, f"parrot_pack_{format}")}
-        self.has_grouped = len(self._grouped) == len(GROUPED_BLOCK_BYTES_PER_INPUT) and all(map(self._probe_grouped, self._grouped))
+        self._pack = {format: _bound(library, f"parrot_pack_{format}", [_PTR, _PTR, _PTR, _PTR, _I64, _I64], _INT)
+                      for format in GROUPED_BLOCK_BYTES_PER_INPUT if hasattr(library, f"parrot_pack_{format}")}
+        self.has_grouped = (len(self._pack) == len(GROUPED_BLOCK_BYTES_PER_INPUT)
+                            and all(self._probe_grouped(library, format) for format in self._pack))
         # Built without a bf16 dot product (another CPU or compiler), the bf16 linear answers -2.
         probe = torch.zeros(LINEAR_BLOCK, 2, dtype=torch.bfloat16)
         self._linear_dtypes = {dtype for dtype in self._linear
@@ -144,16 +144,21 @@ class NativeKernels:
                                        out.data_ptr(), rows, out_features, in_features, torch.get_num_threads())
         return status, out
 
-    def _probe_grouped(self, format: str) -> bool:
+    def _probe_grouped(self, library: ctypes.CDLL, format: str) -> bool:
         """Whether this build has the group-quantized ``format`` kernel (it answers -2 where not built, and the
         engine keeps torch's kernels). Every tensor is held by a name while the kernels read it."""
-        pack, run = self._grouped[format]
+        pack, run = self._pack[format], _bound(library, f"parrot_linear_{format}", _LINEAR_ARGS, _INT)
         codes, scales = torch.zeros(LINEAR_BLOCK, GROUP_INPUTS, dtype=torch.uint8), torch.zeros(LINEAR_BLOCK, 1)
         packed = torch.empty(1, GROUPED_BLOCK_BYTES_PER_INPUT[format] * GROUP_INPUTS, dtype=torch.uint8)
         x, out = torch.zeros(1, GROUP_INPUTS), torch.empty(1, LINEAR_BLOCK)
         return (pack(codes.data_ptr(), scales.data_ptr(), scales.data_ptr(), packed.data_ptr(), LINEAR_BLOCK,
                      GROUP_INPUTS) == 0
                 and run(x.data_ptr(), packed.data_ptr(), None, out.data_ptr(), 1, LINEAR_BLOCK, GROUP_INPUTS, 1) == 0)
+
+    def takes_grouped(self, out_features: int, in_features: int) -> bool:
+        """Whether the group-quantized kernels serve here and take a weight of these sizes (whole groups of inputs,
+        whole blocks of output features)."""
+        return self.has_grouped and out_features % LINEAR_BLOCK == 0 and in_features % GROUP_INPUTS == 0
 
     def pack_q4(self, codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor) -> torch.Tensor:
         """A 4-bit weight (GGUF's Q4_1) as parrot_native::linear_q4 reads it (native/linear.cpp's layout) from codes
@@ -169,7 +174,7 @@ class NativeKernels:
 
     def _pack_grouped(self, format: str, codes, scales, minimums=None) -> torch.Tensor:
         out_features, in_features = codes.shape
-        if (not self.has_grouped or out_features % LINEAR_BLOCK or in_features % GROUP_INPUTS
+        if (not self.takes_grouped(out_features, in_features)
                 or scales.shape != (out_features, in_features // GROUP_INPUTS)
                 or (minimums is not None and minimums.shape != scales.shape)):
             raise ValueError(f"the group-quantized kernel does not take codes {tuple(codes.shape)}, scales "
@@ -179,8 +184,7 @@ class NativeKernels:
         minimums = None if minimums is None else minimums.float().contiguous()
         packed = torch.empty(out_features // LINEAR_BLOCK, GROUPED_BLOCK_BYTES_PER_INPUT[format] * in_features,
                              dtype=torch.uint8)
-        pack, _ = self._grouped[format]
-        if pack(codes.data_ptr(), scales.data_ptr(), None if minimums is None else minimums.data_ptr(), packed.data_ptr(),
+        if self._pack[format](codes.data_ptr(), scales.data_ptr(), None if minimums is None else minimums.data_ptr(), packed.data_ptr(),
                 out_features, in_features):
             raise ValueError(f"the group-quantized kernel refused codes {tuple(codes.shape)}")
         return packed
@@ -544,8 +548,8 @@ def _load_torch_ops() -> bool:
         lambda x, packed, bias: x.new_empty(x.shape[0], linear_shape(packed)[0]))
     torch.library.register_fake("parrot_native::gated_linear")(
         lambda x, packed: x.new_empty(x.shape[0], linear_shape(packed)[0] // 2))
-    for grouped in ("linear_q4", "linear_q8"):
-        torch.library.register_fake(f"parrot_native::{grouped}")(
+    for format in GROUPED_BLOCK_BYTES_PER_INPUT:
+        torch.library.register_fake(f"parrot_native::linear_{format}")(
             lambda x, packed, bias: x.new_empty(x.shape[0], packed.shape[0] * LINEAR_BLOCK))
     torch.library.register_fake("parrot_native::attention")(lambda q, k, v, forward, layer: torch.empty_like(q))
     return True

@@ -25,7 +25,7 @@ from engines.builtin.loader import DTYPES, ModelSource, build_model, load_checkp
 from engines.builtin.model_runner import ModelRunner, kv_block_bytes
 from engines.builtin.cpu_linear import prepare_cpu_linears
 from engines.builtin.prometheus_metrics import EngineMetrics
-from engines.builtin.quantization import quantize_linears, untraceable_linears
+from engines.builtin.quantization import UntraceableError, quantize_linears, untraceable_linears
 from engines.builtin.scheduler import Scheduler
 from engines.builtin.step_loop import StepLoop, resolver
 from engines.builtin.types import SamplingParams, TokenEvent, TokenScore
@@ -79,9 +79,9 @@ class EngineCore(StepLoop):
             quantize_linears(model, config.quantization)
             untraceable = untraceable_linears(model.model) if config.compile else []  # the head runs eagerly
             if untraceable:
-                raise ValueError(f"compile cannot trace {config.quantization} here: {untraceable[0]} (and "
-                                 f"{len(untraceable) - 1} more) on fbgemm's kernel, as the C++ group-quantized "
-                                 "kernels are not available or do not take its sizes")
+                raise UntraceableError(f"compile cannot trace {config.quantization} here: {len(untraceable)} linears "
+                                       f"(first {untraceable[0]}) on fbgemm's kernel, as the C++ group-quantized "
+                                       "kernels are not available or do not take their sizes")
         elif config.device == "cpu":
             prepare_cpu_linears(model)
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.seed, config.device,

@@ -155,10 +155,8 @@ def native_grouped() -> bool:
 
 
 def on_grouped_kernels(linear: nn.Linear) -> bool:
-    """Whether ``linear`` goes on the C++ group-quantized kernels: they serve here, and take its sizes (whole groups of
-    inputs, whole blocks of output features)."""
-    return (native_grouped() and linear.in_features % GROUP_SIZE == 0
-            and linear.out_features % native.LINEAR_BLOCK == 0)
+    """Whether ``linear`` goes on the C++ group-quantized kernels: they serve here, and take its sizes."""
+    return native_grouped() and native.library().takes_grouped(linear.out_features, linear.in_features)
 
 
 def int8_linear(linear: nn.Linear) -> nn.Module:
@@ -173,6 +171,10 @@ def int4_linear(linear: nn.Linear) -> nn.Module:
 
 LINEARS = {"int8": int8_linear, "int4": int4_linear}
 HEAD_LINEARS = {"int8": int8_linear, "int4": int8_linear}
+
+
+class UntraceableError(ValueError):
+    """torch.compile was asked for a model whose linears it cannot trace (untraceable_linears)."""
 
 
 def untraceable_linears(module: nn.Module) -> list[str]:

@@ -877,6 +877,7 @@ inline __m256 widened_halves(const uint8_t *from) {  // 8 fp16 values
 struct Q4_1 {  // 16 fp16 scales, 16 fp16 minimums, quads of nibbles
     static constexpr int64_t kHeaderBytes = 2 * kGroupPartCols * 2, kQuadBytes = 32;
     static constexpr int64_t kGroupBytes = kHeaderBytes + kGroupQuads * kQuadBytes;
+    static constexpr int64_t kBlockBytesPerInput = kQ4BlockBytesPerInput;  // c_api.h's
     static constexpr bool kMinimums = true;
 
     static void codes(const uint8_t *quad, __m256i (&codes)[2]) {
@@ -910,6 +911,7 @@ struct Q4_1 {  // 16 fp16 scales, 16 fp16 minimums, quads of nibbles
 struct Q8_0 {  // 16 fp16 scales, quads of bytes: 32 for features 0-7, then 32 for 8-15
     static constexpr int64_t kHeaderBytes = kGroupPartCols * 2, kQuadBytes = 64;
     static constexpr int64_t kGroupBytes = kHeaderBytes + kGroupQuads * kQuadBytes;
+    static constexpr int64_t kBlockBytesPerInput = kQ8BlockBytesPerInput;  // c_api.h's
     static constexpr bool kMinimums = false;
 
     static void codes(const uint8_t *quad, __m256i (&codes)[2]) {
@@ -936,8 +938,9 @@ struct Q8_0 {  // 16 fp16 scales, quads of bytes: 32 for features 0-7, then 32 f
         quad[32] = high;
     }
 };
-static_assert(Q4_1::kGroupBytes * kGroupParts == kQ4BlockBytesPerInput * kGroupInputs, "c_api.h's bytes per input");
-static_assert(Q8_0::kGroupBytes * kGroupParts == kQ8BlockBytesPerInput * kGroupInputs, "c_api.h's bytes per input");
+template <typename Format>
+constexpr bool blocks_as_declared = Format::kGroupBytes * kGroupParts == Format::kBlockBytesPerInput * kGroupInputs;
+static_assert(blocks_as_declared<Q4_1> && blocks_as_declared<Q8_0>, "c_api.h's bytes per input");
 
 // How far ahead of its group a pass asks for its stream (8 of Q4_1's groups: the part's, or past its end the bytes
 // that follow, mostly the block the thread takes next; past the weight harmless), non-temporally. The hardware's
@@ -994,7 +997,7 @@ int grouped_linear(const float *x, const uint8_t *weight, const float *bias, flo
     if (in_features % kGroupInputs || out_features % kBlockCols || rows < 0) return -1;
     const GroupedRows quantized = quantized_rows(x, rows, in_features, num_threads);
     const RowPlan plan(rows, false, in_features);
-    const int64_t block_bytes = Format::kGroupBytes * kGroupParts / kGroupInputs * in_features;
+    const int64_t block_bytes = Format::kBlockBytesPerInput * in_features;
     for_each_unit(out_features / kBlockCols, plan, num_threads, [&](int64_t block, int64_t row, int64_t end, Pass) {
         alignas(64) float sums[kMaxRows * kBlockCols];
         instance_for_rows(end - row, [](auto rows) { return grouped_block_rows<Format, rows.value>; })(
@@ -1020,7 +1023,7 @@ int pack_grouped(const uint8_t *codes, const float *scales, const float *minimum
                 const int64_t first = block * kBlockCols + part * kGroupPartCols;
                 for (int64_t f = 0; f < kGroupPartCols; f++) {
                     halves[f] = _cvtss_sh(scales[(first + f) * groups + g], _MM_FROUND_TO_NEAREST_INT);
-                    if (Format::kMinimums)
+                    if constexpr (Format::kMinimums)
                         halves[kGroupPartCols + f] = _cvtss_sh(minimums[(first + f) * groups + g], _MM_FROUND_TO_NEAREST_INT);
                 }
                 uint8_t *quads = group + Format::kHeaderBytes;

@@ -94,8 +94,8 @@ at::Tensor gated_linear(const at::Tensor &x, const at::Tensor &packed) {
 // uint8: the format's kQ4BlockBytesPerInput or kQ8BlockBytesPerInput) + bias, by `kernel` (parrot_linear_q4, _q8).
 using GroupedKernel = int (*)(const float *, const uint8_t *, const float *, float *, int64_t, int64_t, int64_t, int);
 
-at::Tensor grouped_linear(const at::Tensor &x, const at::Tensor &packed, const std::optional<at::Tensor> &bias,
-                          GroupedKernel kernel, int64_t bytes_per_input) {
+template <GroupedKernel kernel, int64_t bytes_per_input>
+at::Tensor grouped_linear(const at::Tensor &x, const at::Tensor &packed, const std::optional<at::Tensor> &bias) {
     const bool blocked = packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous() &&
                          packed.device().is_cpu() && packed.size(1) % (bytes_per_input * kGroupInputs) == 0;
     const int64_t out_features = blocked ? packed.size(0) * kBlockCols : 0;
@@ -114,14 +114,6 @@ at::Tensor grouped_linear(const at::Tensor &x, const at::Tensor &packed, const s
     TORCH_CHECK_VALUE(status == 0, "the group-quantized linear refused x ", x.sizes(), " with a weight of ",
                       out_features, "x", in_features);
     return out;
-}
-
-at::Tensor linear_q4(const at::Tensor &x, const at::Tensor &packed, const std::optional<at::Tensor> &bias) {
-    return grouped_linear(x, packed, bias, parrot_linear_q4, kQ4BlockBytesPerInput);
-}
-
-at::Tensor linear_q8(const at::Tensor &x, const at::Tensor &packed, const std::optional<at::Tensor> &bias) {
-    return grouped_linear(x, packed, bias, parrot_linear_q8, kQ8BlockBytesPerInput);
 }
 
 // ---- attention: a compiled forward's layers over the paged cache (engines/builtin/compiled_model.py) ----
@@ -286,8 +278,8 @@ TORCH_LIBRARY(parrot_native, m) {
 TORCH_LIBRARY_IMPL(parrot_native, CPU, m) {
     m.impl("linear", linear);
     m.impl("gated_linear", gated_linear);
-    m.impl("linear_q4", linear_q4);
-    m.impl("linear_q8", linear_q8);
+    m.impl("linear_q4", grouped_linear<parrot_linear_q4, kQ4BlockBytesPerInput>);
+    m.impl("linear_q8", grouped_linear<parrot_linear_q8, kQ8BlockBytesPerInput>);
     m.impl("attention", attention);
 }
 

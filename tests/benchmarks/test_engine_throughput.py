@@ -19,7 +19,8 @@ def test_fractions_only_for_columns_whose_weights_are_at_the_dtype():
 def test_quantized_columns_count_their_stored_bytes():
     """Our int8 and int4 columns (eager or compiled) get decode fractions at their weights' stored bits, no other column."""
     columns = dict.fromkeys(["ours-float32", "ours-int4", "ours-int4-compiled", "ours-int8", "llama.cpp", "hf"])
-    assert quantized(columns) == {"ours-int4": "int4", "ours-int4-compiled": "int4", "ours-int8": "int8"}
+    int4, int8 = STORED_BITS["int4"], STORED_BITS["int8"]
+    assert quantized(columns) == {"ours-int4": int4, "ours-int4-compiled": int4, "ours-int8": int8}
 
 
 def test_a_quantized_columns_decode_fraction_is_its_stored_bytes_over_the_read():
