@@ -107,9 +107,12 @@ class SemanticConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     session_idle_ttl_s: float = 3600.0
     # Finished calls each session keeps for its graph (GET /v1/sessions/{id}/graph), oldest dropped beyond.
     finished_calls_kept: Annotated[int, msgspec.Meta(ge=0)] = 1000
-    # Calls one extension request may carry inline (``parrot.vars.NAME.call``, nested ones counted): each is
-    # a full request's work, queued by one HTTP request.
+    # Calls one extension request may carry inline (``parrot.vars.NAME.call``, nested ones counted as they
+    # are declared): each is a full request's work, queued by one HTTP request.
     max_inline_calls: Annotated[int, msgspec.Meta(ge=0)] = 64
+    # How deep inline calls may nest (a call inside a call's vars is depth 2): each level is a chain step
+    # the request queues at once, so depth is bounded apart from the count.
+    max_inline_depth: Annotated[int, msgspec.Meta(ge=0)] = 8
 
 
 class DashboardConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

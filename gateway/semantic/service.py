@@ -344,18 +344,21 @@ class SemanticService:
 class InlineCalls:
     """The inline calls of one extension request (``parrot.vars.NAME.call``), each checked as a request of
     its endpoint would be, then linked and started as the request's own call is; their outputs by path
-    ("summary_0", nested ones "summary_0.chunk"). At most [semantic] max_inline_calls in all."""
+    ("summary_0", nested ones "summary_0.chunk"). At most [semantic] max_inline_calls in all, counted as
+    each is declared (before its own inline calls are read), nested at most max_inline_depth deep."""
 
-    def __init__(self, service: SemanticService, route: Route, session: Session, path: str = ""):
+    def __init__(self, service: SemanticService, route: Route, session: Session, path: str = "",
+                 outer: InlineCalls | None = None):
         self.service, self.route, self.session, self.path = service, route, session, path
-        self.outputs: dict[str, Variable] = {}
+        self.depth = outer.depth + 1 if outer else 1  # of the calls this level declares
+        self.request = outer.request if outer else self  # holds the count and the map for the whole request
+        self.outputs: dict[str, Variable] = outer.outputs if outer else {}
+        self.declared = 0  # on ``request``: inline calls declared so far, at every depth
 
     def make(self, name: str, raw: dict[str, Any], param: str) -> Variable:
         """The output variable of the inline call ``raw`` binding placeholder ``name``; its call started."""
-        service, limit = self.service, self.service.config.max_inline_calls
-        if len(self.outputs) >= limit:
-            raise InvalidRequest(f"more than {limit} inline calls in one request (the gateway's [semantic] "
-                                 "max_inline_calls); submit the rest as requests of their own", param)
+        self._declare(param)
+        service = self.service
         data = _checked(service.gateway, REQUEST_SCHEMAS[self.route], raw, param)
         if data.stream:
             raise InvalidRequest(f"{param}.stream: an inline call's text goes to its consumer, not to a stream",
@@ -367,13 +370,25 @@ class InlineCalls:
                                  "session and waiting are its consumer's)", f"{param}.parrot") from None
         body = {k: v for k, v in raw.items() if k not in ("parrot", "stream", "stream_options")}
         path = f"{self.path}{name}"
-        nested = InlineCalls(service, self.route, self.session, f"{path}.")
-        nested.outputs = self.outputs  # one count and one map for the whole request
+        nested = InlineCalls(service, self.route, self.session, f"{path}.", self)
         inputs = service._bind(self.session, _placeholders(self.route, body), ext.vars, f"{param}.parrot.vars", nested)
         output = self.session.new_variable(name)
         self.outputs[path] = output
         service._extension_call(self.route, body, self.session, inputs, output, ext.criteria == "latency", None)
         return output
+
+    def _declare(self, param: str) -> None:
+        """Counts one more inline call of the request, refusing it beyond the count or depth limits."""
+        config = self.service.config
+        if self.request.declared >= config.max_inline_calls:
+            raise InvalidRequest(f"more than {config.max_inline_calls} inline calls in one request (the gateway's "
+                                 "[semantic] max_inline_calls, nested ones counted); submit the rest as requests "
+                                 "of their own", param)
+        if self.depth > config.max_inline_depth:
+            raise InvalidRequest(f"inline calls nested more than {config.max_inline_depth} deep (the gateway's "
+                                 "[semantic] max_inline_depth); submit the inner ones as requests of their own",
+                                 param)
+        self.request.declared += 1
 
 
 def _checked(gateway: Gateway, schema: type, raw: Any, param: str) -> Any:

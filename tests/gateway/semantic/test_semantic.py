@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from gateway.config import UpstreamConfig
+from gateway.config import SemanticConfig, UpstreamConfig
 from gateway.semantic.graph import LATENCY_PRIORITY, Call, Session, VariableFailed
 from tests.conftest import wait_until
 from tests.gateway.conftest import MODEL
@@ -111,6 +111,38 @@ def test_inline_calls_are_capped_per_request(gw, session):
     response = gw.post("/v1/chat/completions", json=chat(" ".join("{{" + n + "}}" for n in many),
                                                          {"session_id": session, "vars": many}))
     assert response.status_code == 400 and "max_inline_calls" in response.json()["error"]["message"]
+    assert gw.get(f"/v1/sessions/{session}/vars").json()["data"] == []
+
+
+def nested_chain(depth: int) -> dict:
+    """A binding ``depth`` inline calls deep: each call's one placeholder is bound to the next call."""
+    binding: dict = {"value": "bottom"}
+    for _ in range(depth):
+        binding = inline("step {{c}}", {"c": binding})
+    return binding
+
+
+def test_nested_inline_calls_count_as_they_are_declared(start_gateway):
+    """Every level of a chain counts: nested calls are counted before their own vars are read, so a chain
+    deeper than max_inline_calls is refused (once, each level saw 0 and any depth went through)."""
+    url = start_gateway(semantic=SemanticConfig(max_inline_calls=3, max_inline_depth=8))
+    with httpx.Client(base_url=url, timeout=20) as client:
+        fits = client.post("/v1/chat/completions", json=chat("top {{c}}", {"vars": {"c": nested_chain(3)}}))
+        over = client.post("/v1/chat/completions", json=chat("top {{c}}", {"vars": {"c": nested_chain(4)}}))
+
+    assert fits.status_code == 200, fits.text
+    assert fits.json()["choices"][0]["message"]["content"] == "echo: top echo: step echo: step echo: step bottom"
+    assert over.status_code == 400 and "max_inline_calls" in over.json()["error"]["message"]
+    assert over.json()["error"]["param"] == "parrot.vars.c.call.parrot.vars.c.call.parrot.vars.c.call.parrot.vars.c.call"
+
+
+def test_inline_calls_nest_at_most_max_inline_depth(gw, session):
+    """The probe's chain 100 calls deep: refused at depth 9 whatever the count allows."""
+    response = gw.post("/v1/chat/completions", json=chat("top {{c}}", {"session_id": session,
+                                                                      "vars": {"c": nested_chain(100)}}))
+
+    assert response.status_code == 400 and "max_inline_depth" in response.json()["error"]["message"]
+    assert response.json()["error"]["param"].count(".call") == 9
     assert gw.get(f"/v1/sessions/{session}/vars").json()["data"] == []
 
 
