@@ -270,6 +270,19 @@ ENV_OVERRIDES: dict[str, tuple[str, str]] = {
 }
 
 
+# The settings that hold secrets (client keys, the engine secret): by whatever variable the gateway reads
+# them, none reaches an engine process's environment (gateway/supervisor.py). [quotas.keys] is named by
+# client keys; [[upstreams]] hold only the names of the variables that hold theirs (api_key_env).
+SECRET_SETTINGS: frozenset[tuple[str, str]] = frozenset({
+    ("auth", "api_keys"), ("auth", "admin_keys"), ("engines", "registration_secret"), ("quotas", "keys"),
+})
+
+
+def secret_env_vars() -> set[str]:
+    """The variables that may hold a secret setting: its PARROT_* override, and the config file's path."""
+    return {var for var, setting in ENV_OVERRIDES.items() if setting in SECRET_SETTINGS} | {"PARROT_CONFIG"}
+
+
 def _set(raw: dict[str, Any], section: str, key: str, value: Any) -> None:
     raw.setdefault(section, {})[key] = value
 

@@ -19,13 +19,14 @@ import sys
 import time
 
 from engines.seam.launch import SECRET_ENV, build_parser, engine_config, served_model_name
-from gateway.config import GatewayConfig
+from gateway.config import GatewayConfig, secret_env_vars
 from gateway.registry import EngineRegistry, url_key
 
 log = logging.getLogger("parrot.supervisor")
 
-# Client keys, the file that may hold them, and the old way one reached the engine: never in its environment.
-CLIENT_KEY_ENV = ("PARROT_API_KEYS", "PARROT_GATEWAY_API_KEY", "PARROT_CONFIG")
+# Every secret setting's variable and the file that may hold them (config.secret_env_vars), and the old way
+# a client key reached the engine: never in its environment.
+HIDDEN_ENV = frozenset({*secret_env_vars(), "PARROT_GATEWAY_API_KEY"})
 
 
 def _die_with_parent() -> None:
@@ -62,7 +63,7 @@ class EngineSupervisor:
         # serve, known before it registers. Invalid engine options stop the gateway's start here.
         args = build_parser().parse_args(self._command[4:])
         self.model = args.served_model_name or served_model_name(engine_config(args))
-        hidden = {*CLIENT_KEY_ENV, *(u.api_key_env for u in config.upstreams if u.api_key_env)}
+        hidden = {*HIDDEN_ENV, *(u.api_key_env for u in config.upstreams if u.api_key_env)}
         self._env = {k: v for k, v in os.environ.items() if k not in hidden} | {SECRET_ENV: self.secret}
         self.process: asyncio.subprocess.Process | None = None
         self.exits = 0  # how often the engine process ended (each time restarted)

@@ -4,6 +4,7 @@ engine is killed with SIGKILL mid-stream, then reaped, taken out of routing and 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,11 +12,18 @@ from pathlib import Path
 from typing import Iterator
 
 import httpx
+import msgspec
 import pytest
+
+from engines.seam.launch import SECRET_ENV
+from gateway.config import ENV_OVERRIDES, SECRET_SETTINGS, GatewayConfig
+from gateway.registry import EngineRegistry
+from gateway.supervisor import EngineSupervisor
 
 from tests.conftest import free_port
 
 CLIENT_KEY = "client-key-never-in-an-engine"
+ADMIN_KEY = "admin-key-never-in-an-engine"
 
 
 def bearer(credential: str) -> dict[str, str]:
@@ -27,6 +35,31 @@ def environment_of(pid: int) -> dict[str, str]:
     return dict(entry.split("=", 1) for entry in entries if "=" in entry)
 
 
+def secret_fields() -> set[tuple[str, str]]:
+    """The config fields whose names say they hold keys or secrets (``api_key_env`` holds a variable's name)."""
+    found = set()
+    for section in msgspec.structs.fields(GatewayConfig):
+        if isinstance(section.type, type) and issubclass(section.type, msgspec.Struct):
+            found |= {(section.name, field.name) for field in msgspec.structs.fields(section.type)
+                      if re.search(r"(key|secret|password|credential)s?$", field.name)}
+    return found
+
+
+def test_every_secret_setting_is_kept_out_of_the_engine_environment(monkeypatch):
+    """One list of the settings that hold secrets, checked against the config's fields; the variable of each
+    is missing from the engine's environment (PARROT_ADMIN_KEYS once reached it)."""
+    assert secret_fields() <= SECRET_SETTINGS
+    planted = {var: f"secret-of-{var}" for var, setting in ENV_OVERRIDES.items() if setting in SECRET_SETTINGS}
+    assert {"PARROT_API_KEYS", "PARROT_ADMIN_KEYS", "PARROT_ENGINE_SECRET"} <= planted.keys()
+    for var, value in planted.items():
+        monkeypatch.setenv(var, value)
+
+    supervisor = EngineSupervisor(GatewayConfig(), EngineRegistry())
+
+    leaked = [var for var, value in planted.items() if value in supervisor._env.values()]
+    assert leaked == [] and supervisor._env[SECRET_ENV] == supervisor.secret
+
+
 def gone(pid: int) -> bool:
     """Whether the process is gone, reaped too (a zombie still has its /proc entry)."""
     return not Path(f"/proc/{pid}").exists()
@@ -36,7 +69,7 @@ class ParrotServe:
     def __init__(self, model_dir: Path):
         self.port, self.engine_port = free_port(), free_port()
         self.model = model_dir.name  # the engine serves a checkpoint directory under its name
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PARROT_API_KEYS": CLIENT_KEY,
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PARROT_API_KEYS": CLIENT_KEY, "PARROT_ADMIN_KEYS": ADMIN_KEY,
                "PARROT_ENGINE_NUM_BLOCKS": "160", "PARROT_ENGINE_HEARTBEAT_INTERVAL": "0.5"}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "gateway.cli", "serve", "--port", str(self.port),
@@ -82,7 +115,7 @@ def test_a_killed_engine_is_reaped_taken_out_and_restarted(parrot_serve, wait_un
 
     # The engine process holds its own secret, never a client key; its port refuses anyone without it.
     environment = environment_of(pid)
-    assert CLIENT_KEY not in "\n".join(environment.values())
+    assert CLIENT_KEY not in "\n".join(environment.values()) and ADMIN_KEY not in "\n".join(environment.values())
     secret = environment["PARROT_ENGINE_SECRET"]
     assert secret not in gateway.http.get("/v1/engines").text
     engine_url = f"http://127.0.0.1:{gateway.engine_port}/v1/models"
