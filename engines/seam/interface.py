@@ -29,8 +29,9 @@ from engines.seam.contexts import FillResult, ForkPart, Generation, GenerationCh
 Route = Literal["chat/completions", "completions"]
 
 
-# Routing sorts engines by reported load: a negative count would draw every request to its reporter.
-Count = Annotated[int, msgspec.Meta(ge=0)]
+# Routing sorts engines by reported load: a negative count would draw every request to its reporter; and
+# what is listed and exported (/v1/engines, /metrics) is an int64 there, as Prometheus and JSON readers take it.
+Count = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 
 
 class EngineStats(msgspec.Struct, kw_only=True):
@@ -53,6 +54,11 @@ class EngineStats(msgspec.Struct, kw_only=True):
     # Of those, latency-critical requests (someone reads them token by token): the criteria should make
     # throughput work give way first, so this stays 0 while there is throughput work to preempt.
     latency_preemptions: Count = 0
+
+    def __post_init__(self) -> None:  # a ValueError here is a msgspec.ValidationError: the heartbeat's 400
+        for part, whole in (("blocks_free", "blocks_total"), ("latency_preemptions", "num_preemptions")):
+            if getattr(self, part) > getattr(self, whole):
+                raise ValueError(f"{part} ({getattr(self, part)}) is more than {whole} ({getattr(self, whole)})")
 
     def kv_capacity_tokens(self) -> int:
         """Tokens of KV the engine holds at most; 0: it did not say."""

@@ -123,6 +123,29 @@ def test_a_live_engines_url_cannot_be_taken(http, start_gateway, serve):
     assert heartbeat.status_code == 200
 
 
+@pytest.mark.parametrize("stats, field", [
+    ({"blocks_total": 728, "blocks_free": 7280}, "blocks_free"),  # once listed as kv_use -9.0
+    ({"running": 10**40}, "running"),  # once echoed beyond int64
+    ({"waiting": 2**63}, "waiting"),
+    ({"num_preemptions": 1, "latency_preemptions": 2}, "latency_preemptions"),
+])
+def test_a_heartbeat_with_impossible_stats_is_refused(http, start_gateway, serve, stats, field):
+    from benchmarks import fake_upstream
+
+    gateway = start_gateway([], engines=EnginesConfig(registration_secret=SECRET, heartbeat_timeout_s=60.0))
+    engine = register(http, gateway, serve(fake_upstream.app)).json()
+    beat = f"{gateway}/v1/engines/{engine['id']}/heartbeat"
+
+    refused = http.post(beat, json=stats, headers=bearer(engine["token"]))
+    within = http.post(beat, json={"running": 2**63 - 1, "blocks_total": 728, "blocks_free": 728},
+                       headers=bearer(engine["token"]))
+
+    assert refused.status_code == 400 and field in refused.json()["error"]["message"], refused.text
+    assert within.status_code == 200, within.text
+    [listed] = http.get(f"{gateway}/v1/engines").json()
+    assert listed["kv_use"] == 0.0 and listed["stats"]["running"] == 2**63 - 1
+
+
 def test_an_engine_heartbeats_only_for_itself(http, start_gateway, serve, attacker):
     from benchmarks import fake_upstream
 
