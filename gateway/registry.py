@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import ipaddress
 import secrets
+import socket
 import time
 from typing import Callable, Iterable, Iterator
 
@@ -32,6 +35,48 @@ def url_key(url: str) -> tuple[str, str, int, str]:
     return parsed.scheme, parsed.host.lower(), port, parsed.path.rstrip("/").removesuffix("/v1")
 
 
+# Every address of this host as one: an engine listening on 0.0.0.0 is reached as localhost, 127.1, ::1 or
+# the host's own interface addresses alike.
+THIS_HOST = "this-host"
+Endpoint = tuple[str, int, str]  # an address (or THIS_HOST), a port, a path
+
+
+async def endpoints_of(url: str) -> frozenset[Endpoint]:
+    """Where ``url`` leads: each address its host resolves to, with port and path; two URLs that share one
+    reach the same listener however their hosts are spelled. A host that does not resolve (yet) stands
+    for itself. ValueError for a malformed URL."""
+    _, host, port, path = url_key(url)
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return frozenset({(host, port, path)})
+    own = await _own_addresses()
+    return frozenset((_collapsed(info[4][0], own), port, path) for info in infos)
+
+
+def _collapsed(address: str, own: frozenset[str]) -> str:
+    ip = ipaddress.ip_address(address.split("%", 1)[0])  # an IPv6 scope id aside
+    if ip.is_loopback or ip.is_unspecified or str(ip) in own:
+        return THIS_HOST
+    return str(ip)
+
+
+_own: frozenset[str] | None = None
+
+
+async def _own_addresses() -> frozenset[str]:
+    """This host's own interface addresses (as its name resolves), looked up once."""
+    global _own
+    if _own is None:
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(socket.gethostname(), None)
+            _own = frozenset(str(ipaddress.ip_address(info[4][0].split("%", 1)[0])) for info in infos)
+        except (OSError, ValueError):
+            _own = frozenset()
+    return _own
+
+
 def _key_or_none(url: str) -> tuple[str, str, int, str] | None:
     try:
         return url_key(url)
@@ -47,6 +92,7 @@ class EngineRecord(EngineView, kw_only=True):
     breaker: CircuitBreaker = msgspec.field(default_factory=CircuitBreaker)  # fed by requests and health checks
     last_heartbeat: float | None = None  # None: not heartbeating (static upstreams)
     token: str | None = None  # a registered engine's proof of identity for heartbeats (never listed)
+    endpoints: frozenset[Endpoint] = frozenset()  # where its URL leads (endpoints_of), for registered ones
     requests: RequestRate = msgspec.field(default_factory=RequestRate)  # requests sent to it (the dashboard's req/s)
 
     def healthy(self, now: float, heartbeat_timeout_s: float) -> bool:
@@ -89,15 +135,19 @@ class EngineRegistry:
         # Every secret compared, in constant time: the answer's timing tells nothing.
         return sum(secrets.compare_digest(presented_bytes, s) for s in self._secrets) > 0
 
-    def register(self, engine: Engine, models: list[str], *, url: str) -> EngineRecord:
+    def register(self, engine: Engine, models: list[str], *, url: str,
+                 endpoints: frozenset[Endpoint] = frozenset()) -> EngineRecord:
         """A heartbeating engine announcing itself; it gets a token of its own for its heartbeats.
-        Raises EngineConflict when a live engine holds that URL (ValueError for a malformed one)."""
+        Raises EngineConflict when a live engine holds that URL, however spelled: the same text, or a
+        host that resolves to the same address (``endpoints``, from endpoints_of). ValueError for a
+        malformed URL."""
         key = url_key(url)
         self.prune()
-        if self._at(key):
+        if self._at(key) or any(r.endpoints & endpoints for r in self._records.values()):
             raise EngineConflict(f"an engine is registered at {url} already")
         record = self.add(engine, models, url=url, heartbeating=True)
         record.token = secrets.token_urlsafe(32)
+        record.endpoints = endpoints
         return record
 
     def authenticated(self, engine_id: str, token: str) -> EngineRecord | None:

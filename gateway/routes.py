@@ -176,7 +176,7 @@ class Registered(msgspec.Struct):
 
 @post("/v1/engines", status_code=201, exclude_from_auth=True, guards=[_require_engine_secret])
 async def register_engine(request: Request, data: JSONBody[EngineRegistration], state: State) -> Registered:
-    record = state.gateway.register_remote(data.name, data.url, data.models, data.announced_capabilities(),
+    record = await state.gateway.register_remote(data.name, data.url, data.models, data.announced_capabilities(),
                                            _bearer(request))
     return Registered(id=record.id, token=record.token)
 

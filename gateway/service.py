@@ -21,7 +21,7 @@ from gateway.errors import engine_error_body, error_payload
 from gateway.metrics import GatewayMetrics, RouteMetrics, carries_token
 from gateway.quotas import count_tokens
 from gateway.prompt_prefix import prompt_prefix
-from gateway.registry import EngineConflict, EngineRecord, EngineRegistry
+from gateway.registry import EngineConflict, EngineRecord, EngineRegistry, endpoints_of
 from gateway.scheduler import Placement, Scheduler, Work
 
 OpenAIRequest = ChatCompletionRequest | CompletionRequest
@@ -65,15 +65,19 @@ class Gateway:
                                                    lower_first=upstream.priority_scheduling == "lower_first", **options)
             self.registry.add(engine, [upstream.model], url=upstream.base_url)
 
-    def register_remote(self, name: str, url: str, models: list[str], capabilities: list[str],
-                        secret: str) -> EngineRecord:
+    async def register_remote(self, name: str, url: str, models: list[str], capabilities: list[str],
+                              secret: str) -> EngineRecord:
         """An engine process announcing itself with the engine secret, which the gateway then presents
         to it on every request (a builtin engine started with a secret requires it). A URL a live
         engine holds is refused: an engine restarted before its old record expired retries."""
         url = url.rstrip("/")
+        try:
+            endpoints = await endpoints_of(url)
+        except ValueError as exc:
+            raise Invalid(str(exc), param="url") from exc
         engine = connect(name, url, self.client, capabilities=capabilities, api_key=secret, transport=self.transport)
         try:
-            return self.registry.register(engine, models, url=url)
+            return self.registry.register(engine, models, url=url, endpoints=endpoints)
         except EngineConflict as exc:
             raise Conflict(str(exc), param="url", code="engine_url_taken") from exc
         except ValueError as exc:

@@ -18,6 +18,7 @@ from engines.seam.contexts import FillResult, ForkPart, Generation, GenerationCh
 from engines.seam.errors import (
     EngineError,
     EngineOverloaded,
+    EngineRefusedGateway,
     EngineRejected,
     EngineTimeout,
     EngineUnavailable,
@@ -32,7 +33,7 @@ from engines.seam.interface import (
     Route,
 )
 
-__all__ = ["ContextEngine", "Count", "Engine", "EngineError", "EngineOverloaded", "EngineRejected", "EngineStats",
+__all__ = ["ContextEngine", "Count", "Engine", "EngineError", "EngineOverloaded", "EngineRefusedGateway", "EngineRejected", "EngineStats",
            "EngineTimeout", "EngineUnavailable", "FillResult", "ForkPart", "Generation", "GenerationChunk", "HintedEngine", "PrioritizedEngine",
            "PromptSplit", "Route",
            "Segment"]

@@ -17,7 +17,7 @@ import httpx
 import msgspec
 
 from engines.seam.contexts import FillResult, ForkPart, Generation, GenerationChunk, PromptSplit
-from engines.seam.errors import EngineError, EngineRejected
+from engines.seam.errors import EngineError, engine_answered
 from engines.seam.interface import Route
 from engines.seam.upstream import UpstreamEngine, translate_errors
 from http_plumbing.request_context import forwarded_headers
@@ -47,8 +47,7 @@ class BuiltinEngineClient(UpstreamEngine):
             response = await self._client.request(method, f"{self.base_url}/{path}", content=content,
                                                   headers=self._headers_now())
         if response.status_code >= 400:
-            raise EngineRejected(f"engine {self.name!r} answered HTTP {response.status_code} to {path}",
-                                 status_code=response.status_code, body=response.content)
+            raise engine_answered(self.name, response.status_code, response.content, path=path)
         return response.content
 
     async def split_prompt(self, route: Route, body: dict[str, Any]) -> PromptSplit:
@@ -94,8 +93,7 @@ class BuiltinEngineClient(UpstreamEngine):
             async with self._client.stream("POST", f"{self.base_url}/{path}", content=body,
                                            headers=self._headers_now()) as response:
                 if response.status_code >= 400:
-                    raise EngineRejected(f"engine {self.name!r} answered HTTP {response.status_code} to {path}",
-                                         status_code=response.status_code, body=await response.aread())
+                    raise engine_answered(self.name, response.status_code, await response.aread(), path=path)
                 framer = SSEFramer()
                 async for read in response.aiter_bytes():
                     for event in framer.feed(read).split(b"\n\n"):

@@ -19,12 +19,12 @@ import msgspec
 
 from engines.seam import (
     EngineError,
-    EngineRejected,
     EngineStats,
     EngineTimeout,
     EngineUnavailable,
     Route,
 )
+from engines.seam.errors import engine_answered
 from engines.seam.prometheus_stats import stats_from_metrics
 from http_plumbing.request_context import forwarded_headers
 from wire.sse import SSE_DONE, SSEFramer
@@ -92,13 +92,8 @@ def retry_after_s(headers: httpx.Headers) -> float | None:
         return None
 
 
-def _rejected(name: str, response: httpx.Response, body: bytes) -> EngineRejected:
-    return EngineRejected(
-        f"engine {name!r} answered HTTP {response.status_code}",
-        status_code=response.status_code,
-        body=body,
-        retry_after_s=retry_after_s(response.headers),
-    )
+def _rejected(name: str, response: httpx.Response, body: bytes) -> EngineError:
+    return engine_answered(name, response.status_code, body, retry_after_s=retry_after_s(response.headers))
 
 
 class UpstreamEngine:

@@ -110,8 +110,11 @@ def test_a_live_engines_url_cannot_be_taken(http, start_gateway, serve):
     assert first.status_code == 201, first.text
 
     # The same address spelled otherwise, with other models: each refused.
+    port = engine_url.rsplit(":", 1)[1]
     spellings = [engine_url, f"{engine_url}/", f"{engine_url.upper().replace('HTTP', 'http')}/v1",
-                 engine_url.replace("http://", "HTTP://")]
+                 engine_url.replace("http://", "HTTP://"),
+                 # Host aliases of the same listener: once each registered beside it (with the secret).
+                 f"http://localhost:{port}", f"http://127.1:{port}", f"http://[::1]:{port}", f"http://0.0.0.0:{port}"]
     retries = [register(http, gateway, url, models=[MODEL, "other"]) for url in spellings]
 
     assert [r.status_code for r in retries] == [409] * len(spellings)
@@ -121,6 +124,40 @@ def test_a_live_engines_url_cannot_be_taken(http, start_gateway, serve):
     heartbeat = http.post(f"{gateway}/v1/engines/{first.json()['id']}/heartbeat", json={},
                           headers=bearer(first.json()["token"]))
     assert heartbeat.status_code == 200
+
+
+@pytest.fixture
+def refusing_engine(serve) -> str:
+    """An engine that refuses the gateway's credentials, as a builtin engine does a secret not its own."""
+
+    async def handler(scope, receive, send):
+        body = json.dumps({"error": {"message": "This engine takes requests from its gateway only",
+                                     "type": "invalid_request_error", "param": None,
+                                     "code": "invalid_engine_secret"}}).encode()
+        await send({"type": "http.response.start", "status": 401, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})
+
+    return serve(asgi_app(handler))
+
+
+def test_an_engine_refusing_the_gateway_is_an_engine_failure_not_the_clients(http, start_gateway, serve,
+                                                                             refusing_engine):
+    """Its 401 is retried on another engine and opens its circuit; a client never gets it as its own
+    auth error (the openai SDK raised AuthenticationError with the user's valid key)."""
+    from benchmarks import fake_upstream
+
+    gateway = start_gateway([], auth=AuthConfig(api_keys=[CLIENT_KEY]),
+                            engines=EnginesConfig(registration_secret=SECRET, heartbeat_timeout_s=60.0))
+    refusing = register(http, gateway, refusing_engine, name="refusing").json()
+    alone = http.post(f"{gateway}/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES},
+                      headers=bearer(CLIENT_KEY))
+    assert alone.status_code == 502, alone.text
+    assert alone.json()["error"]["code"] == "upstream_auth_failed" and refusing_engine not in alone.text
+
+    register(http, gateway, serve(fake_upstream.app), name="good")
+    assert chat_answers(http, gateway, bearer(CLIENT_KEY), times=12) == ["echo: hello"] * 12
+    listed = {e["id"]: e for e in http.get(f"{gateway}/v1/engines", headers=bearer(CLIENT_KEY)).json()}
+    assert listed[refusing["id"]]["healthy"] is False  # its circuit opened
 
 
 @pytest.mark.parametrize("stats, field", [
