@@ -56,6 +56,9 @@ class Context:
         self.score_top_k: int | None = None
         self.scores: dict[int, TokenScore] = {}
         self.fill_priority = 0  # a fill's place in line (a generation's is in its params)
+        # A fill nobody waits for (a gateway pinning a shared prefix ahead of its use): it runs only in steps
+        # without latency-critical work, so that no one's admitted request waits behind it (scheduler.py).
+        self.background = False
         # Its latencies (time.perf_counter()): queued, first scheduled, last token generated.
         self.arrived_at = 0.0
         self.scheduled_at: float | None = None

@@ -26,7 +26,7 @@ from engines.builtin.model_runner import ModelRunner, kv_block_bytes
 from engines.builtin.cpu_linear import prepare_cpu_linears
 from engines.builtin.prometheus_metrics import EngineMetrics
 from engines.builtin.quantization import UntraceableError, quantize_linears, untraceable_linears
-from engines.builtin.scheduler import Scheduler
+from engines.builtin.scheduler import BACKGROUND_PRIORITY, Scheduler
 from engines.builtin.step_loop import StepLoop, resolver
 from engines.builtin.types import SamplingParams, TokenEvent, TokenScore
 from engines.seam.contexts import FillResult
@@ -94,21 +94,30 @@ class EngineCore(StepLoop):
 
     def ensure_context(self, context_id: str, tokens: list[int]) -> bool:
         """Creates ``context_id`` holding ``tokens`` unless it exists, its fill queued with nobody
-        waiting for it. Returns whether it was created."""
+        waiting for it: in the background, last in line. Returns whether it was created."""
         with self._lock:
-            created = self._ensure_context(context_id, tokens)
+            created = self._ensure_context(context_id, tokens, background=True)
         self._wakeup.set()
         return created
 
-    def _ensure_context(self, context_id: str, tokens: list[int]) -> bool:
+    def _ensure_context(self, context_id: str, tokens: list[int], *, background: bool = False) -> bool:
         if context_id in self.scheduler.contexts:
             return False
         self.registry.check_prompt_length(tokens)
         ctx = self.registry.new(context_id, None, step=self._step_count)
         ctx.token_ids += tokens
+        if background:
+            ctx.background, ctx.fill_priority = True, BACKGROUND_PRIORITY
         self._prompt_tokens += len(tokens)
         self._submit(ctx, None)
         return True
+
+    def _needed(self, context_id: str, priority: int) -> None:
+        """A request forks ``context_id``: a background fill of it is on that request's way now, at its
+        priority (the fork matches its blocks as they are computed)."""
+        ctx = self.scheduler.contexts[context_id]
+        if ctx.background:
+            ctx.background, ctx.fill_priority = False, priority
 
     def context_length(self, context_id: str) -> int | None:
         """Tokens the context holds; None when there is no such context."""
@@ -131,6 +140,7 @@ class EngineCore(StepLoop):
             else:
                 if parent_context_id is not None:
                     self.registry.check_length(self.registry.get(parent_context_id), len(tokens))
+                    self._needed(parent_context_id, priority)
                 else:
                     self.registry.check_prompt_length(tokens)
                 ctx = self.registry.new(context_id, parent_context_id, step=self._step_count)
@@ -248,6 +258,7 @@ class EngineCore(StepLoop):
             else:
                 if parent_context_id is not None:
                     self.registry.check_length(self.registry.get(parent_context_id), len(prompt_tokens))
+                    self._needed(parent_context_id, params.priority)
                 else:
                     self.registry.check_prompt_length(prompt_tokens)
                 ctx = self.registry.new(None, parent_context_id, temporary=True, step=self._step_count)

@@ -12,6 +12,11 @@ out, and a sequence already seated is never preempted for one served later in th
 latency-critical work a step seats up to ``max_num_seqs``: work that said it can wait is what gets
 the big batches. Fills (prefill only, often on a generation's critical path) need no seat.
 
+Background fills (nobody waits for them: a gateway pinning a prefix ahead of its use) come last and
+run only in steps without latency-critical work, running or waiting; when such work comes, a running
+one is set aside (its blocks released, its full ones still cached) so that no one's request waits for
+its compute or its memory.
+
 The batch also says which decodes share leading KV blocks (forks of one context, prefix-cache
 hits on one system prompt), so attention can read each shared prefix once for its group.
 """
@@ -27,6 +32,9 @@ from engines.builtin.block_manager import BlockManager
 from engines.builtin.config import EngineConfig
 from engines.builtin.model_runner import PrefixGroup, ScheduledBatch
 from engines.builtin.context import Context, Status, next_arrival
+
+
+BACKGROUND_PRIORITY = -(2**31)  # a background fill's: below any request's (wire.sampling.Priority)
 
 
 def service_order(ctx: Context) -> tuple[int, int]:
@@ -74,9 +82,13 @@ class _Step:
     generations: int = 0
     done_fills: list[Context] = field(default_factory=list)
     out_of_blocks: bool = False  # a waiting sequence found no room: none served after it is admitted
+    urgent: bool = False  # latency-critical work is running or waiting: background fills sit out
 
     def has_seat(self, ctx: Context) -> bool:
         return ctx.is_fill or self.generations < self.seats
+
+    def takes(self, ctx: Context) -> bool:
+        return not (ctx.background and self.urgent)
 
     def add(self, ctx: Context, num_tokens: int, block_manager: BlockManager) -> None:
         block_manager.allocate(ctx, num_tokens)
@@ -124,9 +136,9 @@ class Scheduler:
         """Returns the step's batch and the waiting fills that turned out fully cached (done)."""
         self.running.sort(key=service_order)
         step = _Step(self.max_num_batched_tokens, self.max_num_seqs)
+        step.urgent = any(ctx.latency_critical for ctx in itertools.chain(self.running, self.waiting))
         passes: tuple[bool | None, ...] = (None,)  # None: every sequence in one pass
-        if self.latency_max_num_seqs is not None and any(
-                ctx.latency_critical for ctx in itertools.chain(self.running, self.waiting)):
+        if self.latency_max_num_seqs is not None and step.urgent:
             step.seats, step.order, passes = self.latency_max_num_seqs, latency_first_order, (True, False)
         for latency_critical in passes:
             self._schedule_running(step, latency_critical)
@@ -141,6 +153,9 @@ class Scheduler:
                 return
             if ctx.status is not Status.RUNNING or not _in_pass(ctx, latency_critical) or not step.has_seat(ctx):
                 continue  # preempted to make room for a sequence served before it, or not its turn
+            if not step.takes(ctx):
+                self._set_aside(ctx)
+                continue
             n = min(ctx.num_pending_tokens, step.budget)
             if not self._make_room(ctx, n, step.order):
                 self._preempt(ctx)
@@ -154,7 +169,7 @@ class Scheduler:
         for ctx in list(self.waiting):
             if step.budget == 0 or step.out_of_blocks or (limited and len(self.running) >= self.max_num_seqs):
                 return
-            if not _in_pass(ctx, latency_critical) or not step.has_seat(ctx):
+            if not _in_pass(ctx, latency_critical) or not step.has_seat(ctx) or not step.takes(ctx):
                 continue
             looked_up = ctx.num_pending_tokens
             reused = self.block_manager.match_prefix(ctx, self._reusable_tokens(ctx))
@@ -215,6 +230,14 @@ class Scheduler:
             return None
         victim = max(candidates, key=order)
         return victim if order(victim) > order(ctx) else None
+
+    def _set_aside(self, ctx: Context) -> None:
+        """A running background fill goes back to waiting, its blocks released (its full ones stay in the
+        prefix cache, so little is computed again): not a preemption of anyone's request."""
+        self.block_manager.release(ctx)
+        self.running.remove(ctx)
+        ctx.status = Status.WAITING
+        self.waiting.append(ctx)
 
     def _preempt(self, ctx: Context) -> None:
         self.block_manager.release(ctx)

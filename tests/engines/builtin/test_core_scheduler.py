@@ -5,15 +5,17 @@ from __future__ import annotations
 
 from engines.builtin.block_manager import BlockManager
 from engines.builtin.config import EngineConfig
-from engines.builtin.scheduler import Scheduler
+from engines.builtin.scheduler import BACKGROUND_PRIORITY, Scheduler
 from engines.builtin.context import Context, Status
 from engines.builtin.types import SamplingParams
 
 BLOCK_SIZE = 4
 
 
-def make_scheduler(latency_max_num_seqs: int | None, num_blocks: int = 64, max_num_seqs: int = 8) -> Scheduler:
-    config = EngineConfig(block_size=BLOCK_SIZE, max_num_seqs=max_num_seqs, latency_max_num_seqs=latency_max_num_seqs)
+def make_scheduler(latency_max_num_seqs: int | None, num_blocks: int = 64, max_num_seqs: int = 8,
+                   max_num_batched_tokens: int = 2048) -> Scheduler:
+    config = EngineConfig(block_size=BLOCK_SIZE, max_num_seqs=max_num_seqs, latency_max_num_seqs=latency_max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens)
     return Scheduler(config, BlockManager(num_blocks, BLOCK_SIZE))
 
 
@@ -130,3 +132,31 @@ def test_a_prefix_hit_is_counted_once_however_long_its_sequence_waits_for_room()
     for _ in range(3):
         assert second not in step(scheduler)  # matched, no room, given back: each step
     assert scheduler.block_manager.prefix_hit_tokens == 0
+
+
+def background_fill(scheduler: Scheduler, prompt_len: int) -> Context:
+    """A fill nobody waits for, as the engine queues a gateway's prefix pinned ahead (ensure_context)."""
+    first = 3 + 100 * len(scheduler.contexts)
+    ctx = Context(f"ctx{len(scheduler.contexts)}", list(range(first, first + prompt_len)))
+    ctx.background, ctx.fill_priority = True, BACKGROUND_PRIORITY
+    scheduler.contexts[ctx.context_id] = ctx
+    scheduler.add(ctx)
+    return ctx
+
+
+def test_background_fills_never_share_a_step_with_latency_critical_work():
+    """A key's prefixes pinned ahead for calls that may never run cost no one else's request a step:
+    a running one is set aside (its blocks released, no preemption counted) and none is admitted while
+    latency-critical work runs or waits; they resume when it is done."""
+    scheduler = make_scheduler(latency_max_num_seqs=None, max_num_batched_tokens=16)
+    fills = [background_fill(scheduler, prompt_len=40) for _ in range(3)]
+    assert step(scheduler) == fills[:1]  # the engine had nothing else to do
+    chat = submit(scheduler, throughput=False, priority=-10)  # even below any gateway rank
+
+    for _ in range(4):  # its prompt, then decodes
+        assert step(scheduler) == [chat]  # budget to spare, but no fill rides along
+    assert all(fill.status is Status.WAITING and not fill.block_table for fill in fills)
+    assert scheduler.num_preemptions == 0
+
+    scheduler.remove(chat)
+    assert step(scheduler) == fills[:1]
