@@ -102,7 +102,8 @@ def create_app(config: GatewayConfig | None = None) -> Litestar:
             app.state.gateway = gateway
             app.state.quotas = quotas = Quotas(config.quotas)
             app.state.semantic = SemanticService(gateway, config.semantic, limits_of=quotas.limits, tracing=tracing)
-            gateway.metrics.mirror(registry.records, app.state.semantic.sessions.all)
+            sessions = app.state.semantic.sessions
+            gateway.metrics.mirror(registry.records, sessions.all, sessions.holdings)
             app.state.admin_owners = frozenset(SessionStore.owner_of(key) for key in config.auth.admin_keys)
             benchmarks_dir = config.dashboard.benchmarks_dir
             app.state.benchmarks_dir = Path(benchmarks_dir) if benchmarks_dir else DEFAULT_BENCHMARKS_DIR

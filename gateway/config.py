@@ -133,6 +133,12 @@ class QuotaLimits(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     variables_per_session: int | None = 10_000
     bytes_per_variable: int | None = 4 * 1024 * 1024  # UTF-8 bytes of a value; = the default body limit
     bytes_per_session: int | None = 64 * 1024 * 1024  # all its values together
+    # Calls waiting for their inputs or running, in all the key's sessions: a wait=false call outlives its
+    # request, so no request quota covers it.
+    pending_calls: int | None = 10_000
+    # Prompt tokens of the shared prefixes the key's waiting calls hold filled on engines ahead of their
+    # inputs (each distinct prefix counted once); a call beyond it waits without one, and fills at its run.
+    pinned_prefix_tokens: int | None = 16_384
 
 
 class QuotasConfig(QuotaLimits, kw_only=True, forbid_unknown_fields=True):

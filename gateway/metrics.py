@@ -20,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 if TYPE_CHECKING:
     from gateway.registry import EngineRecord
     from gateway.semantic.graph import Session
+    from gateway.semantic.holdings import Holdings
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -77,10 +78,12 @@ class GatewayMetrics:
     def on(self, model: str, engine: str) -> "RouteMetrics":
         return self.model(model).on(engine)
 
-    def mirror(self, engines: Callable[[], Iterable[EngineRecord]], sessions: Callable[[], Iterable[Session]]) -> None:
-        """Reads, at each scrape, what ``engines()`` report and the state of the semantic graphs of ``sessions()``."""
+    def mirror(self, engines: Callable[[], Iterable[EngineRecord]], sessions: Callable[[], Iterable[Session]],
+               holdings: Callable[[], Iterable[Holdings]] = list) -> None:
+        """Reads, at each scrape, what ``engines()`` report, the state of the semantic graphs of ``sessions()``
+        and what keys hold between requests (``holdings()``)."""
         self.registry.register(_EngineReports(engines))
-        self.registry.register(_SemanticState(sessions))
+        self.registry.register(_SemanticState(sessions, holdings))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -163,8 +166,9 @@ class _EngineReports:
 class _SemanticState:
     """The semantic graphs now: calls pending (waiting for inputs) and running, variables, task groups."""
 
-    def __init__(self, sessions: Callable[[], Iterable[Session]]):
+    def __init__(self, sessions: Callable[[], Iterable[Session]], holdings: Callable[[], Iterable[Holdings]]):
         self._sessions = sessions
+        self._holdings = holdings
 
     def collect(self):
         pending = running = variables = sessions = 0
@@ -188,3 +192,10 @@ class _SemanticState:
         yield GaugeMetricFamily("parrot:task_groups", "Task groups with a member running now.", value=len(groups))
         yield GaugeMetricFamily("parrot:sessions", "Open sessions (API keys' default sessions included).",
                                 value=sessions)
+        held = self._holdings()
+        yield GaugeMetricFamily("parrot:pinned_prefix_tokens", "Prompt tokens of shared prefixes held on engines "
+                                "ahead of waiting calls, summed over keys (each key's quota: pinned_prefix_tokens).",
+                                value=sum(h.pinned_tokens for h in held))
+        yield CounterMetricFamily("parrot:prefix_pins_refused", "Shared prefixes a waiting call could not hold "
+                                  "ahead, its key at its pinned_prefix_tokens quota (filled when the call runs).",
+                                  value=sum(h.refused_pins for h in held))

@@ -22,6 +22,7 @@ from gateway.domain_errors import Conflict, DomainError, Invalid, NotFound, NotR
 from gateway.errors import engine_error_body
 from gateway.scheduler import Placement
 from gateway.semantic.handoff import PendingOutput
+from gateway.semantic.holdings import Holdings
 from gateway.semantic.schema import CallNode, CallState
 
 LATENCY_PRIORITY = 1 << 20  # above any app-FIFO rank
@@ -279,7 +280,7 @@ class Call:
 class Session:
     def __init__(self, owner: str, index: dict[str, Variable], *, default: bool = False,
                  max_variables: int | None = None, limits: QuotaLimits | None = None,
-                 finished_calls_kept: int = 1000):
+                 finished_calls_kept: int = 1000, holdings: Holdings | None = None):
         self.id = new_id("sess")
         self._index = index  # the store's id -> variable map, for lookups without a session id
         self.owner = owner
@@ -287,6 +288,7 @@ class Session:
         # A key's default session is not deleted by its client: it keeps its newest variables only.
         self.max_variables = max_variables
         self.limits = limits or QuotaLimits()  # its owner's: variables, bytes per variable and in all
+        self.holdings = holdings or Holdings(self.limits)  # its owner's, shared by the owner's sessions
         self.bytes = 0  # of its variables' values
         self.last_used = time.monotonic()  # the last request that touched it, or the sweep that saw it busy
         self.created = int(time.time())
@@ -377,6 +379,7 @@ class Session:
         if _reaches(call.inputs.values(), set(call.outputs.values())):
             raise Invalid(f"call {call.id} would close a cycle: one of its outputs is among its own "
                           "transitive inputs", param="parrot.vars", code="cycle")
+        self.holdings.add_call()
         if call.latency or any(consumer.latency for consumer in call.consumers()):
             call.latency = False  # someone waits on it, or on what it feeds: it and its producers are urgent
             call.mark_latency()
@@ -385,6 +388,7 @@ class Session:
         self.calls[call.id] = call
         call.task = asyncio.get_running_loop().create_task(call.run(input_timeout_s), name=call.id)
         call.task.add_done_callback(_consume_exception)
+        call.task.add_done_callback(lambda _: self.holdings.call_ended())  # however it ends, cancelled unstarted too
 
     @contextlib.contextmanager
     def undo_on_error(self) -> Iterator[set[str]]:

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import time
 from contextlib import aclosing
-from typing import Any, AsyncIterator, NamedTuple
+from typing import Any, AsyncIterator, Callable, NamedTuple
 
 import msgspec
 
@@ -229,18 +229,24 @@ class Runner:
             if split is None:
                 return
             plan = self._place(body["model"], split, "", records, call.placement())
+            key = self.prefixes.key(plan.record.id, split.prefix)
+            if not session.holdings.pin(key, tokens_in(len(split.prefix.encode()))):
+                return  # its key holds its quota of prefixes ahead already: filled when the call runs
+            self._until_done(lambda: session.holdings.unpin(key))
             entry, _ = await self._acquire(plan, session)
-            self._reserve_until_done(entry)
+            self._until_done(lambda: self.prefixes.release_soon(entry))
             await plan.engine.fill(text=plan.split.prefix, context_id=entry.context_id, if_absent=True)
         except EngineError:
             pass
 
-    def _reserve_until_done(self, entry: PrefixEntry) -> None:
-        """Holds the prefix a waiting call will fork until that call ends (it runs, fails or is cancelled),
-        so that the engine keeps it ahead of prefixes nobody is waiting for (DAG-aware retention)."""
+    @staticmethod
+    def _until_done(release: Callable[[], None]) -> None:
+        """Holds what a waiting call reserved (the prefix it will fork, its key's pin of it) until that call
+        ends (it runs, fails or is cancelled), so that the engine keeps the prefix ahead of prefixes nobody
+        is waiting for (DAG-aware retention)."""
         task = asyncio.current_task()  # the call's own task: warm runs inside Call.run
         assert task is not None
-        task.add_done_callback(lambda _: self.prefixes.release_soon(entry))
+        task.add_done_callback(lambda _: release())
 
     async def _split(self, route: Route, body: dict[str, Any], records: list[EngineRecord]) -> PromptSplit | None:
         """The prompt split at its shared prefix; None when that prefix is too short to be worth pinning."""

@@ -10,6 +10,7 @@ from typing import Callable
 from gateway.config import QuotaLimits
 from gateway.domain_errors import NotFound, QuotaExceeded
 from gateway.semantic.graph import Session, Variable
+from gateway.semantic.holdings import Holdings
 
 
 class SessionStore:
@@ -29,6 +30,7 @@ class SessionStore:
         self._defaults: dict[str, str] = {}
         self._variables: dict[str, Variable] = {}
         self._counts: dict[str, int] = {}  # owner -> its sessions, its default session not counted
+        self._holdings: dict[str, Holdings] = {}  # owner -> its calls and pinned prefixes, in all its sessions
 
     @staticmethod
     def owner_of(api_key: str | None) -> str:
@@ -44,8 +46,11 @@ class SessionStore:
         if default:  # forgets its oldest beyond the smaller of the two
             max_variables = min((m for m in (self._default_max_variables, limits.variables_per_session)
                                  if m is not None), default=None)
+        holdings = self._holdings.get(owner)
+        if holdings is None:
+            holdings = self._holdings[owner] = Holdings(limits)
         session = Session(owner, self._variables, default=default, max_variables=max_variables, limits=limits,
-                          finished_calls_kept=self._finished_calls_kept)
+                          finished_calls_kept=self._finished_calls_kept, holdings=holdings)
         session.last_used = self._clock()
         self._sessions[session.id] = session
         if not default:
@@ -125,3 +130,7 @@ class SessionStore:
 
     def all(self) -> list[Session]:
         return list(self._sessions.values())
+
+    def holdings(self) -> list[Holdings]:
+        """Every key's holdings (kept as long as the store: one small record per key that made a session)."""
+        return list(self._holdings.values())

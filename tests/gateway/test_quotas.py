@@ -299,3 +299,24 @@ def _up(http: httpx.Client, url: str) -> bool:
         return http.get(f"{url}/v1/models").status_code == 200
     except httpx.TransportError:
         return False
+
+
+def test_calls_waiting_on_inputs_count_against_their_keys_pending_calls(start_gateway, http):
+    """A wait=false call outlives its request: waiting on an input nobody produces, it is held until its
+    input timeout. A key holds at most its quota of them; another key is not refused for it, and a call
+    that ends (its session deleted) frees its place."""
+    url = start_gateway(auth=KEYS, quotas=QuotasConfig(keys={ALICE: {"pending_calls": 2}}))
+
+    def queue(key: str, session: str) -> httpx.Response:
+        never = http.post(f"{url}/v1/vars", json={"session_id": session}, headers=auth(key)).json()["id"]
+        return chat(http, url, key, messages=[{"role": "user", "content": "{{m}}"}],
+                    parrot={"session_id": session, "wait": False, "vars": {"m": {"id": never}}})
+
+    alices, bobs = (http.post(f"{url}/v1/sessions", headers=auth(key)).json()["id"] for key in (ALICE, BOB))
+    assert [queue(ALICE, alices).status_code for _ in range(2)] == [202, 202]
+    assert_quota_error(queue(ALICE, alices), 429, "pending_calls_quota_exceeded")
+    assert [queue(BOB, bobs).status_code for _ in range(3)] == [202] * 3
+    assert http.delete(f"{url}/v1/sessions/{alices}", headers=auth(ALICE)).status_code == 200
+
+    again = http.post(f"{url}/v1/sessions", headers=auth(ALICE)).json()["id"]
+    wait_until(lambda: queue(ALICE, again).status_code == 202)
