@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from http_plumbing.http_protocol import _HeldHeadersTransport
+from http_plumbing.http_protocol import HttpProtocol, _HeldHeadersTransport
 from tests.conftest import asgi_app, serve_in_thread
 
 
@@ -95,3 +95,53 @@ def test_headers_reach_the_client_before_a_slow_body():
             while not body.endswith(b"0\r\n\r\n"):
                 body += sock.recv(65536)
             assert b"done" in body
+
+
+def _ok_app():
+    async def handler(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+    return asgi_app(handler)
+
+
+def _exchange(url: str, request: bytes) -> bytes:
+    """``request`` sent whole; everything the server answers until it closes (or 10 s pass)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        try:
+            sock.sendall(request)
+        except ConnectionError:  # closed while the rest was still on its way: its answer was read
+            pass
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+            if b"\r\n\r\nok" in answer:
+                break
+        return answer
+
+
+@pytest.mark.timeout(60)
+def test_a_request_head_beyond_its_limit_is_a_431_and_one_within_is_served():
+    """A 20 MB header was once read whole and answered 200."""
+    limit = HttpProtocol.max_head_bytes
+    with serve_in_thread(_ok_app()) as url:
+        within = _exchange(url, b"GET / HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * (limit - 100) + b"\r\n\r\n")
+        beyond = _exchange(url, b"GET / HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * (20 << 20) + b"\r\n\r\n")
+        many = _exchange(url, b"GET / HTTP/1.1\r\nhost: x\r\n" + b"x-h: v\r\n" * (limit // 8) + b"\r\n")
+
+    assert within.startswith(b"HTTP/1.1 200 ")
+    for answer in (beyond, many):
+        assert answer.startswith(b"HTTP/1.1 431 ") and b"request_header_fields_too_large" in answer
+
+
+@pytest.mark.timeout(30)
+def test_a_connection_whose_head_does_not_arrive_in_time_is_closed(monkeypatch):
+    """A client sending nothing, or a request's head a byte now and then, was never disconnected."""
+    monkeypatch.setattr(HttpProtocol, "head_timeout_s", 0.5)
+    with serve_in_thread(_ok_app()) as url:
+        host, port = url.removeprefix("http://").split(":")
+        for opening in (b"", b"GET / HTTP/1.1\r\nhost: x\r\n"):  # silent, then a head that never ends
+            with socket.create_connection((host, int(port)), timeout=10) as sock:
+                sock.sendall(opening)
+                assert sock.recv(65536) == b""  # closed by the server, long before the client's 10 s
+        assert _exchange(url, b"GET / HTTP/1.1\r\nhost: x\r\n\r\n").startswith(b"HTTP/1.1 200 ")
