@@ -5,6 +5,9 @@ through a context variable, and its access-log line.
 takes the client's ``x-request-id`` or makes one, sets ``request_id`` for the request's task (tasks it
 starts copy it: a semantic call's engine requests log and forward its submitting request's id), adds
 the header to the response, and, with the access log on, logs one line when the response has ended.
+Being in front of routing, it also gives every response what HTTP asks of all of them: HEAD answered
+as GET is (the server sends no body for a HEAD; routes are declared for GET only), and
+``x-content-type-options: nosniff`` (a JSON answer echoing a client's text is never run as a page).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import time
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 REQUEST_ID_HEADER = b"x-request-id"
+NOSNIFF = (b"x-content-type-options", b"nosniff")
 request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
 
 access_log = logging.getLogger("parrot.access")
@@ -52,6 +56,8 @@ class RequestContext:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if scope["method"] == "HEAD":  # the server's own scope still says HEAD: it drops the body
+            scope = {**scope, "method": "GET"}
         sent = next((v for k, v in scope["headers"] if k == REQUEST_ID_HEADER), None)
         current = sent.decode("latin-1") if sent else new_request_id()
         request_id.set(current)  # the request's own task: set for it and every task it starts
@@ -63,7 +69,7 @@ class RequestContext:
             if message["type"] == "http.response.start":
                 status = message["status"]
                 # A new list: responses may share theirs.
-                message["headers"] = [*message.get("headers", ()), header]
+                message["headers"] = [*message.get("headers", ()), header, NOSNIFF]
             await send(message)
 
         if not self.access:

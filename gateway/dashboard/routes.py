@@ -18,12 +18,12 @@ from gateway.errors import APIError
 STATIC = Path(__file__).parent / "static"
 # Where the committed benchmark results live in a checkout; absent from an installed wheel.
 DEFAULT_BENCHMARKS_DIR = Path(__file__).resolve().parents[2] / "docs" / "benchmarks"
-# The page handles an API key: it runs only its own scripts, talks only to this gateway, and is framed by nobody.
+# The page handles an API key: it runs only its own scripts, talks only to this gateway, and is framed by nobody
+# (nosniff, as every response has, comes from http_plumbing/request_context.py).
 _PAGE_HEADERS = {
     "content-security-policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
                                "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'",
     "referrer-policy": "no-referrer",
-    "x-content-type-options": "nosniff",
     "cache-control": "no-cache",
 }
 _PUBLIC = {"exclude_from_auth": True}

@@ -37,6 +37,17 @@ def test_every_response_has_a_request_id(api, method, path, body):
     response = api.request(method, path, json=body)
 
     assert re.fullmatch(r"[0-9a-f]{32}", response.headers["x-request-id"])
+    assert response.headers.get_list("x-content-type-options") == ["nosniff"]  # JSON that echoes input is no page
+
+
+@pytest.mark.parametrize("path", ["/v1/models", "/health", "/metrics", "/dashboard"])
+def test_head_is_answered_as_get_without_a_body(api, path):
+    """HEAD on a GET route was a 405."""
+    got, head = api.get(path), api.head(path)
+
+    assert head.status_code == got.status_code == 200
+    assert head.content == b"" and head.headers["content-type"] == got.headers["content-type"]
+    assert api.head("/v1/chat/completions").status_code == 405  # a POST-only route still is
 
 
 def test_request_ids_differ_per_request(api):
