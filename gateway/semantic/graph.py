@@ -105,13 +105,16 @@ class Variable:
         if not self._announced.is_set():
             await asyncio.wait_for(self._announced.wait(), timeout_s)
 
-    async def get(self, timeout_s: float) -> str:
+    async def get(self, timeout_s: float, *, waited_s: float | None = None) -> str:
+        """Its value once ready; NotReady after ``timeout_s``, naming ``waited_s`` (the whole wait, when
+        ``timeout_s`` is what was left of it) as how long it waited."""
         try:
             if not self.ready:  # wait_for with no time left times out even on a set event
                 await asyncio.wait_for(self._ready.wait(), timeout_s)
         except asyncio.TimeoutError:
             who = f"its producer {self.producer.id} has not finished" if self.producer else "nothing produces it"
-            raise NotReady(f"variable {self.label} was not ready within {timeout_s:g}s: {who}",
+            waited = timeout_s if waited_s is None else waited_s
+            raise NotReady(f"variable {self.label} was not ready within {waited:g}s: {who}",
                            code="variable_timeout", error_type="timeout") from None
         if self.error is not None:
             raise VariableFailed(self.error)
@@ -214,11 +217,12 @@ class Call:
             peers |= {v.producer for v in consumer.inputs.values() if v.producer and v.producer.task}
         return peers
 
-    async def _values(self, input_timeout_s: float) -> dict[str, str]:
+    async def _values(self, deadline: float, input_timeout_s: float) -> dict[str, str]:
+        """Its inputs' values, all bound by ``deadline`` (``input_timeout_s`` after it was started)."""
         values = {}
         for name, variable in self.inputs.items():
             try:
-                values[name] = await variable.get(input_timeout_s)
+                values[name] = await variable.get(max(0.0, deadline - time.monotonic()), waited_s=input_timeout_s)
             except VariableFailed as exc:
                 raise VariableFailed(f"input {variable.label} failed: {_clipped(str(exc))}") from None
         return values
@@ -252,7 +256,7 @@ class Call:
             else:
                 results = None
             if results is None:
-                values = await self._values(max(0.0, deadline - time.monotonic()))
+                values = await self._values(deadline, input_timeout_s)
                 self.join_group()
                 self.mark_running()
                 results = await self.work(self, values)

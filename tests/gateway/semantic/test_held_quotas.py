@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engines.builtin.config import EngineConfig
 from engines.builtin.http_app import create_app as create_engine_app
 from gateway.app import create_app as create_gateway_app
-from gateway.config import AuthConfig, BuiltinConfig, EnginesConfig, GatewayConfig, QuotasConfig
+from gateway.config import AuthConfig, BuiltinConfig, EnginesConfig, GatewayConfig, QuotasConfig, SemanticConfig
 from tests.conftest import wait_until
 
 MODEL = "tiny"
@@ -24,17 +24,22 @@ def system(topic: str) -> str:
     return (f"You are the assistant of a small museum, answering visitors' questions about {topic}. " * 4)[:300]
 
 
-@pytest.fixture
-def gateway(serve, tiny_model_dir) -> str:
+def engine_and_gateway(serve, tiny_model_dir, **sections) -> str:
+    """A tiny engine and a keyed gateway it is registered with; returns the gateway's URL."""
     engine = serve(create_engine_app(EngineConfig(model=str(tiny_model_dir), num_blocks=128), model_name=MODEL))
     url = serve(create_gateway_app(GatewayConfig(
         builtin=BuiltinConfig(enabled=False), auth=AuthConfig(api_keys=[ALICE, BOB]),
-        engines=EnginesConfig(registration_secret="s", heartbeat_timeout_s=600.0),
-        quotas=QuotasConfig(keys={ALICE: {"pinned_prefix_tokens": PINNED_QUOTA}}))))
+        engines=EnginesConfig(registration_secret="s", heartbeat_timeout_s=600.0), **sections)))
     registered = httpx.post(f"{url}/v1/engines", json={"name": MODEL, "url": engine, "models": [MODEL]},
                             headers={"authorization": "Bearer s"})
     assert registered.status_code == 201, registered.text
     return url
+
+
+@pytest.fixture
+def gateway(serve, tiny_model_dir) -> str:
+    return engine_and_gateway(serve, tiny_model_dir,
+                              quotas=QuotasConfig(keys={ALICE: {"pinned_prefix_tokens": PINNED_QUOTA}}))
 
 
 def metric(client: httpx.Client, name: str) -> float:
@@ -74,3 +79,19 @@ def test_prefixes_held_ahead_of_waiting_calls_count_against_their_keys_pinned_to
     for client, session in ((alice, alices), (bob, bobs)):
         assert client.delete(f"/v1/sessions/{session}").status_code == 200
     wait_until(lambda: metric(alice, "parrot:pinned_prefix_tokens") == 0, timeout_s=30)
+
+
+@pytest.mark.timeout(300)
+def test_a_call_whose_input_never_comes_says_how_long_it_waited(serve, tiny_model_dir):
+    """Its wait on the engine ahead of its input counted against the same timeout, and the message said
+    "within 0s" (what was left of it)."""
+    url = engine_and_gateway(serve, tiny_model_dir, semantic=SemanticConfig(input_timeout_s=1.5))
+    alice = httpx.Client(base_url=url, headers={"authorization": f"Bearer {ALICE}"}, timeout=60)
+    never = alice.post("/v1/vars", json={"name": "m"}).json()["id"]
+    answer = alice.post("/v1/chat/completions", json={
+        "model": MODEL, "max_tokens": 4, "messages": [{"role": "system", "content": system("maps")},
+                                                      {"role": "user", "content": "{{m}}"}],
+        "parrot": {"vars": {"m": {"id": never}}}})
+
+    assert answer.status_code == 504, answer.text
+    assert "was not ready within 1.5s: nothing produces it" in answer.json()["error"]["message"]
