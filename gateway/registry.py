@@ -109,6 +109,7 @@ class EngineRegistry:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._records: dict[str, EngineRecord] = {}
         self._secrets = [s.encode() for s in registration_secrets if s]  # what registering engines present
+        self._configured = bool(self._secrets)  # a [engines] registration_secret, for remote engines
         self._expected: set[str] = set()  # models of engines being started (not registered yet)
         self._on_removed: list[Callable[[str], None]] = []
 
@@ -127,8 +128,9 @@ class EngineRegistry:
         self._secrets.append(secret.encode())
 
     def registration_open(self) -> bool:
-        """Whether any engine may register at all (some secret is configured)."""
-        return bool(self._secrets)
+        """Whether remote engines may register (a secret is configured); the engines the gateway starts
+        register with secrets of their own (``allow_secret``), which open it to nobody else."""
+        return self._configured
 
     def secret_accepted(self, presented: str) -> bool:
         presented_bytes = presented.encode()

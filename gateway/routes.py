@@ -112,10 +112,11 @@ def _require_json(connection: ASGIConnection, _: BaseRouteHandler) -> None:
 
 def _require_engine_secret(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
     registry = connection.app.state.gateway.registry
-    if not registry.registration_open():
-        raise APIError(403, "Engine registration is disabled: set [engines] registration_secret "
-                            "(PARROT_ENGINE_SECRET) on the gateway and the engine.", code="engine_registration_disabled")
     if not registry.secret_accepted(_bearer(connection)):
+        if not registry.registration_open():  # only the gateway's own engines may register
+            raise APIError(403, "Engine registration is disabled: set [engines] registration_secret "
+                                "(PARROT_ENGINE_SECRET) on the gateway and the engine.",
+                           code="engine_registration_disabled")
         raise APIError(401, "Engine registration needs the engine secret as 'Authorization: Bearer SECRET'.",
                        code="invalid_engine_secret")
     _require_json(connection, handler)

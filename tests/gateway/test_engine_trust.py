@@ -90,6 +90,25 @@ def test_an_open_gateway_without_a_secret_refuses_every_registration(http, start
     assert seen == []
 
 
+def test_a_gateway_whose_only_engines_are_its_own_answers_registration_403(http, serve, fake_url, attacker):
+    """`parrot serve` with no [engines] registration_secret: its builtin engine registers with a secret of its
+    own, and anyone else is told registration is disabled (403, as the README says), not 401."""
+    from gateway.app import create_app
+    from gateway.config import UpstreamConfig
+    from tests.gateway.conftest import gateway_config
+
+    app = create_app(gateway_config([UpstreamConfig(model=MODEL, base_url=f"{fake_url}/v1")]))
+    gateway = serve(app)
+    app.state.gateway.registry.allow_secret("own-engine-secret")  # as the supervisor does for its engine
+    attacker_url, _ = attacker
+
+    guessed = register(http, gateway, attacker_url, "a-guess")
+    own = register(http, gateway, attacker_url, "own-engine-secret")
+
+    assert guessed.status_code == 403 and guessed.json()["error"]["code"] == "engine_registration_disabled"
+    assert own.status_code == 201, own.text
+
+
 def test_registration_takes_json_only(http, secured, attacker):
     attacker_url, _ = attacker
     as_text = http.post(f"{secured}/v1/engines", content=json.dumps({**STEAL, "url": attacker_url}),
