@@ -304,15 +304,21 @@ class Session:
         self.prefix_keys: set[str] = set()  # shared prefixes this session pinned on engines
         self.closed = False
         self.cancelled_tasks: list[asyncio.Task] = []  # its calls' tasks, cancelled when it closed
+        self._made_by_request: int | None = None  # inside undo_on_error: how many variables its request made
 
     def new_variable(self, name: str | None = None, value: str | None = None) -> Variable:
         limit = self.limits.variables_per_session
         if not self.default and limit is not None and len(self.variables) >= limit:
+            if self._made_by_request is not None and self._made_by_request >= limit:
+                raise Invalid(f"this request makes more than {limit} variables, this API key's quota for a "
+                              "whole session: it can never fit; split it", code="too_many_variables")
             raise QuotaExceeded(f"session {self.id} already holds {limit} variables, this API key's quota; "
                                 "delete sessions you no longer need", code="variables_quota_exceeded")
         size = self.reserve_bytes(value) if value is not None else 0
         variable = Variable(self, name, value)
         variable.size = size
+        if self._made_by_request is not None:
+            self._made_by_request += 1
         self.variables[variable.id] = variable
         self._index[variable.id] = variable
         if self.max_variables is not None and len(self.variables) > self.max_variables:
@@ -400,6 +406,7 @@ class Session:
         must not await, so the calls' tasks have not begun). Yields a set that holds, after the block, the ids
         of the variables it made."""
         before, calls_before, made = set(self.variables), set(self.calls), set()
+        self._made_by_request = 0
         try:
             yield made
         except BaseException:
@@ -409,6 +416,8 @@ class Session:
                     call.task.cancel()
             self._forget(self.variables.keys() - before)
             raise
+        finally:
+            self._made_by_request = None
         made |= self.variables.keys() - before
 
     def forget(self, var_ids: Iterable[str]) -> None:

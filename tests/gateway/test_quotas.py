@@ -320,3 +320,21 @@ def test_calls_waiting_on_inputs_count_against_their_keys_pending_calls(start_ga
 
     again = http.post(f"{url}/v1/sessions", headers=auth(ALICE)).json()["id"]
     wait_until(lambda: queue(ALICE, again).status_code == 202)
+
+
+def test_a_request_that_can_never_fit_a_session_is_a_400_not_a_429(start_gateway, http):
+    """More variables than a whole session may hold, in one request: no retry can help (it was a 429)."""
+    url = start_gateway(auth=KEYS, quotas=QuotasConfig(variables_per_session=3))
+    session = http.post(f"{url}/v1/sessions", headers=auth(ALICE)).json()["id"]
+    names = ["a", "b", "c", "d"]
+
+    too_many = chat(http, url, ALICE, messages=[{"role": "user", "content": " ".join("{{%s}}" % n for n in names)}],
+                    parrot={"session_id": session, "vars": {n: {"value": n} for n in names}})
+    assert_quota_error(too_many, 400, "too_many_variables")
+    assert http.get(f"{url}/v1/sessions/{session}/vars", headers=auth(ALICE)).json()["data"] == []
+
+    for name in ("x", "y"):
+        http.post(f"{url}/v1/vars", json={"session_id": session, "name": name}, headers=auth(ALICE))
+    fits_alone = chat(http, url, ALICE, messages=[{"role": "user", "content": "{{a}}"}],
+                      parrot={"session_id": session, "vars": {"a": {"value": "a"}}})
+    assert_quota_error(fits_alone, 429, "variables_quota_exceeded")  # it would fit once others are deleted
