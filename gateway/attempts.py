@@ -81,8 +81,8 @@ class Attempts:
         self._tried[record.id] = exc
         if exc.retry_after_s is not None and exc.retry_after_s > self._routing.retry_max_backoff_s:
             self._skipped.add(record.id)
-        logger.warning("attempt %d on engine %r for model %r failed: %s", self._tries, record.engine.name,
-                       self._models[self._at], exc)
+        logger.warning("attempt %d on engine %r for model %r failed: %s%s", self._tries, record.engine.name,
+                       self._models[self._at], exc, f" ({exc.__cause__!r})" if exc.__cause__ else "")
         return True
 
     def _choose(self) -> EngineRecord | None:

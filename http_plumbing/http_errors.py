@@ -51,8 +51,8 @@ def engine_error_body(exc: Exception) -> ErrorBody:
 
 
 def handle_engine_error(_: Request, exc: EngineError) -> Response:
-    if exc.status_code >= 500:
-        log.warning("engine error: %s", exc)
+    if exc.status_code >= 500:  # with its cause: what the client is not told (an address, a socket error)
+        log.warning("engine error: %s%s", exc, f" ({exc.__cause__!r})" if exc.__cause__ else "")
     # An engine's own pause request (a 429's retry-after) reaches the client, whose SDK honours it.
     retry_after = getattr(exc, "retry_after_s", None)
     headers = {"retry-after": str(max(1, round(retry_after)))} if retry_after is not None else None

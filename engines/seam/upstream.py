@@ -34,17 +34,19 @@ _DRAIN_S = 1.0
 
 @contextlib.contextmanager
 def translate_errors(name: str) -> Iterator[None]:
-    """The one place httpx failures become engine errors."""
+    """The one place httpx failures become engine errors. Their messages reach clients: they name the engine,
+    never its address (httpx's own text does: "cannot connect to 10.0.0.7:8001"), which stays in
+    the cause the gateway logs."""
     try:
         yield
     except httpx.TimeoutException as exc:
         if isinstance(exc, (httpx.ConnectTimeout, httpx.PoolTimeout)):
-            raise EngineUnavailable(f"engine {name!r} could not be reached: {exc!r}") from exc
+            raise EngineUnavailable(f"engine {name!r} could not be reached (timed out connecting)") from exc
         raise EngineTimeout(f"engine {name!r} timed out") from exc
     except (httpx.ConnectError, httpx.UnsupportedProtocol) as exc:
-        raise EngineUnavailable(f"engine {name!r} could not be reached: {exc}") from exc
+        raise EngineUnavailable(f"engine {name!r} could not be reached") from exc
     except httpx.TransportError as exc:
-        raise EngineError(f"engine {name!r} failed mid-response: {exc!r}") from exc
+        raise EngineError(f"engine {name!r} failed mid-response") from exc
 
 
 class NoCookies(http.cookiejar.CookieJar):

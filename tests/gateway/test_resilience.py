@@ -190,6 +190,19 @@ def test_a_sole_upstream_that_failed_is_tried_again_on_the_next_request(http, st
     assert answer(http.post(f"{url}/v1/chat/completions", json=CHAT)) == "echo: hello"
 
 
+def test_an_unreachable_engine_is_a_502_that_does_not_show_its_address(http, start_gateway):
+    """The engine's name, not where it listens: httpx's text ("cannot connect to 127.0.0.1:PORT")
+    reached clients once."""
+    port = free_port()  # nothing listens there
+    url = start_gateway([UpstreamConfig(model=MODEL, base_url=f"http://127.0.0.1:{port}/v1", name="primary")],
+                        routing=RoutingConfig(num_retries=0, health_check_interval_s=0))
+
+    refused = http.post(f"{url}/v1/chat/completions", json=CHAT)
+
+    assert refused.status_code == 502 and refused.json()["error"]["code"] == "upstream_unavailable"
+    assert "primary" in refused.text and "127.0.0.1" not in refused.text and str(port) not in refused.text
+
+
 def test_breaker_opens_after_failures_and_lets_one_probe_through_after_the_cooldown(
         http, start_gateway, upstream, wait_until):
     flaky, steady = Scripted(*[500] * 100), Scripted()
