@@ -4,6 +4,8 @@ engines' errors, all answered as OpenAI error objects through http_plumbing/http
 
 from __future__ import annotations
 
+import re
+
 import msgspec
 from litestar import Request, Response
 
@@ -78,9 +80,18 @@ def handle_invalid_request(_: Request, exc: InvalidRequest) -> Response:
     return error_response(400, ErrorBody(message=str(exc), type="invalid_request_error", param=exc.param))
 
 
-def body_error(exc: msgspec.DecodeError | UnicodeDecodeError) -> APIError:
-    """A 400 for a request body that is not JSON, or not of the expected shape (``param`` names the field)."""
+# A \\uD800-\\uDBFF escape not followed by a \\uDC00-\\uDFFF one, or one of those alone: no Unicode character.
+_LONE_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+                             rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+
+
+def body_error(exc: msgspec.DecodeError | UnicodeDecodeError, raw: bytes = b"") -> APIError:
+    """A 400 for a request body (``raw``) that is not JSON, or not of the expected shape (``param`` names
+    the field)."""
     message = str(exc)
+    if message == "Input data was truncated" and (lone := _LONE_SURROGATE.search(raw)):
+        # msgspec's words for a lone surrogate escape, which the body's end has nothing to do with
+        message = f"a string holds {lone.group().decode()}, half of a surrogate pair: not a Unicode character"
     if not isinstance(exc, msgspec.ValidationError):
         return APIError(400, f"We could not parse the JSON body of your request ({message}). "
                              "The API expects a JSON object.")

@@ -105,7 +105,7 @@ def parse(raw: bytes, schema: type[OpenAIRequest]) -> tuple[OpenAIRequest, dict]
         body = msgspec.json.decode(raw)
         data = msgspec.convert(body, schema)
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # not JSON, invalid UTF-8, or the wrong shape
-        raise body_error(exc) from None
+        raise body_error(exc, raw) from None
     body.pop("parrot", None)
     return data, body
 

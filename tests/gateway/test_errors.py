@@ -84,6 +84,17 @@ def test_body_that_is_not_utf8(api):
     assert_openai_error(response, 400)
 
 
+@pytest.mark.parametrize("escape", [rb"\ud800", rb"\udc00", rb"x\ud83dy"])
+def test_a_lone_surrogate_is_named_as_such(api, escape):
+    """msgspec says "Input data was truncated" of a whole body holding one."""
+    body = b'{"model": "fake-model", "messages": [{"role": "user", "content": "' + escape + b'"}]}'
+    error = assert_openai_error(api.post("/v1/chat/completions", content=body,
+                                         headers={"content-type": "application/json"}), 400)
+    assert "surrogate" in error["message"] and "truncated" not in error["message"]
+    paired = b'{"model": "fake-model", "messages": [{"role": "user", "content": "\\ud83d\\ude00"}]}'
+    assert api.post("/v1/chat/completions", content=paired, headers={"content-type": "application/json"}).status_code == 200
+
+
 def test_other_methods_on_the_openai_endpoints(api):
     get = api.get("/v1/chat/completions")
     options = api.options("/v1/completions")
