@@ -4,7 +4,10 @@ It launches `parrot serve` (gateway + builtin SmolLM2 engine, as benchmarks/apps
 ``--clients`` concurrent clients, each looping over a mix of: plain chat, streamed chat, streamed
 chat dropped by the client after its first chunk, a two-call semantic DAG (the parrot extension with
 ``wait: false``, the second call reading the first's output variable, then a variable read) and a
-``/v1/semantic_calls`` template. Every ``--kill-every-s`` the engine process (a child of the gateway)
+``/v1/semantic_calls`` template, and one of the attacks an adversarial probe once got through (#57: an
+inline chain 100 calls deep, a call pinning a long prefix on a variable nobody produces, a 100 KB header,
+HEAD, a lone surrogate, a registration under another spelling of the engine's address), each of which
+must get its expected answer. Every ``--kill-every-s`` the engine process (a child of the gateway)
 is SIGKILLed; the gateway must survive and its supervisor must bring the engine back.
 
 Halfway between kills the clients pause ("quiet period"): once nothing is in flight and the engine
@@ -129,7 +132,10 @@ class Traffic:
         self.var_timeout_s, self.rng = var_timeout_s, rng
         self.kinds: dict[str, Callable[[], Awaitable[None]]] = {
             "chat": self.chat, "stream": self.stream, "disconnect": self.disconnect, "dag": self.dag,
-            "semantic_call": self.semantic_call}
+            "semantic_call": self.semantic_call, "probe": self.probe}
+        self.attacks: dict[str, Callable[[], Awaitable[None]]] = {
+            "nested_chain": self._nested_chain, "pinning": self._pinning, "huge_header": self._huge_header,
+            "head": self._head, "lone_surrogate": self._lone_surrogate, "alias_registration": self._alias_registration}
 
     def _chat_body(self, content: str, **extra: Any) -> dict[str, Any]:
         return {"model": self.model, "max_tokens": self.max_tokens, "temperature": 0,
@@ -203,6 +209,62 @@ class Traffic:
 
     async def _close(self, session: str) -> None:
         _check(await self.client.delete(f"/v1/sessions/{session}"))
+
+    # ------------------------------------------------------------ the probe's attacks (#57)
+
+    async def probe(self) -> None:
+        """One of the attacks, chosen at random; it must get the answer the fix gives it."""
+        name = self.rng.choice(sorted(self.attacks))
+        await self.attacks[name]()
+
+    @staticmethod
+    def _expect(name: str, response: httpx.Response, status: int, needle: str = "") -> None:
+        if response.status_code != status or needle not in response.text:
+            raise Failure(f"probe_{name}", f"expected {status} {needle!r}, got {response.status_code}: {response.text[:200]}")
+
+    async def _nested_chain(self) -> None:
+        binding: dict[str, Any] = {"value": "bottom"}
+        for _ in range(100):
+            binding = {"call": self._chat_body("step {{c}}", parrot={"vars": {"c": binding}})}
+        response = await self.client.post("/v1/chat/completions", json=self._chat_body("top {{c}}", parrot={
+            "vars": {"c": binding}}))
+        self._expect("nested_chain", response, 400, "max_inline_depth")
+
+    async def _pinning(self) -> None:
+        """A long prefix pinned for a call whose input never comes; deleting its session ends it."""
+        session = await self._session()
+        try:
+            never = _check(await self.client.post("/v1/vars", json={"session_id": session}), 201)["id"]
+            system = " ".join(self.rng.choice(TOPICS) for _ in range(1400))
+            body = self._chat_body("{{m}}", parrot={"session_id": session, "wait": False, "vars": {"m": {"id": never}}})
+            body["messages"].insert(0, {"role": "system", "content": system})
+            self._expect("pinning", await self.client.post("/v1/chat/completions", json=body), 202)
+        finally:
+            await self._close(session)
+
+    async def _huge_header(self) -> None:
+        response = await self.client.get("/v1/models", headers={"x-probe": "a" * 100_000})
+        self._expect("huge_header", response, 431, "request_header_fields_too_large")
+
+    async def _head(self) -> None:
+        response = await self.client.head("/v1/models")
+        self._expect("head", response, 200)
+        if response.content or response.headers.get("x-content-type-options") != "nosniff":
+            raise Failure("probe_head", f"a body of {len(response.content)} bytes, headers {dict(response.headers)}")
+
+    async def _lone_surrogate(self) -> None:
+        body = b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}'
+        response = await self.client.post("/v1/chat/completions", content=body,
+                                          headers={"content-type": "application/json"})
+        self._expect("lone_surrogate", response, 400, "surrogate")
+
+    async def _alias_registration(self) -> None:
+        """The engine's address spelled otherwise, without the gateway's secret: refused, never taken."""
+        engines = _check(await self.client.get("/v1/engines"))
+        port = engines[0]["url"].rsplit(":", 1)[1] if engines and engines[0]["url"] else "1"
+        response = await self.client.post("/v1/engines", json={"name": "alias", "url": f"http://localhost:{port}",
+                                                               "models": [self.model]})
+        self._expect("alias_registration", response, 403, "engine_registration_disabled")
 
 
 # ---------------------------------------------------------------- the run
