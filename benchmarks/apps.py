@@ -90,8 +90,12 @@ def served(args: argparse.Namespace, out: Path) -> Iterator[str]:
 class LaunchedGateway:
     """A ``parrot serve`` process (gateway + builtin engine) on free ports, stopped by ``close``."""
 
-    def __init__(self, model: str, engine_args: list[str], log_path: Path, ready_timeout_s: float):
+    def __init__(self, model: str, engine_args: list[str], log_path: Path, ready_timeout_s: float, *,
+                 env: dict[str, str] | None = None, cwd: str | None = None, api_key: str | None = None):
+        """``env``: more variables for the process (client keys); ``cwd``: the checkout whose code it runs
+        (``python -m`` imports from there); ``api_key``: one of its client keys, to see it serving."""
         self.port, engine_port = free_port(), free_port()
+        self._headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.url = f"http://127.0.0.1:{self.port}/v1"
         command = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(self.port),
                    "--engine-port", str(engine_port), "--log-level", "warning"]
@@ -104,8 +108,8 @@ class LaunchedGateway:
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log = log_path.open("wb")
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=cwd,
                                         start_new_session=True)  # its engine child shares the group
         try:
             self._wait_serving(model, ready_timeout_s)
@@ -122,7 +126,7 @@ class LaunchedGateway:
             if self._engine_exited():
                 raise RuntimeError(f"the builtin engine of parrot serve exited; see {self.log_path}")
             try:
-                listed = httpx.get(f"{self.url}/models", timeout=2).json().get("data", [])
+                listed = httpx.get(f"{self.url}/models", headers=self._headers, timeout=2).json().get("data", [])
                 if any(entry.get("id") == model for entry in listed):
                     return
             except (httpx.HTTPError, ValueError):
