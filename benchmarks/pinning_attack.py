@@ -100,8 +100,11 @@ def attack(client: httpx.Client, root: str, model: str, args: argparse.Namespace
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     log = Path(args.out).with_suffix(".serve.log")
-    gateway = LaunchedGateway(args.model, args.engine_args.split(), log, args.start_timeout,
-                              env={"PARROT_API_KEYS": f"{ATTACKER},{VICTIM}"}, cwd=args.source, api_key=VICTIM)
+    env = {"PARROT_API_KEYS": f"{ATTACKER},{VICTIM}"}
+    if args.source:  # its code, not this checkout's, whatever PYTHONPATH this script runs with
+        env["PYTHONPATH"] = str(Path(args.source).resolve())
+    gateway = LaunchedGateway(args.model, args.engine_args.split(), log, args.start_timeout, env=env, cwd=args.source,
+                              api_key=VICTIM)
     root = gateway.url.removesuffix("/v1")
     try:
         with httpx.Client(timeout=args.request_timeout) as client:
