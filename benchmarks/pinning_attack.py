@@ -78,8 +78,11 @@ def victim_chat(client: httpx.Client, root: str, model: str, args: argparse.Name
     start = time.perf_counter()
     response = client.post(f"{root}/v1/chat/completions", json=body, headers=auth(VICTIM))
     seconds = time.perf_counter() - start
-    response.raise_for_status()
-    return {"seconds": round(seconds, 3), "prompt_tokens": response.json()["usage"]["prompt_tokens"]}
+    if response.status_code != 200:  # a failure is a result too (before #57: a 504 after request_timeout_s)
+        print(f"victim chat {seed}: {response.status_code} after {seconds:.1f}s: {response.text[:200]}", flush=True)
+        return {"seconds": round(seconds, 3), "status": response.status_code, "error": response.text[:300]}
+    print(f"victim chat {seed}: {seconds:.2f}s", flush=True)
+    return {"seconds": round(seconds, 3), "status": 200, "prompt_tokens": response.json()["usage"]["prompt_tokens"]}
 
 
 def attack(client: httpx.Client, root: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
