@@ -90,6 +90,18 @@ def engine(tiny_model_dir, gateway, tmp_path_factory) -> Iterator[EngineProcess]
         process.close()
 
 
+def test_a_scraper_reads_metrics_and_health_without_the_secret_and_nothing_else(engine):
+    """What `parrot serve` users point Prometheus at: the engine's /metrics and /health answer without the
+    per-start secret they never see (they carry no prompt); every other route still wants it."""
+    metrics = httpx.get(f"{engine.url}/metrics")
+    assert metrics.status_code == 200
+    assert "vllm:num_requests_running" in samples(metrics.text)  # parsed by prometheus_client
+    assert httpx.get(f"{engine.url}/health").status_code == 200
+    for path in ("/v1/stats", "/v1/models"):
+        refused = httpx.get(f"{engine.url}{path}")
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_engine_secret"
+
+
 def completion(http: httpx.Client, base: str, max_tokens: int, **extra: Any) -> dict:
     response = http.post(f"{base}/v1/completions", json={
         "model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **extra})
