@@ -164,7 +164,7 @@ def _same_prefixes_shared(rows: NativeRows, block_size: int) -> NativeRows:
     read all the prompt's keys and values for a few rows. 16 forks' chunks of 3 new tokens over 896 shared tokens,
     one call of SmolLM2's heads on 2 threads: 0.62x the time in fp32, 0.50x in bf16; of 20 new tokens 1.00x and
     0.92x (fp32's tiles were 16 tokens then, full already; ``python -m benchmarks.fork_prefill``,
-    docs/benchmarks/fork_prefill.json). Prefixes that only begin alike (a fork's own cached block after the shared
+    docs/benchmarks/fork_prefill.json, in git before 8792654). Prefixes that only begin alike (a fork's own cached block after the shared
     ones) stay apart."""
     lengths = rows.prefix_len.tolist()
     with_length: dict[int, list[int]] = {}

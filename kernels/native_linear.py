@@ -13,7 +13,7 @@ Every row count stays on the kernel, fp32 too, so no copy of the weights is kept
 32 rows or more had gone to torch's F.linear (MKL), which ran them 1.4-1.85x faster than the kernel's multiply-adds
 then. Once each row's input was broadcast from memory (native/common.h's splat), on this Emerald Rapids host
 (2 cores, 30 layers' weights, alternating in one process; ``python benchmarks/kernels.py --cpu``, two runs,
-docs/benchmarks/kernels_cpu_fp32_rows.txt):
+docs/benchmarks/kernels_cpu_fp32_rows.txt, in git before 8792654):
 - the plain kernel ran 1.53-1.63x MKL's speed at 32 rows, 1.13-1.38x at 64-256, 0.89x and 1.01x at 1,000;
 - the gated kernel ran 1.05-1.22x MKL's linear, silu and multiply from 64 to 1,000 rows;
 - an eager fp32 engine's whole prefill step took 0.98x the time (1,000 tokens) and 0.93x (300 tokens) with every
@@ -23,7 +23,7 @@ In an earlier run (30 layers' weights, one process, alternating) the plain kerne
 1,000 rows: level within this host's noise. A later session there found MKL 1.1-1.25x faster on the plain
 linears at 1,024 rows (one process, alternating). A prefill's rows are now interleaved for the passes and their
 output lines asked for first (native/linear.cpp's interleaved_rows, ask_for_output): a layer's 1,024-row linears
-0.92x the time in a kernel A/B (docs/benchmarks/kernel_revisions_interleaved_rows_fp32.json); against MKL in a
+0.92x the time in a kernel A/B (docs/benchmarks/kernel_revisions_interleaved_rows_fp32.json, in git before 8792654); against MKL in a
 run minutes later, 0.84-1.14x its rate on the plain ones and 1.2-1.3x on the gated one (one core and two).
 bf16 keeps the kernel at every row count too: its tiles (AMX) were level with or ahead of oneDNN.
 """
