@@ -63,7 +63,7 @@ def tokens_detail(data: dict[str, Any]) -> list[str]:
     limits = data.get("machine_limits") or []
     if limits:
         reads = ", ".join(f"{m['stream_gb_s']:.1f}" for m in limits)
-        gemms = ", ".join(f"{m['gemm_gflop_s']:.0f}" for m in limits)
+        gemms = ", ".join(f"{m['gemm_gflop_s']:.3g}" for m in limits)
         lines += ["", f"Machine limits measured in the same run (before and after the rounds): a plain read "
                       f"{reads} GB/s, {limits[0]['dtype']} GEMM {gemms} GFLOP/s."]
     return lines
