@@ -115,7 +115,8 @@ class SemanticConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class DashboardConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The live view at /dashboard."""
 
-    # Benchmark plots (*.png) the page shows; None: docs/benchmarks of the checkout the gateway runs from.
+    # The current benchmark results the page shows: those its current.json lists (python -m benchmarks.report),
+    # with their plots; None: docs/benchmarks of the checkout the gateway runs from.
     benchmarks_dir: str | None = None
 
 

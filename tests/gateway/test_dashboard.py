@@ -8,6 +8,7 @@ its graph is deterministically all waiting; once it is set, every map becomes re
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -35,7 +36,8 @@ ARTIFACTS = REPO / "artifacts" / "dashboard"  # gitignored: screenshots to look 
 
 @pytest.fixture(scope="module")
 def benchmarks_dir(tmp_path_factory) -> Path:
-    """A benchmarks folder holding one real PNG plot (drawn by matplotlib, as the benchmarks draw theirs)."""
+    """A benchmarks folder holding one current result with a real PNG plot (drawn by matplotlib, as the benchmarks
+    draw theirs), listed in current.json as benchmarks/report.py lists them, and a stray plot the panel ignores."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -46,8 +48,12 @@ def benchmarks_dir(tmp_path_factory) -> Path:
     axes.plot([1, 2, 3], [3, 1, 2], marker="o")
     axes.set_title("example benchmark")
     figure.savefig(directory / "example.png", dpi=80)
+    figure.savefig(directory / "superseded.png", dpi=80)
     plt.close(figure)
     (directory / "notes.txt").write_text("not a plot")
+    (directory / "current.json").write_text(json.dumps({"results": [
+        {"what": "example throughput", "vs": "a baseline", "ratio": "1.23x", "host": "test host", "date": "2026-12-01",
+         "command": "python -m benchmarks.example", "json": "example.json", "png": "example.png"}]}))
     return directory
 
 
@@ -244,6 +250,7 @@ def test_dashboard_page_draws_the_live_dag_in_chromium(gateway, alice):
             expect(page.locator(f'#sessions li[data-session-id="{job["session"]}"]')).to_have_class("selected")
             expect(page.locator("#engines tbody tr[data-engine-id]")).to_have_count(1)
             expect(page.locator("#benchmarks img")).to_have_count(1)
+            expect(page.locator("#benchmarks figcaption")).to_contain_text("1.23x example throughput, vs a baseline")
             page.wait_for_function("() => document.querySelector('#benchmarks img').naturalWidth > 0")
             waiting_shot = ARTIFACTS / "dashboard_waiting.png"
             page.screenshot(path=str(waiting_shot), full_page=True)
