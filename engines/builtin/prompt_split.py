@@ -50,7 +50,7 @@ def _values_render_verbatim(request: PromptSplitRequest, render_chat: RenderChat
     if request.route == "completions":
         return True
     padded = _marked_prompt(request.route, request.body, render_chat, around=" \n")
-    return all(f" \n{_OPEN}{name}{_CLOSE} \n" in padded for name in _MARKER.findall(padded))
+    return all(f" \n{_OPEN}{name}{_CLOSE} \n" in padded for name in _MARKER.findall(padded) if name)
 
 
 def _marked_prompt(route: Route, body: dict[str, Any], render_chat: RenderChat, around: str = "") -> str:

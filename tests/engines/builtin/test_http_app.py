@@ -341,9 +341,11 @@ def test_forked_generation_leaves_the_parent_as_it_was(http):
 
 async def test_forks_sent_at_once_create_their_context_and_share_its_kv(http, base_url):
     baseline = settled_stats(http)
-    system = "You are a geography expert. Answer in one short sentence. " * 3
+    # Its end and the fork's start meet at a pre-token boundary (as a gateway cuts prefixes), so the prompt,
+    # their text as one text, keeps the context's tokens and the forks follow it.
+    system = ("You are a geography expert. Answer in one short sentence. " * 3).rstrip()
     context_id = f"prefix-{os.urandom(8).hex()}"
-    body = {"temperature": 0, "max_tokens": 8, "fork": True, "text": "Q: What is the capital of France?\nA:",
+    body = {"temperature": 0, "max_tokens": 8, "fork": True, "text": "\nQ: What is the capital of France?\nA:",
             "context_text": system}
     async with httpx.AsyncClient(base_url=base_url, timeout=30) as client:
         answers = [r.json() for r in await asyncio.gather(*(

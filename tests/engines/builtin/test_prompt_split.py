@@ -40,3 +40,11 @@ def test_a_template_that_trims_content_is_not_split():
     keep it, so the prompt would not be the one a plain request sends."""
     cut = split(TRIMMING, "Summarize:\n\n{{x}}")
     assert cut.prefix == "" and len(cut.rest) == 1
+
+
+def test_a_prompt_without_variables_is_cut_where_its_last_message_starts():
+    body = {"messages": [{"role": "system", "content": "You are a careful analyst of long reports. " * 3},
+                         {"role": "user", "content": "Summarize."}]}
+    cut = split_prompt(PromptSplitRequest("chat/completions", body), renderer(VERBATIM))
+    whole = renderer(VERBATIM)([ChatMessage(**message) for message in body["messages"]], None)
+    assert cut.prefix.endswith("<|user|>") and cut.prefix + cut.rest_with({}) == whole
