@@ -9,6 +9,7 @@ import sys
 import threading
 
 import httpx
+import msgspec
 import pytest
 from litestar import Litestar, Request, post
 
@@ -28,6 +29,28 @@ def test_flags_and_environment_override_defaults(monkeypatch):
     config = engine_config(args)
     assert (config.block_size, config.max_num_seqs, config.num_blocks, config.dtype) == (32, 4, 100, "bfloat16")
     assert args.port == 9
+
+
+@pytest.mark.parametrize("field", [f.name for f in msgspec.structs.fields(EngineConfig) if f.type is bool])
+def test_every_boolean_is_a_switch_with_a_no_form(field, monkeypatch):
+    """``--compile`` alone turns it on (it once wanted ``--compile true``, which still works), ``--no-compile``
+    off, and the command line wins over the environment either way."""
+    flag = field.replace("_", "-")
+    negated = field.removeprefix("enable_").replace("_", "-")
+    for argv, expected in (([f"--{flag}"], True), ([f"--{flag}", "true"], True), ([f"--{flag}", "false"], False),
+                           ([f"--no-{negated}"], False)):
+        assert getattr(engine_config(build_parser().parse_args(argv)), field) is expected, argv
+    monkeypatch.setenv(f"PARROT_ENGINE_{field.upper()}", "true")
+    assert getattr(engine_config(build_parser().parse_args([])), field) is True
+    assert getattr(engine_config(build_parser().parse_args([f"--no-{negated}"])), field) is False
+    monkeypatch.setenv(f"PARROT_ENGINE_{field.upper()}", "false")
+    assert getattr(engine_config(build_parser().parse_args([f"--{flag}"])), field) is True
+
+
+def test_access_log_switch_overrides_the_environment(monkeypatch):
+    monkeypatch.setenv("PARROT_ENGINE_ACCESS_LOG", "true")
+    assert build_parser().parse_args([]).access_log is True
+    assert build_parser().parse_args(["--no-access-log"]).access_log is False
 
 
 def test_invalid_engine_option_exits_with_a_message():
