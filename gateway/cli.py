@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _engine(argv: list[str]) -> None:
-    from engines.seam.launch import run_engine as engine_main
+    from engines.builtin.cli import main as engine_main
 
     engine_main(argv)
 
