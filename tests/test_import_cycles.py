@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 from collections import defaultdict
+from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,6 +37,7 @@ def _modules() -> dict[str, tuple[Path, bool]]:
     return modules
 
 
+@cache  # the source does not change during a run
 def package_dependencies() -> dict[tuple[str, str], list[str]]:
     """(package, package it imports) -> the importing places, as ``module:line``."""
     modules = _modules()

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from tests.conftest import asgi_app, serve_in_thread
+from tests.support.servers import asgi_app, serve_in_thread
 
 
 def test_aiohttp_connector_builds_its_protocols_with_its_private_factory():

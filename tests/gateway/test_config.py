@@ -119,6 +119,7 @@ def test_wrong_types_in_the_file_are_rejected(tmp_path):
         load_config(path, env={})
 
 
+@pytest.mark.subprocess
 def test_serve_help_runs():
     parrot = Path(sys.executable).with_name("parrot")  # the console script pyproject.toml installs
 
@@ -130,6 +131,7 @@ def test_serve_help_runs():
         assert flag in result.stdout
 
 
+@pytest.mark.subprocess
 def test_parrot_without_a_command_prints_usage():
     result = subprocess.run([sys.executable, "-m", "gateway.cli"], capture_output=True, text=True, timeout=60)
 

@@ -121,6 +121,7 @@ def test_inputs_it_cannot_take_are_refused_not_read():
         native_linear.native_linear(torch.randn(1, 32), weight, None)
 
 
+@pytest.mark.slow  # torch.compile
 def test_compiled_graph_calls_the_op(monkeypatch):
     weight = torch.randn(64, 32)
     packed = native_linear.pack(weight)

@@ -67,6 +67,7 @@ def test_served_model_names():
     assert served_model_name(EngineConfig(model="/models/phi.Q4_0.gguf")) == "phi.Q4_0"
 
 
+@pytest.mark.subprocess
 @pytest.mark.timeout(120)
 def test_engine_process_serves_and_registers_with_the_gateway(tiny_model_dir, serve, wait_until):
     registrations, heartbeats, secrets, tokens = [], [], set(), set()

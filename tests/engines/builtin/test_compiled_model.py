@@ -42,6 +42,8 @@ def mixed_prompts() -> list[list[int]]:
     return [torch.randint(3, 49152, (n,), generator=generator).tolist() for n in (5, 31, 64, 17)]
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow  # compiles in a process of its own
 def test_compiled_fp32_gives_the_eager_tokens_and_compiles_only_at_start(make_engine, tiny_model_dir):
     # A prompt alone whose first chunks want no logits (steps that sample no row: that their rows tensor was
     # made otherwise than a sampling step's once recompiled the graphs while serving), a batch of four
@@ -76,6 +78,8 @@ def test_compiled_fp32_gives_the_eager_tokens_and_compiles_only_at_start(make_en
 TIE_NATS = 0.5
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow  # compiles in a process of its own
 @pytest.mark.parametrize("scheme", ["int4", pytest.param("int8", marks=needs_grouped)])  # fbgemm's int8 does not compile
 def test_compiled_quantized_model_follows_the_eager_tokens_up_to_rounding_ties(make_engine, tiny_model_dir, scheme):
     batches = [mixed_prompts(), mixed_prompts()[2:3]]
@@ -94,6 +98,8 @@ def test_compiled_quantized_model_follows_the_eager_tokens_up_to_rounding_ties(m
             assert eager_pick - compiled_pick <= TIE_NATS, f"parted at {first}: {eager_pick:.3f} vs {compiled_pick:.3f}"
 
 
+@pytest.mark.subprocess
+@pytest.mark.slow  # compiles in a process of its own
 def test_a_second_compiled_model_runs_its_own_weights(make_engine, tiny_model_dir, smollm2_tokenizer_dir, tmp_path):
     """Each graph has its model's weights frozen in, and the guards inside the model are dropped: the
     forward's own number is what keeps one model's graph from running for another in the same process."""
@@ -112,7 +118,7 @@ def other_tiny_model(tokenizer_dir, directory):
 
     from transformers import LlamaForCausalLM
 
-    from tests.conftest import tiny_llama_config
+    from tests.support.models import tiny_llama_config
 
     torch.manual_seed(1)
     LlamaForCausalLM(tiny_llama_config()).save_pretrained(directory)

@@ -42,7 +42,7 @@ def fork(text_or_parts, **extra) -> dict:
     return body
 
 
-async def test_a_consumer_sent_first_runs_after_its_producers_ids_in_the_next_step(llm, base_url, context):
+async def test_a_consumer_sent_first_runs_after_its_producers_ids_in_the_next_step(smollm2_core, base_url, context):
     output_id = f"out-{os.urandom(6).hex()}"
     question, follow_up = "Q: Name one primary color.\nA:", "\nQ: Repeat the answer above in capitals.\nA:"
     async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
@@ -52,7 +52,7 @@ async def test_a_consumer_sent_first_runs_after_its_producers_ids_in_the_next_st
             {"text": "Earlier answer:"}, {"output_of": output_id}, {"text": follow_up}])))
         # The consumer waits on the engine (nothing produces its input yet), its text before the input
         # computed meanwhile.
-        lead = len(text_tokens(llm.tokenizer, "Earlier answer:"))
+        lead = len(text_tokens(smollm2_core.tokenizer, "Earlier answer:"))
         for _ in range(100):
             now = (await http.get("/v1/stats")).json()
             if now["prompt_tokens"] - stats["prompt_tokens"] == lead and now["running"] == now["waiting"] == 0:
@@ -65,9 +65,9 @@ async def test_a_consumer_sent_first_runs_after_its_producers_ids_in_the_next_st
                                     json=fork(question, output_id=output_id))).json()
         handed = (await consumer).json()
         # The rule: each text part tokenized alone, the producer's ids (its EOS left out) between them.
-        producer_ids = [t for t in produced["token_ids"] if t not in llm.eos_token_ids]
-        expected = (text_tokens(llm.tokenizer, "Earlier answer:") + producer_ids
-                    + text_tokens(llm.tokenizer, follow_up))
+        producer_ids = [t for t in produced["token_ids"] if t not in smollm2_core.eos_token_ids]
+        expected = (text_tokens(smollm2_core.tokenizer, "Earlier answer:") + producer_ids
+                    + text_tokens(smollm2_core.tokenizer, follow_up))
         by_tokens = (await http.post(f"/v1/contexts/{context}/generate",
                                      json={**GREEDY, "fork": True, "tokens": expected})).json()
     assert handed["usage"]["prompt_tokens"] == len(expected)
@@ -78,7 +78,7 @@ async def test_a_consumer_sent_first_runs_after_its_producers_ids_in_the_next_st
     assert after["1.0"] == before.get("1.0", 0) + 1  # its first token came in the step after the producer's last
 
 
-async def test_an_output_cut_by_a_stop_string_is_handed_over_as_its_text_tokenized(llm, base_url, context):
+async def test_an_output_cut_by_a_stop_string_is_handed_over_as_its_text_tokenized(smollm2_core, base_url, context):
     output_id = f"out-{os.urandom(6).hex()}"
     async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
         produced = (await http.post(f"/v1/contexts/{context}/generate", json=fork(
@@ -86,7 +86,7 @@ async def test_an_output_cut_by_a_stop_string_is_handed_over_as_its_text_tokeniz
         handed = (await http.post(f"/v1/contexts/{context}/generate", json=fork(
             [{"output_of": output_id}, {"text": "\nAgain:"}]))).json()
     assert produced["finish_reason"] == "stop" and "thr" not in produced["text"]
-    expected = text_tokens(llm.tokenizer, produced["text"]) + text_tokens(llm.tokenizer, "\nAgain:")
+    expected = text_tokens(smollm2_core.tokenizer, produced["text"]) + text_tokens(smollm2_core.tokenizer, "\nAgain:")
     assert handed["usage"]["prompt_tokens"] == len(expected)
 
 
