@@ -7,6 +7,7 @@ import pytest
 
 from engines.builtin.config import EngineConfig
 from engines.builtin.http_app import create_app
+from tests.support.compiled import run_compiled_engine
 from tests.support.markers import marks_users
 
 
@@ -52,3 +53,11 @@ def smollm2_core():
 def base_url(smollm2_core, serve_module) -> str:
     """``smollm2_core`` behind the engine's HTTP app on loopback."""
     return serve_module(create_app(llm=smollm2_core))
+
+
+@pytest.fixture
+@marks_users("subprocess", "slow")
+def run_compiled():
+    """``run_compiled(model_dir, dtype, batches, **request)`` (tests/support/compiled.py): a compiled engine's
+    outputs, in a process of its own."""
+    return run_compiled_engine
