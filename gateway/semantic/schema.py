@@ -140,10 +140,6 @@ class SemanticCallView(msgspec.Struct):
     object: str = "parrot.semantic_call"
 
 
-def parse_extension(raw: dict[str, Any]) -> ParrotExtension:
-    return msgspec.convert(raw, ParrotExtension)
-
-
 # ---------------------------------------------------------------- graph view (GET /v1/sessions, /graph)
 
 

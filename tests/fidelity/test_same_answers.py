@@ -18,7 +18,7 @@ from benchmarks.workloads import chain, map_reduce, multi_agent, shared_prompt
 from benchmarks.workloads.text import document
 from gateway.app import create_app
 from gateway.config import BuiltinConfig, GatewayConfig, UpstreamConfig
-from tests.conftest import SMOLLM
+from tests.support.models import SMOLLM
 
 pytestmark = pytest.mark.timeout(600)
 ENGINE_KEY_ENV = "PARROT_FIDELITY_ENGINE_KEY"

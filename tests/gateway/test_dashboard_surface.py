@@ -13,7 +13,7 @@ import pytest
 from gateway.cli import _serve_parser, config_from_args
 from gateway.config import AuthConfig, DashboardConfig, SemanticConfig, load_config
 from gateway.request_rate import RequestRate
-from tests.gateway.conftest import MODEL
+from tests.support.fake_upstream import MODEL
 
 KEY, ADMIN = "sk-user", "sk-admin"
 PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 32  # served as it is: the gateway reads no more than the name

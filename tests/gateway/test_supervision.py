@@ -13,7 +13,8 @@ from typing import Iterator
 import httpx
 import pytest
 
-from tests.conftest import free_port
+from tests.support.servers import free_port
+from tests.support.markers import marks_users
 
 CLIENT_KEY = "client-key-never-in-an-engine"
 
@@ -61,6 +62,7 @@ class ParrotServe:
 
 
 @pytest.fixture
+@marks_users("subprocess")
 def parrot_serve(tiny_model_dir) -> Iterator[ParrotServe]:
     served = ParrotServe(tiny_model_dir)
     try:

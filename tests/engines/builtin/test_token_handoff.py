@@ -45,7 +45,7 @@ def fork(text_or_parts, **extra) -> dict:
 
 
 @pytest.mark.parametrize("with_context_text", [False, True], ids=["fork-text-alone", "context-text-given"])
-async def test_a_consumer_sent_first_runs_on_its_prompt_as_one_text_in_the_next_step(llm, base_url, context,
+async def test_a_consumer_sent_first_runs_on_its_prompt_as_one_text_in_the_next_step(smollm2_core, base_url, context,
                                                                                       with_context_text):
     output_id = f"out-{os.urandom(6).hex()}"
     lead, question = "\nEarlier, the assistant gave this short answer:", "Q: Name one primary color.\nA:"
@@ -58,7 +58,7 @@ async def test_a_consumer_sent_first_runs_on_its_prompt_as_one_text_in_the_next_
             {"text": lead}, {"output_of": output_id}, {"text": follow_up}], **given)))
         # The consumer waits on the engine (nothing produces its input yet), its text before the input
         # computed meanwhile, less the tokens that may merge with the input.
-        ahead = len(text_tokens(llm.tokenizer, lead)) - SEAM_TOKENS
+        ahead = len(text_tokens(smollm2_core.tokenizer, lead)) - SEAM_TOKENS
         for _ in range(100):
             now = (await http.get("/v1/stats")).json()
             if now["prompt_tokens"] - stats["prompt_tokens"] == ahead and now["running"] == now["waiting"] == 0:
@@ -79,9 +79,9 @@ async def test_a_consumer_sent_first_runs_on_its_prompt_as_one_text_in_the_next_
                      ).json()["choices"][0]
         else:
             alike = (await http.post(f"/v1/contexts/{context}/generate", json={**GREEDY, "fork": True, "tokens":
-                                     text_tokens(llm.tokenizer, prompt)})).json()
+                                     text_tokens(smollm2_core.tokenizer, prompt)})).json()
     counted = handed["usage"]["prompt_tokens"] + (handed["context_tokens"] if with_context_text else 0)
-    assert counted == len(text_tokens(llm.tokenizer, prompt))
+    assert counted == len(text_tokens(smollm2_core.tokenizer, prompt))
     assert handed["text"] == alike["text"]
     assert handed["usage"]["prompt_tokens_details"]["cached_tokens"] >= ahead  # computed ahead, not again
     after = handoff_waits(httpx.Client(base_url=base_url))
@@ -90,7 +90,7 @@ async def test_a_consumer_sent_first_runs_on_its_prompt_as_one_text_in_the_next_
     assert after["1.0"] == before.get("1.0", 0) + 1  # its first token came in the step after the producer's last
 
 
-async def test_an_output_cut_by_a_stop_string_is_handed_over_as_its_text(llm, base_url, context):
+async def test_an_output_cut_by_a_stop_string_is_handed_over_as_its_text(smollm2_core, base_url, context):
     output_id = f"out-{os.urandom(6).hex()}"
     async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
         produced = (await http.post(f"/v1/contexts/{context}/generate", json=fork(
@@ -98,7 +98,7 @@ async def test_an_output_cut_by_a_stop_string_is_handed_over_as_its_text(llm, ba
         handed = (await http.post(f"/v1/contexts/{context}/generate", json=fork(
             [{"output_of": output_id}, {"text": "\nAgain:"}]))).json()
     assert produced["finish_reason"] == "stop" and "thr" not in produced["text"]
-    expected = text_tokens(llm.tokenizer, produced["text"] + "\nAgain:")
+    expected = text_tokens(smollm2_core.tokenizer, produced["text"] + "\nAgain:")
     assert handed["usage"]["prompt_tokens"] == len(expected)
 
 
