@@ -1,4 +1,5 @@
 # Two commands on a fresh machine: `make serve` and `make test`. Both create .venv and install on first use.
+# `make test-fast` is the quick loop while changing code: no model loads, processes or browser (pyproject's markers).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -7,7 +8,14 @@ STAMP := $(VENV)/.installed-stamp
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install serve test bench clean chromium
+.PHONY: install serve test test-fast bench clean chromium
+
+# pytest-xdist: TEST_WORKERS processes, each a test module at a time (--dist loadfile keeps a module's tests, and
+# the servers and engines its module-scoped fixtures start, on one worker). Many tests wait on engine processes
+# and loopback I/O, so two workers pay even on two cores. TEST_WORKERS=0 runs in this process.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+FAST_TESTS := not (model or subprocess or browser or slow or gpu)
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +33,10 @@ serve: install
 	$(VENV)/bin/parrot serve $(ARGS)
 
 test: install chromium
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest $(XDIST) -m "$(FAST_TESTS)" $(PYTEST_ARGS)
 
 # The dashboard's browser test drives Debian's chromium through Playwright (never `playwright install`):
 # installed here when missing (as root, or through sudo); a machine that has it skips apt.

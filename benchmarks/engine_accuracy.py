@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import statistics
@@ -22,6 +21,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from benchmarks.results_file import write_results  # noqa: E402
 from engines.builtin.config import EngineConfig  # noqa: E402
 from engines.builtin.core import EngineCore  # noqa: E402
 
@@ -129,7 +129,7 @@ def main() -> None:
         summary[mode] = {"accuracy": accuracy, "agreement_with_fp32": agree, "mean_abs_logprob_diff": drift}
         print(f"{mode:10}{accuracy:10.3f}{agree:19.3f}{drift:25.4f}")
     if args.out:
-        args.out.write_text(json.dumps({"items": len(items), "summary": summary}, indent=1))
+        write_results(args.out, {"items": len(items), "summary": summary})
 
 
 if __name__ == "__main__":

@@ -1,14 +1,8 @@
-"""A fast fake OpenAI-compatible server: a raw ASGI app (no framework), for tests and the overhead benchmark.
+"""A fast fake OpenAI-compatible server: a raw ASGI app (no framework) for the gateway overhead benchmark, and the
+answers it gives, which the tests' steerable fake (tests/support/fake_upstream.py) gives too.
 
-It echoes the last user message. Behaviour is steered per request by an extra body field
-``"fake": {...}`` (which the gateway forwards untouched like any unknown field):
-  delay_s       sleep before answering (timeouts)
-  chunk_delay_s sleep between streamed chunks
-  words         number of content words to produce (default: echo the prompt)
-  status        answer with this HTTP status and an OpenAI error body
-  die_after     streaming: drop the connection after this many chunks (mid-stream failure)
-``GET /fake/stats`` reports requests seen (and abandoned by their client during a delay) and streams
-opened/finished/cancelled, for tests.
+It echoes the last user message (or prompt) as "echo: ...", or, with the extra body field ``"fake": {"words": N}``
+(which a gateway forwards untouched like any unknown field), N words; with tools it calls the first one.
 
 Run alone: python -m benchmarks.fake_upstream --port 9000
 """
@@ -16,14 +10,14 @@ Run alone: python -m benchmarks.fake_upstream --port 9000
 from __future__ import annotations
 
 import argparse
-import asyncio
 import time
 from typing import Any
 
 import msgspec
 
-_stats = {"requests": 0, "requests_abandoned": 0, "streams_open": 0, "streams_done": 0, "streams_cancelled": 0,
-          "last_body": None}
+MODELS = {"object": "list", "data": [{"id": "fake-model", "object": "model", "created": 0, "owned_by": "fake"}]}
+ROUTES = ("/v1/chat/completions", "/v1/completions")
+NOT_FOUND = {"error": {"message": "not found", "type": "invalid_request_error", "param": None, "code": None}}
 
 
 def _words(body: dict[str, Any]) -> list[str]:
@@ -95,7 +89,11 @@ def chunks(body: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-async def _read_body(receive) -> bytes:
+def event(chunk: dict[str, Any]) -> bytes:
+    return b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+
+
+async def read_body(receive) -> bytes:
     body = b""
     while True:
         message = await receive()
@@ -104,58 +102,11 @@ async def _read_body(receive) -> bytes:
             return body
 
 
-async def _send_json(send, status: int, payload: Any) -> None:
+async def send_json(send, status: int, payload: Any) -> None:
     data = msgspec.json.encode(payload)
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
     await send({"type": "http.response.body", "body": data})
-
-
-async def _watch_disconnect(receive, gone: asyncio.Event) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    gone.set()
-
-
-async def _sleep_unless_gone(receive, seconds: float) -> bool:
-    """Sleeps ``seconds``; False, at once, if the client disconnects meanwhile."""
-    gone = asyncio.Event()
-    watcher = asyncio.create_task(_watch_disconnect(receive, gone))
-    try:
-        await asyncio.wait_for(gone.wait(), seconds)
-        return False
-    except asyncio.TimeoutError:
-        return True
-    finally:
-        watcher.cancel()
-
-
-async def _stream(send, receive, body: dict[str, Any], fake: dict[str, Any]) -> None:
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
-    _stats["streams_open"] += 1
-    # uvicorn's send() silently drops writes to a closed connection: only receive() tells that the client left.
-    gone = asyncio.Event()
-    watcher = asyncio.create_task(_watch_disconnect(receive, gone))
-    try:
-        for k, chunk in enumerate(chunks(body)):
-            if gone.is_set():
-                raise ConnectionResetError("the client closed the stream")
-            if "die_after" in fake and k >= int(fake["die_after"]):
-                raise ConnectionAbortedError("fake upstream drops the stream")
-            await send({"type": "http.response.body", "body": b"data: " + msgspec.json.encode(chunk) + b"\n\n",
-                        "more_body": True})
-            if fake.get("chunk_delay_s"):
-                await asyncio.sleep(float(fake["chunk_delay_s"]))
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
-        _stats["streams_done"] += 1
-    except ConnectionResetError:
-        _stats["streams_cancelled"] += 1  # the client left: nobody to answer
-    except (asyncio.CancelledError, OSError):
-        _stats["streams_cancelled"] += 1
-        raise
-    finally:
-        watcher.cancel()
 
 
 async def app(scope, receive, send) -> None:
@@ -165,27 +116,18 @@ async def app(scope, receive, send) -> None:
         await send({"type": "lifespan.shutdown.complete"})
         return
     path, method = scope["path"], scope["method"]
-    if method == "GET" and path == "/fake/stats":
-        return await _send_json(send, 200, _stats)
     if method == "GET" and path == "/v1/models":
-        return await _send_json(send, 200, {"object": "list", "data": [{"id": "fake-model", "object": "model",
-                                                                        "created": 0, "owned_by": "fake"}]})
-    if method != "POST" or path not in ("/v1/chat/completions", "/v1/completions"):
-        return await _send_json(send, 404, {"error": {"message": "not found", "type": "invalid_request_error",
-                                                      "param": None, "code": None}})
-    body = msgspec.json.decode(await _read_body(receive))
-    _stats["requests"] += 1
-    _stats["last_body"] = body
-    fake = body.get("fake") or {}
-    if fake.get("delay_s") and not await _sleep_unless_gone(receive, float(fake["delay_s"])):
-        _stats["requests_abandoned"] += 1  # the client (a gateway) gave up on this request
-        return
-    if fake.get("status"):
-        return await _send_json(send, int(fake["status"]), {"error": {
-            "message": "fake upstream error", "type": "invalid_request_error", "param": None, "code": "fake"}})
-    if body.get("stream"):
-        return await _stream(send, receive, body, fake)
-    await _send_json(send, 200, completion(body))
+        return await send_json(send, 200, MODELS)
+    if method != "POST" or path not in ROUTES:
+        return await send_json(send, 404, NOT_FOUND)
+    body = msgspec.json.decode(await read_body(receive))
+    if not body.get("stream"):
+        return await send_json(send, 200, completion(body))
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+    for chunk in chunks(body):
+        await send({"type": "http.response.body", "body": event(chunk), "more_body": True})
+    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
 
 
 def main() -> None:

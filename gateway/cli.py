@@ -18,7 +18,7 @@ def _serve_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int)
     parser.add_argument("--log-level")
     parser.add_argument("--log-format", choices=["text", "json"], help="json: one JSON object per line (also PARROT_LOG_FORMAT)")
-    parser.add_argument("--access-log", action="store_true", default=None,
+    parser.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=None,
                         help="log a line per request (also PARROT_ACCESS_LOG)")
     parser.add_argument("--tracing-exporter", choices=["otlp", "console"],
                         help="send OpenTelemetry spans there (needs the tracing extra; also PARROT_TRACING_EXPORTER)")
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _engine(argv: list[str]) -> None:
-    from engines.seam.launch import run_engine as engine_main
+    from engines.builtin.cli import main as engine_main
 
     engine_main(argv)
 

@@ -97,8 +97,8 @@ class SemanticConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_var_wait_s: Annotated[float, msgspec.Meta(ge=0)] = 600.0  # the longest wait a reader may ask for (timeout=inf included)
     min_prefix_chars: int = 64  # shorter constant prefixes are left to the engine's block-level prefix cache
     # A call whose inputs are still being generated on one engine is sent there ahead of time and starts
-    # when they are produced, their token ids spliced in (gateway/semantic/handoff.py); off: it waits for
-    # their text at the gateway.
+    # when they are produced there, their text put into its prompt (gateway/semantic/handoff.py); off: it
+    # waits for their text at the gateway. Either way the prompt is the one a plain request sends.
     token_handoff: bool = True
     max_prefixes_per_engine: int = 32  # idle shared-prefix contexts kept per engine; beyond, one-off ones go first
     default_session_max_variables: int = 10_000  # a key's default session forgets its oldest finished ones beyond
@@ -118,7 +118,8 @@ class SemanticConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class DashboardConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The live view at /dashboard."""
 
-    # Benchmark plots (*.png) the page shows; None: docs/benchmarks of the checkout the gateway runs from.
+    # The current benchmark results the page shows: those its current.json lists (python -m benchmarks.report),
+    # with their plots; None: docs/benchmarks of the checkout the gateway runs from.
     benchmarks_dir: str | None = None
 
 

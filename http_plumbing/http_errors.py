@@ -10,7 +10,7 @@ import msgspec
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 
-from engines.seam import EngineError
+from http_plumbing.status_error import StatusError
 from wire.openai import ErrorBody, ErrorResponse
 
 log = logging.getLogger("parrot.http")
@@ -40,7 +40,7 @@ def error_response(status_code: int, body: ErrorBody, headers: dict[str, str] | 
 
 def engine_error_body(exc: Exception) -> ErrorBody:
     """An upstream's own OpenAI error body when it sent one, else one made from the exception."""
-    if not isinstance(exc, EngineError):
+    if not isinstance(exc, StatusError):
         return ErrorBody(message="The server had an internal error.", type="api_error", code="internal_error")
     if exc.body:
         try:
@@ -50,7 +50,7 @@ def engine_error_body(exc: Exception) -> ErrorBody:
     return ErrorBody(message=str(exc), type=exc.error_type, param=getattr(exc, "param", None), code=exc.code)
 
 
-def handle_engine_error(_: Request, exc: EngineError) -> Response:
+def handle_engine_error(_: Request, exc: StatusError) -> Response:
     if exc.status_code >= 500:  # with its cause: what the client is not told (an address, a socket error)
         log.warning("engine error: %s%s", exc, f" ({exc.__cause__!r})" if exc.__cause__ else "")
     # An engine's own pause request (a 429's retry-after) reaches the client, whose SDK honours it.
@@ -95,7 +95,7 @@ def handle_unexpected(request: Request, exc: Exception) -> Response:
 
 
 OPENAI_EXCEPTION_HANDLERS = {
-    EngineError: handle_engine_error,
+    StatusError: handle_engine_error,  # engines.seam.EngineError and its kinds
     HTTPException: handle_http_exception,
     RecursionError: handle_recursion,
     Exception: handle_unexpected,

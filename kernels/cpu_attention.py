@@ -161,10 +161,8 @@ def _same_prefixes_shared(rows: NativeRows, block_size: int) -> NativeRows:
     """The rows with each prefix id remapped to the first prefix of the same length over the same blocks: the
     kernel then groups those rows into shared tiles and reads the blocks once a tile. A step's prefill chunks over
     one cached prompt (forks' first chunks after a shared system prompt) each had a tile of their own, which
-    read all the prompt's keys and values for a few rows. 16 forks' chunks of 3 new tokens over 896 shared tokens,
-    one call of SmolLM2's heads on 2 threads: 0.62x the time in fp32, 0.50x in bf16; of 20 new tokens 1.00x and
-    0.92x (fp32's tiles were 16 tokens then, full already; ``python -m benchmarks.fork_prefill``,
-    docs/benchmarks/fork_prefill.json). Prefixes that only begin alike (a fork's own cached block after the shared
+    read all the prompt's keys and values for a few rows (``python -m benchmarks.fork_prefill`` measures it).
+    Prefixes that only begin alike (a fork's own cached block after the shared
     ones) stay apart."""
     lengths = rows.prefix_len.tolist()
     with_length: dict[int, list[int]] = {}

@@ -1,31 +1,12 @@
 """A linear layer on the C++ kernel in native/linear.cpp, as a torch op (``parrot::native_linear``) so that
 compiled graphs call it too.
 
-Measured over SmolLM2's 120 decoder linears on an AVX-512 host (``python benchmarks/kernels.py --cpu``, its
-"linear" rows, 2 cores): a decode step's few rows stream the packed weights at a plain read's rate where
-oneDNN's one-row bf16 GEMM reached ~18 GB/s and torch's fp32 GEMV ~12; at 16 rows bf16 takes ~12 ms
-against oneDNN's ~16, and up to 1,000 rows (prefill) it stayed level with oneDNN's prepacked bf16 GEMM
-and torch's fp32 GEMM, both near that CPU's multiply-add peak. The op is declared with
-torch.library.Library rather than the custom_op decorator: a decode step makes 120 of these calls and
-the decorator's Python wrapper cost ~15 us each (~2 us this way).
-
-Every row count stays on the kernel, fp32 too, so no copy of the weights is kept for torch's GEMM. fp32 calls of
-32 rows or more had gone to torch's F.linear (MKL), which ran them 1.4-1.85x faster than the kernel's multiply-adds
-then. Once each row's input was broadcast from memory (native/common.h's splat), on this Emerald Rapids host
-(2 cores, 30 layers' weights, alternating in one process; ``python benchmarks/kernels.py --cpu``, two runs,
-docs/benchmarks/kernels_cpu_fp32_rows.txt):
-- the plain kernel ran 1.53-1.63x MKL's speed at 32 rows, 1.13-1.38x at 64-256, 0.89x and 1.01x at 1,000;
-- the gated kernel ran 1.05-1.22x MKL's linear, silu and multiply from 64 to 1,000 rows;
-- an eager fp32 engine's whole prefill step took 0.98x the time (1,000 tokens) and 0.93x (300 tokens) with every
-  call on the kernel, against the plain linears on MKL from 96 rows on (the gated one on the kernel in both; a
-  one-off A/B in one process, 10 alternating rounds, of a routing this file no longer has).
-In an earlier run (30 layers' weights, one process, alternating) the plain kernel ran 0.93-1.04x MKL from 96 to
-1,000 rows: level within this host's noise. A later session there found MKL 1.1-1.25x faster on the plain
-linears at 1,024 rows (one process, alternating). A prefill's rows are now interleaved for the passes and their
-output lines asked for first (native/linear.cpp's interleaved_rows, ask_for_output): a layer's 1,024-row linears
-0.92x the time in a kernel A/B (docs/benchmarks/kernel_revisions_interleaved_rows_fp32.json); against MKL in a
-run minutes later, 0.84-1.14x its rate on the plain ones and 1.2-1.3x on the gated one (one core and two).
-bf16 keeps the kernel at every row count too: its tiles (AMX) were level with or ahead of oneDNN.
+The op is declared with torch.library.Library rather than the custom_op decorator: a decode step makes one call
+per linear, and the decorator's Python wrapper costs several times more per call. Every row count stays on the
+kernel, fp32 and bf16 alike (a prefill's rows interleaved for the passes, native/linear.cpp's interleaved_rows),
+so no copy of the weights is kept for torch's GEMM. How it compares with oneDNN's and MKL's GEMMs:
+``python -m benchmarks.kernels --cpu`` (its "linear" rows) and ``python -m benchmarks.kernel_revisions``; earlier
+measurements are listed in docs/benchmarks/history.md.
 """
 
 from __future__ import annotations

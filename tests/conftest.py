@@ -1,98 +1,41 @@
-"""Shared fixtures: free loopback ports, ASGI apps served by a real uvicorn in a background thread, and
+"""Shared fixtures: ASGI apps served by a real uvicorn in a background thread, the fake OpenAI upstream, and
 models: the real SmolLM2 GGUF and a tiny random Llama saved as an HF checkpoint (with SmolLM2's real
-tokenizer beside it)."""
+tokenizer beside it). What they are built from lives in tests/support/."""
 
 from __future__ import annotations
 
-import asyncio
-
 import contextlib
 import os
-import socket
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
-import uvicorn
 
-from http_plumbing.http_protocol import HttpProtocol
+from tests.support import fake_upstream
+from tests.support.markers import MARKS_OF_FIXTURES, marks_users
+from tests.support.models import SMOLLM, tiny_llama_config
+from tests.support.servers import free_port, serve_in_thread
+from tests.support.waiting import wait_until
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def free_port() -> int:
-    """A loopback port nothing listens on right now (also what a dead server looks like)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by markers
+def pytest_collection_modifyitems(config, items):
+    """Each test gets the markers of the fixtures it uses (tests/support/markers.py); a gpu test is skipped on a
+    machine without a CUDA GPU (hardware, not a missing feature)."""
+    for item in items:
+        for fixture in item.fixturenames:
+            for mark in MARKS_OF_FIXTURES.get(fixture, ()):
+                item.add_marker(mark)
+    if any(item.get_closest_marker("gpu") for item in items):
+        import torch
 
-
-def free_port_run(count: int) -> int:
-    """The first of ``count`` consecutive loopback ports nothing listens on (engines on port, port + 1, ...)."""
-    while True:
-        first = free_port()
-        if all(_bindable(first + i) for i in range(1, count)):
-            return first
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-@contextlib.contextmanager
-def serve_in_thread(app: Any, *, port: int | None = None, startup_timeout_s: float = 20.0) -> Iterator[str]:
-    """Runs ``app`` under uvicorn on 127.0.0.1 (on ``port``, else a free one) until the block ends; yields
-    its base URL (no trailing /)."""
-    port = port or free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
-                            lifespan="on", timeout_graceful_shutdown=2, loop="uvloop", http=HttpProtocol)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, name=f"uvicorn-{port}", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + startup_timeout_s
-    while not server.started:
-        if not thread.is_alive():
-            raise RuntimeError(f"uvicorn for {app!r} exited during startup")
-        if time.monotonic() > deadline:
-            server.should_exit = True
-            raise TimeoutError(f"uvicorn for {app!r} did not start in {startup_timeout_s}s")
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-
-
-def asgi_app(handler: Callable[[Any, Any, Any], Any]) -> Callable[[Any, Any, Any], Any]:
-    """An ASGI app of one HTTP handler ``handler(scope, receive, send)``; lifespan events acknowledged."""
-
-    async def app(scope, receive, send):
-        if scope["type"] == "lifespan":
-            while (message := await receive())["type"] != "lifespan.shutdown":
-                await send({"type": message["type"] + ".complete"})
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-        await handler(scope, receive, send)
-
-    return app
-
-
-async def read_asgi_body(receive: Callable[[], Any]) -> bytes:
-    """The whole request body an ASGI handler receives."""
-    body = b""
-    while True:
-        message = await receive()
-        body += message.get("body", b"")
-        if not message.get("more_body"):
-            return body
+        if not torch.cuda.is_available():
+            for item in items:
+                if item.get_closest_marker("gpu"):
+                    item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
 
 
 def _serve_fixture(scope: str):
@@ -111,41 +54,23 @@ serve_module = _serve_fixture("module")
 serve_session = _serve_fixture("session")
 
 
-def wait_until(condition: Callable[[], Any], *, timeout_s: float = 10.0, interval_s: float = 0.05) -> Any:
-    """Polls ``condition`` until it returns something truthy; fails the test after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"condition not met within {timeout_s}s")
-
-        time.sleep(interval_s)
-
-
-async def eventually(condition: Callable[[], Any], *, timeout_s: float = 10.0, interval_s: float = 0.005) -> Any:
-    """``wait_until`` inside an event loop: polls without blocking it (the engine's thread does the work)."""
-    deadline = time.monotonic() + timeout_s
-    while not (value := condition()):
-        if time.monotonic() > deadline:
-            pytest.fail(f"condition not met within {timeout_s}s")
-        await asyncio.sleep(interval_s)
-    return value
-
-
 @pytest.fixture(name="wait_until")
 def wait_until_fixture() -> Callable[..., Any]:
     """``wait_until(condition, timeout_s=...)``: bounded polling for things that happen asynchronously."""
     return wait_until
 
 
-# ---------------------------------------------------------------- the real default model behind a real gateway
+@pytest.fixture(scope="session")
+def fake_url(serve_session) -> str:
+    """The fake OpenAI upstream's root URL (its API lives under /v1; tests/support/fake_upstream.py)."""
+    return serve_session(fake_upstream.app)
 
-SMOLLM = "SmolLM2-135M-Instruct"
+
+# ---------------------------------------------------------------- the real default model behind a real gateway
 
 
 @pytest.fixture(scope="session")
+@marks_users("model", "subprocess")
 def smollm_gateway(serve_session) -> Iterator[dict[str, str]]:
     """A gateway (in this process) and a builtin SmolLM2 engine process that registers with it and
     heartbeats, as `parrot serve` runs them. Yields {"gateway": url, "engine": url, "secret": the engine
@@ -201,6 +126,7 @@ def smollm2_gguf() -> str:
 
 
 @pytest.fixture(scope="session")
+@marks_users("model")  # reads SmolLM2's GGUF
 def smollm2_tokenizer_dir(tmp_path_factory, smollm2_gguf) -> Path:
     """SmolLM2's tokenizer (and chat template) saved as plain HF files: loads in a blink."""
     from transformers import AutoTokenizer
@@ -211,32 +137,8 @@ def smollm2_tokenizer_dir(tmp_path_factory, smollm2_gguf) -> Path:
     return directory
 
 
-def tiny_llama_config(**overrides):
-    from transformers import LlamaConfig
-
-    # SmolLM2's head geometry (head_dim 64, 9:3 GQA) and vocabulary, 2 layers. A wide init makes
-    # the random model's greedy choices vary from token to token, so identity checks can fail.
-    settings = dict(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=2,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        head_dim=64,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        initializer_range=0.2,
-        rms_norm_eps=1e-5,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-    )
-    settings.update(overrides)
-    return LlamaConfig(**settings)
-
-
 @pytest.fixture(scope="session")
+@marks_users("model")
 def tiny_model_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
     """A tiny random Llama as an HF checkpoint directory (safetensors + tokenizer)."""
     import shutil

@@ -4,9 +4,13 @@ through Triton's interpreter. Import this before anything imports a ``kernels.*`
 
 import os
 
+import pytest
 import torch
 
 GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if GPU else "cpu")
 if not GPU:
     os.environ["TRITON_INTERPRET"] = "1"
+
+# A module of Triton kernel tests sets ``pytestmark = TRITON_MARKS``: through the interpreter each case takes seconds.
+TRITON_MARKS = [] if GPU else [pytest.mark.slow]

@@ -242,10 +242,15 @@ def now() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(Struct):
+    cached_tokens: int = 0  # prompt tokens served from a prefix cache or a forked context, not computed
+
+
 class Usage(Struct):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class TopLogprob(Struct):

@@ -49,7 +49,8 @@ async def run_parrot(client: httpx.AsyncClient, model: str, cfg: Config, rtt_ms:
     chunks = document(cfg.seed, cfg.chunks, cfg.chunk_words)
     options = sampling(cfg.step_tokens, cfg.ignore_eos)
     started = time.perf_counter()
-    session = Remote(client, rtt_ms).default_session()
+    remote = Remote(client, rtt_ms)
+    session = remote.default_session()
     # The last step's request carries the chain: its {{summary}} is the step before as an inline call, whose
     # own {{summary}} is the one before it, and so on (one round trip).
     inputs: dict[str, dict] = {"chunk": {"value": chunks[0]}}
@@ -61,7 +62,7 @@ async def run_parrot(client: httpx.AsyncClient, model: str, cfg: Config, rtt_ms:
     seconds = time.perf_counter() - started
     earlier = [inline_ids[".".join(["summary"] * depth)] for depth in range(len(chunks) - 1, 0, -1)]
     steps = [await session.read(var) for var in earlier] + [final]  # ready by now; for checks only
-    return Result(seconds, final, steps, calls=len(chunks))
+    return Result(seconds, final, steps, calls=len(chunks), prompt_tokens=remote.prompt_tokens)
 
 
 async def run_baseline(client: httpx.AsyncClient, model: str, cfg: Config, rtt_ms: float = 0.0) -> Result:
@@ -73,4 +74,4 @@ async def run_baseline(client: httpx.AsyncClient, model: str, cfg: Config, rtt_m
     for index, chunk in enumerate(chunks):
         values = {"chunk": chunk} | ({"summary": steps[-1]} if steps else {})
         steps.append(await remote.text(model, fill(_step_messages(index), values), options))
-    return Result(time.perf_counter() - started, steps[-1], steps, calls=len(chunks))
+    return Result(time.perf_counter() - started, steps[-1], steps, calls=len(chunks), prompt_tokens=remote.prompt_tokens)

@@ -50,7 +50,8 @@ def reduce_messages(chunks: int) -> Messages:
 async def run_parrot(client: httpx.AsyncClient, model: str, cfg: Config, rtt_ms: float = 0.0) -> Result:
     chunks = document(cfg.seed, cfg.chunks, cfg.chunk_words)
     started = time.perf_counter()
-    session = Remote(client, rtt_ms).default_session()
+    remote = Remote(client, rtt_ms)
+    session = remote.default_session()
     maps = {f"summary_{i}": session.inline_call(model, map_messages(), {"chunk": {"value": chunk}},
                                                 sampling(cfg.map_tokens, cfg.ignore_eos))
             for i, chunk in enumerate(chunks)}
@@ -58,7 +59,7 @@ async def run_parrot(client: httpx.AsyncClient, model: str, cfg: Config, rtt_ms:
                                                   sampling(cfg.reduce_tokens, cfg.ignore_eos))
     seconds = time.perf_counter() - started
     summaries = [await session.read(summary_ids[f"summary_{i}"]) for i in range(len(chunks))]  # for checks only
-    return Result(seconds, final, summaries, calls=len(chunks) + 1)
+    return Result(seconds, final, summaries, calls=len(chunks) + 1, prompt_tokens=remote.prompt_tokens)
 
 
 async def run_baseline(client: httpx.AsyncClient, model: str, cfg: Config, rtt_ms: float = 0.0) -> Result:
@@ -71,4 +72,4 @@ async def run_baseline(client: httpx.AsyncClient, model: str, cfg: Config, rtt_m
     values = {f"summary_{i}": summary for i, summary in enumerate(summaries)}
     final = await remote.text(model, fill(reduce_messages(len(chunks)), values),
                               sampling(cfg.reduce_tokens, cfg.ignore_eos))
-    return Result(time.perf_counter() - started, final, list(summaries), calls=len(chunks) + 1)
+    return Result(time.perf_counter() - started, final, list(summaries), calls=len(chunks) + 1, prompt_tokens=remote.prompt_tokens)

@@ -61,7 +61,8 @@ def _task(cfg: Config) -> str:
 
 async def run_parrot(client: httpx.AsyncClient, model: str, cfg: Config, rtt_ms: float = 0.0) -> Result:
     started = time.perf_counter()
-    session = Remote(client, rtt_ms).default_session()
+    remote = Remote(client, rtt_ms)
+    session = remote.default_session()
     plan_id, *code_ids = await session.new_variables(["plan", *(f"code_{i}" for i in range(cfg.coders))])
     plan = session.submit(model, architect_messages(), {"task": {"value": _task(cfg)}}, {"id": plan_id},
                           sampling(cfg.plan_tokens, cfg.ignore_eos))
@@ -73,7 +74,7 @@ async def run_parrot(client: httpx.AsyncClient, model: str, cfg: Config, rtt_ms:
     answer = (await asyncio.gather(plan, *coders, review))[-1]
     seconds = time.perf_counter() - started
     parts = [await session.read(var) for var in (plan_id, *code_ids)]  # ready by now; for checks only
-    return Result(seconds, answer, parts, calls=cfg.coders + 2)
+    return Result(seconds, answer, parts, calls=cfg.coders + 2, prompt_tokens=remote.prompt_tokens)
 
 
 async def run_baseline(client: httpx.AsyncClient, model: str, cfg: Config, rtt_ms: float = 0.0) -> Result:
@@ -87,4 +88,4 @@ async def run_baseline(client: httpx.AsyncClient, model: str, cfg: Config, rtt_m
     codes = [await coder for coder in coders] if cfg.sequential else await asyncio.gather(*coders)
     review = await remote.text(model, fill(reviewer_messages(cfg.coders), {f"code_{i}": c for i, c in enumerate(codes)}),
                                sampling(cfg.review_tokens, cfg.ignore_eos))
-    return Result(time.perf_counter() - started, review, [plan, *codes], calls=cfg.coders + 2)
+    return Result(time.perf_counter() - started, review, [plan, *codes], calls=cfg.coders + 2, prompt_tokens=remote.prompt_tokens)

@@ -36,6 +36,7 @@ class Remote:
     def __init__(self, client: httpx.AsyncClient, rtt_ms: float = 0.0):
         self.client = client
         self.half_rtt_s = rtt_ms / 2000
+        self.prompt_tokens: list[int] = []  # of each chat answer with usage, as they arrived (fidelity checks)
 
     async def request(self, method: str, path: str, **kwargs: Any) -> Any:
         await asyncio.sleep(self.half_rtt_s)
@@ -50,7 +51,10 @@ class Remote:
         body = {"model": model, "messages": messages, **options}
         if parrot is not None:
             body["parrot"] = parrot
-        return await self.request("POST", "chat/completions", json=body)
+        answer = await self.request("POST", "chat/completions", json=body)
+        if answer.get("usage"):
+            self.prompt_tokens.append(answer["usage"]["prompt_tokens"])
+        return answer
 
     async def text(self, model: str, messages: Messages, options: dict[str, Any]) -> str:
         """A plain chat completion's text: the baseline's only kind of call."""

@@ -50,7 +50,7 @@ async def run_parrot(client: httpx.AsyncClient, model: str, cfg: Config, rtt_ms:
         remote.chat(model, messages(system), options, {"vars": {"question": {"value": q}}, "output": f"answer_{i}"})
         for i, q in enumerate(asked)))
     answers = [reply["choices"][0]["message"]["content"] or "" for reply in replies]
-    return Result(time.perf_counter() - started, "\n".join(answers), answers, calls=cfg.users)
+    return Result(time.perf_counter() - started, "\n".join(answers), answers, calls=cfg.users, prompt_tokens=remote.prompt_tokens)
 
 
 async def run_baseline(client: httpx.AsyncClient, model: str, cfg: Config, rtt_ms: float = 0.0) -> Result:
@@ -60,4 +60,4 @@ async def run_baseline(client: httpx.AsyncClient, model: str, cfg: Config, rtt_m
     started = time.perf_counter()
     answers = await asyncio.gather(*(
         remote.text(model, fill(messages(system), {"question": q}), options) for system, q in zip(systems, asked)))
-    return Result(time.perf_counter() - started, "\n".join(answers), list(answers), calls=cfg.users)
+    return Result(time.perf_counter() - started, "\n".join(answers), list(answers), calls=cfg.users, prompt_tokens=remote.prompt_tokens)

@@ -1,8 +1,9 @@
 """``parrot engine``: serve one builtin engine over HTTP, optionally registered with a gateway.
 
 Every ``EngineConfig`` field is a flag (``--block-size``, ``--num-blocks`` ...) whose default is
-the config's own, so defaults live in one place; a boolean also gets a ``--no-`` form
-(``--no-prefix-caching``). Each flag can also be set through the
+the config's own, so defaults live in one place. A boolean is a switch with a ``--no-`` form
+(``--compile``, ``--no-compile``; ``--no-prefix-caching`` for ``enable_prefix_caching``, as vLLM spells it);
+it still takes a value (``--compile true``) as older scripts pass it. Each flag can also be set through the
 environment as ``PARROT_ENGINE_<FLAG>`` (``PARROT_ENGINE_BLOCK_SIZE=32``); the command line wins.
 """
 
@@ -43,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--log-level", default=_env_default("log_level", "info"))
     server.add_argument("--log-format", choices=["text", "json"], default=_env_default("log_format", "text"),
                         help="json: one JSON object per line, with the request id")
-    server.add_argument("--access-log", action="store_true", default=_env_flag("access_log"),
+    server.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=_env_flag("access_log"),
                         help="log a line per request (probes at debug level only)")
 
     gateway = parser.add_argument_group("gateway registration")
@@ -62,9 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     engine = parser.add_argument_group("engine (EngineConfig)")
     for field in msgspec.structs.fields(EngineConfig):
         # Parsed as text and converted by msgspec against the field's own type, below.
-        engine.add_argument(f"--{field.name.replace('_', '-')}", dest=field.name,
-                            default=_env_default(field.name, field.default), help=f"EngineConfig.{field.name}")
-        if field.type is bool:  # --no-prefix-caching for enable_prefix_caching, as vLLM spells it
+        flag, switch = f"--{field.name.replace('_', '-')}", field.type is bool
+        engine.add_argument(flag, dest=field.name, default=_env_default(field.name, field.default),
+                            help=f"EngineConfig.{field.name}", **({"nargs": "?", "const": "true"} if switch else {}))
+        if switch:  # --no-prefix-caching for enable_prefix_caching, as vLLM spells it
             negated = field.name.removeprefix("enable_").replace("_", "-")
             engine.add_argument(f"--no-{negated}", dest=field.name, action="store_const", const="false",
                                 help=f"EngineConfig.{field.name} = false")

@@ -70,7 +70,7 @@ class InvalidSecret(EngineError):
 
 
 def _require_secret(secret: str) -> Callable[[ASGIConnection, BaseRouteHandler], None]:
-    """A guard: only who holds the engine secret (the gateway) may use the engine, /health aside."""
+    """A guard: only who holds the engine secret (the gateway) may use the engine, /health and /metrics aside."""
     expected = secret.encode()
 
     def guard(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
@@ -191,7 +191,7 @@ async def stats(request: Request) -> EngineStats:
     return await _engine(request).stats()
 
 
-@get("/metrics")
+@get("/metrics", public=True)  # as vLLM's: counters and histograms, no prompt or output, for any scraper
 async def metrics(request: Request) -> Response:
     return Response(_engine(request).metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
@@ -229,7 +229,7 @@ def create_app(
 ) -> Litestar:
     """The engine's app. Given ``llm``, serves that (already started) core and leaves its lifetime to
     the caller; otherwise loads one from ``config`` at startup and shuts it down at exit.
-    ``secret``: the engine secret shared with the gateway; every route but /health then requires it,
+    ``secret``: the engine secret shared with the gateway; every route but /health and /metrics then requires it,
     and the engine registers with it. ``access_log``: a log line per request (with its x-request-id, as
     every line logged for a request)."""
     config = config or getattr(llm, "config", None) or EngineConfig()

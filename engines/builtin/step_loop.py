@@ -190,6 +190,8 @@ class StepLoop:
             result.top_logprobs[i] if result.top_logprobs else None,
             finish,
             self._step_count,
+            # A preempted request computes its prompt again: it may have computed more than the prompt.
+            max(0, ctx.num_prompt_tokens - ctx.num_computed_by_request) if ctx.num_generated_tokens == 1 else None,
         )
         deliver = ctx.deliver
         if finish:  # before delivering, so a caller woken by the last token sees the request gone

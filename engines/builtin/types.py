@@ -46,6 +46,9 @@ class TokenEvent(msgspec.Struct):
     top_logprobs: list[tuple[int, float]] | None = None
     finish_reason: str | None = None
     step: int = 0  # the engine step that produced it (how the token-id handoff's wait is measured)
+    # On a generation's first token: of its prompt's tokens, those it did not compute (shared from a
+    # parent context or found in the prefix cache): OpenAI's usage.prompt_tokens_details.cached_tokens.
+    cached_tokens: int | None = None
 
 
 class TokenScore(msgspec.Struct):

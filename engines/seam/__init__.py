@@ -1,4 +1,5 @@
-"""The engine seam: all the gateway knows of engines, and all it imports from ``engines/``.
+"""The engine seam: all the gateway knows of engines, and all it imports from ``engines/`` but the builtin
+engine's torch-free command line (engines/builtin/cli.py), which gateway/supervisor.py reads to start one.
 
 interface.py     ``Engine`` (create / stream / health / stats / aclose) and the optional capabilities
                  ``ContextEngine`` (contexts + prompt split), ``HintedEngine`` (scheduling fields) and
@@ -11,7 +12,6 @@ upstream.py      ``UpstreamEngine``: any OpenAI-compatible server over HTTP (``P
 prometheus_stats.py  a vLLM or SGLang server's load and KV capacity from its /metrics
 builtin_client.py  ``BuiltinEngineClient``: the builtin engine's HTTP API, with both capabilities
 connect.py       announced capabilities -> the engine object; an object's capabilities -> names
-launch.py        how a gateway starts a builtin engine process (torch-free)
 """
 
 from engines.seam.contexts import FillResult, ForkPart, Generation, GenerationChunk, PromptSplit, Segment

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 
@@ -15,8 +17,14 @@ class Generation(msgspec.Struct):
     text: str
     token_ids: list[int]
     finish_reason: str | None
-    usage: dict[str, int]  # prompt_tokens: the request's own (a fork's text), not the context's
+    usage: dict[str, Any]  # prompt_tokens: the request's own (a fork's text), not the context's
     context_tokens: int  # the context's tokens the generation followed
+
+    def prompt_usage(self) -> tuple[int, int]:
+        """The whole prompt's tokens, the context's included, and of those the ones not computed for it."""
+        details = self.usage.get("prompt_tokens_details") or {}
+        return (self.context_tokens + self.usage.get("prompt_tokens", 0),
+                self.context_tokens + details.get("cached_tokens", 0))
 
 
 class GenerationChunk(msgspec.Struct):
@@ -26,13 +34,13 @@ class GenerationChunk(msgspec.Struct):
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
-    usage: dict[str, int] | None = None
+    usage: dict[str, Any] | None = None
     context_tokens: int | None = None
 
 
 class ForkPart(msgspec.Struct, omit_defaults=True):
     """A piece of a fork's text: constant ``text``, or the output of an earlier generation on the same
-    engine, named by its ``output_id`` (``output_of``), taken as the token ids it generated. A fork given
+    engine, named by its ``output_id`` (``output_of``), taken as the text it answered. A fork given
     as parts waits on the engine until every output it names is produced."""
 
     text: str | None = None

@@ -3,21 +3,12 @@ with. Each process translates them into OpenAI error objects at one boundary (ht
 
 from __future__ import annotations
 
+from http_plumbing.status_error import StatusError
 
-class EngineError(Exception):
-    """Base class of every engine failure; carries the HTTP status the gateway answers with."""
 
-    status_code = 502
-    error_type = "upstream_error"
-    code: str | None = "upstream_error"
-
-    def __init__(self, message: str, *, status_code: int | None = None, body: bytes | None = None,
-                 retry_after_s: float | None = None):
-        super().__init__(message)
-        if status_code is not None:
-            self.status_code = status_code
-        self.body = body  # an upstream's own OpenAI error body, passed through when present
-        self.retry_after_s = retry_after_s  # how long the engine asked to be left alone (its retry-after)
+class EngineError(StatusError):
+    """Base class of every engine failure; carries the HTTP status the gateway answers with (502 unless a kind
+    or the constructor says otherwise), an upstream's own error body and its retry-after (StatusError's)."""
 
 
 class EngineUnavailable(EngineError):

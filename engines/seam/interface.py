@@ -129,8 +129,9 @@ class ContextEngine(Engine, Protocol):
                                   output_id: str | None = None) -> Generation:
         """Generates after the context (appending to it), or with ``fork_with``: after the context plus that
         text, in a temporary child the engine frees itself. ``context_text`` (with ``fork_with``): the
-        context's text, to create it from if it does not exist yet. ``fork_with`` as parts may name earlier
-        generations' outputs (``output_id``), which the engine splices in as their token ids once produced
+        context's text, to create it from if it does not exist yet; the prompt is then exactly the
+        tokenization of that text and the fork's as one text. ``fork_with`` as parts may name earlier
+        generations' outputs (``output_id``), which the engine puts in as their text once produced
         (EngineRejected, status 424, if one is not: its generation failed)."""
         ...
 

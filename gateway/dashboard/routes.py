@@ -1,5 +1,6 @@
-"""The dashboard: its page and assets (shipped in the package, nothing fetched at run time) and the
-benchmark plots it links. The page holds no data: it asks for an API key and reads the JSON API with it
+"""The dashboard: its page and assets (shipped in the package, nothing fetched at run time) and the current
+benchmark results it shows: those docs/benchmarks/current.json lists (written by ``python -m benchmarks.report``,
+the same list as the README's results table), each with its plot. The page holds no data: it asks for an API key and reads the JSON API with it
 (GET /v1/sessions, /v1/sessions/{id}/graph, /v1/engines) as any client does, so it needs no key itself."""
 
 from __future__ import annotations
@@ -29,9 +30,29 @@ _PAGE_HEADERS = {
 _PUBLIC = {"exclude_from_auth": True}
 
 
+class BenchmarkResult(msgspec.Struct):
+    """One row of the current results: what was measured, against whom, the ratio, where and when."""
+    what: str
+    vs: str
+    ratio: str
+    host: str
+    date: str
+
+
+class CurrentResult(BenchmarkResult):
+    json: str
+    png: str | None = None
+
+
+class CurrentResults(msgspec.Struct):
+    results: list[CurrentResult]
+
+
 class BenchmarkPlot(msgspec.Struct):
+    """One result file: its plot (``url`` None when it has none) and the rows read from it."""
     name: str
-    url: str
+    url: str | None
+    results: list[BenchmarkResult]
 
 
 class BenchmarkPlots(msgspec.Struct):
@@ -39,12 +60,34 @@ class BenchmarkPlots(msgspec.Struct):
     object: str = "list"
 
 
-def benchmark_plots(directory: Path | None) -> dict[str, Path]:
-    """The PNGs of the benchmarks folder by file name; none when it is missing or unreadable."""
+CURRENT_RESULTS = "current.json"
+
+
+def current_results(directory: Path | None) -> list[BenchmarkPlot]:
+    """The results the folder's current.json lists, one entry per result file in its order, each with its plot
+    when the folder holds it; none when the list is missing, unreadable or malformed."""
+    if directory is None:
+        return []
     try:
-        return {p.name: p for p in sorted(directory.glob("*.png")) if p.is_file()} if directory else {}
-    except OSError:
-        return {}
+        listed = msgspec.json.decode((directory / CURRENT_RESULTS).read_bytes(), type=CurrentResults).results
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        return []
+    plots: dict[str, BenchmarkPlot] = {}
+    for result in listed:
+        plot = plots.get(result.json)
+        if plot is None:
+            png = result.png if result.png and Path(result.png).name == result.png else None
+            has_plot = png is not None and png.endswith(".png") and (directory / png).is_file()
+            plot = plots[result.json] = BenchmarkPlot(name=png if has_plot else result.json,
+                                                      url=f"/dashboard/benchmarks/{png}" if has_plot else None,
+                                                      results=[])
+        plot.results.append(BenchmarkResult(result.what, result.vs, result.ratio, result.host, result.date))
+    return list(plots.values())
+
+
+def benchmark_plots(directory: Path | None) -> dict[str, Path]:
+    """The plots of the current results by file name: the only files the dashboard serves from the folder."""
+    return {plot.name: directory / plot.name for plot in current_results(directory) if plot.url}
 
 
 @get("/dashboard", opt=_PUBLIC, include_in_schema=False)
@@ -55,8 +98,7 @@ async def dashboard_page() -> Response:
 
 @get("/dashboard/benchmarks", opt=_PUBLIC, include_in_schema=False)
 async def list_benchmark_plots(state: State) -> BenchmarkPlots:
-    return BenchmarkPlots(data=[BenchmarkPlot(name=name, url=f"/dashboard/benchmarks/{name}")
-                                for name in benchmark_plots(state.benchmarks_dir)])
+    return BenchmarkPlots(data=current_results(state.benchmarks_dir))
 
 
 @get("/dashboard/benchmarks/{name:str}", opt=_PUBLIC, include_in_schema=False)

@@ -239,7 +239,7 @@ class Call:
         self.state, self.started = "running", time.time()
 
     def hand_to_engine(self) -> None:
-        """It goes to an engine before its inputs are ready (token-id handoff): it is waiting there, and
+        """It goes to an engine before its inputs are ready (the handoff): it is waiting there, and
         running from when its inputs are bound."""
         self.join_group()
         self.handed = time.time()

@@ -1,21 +1,18 @@
-"""Token-id handoff, the gateway's side: a call whose inputs are still being generated is sent ahead to the
-engine generating them, which starts it as soon as they are produced, with their token ids spliced into its
-prompt (engines/builtin/serving/named_outputs.py is the engine's side).
+"""The handoff, the gateway's side: a call whose inputs are still being generated is sent ahead to the
+engine generating them, which starts it as soon as they are produced, their text put into its prompt
+there (engines/builtin/serving/named_outputs.py is the engine's side).
 
 Every forked generation is given an ``output_id`` and its output variable a ``PendingOutput`` naming it
 while it runs (announced to consumers once it generates: a call sent ahead is announced when its own
-inputs are bound, so a long chain goes ahead one call at a time, not all at once). A consumer whose every unready input is pending on one engine does not wait for their text:
-its prompt's rest goes to that engine as parts, constant text and ready values as text, pending values as
-``output_of``. The gateway still binds every variable from its producer's answer, for readers and for
-consumers elsewhere. If a producer fails, or is retried on another engine, its pending output is withdrawn
-and the consumers sent ahead are called back to run the ordinary way, from the text.
+inputs are bound, so a long chain goes ahead one call at a time, not all at once). A consumer whose every
+unready input is pending on one engine does not wait for their text here: its prompt's rest goes to that
+engine as parts, constant text and ready values as text, pending values as ``output_of``. The gateway
+still binds every variable from its producer's answer, for readers and for consumers elsewhere. If a
+producer fails, or is retried on another engine, its pending output is withdrawn and the consumers sent
+ahead are called back to run the ordinary way, from the text.
 
-Tokenization at the seams: the engine tokenizes each text part on its own and splices the producer's ids
-between them, where the ordinary path tokenizes the substituted rest as one text. The two agree whenever
-the producer's ids are how its text tokenizes and no token of the whole would span a seam (a value
-starting after a newline or a space that ends a part does not; "abc{{x}}" with x = "def" may), for a
-byte-level BPE tokenizer like SmolLM2's (one that prefixes a space to each text it encodes, as
-SentencePiece's do, differs at every seam).
+The prompt is the one a plain request sends: the engine tokenizes the context's text, the parts and the
+outputs' text as one text (engines/builtin/splicing.py heals each seam), never the producers' ids.
 """
 
 from __future__ import annotations

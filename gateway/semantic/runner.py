@@ -32,7 +32,8 @@ from gateway.semantic.handoff import PendingOutput, announced_inputs, fork_parts
 from gateway.semantic.prefix import PrefixCache, PrefixEntry
 from gateway.semantic.streaming import TextSink
 from gateway.service import Answer, Gateway
-from wire.openai import ChatChoice, ChatCompletion, Completion, CompletionChoice, ResponseMessage, Usage
+from wire.openai import (ChatChoice, ChatCompletion, Completion, CompletionChoice, PromptTokensDetails, ResponseMessage,
+                         Usage)
 from wire.placeholders import map_texts
 from wire.sampling import sampling_of
 from wire.vllm import VLLM_EXTRAS
@@ -122,8 +123,8 @@ class Runner:
             plan = self._place(model, split, rest, records, placement)
             call.engine_id = plan.record.id
             try:
-                generation, prompt_tokens = await self._fork_and_generate(plan, rest, body, bounded, session, sink,
-                                                                          output, generating=True)
+                generation = await self._fork_and_generate(plan, rest, body, bounded, session, sink, output,
+                                                           generating=True)
                 break
             except EngineError as exc:
                 tried.add(plan.record.id)
@@ -132,19 +133,19 @@ class Runner:
                         or (sink is not None and sink.started)):
                     self.gateway.record_failure(model, exc)
                     raise
-        return self._answered(route, model, plan, generation, prompt_tokens, started)
+        return self._answered(route, model, plan, generation, started)
 
-    def _answered(self, route: Route, model: str, plan: Plan, generation: Generation, prompt_tokens: int,
-                  started: float) -> Answer:
+    def _answered(self, route: Route, model: str, plan: Plan, generation: Generation, started: float) -> Answer:
+        prompt_tokens, cached_tokens = generation.prompt_usage()
         response = _response(route, model, generation.text, generation.finish_reason, prompt_tokens,
-                             len(generation.token_ids))
+                             len(generation.token_ids), cached_tokens)
         self.gateway.record_success(model, plan.record.engine.name, response, started)  # as a plain request is
         return Answer(response, plan.record.id)
 
     async def plan_ahead(self, route: Route, body: dict[str, Any], call: Call, input_timeout_s: float
                          ) -> Handoff | None:
         """How ``call`` can run before its inputs' text is known: on the one engine generating the inputs
-        that are not ready, which splices their token ids in as they are produced (handoff.py). None when
+        that are not ready, which puts their text in as they are produced (handoff.py). None when
         it cannot (an input failed, or is pending on no engine or on several, or the request does not
         fork): the call then waits for its inputs' values and runs as usual."""
         if not self._forkable(route, body):
@@ -193,8 +194,7 @@ class Runner:
             return None
         if call.started is None:
             call.mark_running()
-        generation, prompt_tokens = done
-        return self._answered(route, body["model"], plan, generation, prompt_tokens, started)
+        return self._answered(route, body["model"], plan, done, started)
 
     async def _run_plain(self, route: Route, body: dict[str, Any], hints: dict[str, Any], placement: Placement,
                          sink: TextSink | None) -> Answer:
@@ -215,7 +215,7 @@ class Runner:
                 if event.startswith(b"data: {"):
                     sink.put(whole.add(msgspec.json.decode(event[6:])))
         return Answer(_response(route, model, whole.text(), whole.finish_reason, whole.prompt_tokens,
-                                whole.completion_tokens), opened.record.id)
+                                whole.completion_tokens, whole.cached_tokens), opened.record.id)
 
     async def warm(self, route: Route, body: dict[str, Any], call: Call, session: Session) -> None:
         """Before a call's inputs are ready: split its prompt and fill its constant prefix on the engine
@@ -273,8 +273,8 @@ class Runner:
 
     async def _fork_and_generate(self, plan: Plan, rest: str | list[ForkPart], body: dict[str, Any],
                                  hints: dict[str, Any], session: Session, sink: TextSink | None,
-                                 output: Variable | None, *, generating: bool) -> tuple[Generation, int]:
-        """The fork's generation, and the prompt tokens it counts. ``output``: the variable it produces,
+                                 output: Variable | None, *, generating: bool) -> Generation:
+        """The fork's generation. ``output``: the variable it produces,
         published under its output id while it is generated (``generating``: at once; else once the
         call's inputs are bound, see _running_once_bound)."""
         record = plan.record
@@ -308,7 +308,7 @@ class Runner:
         self.gateway.metrics.on(body["model"], record.engine.name).forks.inc()
         if hit:
             self.prefixes.hit_tokens += generation.context_tokens
-        return generation, generation.context_tokens + generation.usage["prompt_tokens"]
+        return generation
 
 
 async def _running_once_bound(call: Call, timeout_s: float) -> None:
@@ -345,6 +345,7 @@ class _Gathered:
         self._texts: list[str] = []
         self.finish_reason: str | None = None
         self.prompt_tokens = self.completion_tokens = 0
+        self.cached_tokens: int | None = None  # None: the engine did not say
 
     def add(self, chunk: dict[str, Any]) -> str:
         """Takes one chunk; returns the text it adds. An error object (the engine failed mid-stream) is raised."""
@@ -354,6 +355,8 @@ class _Gathered:
         if chunk.get("usage"):
             self.prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
             self.completion_tokens = chunk["usage"].get("completion_tokens", 0)
+            details = chunk["usage"].get("prompt_tokens_details") or {}
+            self.cached_tokens = details.get("cached_tokens")
         text = ""
         for choice in chunk.get("choices") or ():
             text += (choice.get("text") if self.route == "completions" else
@@ -367,9 +370,11 @@ class _Gathered:
 
 
 def _response(route: Route, model: str, text: str, finish_reason: str | None, prompt_tokens: int,
-              completion_tokens: int) -> bytes:
+              completion_tokens: int, cached_tokens: int | None) -> bytes:
+    """``cached_tokens``: None when the engine did not say (an upstream without the figure)."""
+    details = PromptTokensDetails(cached_tokens=cached_tokens) if cached_tokens is not None else None
     usage = Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                  total_tokens=prompt_tokens + completion_tokens)
+                  total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
     if route == "completions":
         return msgspec.json.encode(Completion(model=model, usage=usage, choices=[
             CompletionChoice(index=0, text=text, finish_reason=finish_reason)]))

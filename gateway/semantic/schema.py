@@ -140,10 +140,6 @@ class SemanticCallView(msgspec.Struct):
     object: str = "parrot.semantic_call"
 
 
-def parse_extension(raw: dict[str, Any]) -> ParrotExtension:
-    return msgspec.convert(raw, ParrotExtension)
-
-
 # ---------------------------------------------------------------- graph view (GET /v1/sessions, /graph)
 
 
@@ -162,7 +158,7 @@ class CallNode(msgspec.Struct, kw_only=True):
     outputs: dict[str, str]  # output name -> variable id
     submitted: float
     # Sent to its engine before its inputs were ready, to start there as soon as they are produced (their
-    # token ids handed over on the engine); it is waiting until they are bound here, then running.
+    # text handed over on the engine); it is waiting until they are bound here, then running.
     handed: float | None = None
     started: float | None = None  # its inputs were ready: it went to an engine (or, handed, runs there)
     finished: float | None = None

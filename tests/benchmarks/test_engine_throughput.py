@@ -2,6 +2,8 @@
 
 import argparse
 
+import pytest
+
 from benchmarks.engine_throughput import REFERENCE, FreshPrompts, at_dtype, fractions_of_limit, quantized
 from benchmarks.machine_limits import STORED_BITS, MachineLimits, ModelCost
 
@@ -23,6 +25,7 @@ def test_quantized_columns_count_their_stored_bytes():
     assert quantized(columns) == {"ours-int4": int4, "ours-int4-compiled": int4, "ours-int8": int8}
 
 
+@pytest.mark.model  # SmolLM2's config, from its GGUF
 def test_a_quantized_columns_decode_fraction_is_its_stored_bytes_over_the_read():
     """SmolLM2 (the default model): an int4 stream of 10 tok/s reads 10 x Q4_1's step bytes a second; its prefill,
     integer products, gets no fraction of the float GEMM, where the fp32 column's does."""

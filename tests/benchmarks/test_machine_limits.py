@@ -12,7 +12,7 @@ from benchmarks.machine_limits import STORED_BITS, MachineLimits, ModelCost, bes
 from engines.builtin.cpu_linear import cpu_has_fast_bf16
 from engines.builtin.core import on_a_passing_thread
 from engines.builtin.model import LlamaForCausalLM
-from tests.conftest import tiny_llama_config
+from tests.support.models import tiny_llama_config
 
 
 def test_the_cost_counts_every_weight_the_model_reads():
@@ -31,6 +31,7 @@ def test_the_cost_counts_every_weight_the_model_reads():
     assert cost.prefill_flops_per_token(1000) == 2 * decoder + attention
 
 
+@pytest.mark.slow  # measures the machine
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in Linux's /proc")
 def test_measuring_leaves_the_calling_thread_as_it_was():
     """Neither the caller's torch thread count nor OpenMP workers of its own: an idle set of them beside the

@@ -13,13 +13,12 @@ from dataclasses import replace
 import httpx
 import pytest
 
-from benchmarks import fake_upstream
 from benchmarks.workloads import WORKLOADS, chain, map_reduce, mixed, multi_agent, shared_prompt
 from benchmarks.workloads.text import document, questions, system_prompt
 from gateway.app import create_app
-from gateway.config import BuiltinConfig, GatewayConfig, UpstreamConfig
+from tests.support.fake_upstream import MODEL
+from tests.support.gateways import fake_gateway_config
 
-MODEL = "fake-model"
 TINY = {
     "map_reduce": map_reduce.Config(chunks=3, chunk_words=20, seed=7),
     "chain": chain.Config(chunks=3, chunk_words=20, seed=7),
@@ -30,15 +29,8 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture(scope="module")
-def fake_url(serve_module) -> str:
-    return serve_module(fake_upstream.app)
-
-
-@pytest.fixture(scope="module")
 def gateway_v1(serve_module, fake_url) -> str:
-    config = GatewayConfig(upstreams=[UpstreamConfig(model=MODEL, base_url=f"{fake_url}/v1")],
-                           builtin=BuiltinConfig(enabled=False))
-    return serve_module(create_app(config)) + "/v1"
+    return serve_module(create_app(fake_gateway_config(fake_url))) + "/v1"
 
 
 def fake_requests(fake_url: str) -> int:

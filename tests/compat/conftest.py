@@ -1,29 +1,21 @@
-"""Compat fixtures: a real gateway (uvicorn on loopback) in front of the fake upstream, and openai clients on it."""
+"""Compat fixtures: a real gateway (uvicorn on loopback) in front of the fake upstream (the root conftest's
+``fake_url``), and openai clients on it."""
 
 from __future__ import annotations
 
 import openai
 import pytest
 
-from benchmarks import fake_upstream
 from gateway.app import create_app
-from gateway.config import BuiltinConfig, GatewayConfig, SemanticConfig, UpstreamConfig
-
-MODEL = "fake-model"
-
-
-@pytest.fixture(scope="session")
-def fake_url(serve_session) -> str:
-    return serve_session(fake_upstream.app)
+from gateway.config import SemanticConfig
+from tests.support.gateways import fake_gateway_config
 
 
 @pytest.fixture(scope="module")
 def gateway_url(serve_module, fake_url) -> str:
     """A gateway serving MODEL from the fake upstream (which answers "echo: " + the last user message/prompt)."""
-    config = GatewayConfig(upstreams=[UpstreamConfig(model=MODEL, base_url=f"{fake_url}/v1")],
-                           builtin=BuiltinConfig(enabled=False),
-                           semantic=SemanticConfig(input_timeout_s=20, var_timeout_s=10))
-    return serve_module(create_app(config))
+    return serve_module(create_app(fake_gateway_config(
+        fake_url, semantic=SemanticConfig(input_timeout_s=20, var_timeout_s=10))))
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,9 @@ from langchain_openai import ChatOpenAI
 from compat.frontend import Output, semantic_function
 from compat.langchain import ParrotChatOpenAI
 from compat.openai import Session
+from tests.support.models import SMOLLM
 
-MODEL = "SmolLM2-135M-Instruct"
+MODEL = SMOLLM
 
 
 @pytest.fixture(scope="module")

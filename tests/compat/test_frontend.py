@@ -12,8 +12,7 @@ import pytest
 
 from compat.frontend import Input, Output, native, semantic_function
 from compat.openai import Session, VariableError
-
-MODEL = "fake-model"
+from tests.support.fake_upstream import MODEL  # what the gateway fixtures serve
 
 
 @semantic_function(model=MODEL, temperature=0)

@@ -12,8 +12,7 @@ from langchain_openai import ChatOpenAI
 
 from compat.langchain import ParrotChatOpenAI
 from compat.openai import VARIABLE_PLACEHOLDER
-
-MODEL = "fake-model"
+from tests.support.fake_upstream import MODEL  # what the gateway fixtures serve
 
 
 @pytest.fixture(scope="module")

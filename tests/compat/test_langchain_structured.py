@@ -12,8 +12,9 @@ import pytest
 from langchain_core.messages import HumanMessage
 from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
+from tests.support.models import SMOLLM
 
-MODEL = "SmolLM2-135M-Instruct"
+MODEL = SMOLLM
 pytestmark = pytest.mark.timeout(300)
 
 

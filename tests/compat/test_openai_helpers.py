@@ -15,8 +15,7 @@ from compat.openai import (
     parrot_extra,
     referenced_variables,
 )
-
-MODEL = "fake-model"
+from tests.support.fake_upstream import MODEL  # what the gateway fixtures serve
 
 
 def user(text: str) -> list[dict[str, str]]:

@@ -119,6 +119,7 @@ def test_wrong_types_in_the_file_are_rejected(tmp_path):
         load_config(path, env={})
 
 
+@pytest.mark.subprocess
 def test_serve_help_runs():
     parrot = Path(sys.executable).with_name("parrot")  # the console script pyproject.toml installs
 
@@ -130,6 +131,7 @@ def test_serve_help_runs():
         assert flag in result.stdout
 
 
+@pytest.mark.subprocess
 def test_parrot_without_a_command_prints_usage():
     result = subprocess.run([sys.executable, "-m", "gateway.cli"], capture_output=True, text=True, timeout=60)
 
@@ -137,7 +139,7 @@ def test_parrot_without_a_command_prints_usage():
     assert "usage: parrot" in result.stderr
 
 
-def test_log_and_tracing_settings_from_file_env_and_flags(tmp_path):
+def test_log_and_tracing_settings_from_file_env_and_flags(tmp_path, monkeypatch):
     path = tmp_path / "parrot.toml"
     path.write_text('[server]\nlog_format = "json"\n[tracing]\nexporter = "console"\n')
     from_file = load_config(path, env={})
@@ -150,6 +152,9 @@ def test_log_and_tracing_settings_from_file_env_and_flags(tmp_path):
     assert (from_flags.server.log_format, from_flags.server.access_log) == ("json", True)
     assert (from_flags.tracing.enabled, from_flags.tracing.exporter) == (True, "otlp")
     assert GatewayConfig().server.log_format == "text" and not GatewayConfig().server.access_log
+    monkeypatch.setenv("PARROT_ACCESS_LOG", "1")
+    assert config_from_args(_serve_parser().parse_args([])).server.access_log is True
+    assert config_from_args(_serve_parser().parse_args(["--no-access-log"])).server.access_log is False
     with pytest.raises(msgspec.ValidationError):
         load_config(env={"PARROT_LOG_FORMAT": "xml"})
 

@@ -8,6 +8,7 @@ its graph is deterministically all waiting; once it is set, every map becomes re
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -21,7 +22,9 @@ import pytest
 
 from gateway.app import create_app
 from gateway.config import AuthConfig, BuiltinConfig, DashboardConfig, EnginesConfig, GatewayConfig
-from tests.conftest import SMOLLM, free_port
+from tests.support.models import SMOLLM
+from tests.support.servers import free_port
+from tests.support.markers import marks_users
 
 ALICE, BOB, ADMIN = "sk-alice", "sk-bob", "sk-admin"
 SECRET = "dashboard-engine-secret"
@@ -35,7 +38,8 @@ ARTIFACTS = REPO / "artifacts" / "dashboard"  # gitignored: screenshots to look 
 
 @pytest.fixture(scope="module")
 def benchmarks_dir(tmp_path_factory) -> Path:
-    """A benchmarks folder holding one real PNG plot (drawn by matplotlib, as the benchmarks draw theirs)."""
+    """A benchmarks folder holding one current result with a real PNG plot (drawn by matplotlib, as the benchmarks
+    draw theirs), listed in current.json as benchmarks/report.py lists them, and a stray plot the panel ignores."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -46,13 +50,18 @@ def benchmarks_dir(tmp_path_factory) -> Path:
     axes.plot([1, 2, 3], [3, 1, 2], marker="o")
     axes.set_title("example benchmark")
     figure.savefig(directory / "example.png", dpi=80)
+    figure.savefig(directory / "superseded.png", dpi=80)
     plt.close(figure)
     (directory / "notes.txt").write_text("not a plot")
+    (directory / "current.json").write_text(json.dumps({"results": [
+        {"what": "example throughput", "vs": "a baseline", "ratio": "1.23x", "host": "test host", "date": "2026-12-01",
+         "command": "python -m benchmarks.example", "json": "example.json", "png": "example.png"}]}))
     return directory
 
 
 @pytest.fixture(scope="module")
-def gateway(serve_module, benchmarks_dir) -> Iterator[str]:
+@marks_users("model", "subprocess")
+def dashboard_gateway(serve_module, benchmarks_dir) -> Iterator[str]:
     """A gateway with client keys for alice and bob and an admin key, and a SmolLM2 engine process that
     registers with it and heartbeats (its load and KV use reach GET /v1/engines)."""
     config = GatewayConfig(builtin=BuiltinConfig(enabled=False),
@@ -81,8 +90,8 @@ def _auth(key: str) -> dict[str, str]:
 
 
 @pytest.fixture
-def alice(gateway) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=gateway, headers=_auth(ALICE), timeout=120) as client:
+def alice(dashboard_gateway) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=dashboard_gateway, headers=_auth(ALICE), timeout=120) as client:
         yield client
 
 
@@ -140,7 +149,7 @@ def all_done(graph: dict[str, Any]) -> bool:
     return len(graph["calls"]) == 4 and all(call["state"] == "done" for call in graph["calls"])
 
 
-def test_graph_of_a_live_map_reduce_shows_its_calls_going_to_done(gateway, alice):
+def test_graph_of_a_live_map_reduce_shows_its_calls_going_to_done(dashboard_gateway, alice):
     job = submit_map_reduce(alice)
     session, maps, reduce = job["session"], job["maps"], job["reduce"]
 
@@ -183,13 +192,13 @@ def test_graph_of_a_live_map_reduce_shows_its_calls_going_to_done(gateway, alice
     assert engine["requests_total"] >= 4 and engine["prefix_contexts"] >= 1  # the maps' system prompt is pinned
 
 
-def test_another_key_gets_404_and_an_admin_key_sees_the_session(gateway, alice):
+def test_another_key_gets_404_and_an_admin_key_sees_the_session(dashboard_gateway, alice):
     job = submit_map_reduce(alice)
     session = job["session"]
-    with httpx.Client(base_url=gateway, headers=_auth(BOB), timeout=30) as bob:
+    with httpx.Client(base_url=dashboard_gateway, headers=_auth(BOB), timeout=30) as bob:
         assert bob.get(f"/v1/sessions/{session}/graph").status_code == 404
         assert session not in [s["id"] for s in bob.get("/v1/sessions").json()["data"]]
-    with httpx.Client(base_url=gateway, headers=_auth(ADMIN), timeout=30) as admin:
+    with httpx.Client(base_url=dashboard_gateway, headers=_auth(ADMIN), timeout=30) as admin:
         graph = admin.get(f"/v1/sessions/{session}/graph")
         assert graph.status_code == 200 and set(calls_by_id(graph.json())) == {*job["maps"], job["reduce"]}
         listed = {s["id"]: s for s in admin.get("/v1/sessions").json()["data"]}
@@ -198,7 +207,7 @@ def test_another_key_gets_404_and_an_admin_key_sees_the_session(gateway, alice):
         assert listed[session]["owner"] in own and ALICE not in str(listed)  # a fingerprint, never the key
         assert admin.delete(f"/v1/sessions/{session}").status_code == 404  # to view, not to act for others
         assert admin.get(f"/v1/vars/{job['final']}").status_code == 404
-    assert httpx.get(f"{gateway}/v1/sessions/{session}/graph").status_code == 401  # no key at all
+    assert httpx.get(f"{dashboard_gateway}/v1/sessions/{session}/graph").status_code == 401  # no key at all
     release(alice, job)
     poll_graph(alice, session, all_done)
     assert alice.delete(f"/v1/sessions/{session}").status_code == 200
@@ -216,7 +225,8 @@ def chromium_path() -> str:
     return path
 
 
-def test_dashboard_page_draws_the_live_dag_in_chromium(gateway, alice):
+@pytest.mark.browser
+def test_dashboard_page_draws_the_live_dag_in_chromium(dashboard_gateway, alice):
     from playwright.sync_api import expect, sync_playwright
 
     job = submit_map_reduce(alice)
@@ -231,7 +241,7 @@ def test_dashboard_page_draws_the_live_dag_in_chromium(gateway, alice):
             page.on("console", lambda message: errors.append(message.text) if message.type == "error" else None)
             requests: list[Any] = []
             page.on("request", lambda request: requests.append(request))
-            page.goto(f"{gateway}/dashboard#{job['session']}")
+            page.goto(f"{dashboard_gateway}/dashboard#{job['session']}")
             expect(page.locator("#status")).to_contain_text("enter an API key")
             page.fill("#api-key", ALICE)
             page.click("#key-form button[type=submit]")
@@ -244,6 +254,7 @@ def test_dashboard_page_draws_the_live_dag_in_chromium(gateway, alice):
             expect(page.locator(f'#sessions li[data-session-id="{job["session"]}"]')).to_have_class("selected")
             expect(page.locator("#engines tbody tr[data-engine-id]")).to_have_count(1)
             expect(page.locator("#benchmarks img")).to_have_count(1)
+            expect(page.locator("#benchmarks figcaption")).to_contain_text("1.23x example throughput, vs a baseline")
             page.wait_for_function("() => document.querySelector('#benchmarks img').naturalWidth > 0")
             waiting_shot = ARTIFACTS / "dashboard_waiting.png"
             page.screenshot(path=str(waiting_shot), full_page=True)

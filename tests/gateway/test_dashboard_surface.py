@@ -4,6 +4,7 @@ not do (keep it alive). The live map-reduce and the browser are in test_dashboar
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -12,7 +13,7 @@ import pytest
 from gateway.cli import _serve_parser, config_from_args
 from gateway.config import AuthConfig, DashboardConfig, SemanticConfig, load_config
 from gateway.request_rate import RequestRate
-from tests.gateway.conftest import MODEL
+from tests.support.fake_upstream import MODEL
 
 KEY, ADMIN = "sk-user", "sk-admin"
 PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 32  # served as it is: the gateway reads no more than the name
@@ -33,21 +34,51 @@ def test_the_page_needs_no_key_and_runs_only_its_own_scripts(start_gateway):
     assert httpx.get(f"{url}/v1/sessions").status_code == 401  # the data behind it does need one
 
 
-def test_benchmark_plots_are_listed_and_served_by_name_only(start_gateway, tmp_path):
+def _result(json_name: str, png: str | None, ratio: str) -> dict:
+    return {"what": f"what {json_name}", "vs": "vLLM", "ratio": ratio, "host": "AMD EPYC, AVX2, 2 CPUs",
+            "date": "2026-11-29", "command": "python -m benchmarks.x", "json": json_name, "png": png}
+
+
+def test_the_current_results_are_listed_and_only_their_plots_served(start_gateway, tmp_path):
     (tmp_path / "multi_engine.png").write_bytes(PNG)
     (tmp_path / "multi_engine.json").write_text("{}")
+    (tmp_path / "superseded.png").write_bytes(PNG)  # a plot no current result names: neither listed nor served
+    (tmp_path / "current.json").write_text(json.dumps({"results": [
+        _result("multi_engine.json", "multi_engine.png", "1.50x"), _result("accuracy.json", None, "0.99x"),
+        _result("multi_engine.json", "multi_engine.png", "2.00x"), _result("gone.json", "gone.png", "3.00x")]}))
     url = start_gateway(dashboard=DashboardConfig(benchmarks_dir=str(tmp_path)))
     listed = httpx.get(f"{url}/dashboard/benchmarks").json()["data"]
-    assert listed == [{"name": "multi_engine.png", "url": "/dashboard/benchmarks/multi_engine.png"}]
+    assert [(p["name"], p["url"], [r["ratio"] for r in p["results"]]) for p in listed] == [
+        ("multi_engine.png", "/dashboard/benchmarks/multi_engine.png", ["1.50x", "2.00x"]),
+        ("accuracy.json", None, ["0.99x"]), ("gone.json", None, ["3.00x"])]
+    assert listed[0]["results"][0] == {"what": "what multi_engine.json", "vs": "vLLM", "ratio": "1.50x",
+                                       "host": "AMD EPYC, AVX2, 2 CPUs", "date": "2026-11-29"}
     plot = httpx.get(f"{url}/dashboard/benchmarks/multi_engine.png")
     assert plot.status_code == 200 and plot.content == PNG and plot.headers["content-type"] == "image/png"
-    for name in ("multi_engine.json", "..%2Fmulti_engine.png", "missing.png"):
+    for name in ("multi_engine.json", "superseded.png", "current.json", "..%2Fmulti_engine.png", "gone.png"):
         assert httpx.get(f"{url}/dashboard/benchmarks/{name}").status_code == 404
 
 
-def test_without_a_benchmarks_folder_the_list_is_empty(start_gateway, tmp_path):
+def test_the_checkouts_panel_shows_the_reports_list(start_gateway):
+    from benchmarks import report
+
+    url = start_gateway()  # the default folder: docs/benchmarks of this checkout
+    listed = httpx.get(f"{url}/dashboard/benchmarks").json()["data"]
+    rows = report.entries(report.ROOT)
+    files = list(dict.fromkeys(r["json"] for r in rows))  # one entry per result file, in the report's order
+    assert [r["ratio"] for plot in listed for r in plot["results"]] == [
+        r["ratio"] for name in files for r in rows if r["json"] == name]
+    assert {plot["name"] for plot in listed if plot["url"]} == {r["png"] for r in rows if r["png"]}
+
+
+def test_without_a_benchmarks_folder_or_its_list_the_list_is_empty(start_gateway, tmp_path):
     url = start_gateway(dashboard=DashboardConfig(benchmarks_dir=str(tmp_path / "absent")))
     assert httpx.get(f"{url}/dashboard/benchmarks").json()["data"] == []
+    (tmp_path / "plot.png").write_bytes(PNG)
+    (tmp_path / "current.json").write_text("{not json")
+    url = start_gateway(dashboard=DashboardConfig(benchmarks_dir=str(tmp_path)))
+    assert httpx.get(f"{url}/dashboard/benchmarks").json()["data"] == []
+    assert httpx.get(f"{url}/dashboard/benchmarks/plot.png").status_code == 404
 
 
 def test_admin_keys_from_file_environment_and_command_line(tmp_path):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+from tests.support.fake_upstream import MODEL  # what the gateway fixtures serve
 
-MODEL = "fake-model"  # what the gateway fixtures serve
 LONG_STREAM = {"model": MODEL, "messages": [{"role": "user", "content": "talk"}], "stream": True,
                "fake": {"words": 400, "chunk_delay_s": 0.02}}  # about 8 s if nobody hangs up
 

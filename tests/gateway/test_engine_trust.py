@@ -12,9 +12,9 @@ import pytest
 from engines.builtin.config import EngineConfig
 from engines.builtin.http_app import GatewayRegistration, create_app as create_engine_app
 from gateway.config import AuthConfig, EnginesConfig
-from tests.conftest import asgi_app
+from tests.support.servers import asgi_app
+from tests.support.fake_upstream import MODEL  # what the gateway fixtures serve
 
-MODEL = "fake-model"
 SECRET = "engine-secret"
 CLIENT_KEY = "client-key"
 MESSAGES = [{"role": "user", "content": "hello"}]
@@ -121,7 +121,7 @@ def test_registration_takes_json_only(http, secured, attacker):
 
 
 def test_a_live_engines_url_cannot_be_taken(http, start_gateway, serve):
-    from benchmarks import fake_upstream
+    from tests.support import fake_upstream
 
     gateway = start_gateway([], engines=EnginesConfig(registration_secret=SECRET, heartbeat_timeout_s=60.0))
     engine_url = serve(fake_upstream.app)
@@ -203,7 +203,7 @@ def test_a_heartbeat_with_impossible_stats_is_refused(http, start_gateway, serve
 
 
 def test_an_engine_heartbeats_only_for_itself(http, start_gateway, serve, attacker):
-    from benchmarks import fake_upstream
+    from tests.support import fake_upstream
 
     gateway = start_gateway([], engines=EnginesConfig(registration_secret=SECRET, heartbeat_timeout_s=60.0))
     victim = register(http, gateway, serve(fake_upstream.app)).json()
@@ -230,7 +230,7 @@ def test_an_engine_heartbeats_only_for_itself(http, start_gateway, serve, attack
 
 
 def test_engine_listing_shows_no_credentials(http, secured, serve):
-    from benchmarks import fake_upstream
+    from tests.support import fake_upstream
 
     registered = register(http, secured, serve(fake_upstream.app), models=["remote"]).json()
 

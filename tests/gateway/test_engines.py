@@ -8,10 +8,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks import fake_upstream
+from tests.support import fake_upstream
 from gateway.config import EnginesConfig, UpstreamConfig
+from tests.support.fake_upstream import MODEL  # what the gateway fixtures serve
 
-MODEL = "fake-model"  # what the gateway fixtures serve
 MESSAGES = [{"role": "user", "content": "hello"}]
 
 

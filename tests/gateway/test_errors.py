@@ -9,8 +9,8 @@ import openai
 import pytest
 
 from gateway.config import AuthConfig, LimitsConfig, RoutingConfig, UpstreamConfig
+from tests.support.fake_upstream import MODEL  # what the gateway fixtures serve
 
-MODEL = "fake-model"  # what the gateway fixtures serve
 MESSAGES = [{"role": "user", "content": "hello"}]
 CHAT = {"model": MODEL, "messages": MESSAGES}
 

@@ -18,7 +18,8 @@ from schemathesis.specs.openapi.checks import (
 from gateway.app import create_app
 from gateway.config import UpstreamConfig
 from gateway.openapi import EXAMPLE_MODEL
-from tests.gateway.conftest import MODEL, gateway_config
+from tests.support.fake_upstream import MODEL
+from tests.support.gateways import gateway_config
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 

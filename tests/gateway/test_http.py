@@ -12,8 +12,8 @@ import pytest
 from wire.sse import SSE_DONE
 from gateway.config import UpstreamConfig
 from tests.engines.seam.test_upstream_stream import FIRST, LAST, sse_app
+from tests.support.fake_upstream import MODEL  # what the gateway fixtures serve
 
-MODEL = "fake-model"  # what the gateway fixtures serve
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi there"}]}
 
 

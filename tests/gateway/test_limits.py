@@ -14,8 +14,8 @@ import pytest
 
 from gateway.app import create_app
 from gateway.config import BuiltinConfig, EnginesConfig, GatewayConfig, LimitsConfig, SemanticConfig
-from tests.conftest import SMOLLM
-from tests.gateway.conftest import MODEL
+from tests.support.models import SMOLLM
+from tests.support.fake_upstream import MODEL
 
 CAP = 64
 

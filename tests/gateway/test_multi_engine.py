@@ -16,7 +16,8 @@ from typing import Iterator
 import httpx
 import pytest
 
-from tests.conftest import free_port, free_port_run
+from tests.support.servers import free_port, free_port_run
+from tests.support.markers import marks_users
 
 SYSTEM = "You are the booking assistant of Parrot Airways; answer in one short sentence. " * 24
 
@@ -54,7 +55,8 @@ class ParrotFleet:
 
 
 @pytest.fixture(scope="module")
-def fleet(tiny_model_dir) -> Iterator[ParrotFleet]:
+@marks_users("subprocess")
+def parrot_fleet(tiny_model_dir) -> Iterator[ParrotFleet]:
     served = ParrotFleet(tiny_model_dir, engines=3)
     try:
         yield served
@@ -62,38 +64,38 @@ def fleet(tiny_model_dir) -> Iterator[ParrotFleet]:
         served.close()
 
 
-def healthy(fleet: ParrotFleet) -> list[dict]:
-    return [e for e in fleet.engines() if e["healthy"]]
+def healthy(parrot_fleet: ParrotFleet) -> list[dict]:
+    return [e for e in parrot_fleet.engines() if e["healthy"]]
 
 
 @pytest.mark.timeout(300)
-def test_one_system_prompt_stays_on_one_engine_and_others_spread(fleet, wait_until):
-    wait_until(lambda: len(healthy(fleet)) == 3, timeout_s=180)
-    listed = healthy(fleet)
+def test_one_system_prompt_stays_on_one_engine_and_others_spread(parrot_fleet, wait_until):
+    wait_until(lambda: len(healthy(parrot_fleet)) == 3, timeout_s=180)
+    listed = healthy(parrot_fleet)
     assert len({e["url"] for e in listed}) == 3  # three processes, three ports
 
-    where = [fleet.chat(SYSTEM, f"Question {i}?").headers["x-parrot-engine"] for i in range(6)]
+    where = [parrot_fleet.chat(SYSTEM, f"Question {i}?").headers["x-parrot-engine"] for i in range(6)]
     assert len(set(where)) == 1, where
     assert where[0] in {e["id"] for e in listed}
 
-    others = {fleet.chat(f"You are assistant number {i} of a different company. " * 12, "Hi").headers["x-parrot-engine"]
+    others = {parrot_fleet.chat(f"You are assistant number {i} of a different company. " * 12, "Hi").headers["x-parrot-engine"]
               for i in range(6)}
     assert len(others) >= 2
 
-    held = {e["id"]: e["held_prefix_tokens"] for e in fleet.engines()}
+    held = {e["id"]: e["held_prefix_tokens"] for e in parrot_fleet.engines()}
     assert held[where[0]] > 0
 
 
 @pytest.mark.timeout(300)
-def test_a_burst_on_one_prompt_spills_over_to_other_engines(fleet, wait_until):
-    wait_until(lambda: len(healthy(fleet)) == 3, timeout_s=180)
+def test_a_burst_on_one_prompt_spills_over_to_other_engines(parrot_fleet, wait_until):
+    wait_until(lambda: len(healthy(parrot_fleet)) == 3, timeout_s=180)
     system = "You are the burst tester; reply briefly. " * 30
 
     async def burst() -> Counter:
-        async with httpx.AsyncClient(base_url=fleet.url, timeout=120) as client:
+        async with httpx.AsyncClient(base_url=parrot_fleet.url, timeout=120) as client:
             async def one(i: int) -> str:
                 response = await client.post("/v1/chat/completions", json={
-                    "model": fleet.model, "max_tokens": 48, "ignore_eos": True,
+                    "model": parrot_fleet.model, "max_tokens": 48, "ignore_eos": True,
                     "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"{i}"}]})
                 assert response.status_code == 200, response.text
                 return response.headers["x-parrot-engine"]
@@ -101,29 +103,29 @@ def test_a_burst_on_one_prompt_spills_over_to_other_engines(fleet, wait_until):
 
     placed = asyncio.run(burst())
     assert len(placed) >= 2, placed  # balance: one hot prompt does not pile onto one engine
-    held = {e["id"]: e["held_prefix_tokens"] for e in fleet.engines()}
+    held = {e["id"]: e["held_prefix_tokens"] for e in parrot_fleet.engines()}
     assert all(held[engine] > 0 for engine in placed)  # replicated: each engine it went to holds it now
 
 
 @pytest.mark.timeout(300)
-def test_a_task_group_lands_on_one_engine(fleet, wait_until):
-    wait_until(lambda: len(healthy(fleet)) == 3, timeout_s=180)
-    document = "The quarterly report of Parrot Airways lists routes, fleet and fares. " * 20
-    session = fleet.http.post("/v1/sessions", json={}).json()["id"]
-    summaries = [fleet.http.post("/v1/vars", json={"session_id": session, "name": f"summary{i}"}).json()["id"]
+def test_a_task_group_lands_on_one_engine(parrot_fleet, wait_until):
+    wait_until(lambda: len(healthy(parrot_fleet)) == 3, timeout_s=180)
+    document = "The quarterly report of Parrot Airways lists routes, parrot_fleet and fares. " * 20
+    session = parrot_fleet.http.post("/v1/sessions", json={}).json()["id"]
+    summaries = [parrot_fleet.http.post("/v1/vars", json={"session_id": session, "name": f"summary{i}"}).json()["id"]
                  for i in range(4)]
     # The reduce first: each map then feeds a consumer that waits for the others too (a task group).
-    reduce = fleet.http.post("/v1/chat/completions", json={
-        "model": fleet.model, "max_tokens": 8,
+    reduce = parrot_fleet.http.post("/v1/chat/completions", json={
+        "model": parrot_fleet.model, "max_tokens": 8,
         "messages": [{"role": "user", "content": " ".join(f"{{{{s{i}}}}}" for i in range(4))}],
         "parrot": {"session_id": session, "wait": False, "vars": {f"s{i}": {"id": v} for i, v in enumerate(summaries)}}})
     assert reduce.status_code == 202, reduce.text
 
     async def maps() -> list[str]:
-        async with httpx.AsyncClient(base_url=fleet.url, timeout=120) as client:
+        async with httpx.AsyncClient(base_url=parrot_fleet.url, timeout=120) as client:
             async def one(i: int, summary: str) -> str:
                 response = await client.post("/v1/chat/completions", json={
-                    "model": fleet.model, "max_tokens": 8,
+                    "model": parrot_fleet.model, "max_tokens": 8,
                     "messages": [{"role": "system", "content": document},
                                  {"role": "user", "content": f"Summarise part {i}: {{{{part}}}}"}],
                     "parrot": {"session_id": session, "criteria": "throughput",
@@ -133,35 +135,35 @@ def test_a_task_group_lands_on_one_engine(fleet, wait_until):
             return await asyncio.gather(*(one(i, s) for i, s in enumerate(summaries)))
 
     assert len(set(asyncio.run(maps()))) == 1  # the group ran on one engine, forking one copy of the document
-    reduced = fleet.http.get(f"/v1/vars/{reduce.json()['parrot']['output']['id']}", params={"wait": "true"})
+    reduced = parrot_fleet.http.get(f"/v1/vars/{reduce.json()['parrot']['output']['id']}", params={"wait": "true"})
     assert reduced.json()["ready"]
 
 
 @pytest.mark.timeout(300)
-def test_an_engine_killed_mid_request_is_replaced_for_the_client(fleet, wait_until):
-    wait_until(lambda: len(healthy(fleet)) == 3, timeout_s=180)
+def test_an_engine_killed_mid_request_is_replaced_for_the_client(parrot_fleet, wait_until):
+    wait_until(lambda: len(healthy(parrot_fleet)) == 3, timeout_s=180)
     # Streamed: the first chunk names the engine; killed then, the stream ends with a clean error event.
-    with fleet.http.stream("POST", "/v1/chat/completions", json={
-            "model": fleet.model, "max_tokens": 2000, "ignore_eos": True, "stream": True,
+    with parrot_fleet.http.stream("POST", "/v1/chat/completions", json={
+            "model": parrot_fleet.model, "max_tokens": 2000, "ignore_eos": True, "stream": True,
             "messages": [{"role": "user", "content": "Count forever."}]}) as response:
         assert response.status_code == 200
         engine_id = response.headers["x-parrot-engine"]
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
-        pid = next(e["pid"] for e in fleet.engines() if e["id"] == engine_id)
+        pid = next(e["pid"] for e in parrot_fleet.engines() if e["id"] == engine_id)
         os.kill(pid, signal.SIGKILL)
         rest = [line for line in lines if line.startswith("data: ")]
     assert rest[-1] == "data: [DONE]"
     assert any('"error"' in line for line in rest[-3:]), rest[-3:]
-    wait_until(lambda: engine_id not in {e["id"] for e in fleet.engines()}, timeout_s=10)
+    wait_until(lambda: engine_id not in {e["id"] for e in parrot_fleet.engines()}, timeout_s=10)
 
     # Non-streamed: killed while it runs, the request is placed on another engine and answered.
-    wait_until(lambda: len(healthy(fleet)) == 3, timeout_s=180)  # the killed one is back (restarted)
+    wait_until(lambda: len(healthy(parrot_fleet)) == 3, timeout_s=180)  # the killed one is back (restarted)
 
     async def killed_mid_request() -> httpx.Response:
-        async with httpx.AsyncClient(base_url=fleet.url, timeout=120) as client:
+        async with httpx.AsyncClient(base_url=parrot_fleet.url, timeout=120) as client:
             request = asyncio.create_task(client.post("/v1/chat/completions", json={
-                "model": fleet.model, "max_tokens": 1500, "ignore_eos": True,
+                "model": parrot_fleet.model, "max_tokens": 1500, "ignore_eos": True,
                 "messages": [{"role": "user", "content": "Tell a long story."}]}))
             busy = None
             while busy is None:
@@ -175,4 +177,4 @@ def test_an_engine_killed_mid_request_is_replaced_for_the_client(fleet, wait_unt
     answered = asyncio.run(killed_mid_request())
     assert answered.status_code == 200, answered.text
     assert answered.json()["usage"]["completion_tokens"] == 1500
-    assert fleet.http.get("/health").json()["engines"] >= 2  # the gateway kept serving
+    assert parrot_fleet.http.get("/health").json()["engines"] >= 2  # the gateway kept serving

@@ -17,7 +17,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import TracingConfig, UpstreamConfig
-from tests.conftest import asgi_app, free_port, read_asgi_body, wait_until
+from tests.support.servers import asgi_app, free_port, read_asgi_body
+from tests.support.waiting import wait_until
 
 SCRIPTED = "scripted-model"
 FIRST_TOKEN_DELAY_S = 0.6
@@ -122,6 +123,7 @@ def test_dag_state_on_metrics_while_a_map_reduce_runs(start_gateway):
 ENGINE_SECRET = "observability-gateway-secret"
 
 
+@pytest.mark.subprocess
 def test_gateway_json_log_lines_carry_the_request_id_and_none_is_per_heartbeat(fake_url, tmp_path):
     port = free_port()
     log_path = tmp_path / "gateway.jsonl"
@@ -220,6 +222,7 @@ def test_a_two_call_dag_makes_one_span_per_call_under_its_submitting_request(spa
     assert found["requests"]["dag-second"].name == "POST /v1/chat/completions"
 
 
+@pytest.mark.subprocess
 def test_without_opentelemetry_tracing_is_off_and_nothing_fails():
     code = """
 import sys

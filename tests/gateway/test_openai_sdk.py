@@ -7,8 +7,8 @@ import json
 
 import openai
 import pytest
+from tests.support.fake_upstream import MODEL  # what the gateway fixtures serve
 
-MODEL = "fake-model"  # what the gateway fixtures serve
 
 WEATHER_TOOL = {
     "type": "function",

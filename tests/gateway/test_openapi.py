@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gateway.config import AuthConfig
-from tests.gateway.conftest import gateway_config
+from tests.support.gateways import gateway_config
 
 PUBLIC = ("/health", "/health/ready", "/health/live", "/metrics")
 

@@ -16,8 +16,9 @@ from gateway.domain_errors import RateLimited
 from gateway.quotas import Quotas, count_tokens
 from gateway.semantic.graph import Session
 from gateway.semantic.sessions import SessionStore
-from tests.conftest import free_port, wait_until
-from tests.gateway.conftest import MODEL
+from tests.support.servers import free_port
+from tests.support.waiting import wait_until
+from tests.support.fake_upstream import MODEL
 
 ALICE, BOB = "sk-alice", "sk-bob"
 KEYS = AuthConfig(api_keys=[ALICE, BOB])
@@ -261,6 +262,7 @@ def _rss_mib(pid: int) -> float:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+@pytest.mark.subprocess
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_memory_of_deleted_sessions_goes_back_to_the_os(tmp_path: Path, http):
     """A gateway process: create a session, fill it with 24 × 4 MB variables, delete it; four times.

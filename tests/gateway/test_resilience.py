@@ -10,11 +10,11 @@ from typing import Any
 import msgspec
 import pytest
 
-from benchmarks import fake_upstream
+from tests.support import fake_upstream
 from gateway.config import GatewayConfig, LimitsConfig, RoutingConfig, UpstreamConfig, load_config
-from tests.conftest import asgi_app, free_port, read_asgi_body
+from tests.support.servers import asgi_app, free_port, read_asgi_body
+from tests.support.fake_upstream import MODEL  # what the gateway fixtures serve
 
-MODEL = "fake-model"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}]}
 QUICK = RoutingConfig(retry_backoff_s=0.01, health_check_interval_s=0)  # retries without waiting long
 

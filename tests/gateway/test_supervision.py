@@ -15,12 +15,12 @@ import httpx
 import msgspec
 import pytest
 
-from engines.seam.launch import SECRET_ENV
+from engines.builtin.cli import SECRET_ENV
 from gateway.config import ENV_OVERRIDES, SECRET_SETTINGS, GatewayConfig
 from gateway.registry import EngineRegistry
 from gateway.supervisor import EngineSupervisor
-
-from tests.conftest import free_port
+from tests.support.markers import marks_users
+from tests.support.servers import free_port
 
 CLIENT_KEY = "client-key-never-in-an-engine"
 ADMIN_KEY = "admin-key-never-in-an-engine"
@@ -94,6 +94,7 @@ class ParrotServe:
 
 
 @pytest.fixture
+@marks_users("subprocess")
 def parrot_serve(tiny_model_dir) -> Iterator[ParrotServe]:
     served = ParrotServe(tiny_model_dir)
     try:

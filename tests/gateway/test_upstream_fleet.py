@@ -10,7 +10,7 @@ import pytest
 
 from engines.seam.prometheus_stats import stats_from_metrics
 from gateway.config import RoutingConfig, UpstreamConfig
-from tests.conftest import asgi_app, read_asgi_body
+from tests.support.servers import asgi_app, read_asgi_body
 
 VLLM_METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge

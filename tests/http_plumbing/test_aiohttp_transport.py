@@ -9,7 +9,7 @@ import httpx
 from aiohttp.client_proto import ResponseHandler
 
 from http_plumbing.aiohttp_transport import AiohttpTransport
-from tests.http_plumbing.conftest import CHAT
+from tests.support.fake_upstream import CHAT
 
 def run(test, **client_options):
     async def with_client():
@@ -19,7 +19,7 @@ def run(test, **client_options):
     return asyncio.run(with_client())
 
 
-def test_a_stream_read_as_it_comes_never_re_enters_the_parser(upstream, monkeypatch):
+def test_a_stream_read_as_it_comes_never_re_enters_the_parser(fake_url, monkeypatch):
     """aiohttp's own protocol re-enters its parser once per HTTP chunk (one per token); the pool's
     protocol skips that while nothing is paused (this fails if the pool no longer uses it)."""
     resumes = []
@@ -29,7 +29,7 @@ def test_a_stream_read_as_it_comes_never_re_enters_the_parser(upstream, monkeypa
 
     async def test(client: httpx.AsyncClient):
         body = {**CHAT, "stream": True, "fake": {"words": 30}}
-        async with client.stream("POST", f"{upstream}/v1/chat/completions", json=body) as response:
+        async with client.stream("POST", f"{fake_url}/v1/chat/completions", json=body) as response:
             return b"".join([chunk async for chunk in response.aiter_raw()])
 
     streamed = run(test)

@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from http_plumbing.http11 import Http11Transport
-from tests.conftest import asgi_app, read_asgi_body
-from tests.http_plumbing.conftest import CHAT
+from tests.support.servers import asgi_app, read_asgi_body
+from tests.support.fake_upstream import CHAT
 
 def run(test, limits: httpx.Limits = httpx.Limits(), fallback=None, **client_options):
     async def with_client():
@@ -109,13 +109,13 @@ def test_a_kept_alive_connection_the_server_closed_is_replaced(serve):
     assert run(test) == ("ok", "ok")
 
 
-def test_the_pool_limit_makes_requests_wait_then_time_out(upstream):
+def test_the_pool_limit_makes_requests_wait_then_time_out(fake_url):
     async def test(client: httpx.AsyncClient):
         slow = {**CHAT, "fake": {"delay_s": 0.5}}
-        answers = await asyncio.gather(*(client.post(f"{upstream}/v1/chat/completions", json=slow) for _ in range(3)))
+        answers = await asyncio.gather(*(client.post(f"{fake_url}/v1/chat/completions", json=slow) for _ in range(3)))
         with pytest.raises(httpx.PoolTimeout):
-            await asyncio.gather(client.post(f"{upstream}/v1/chat/completions", json={**CHAT, "fake": {"delay_s": 1}}),
-                                 client.post(f"{upstream}/v1/chat/completions", json=CHAT,
+            await asyncio.gather(client.post(f"{fake_url}/v1/chat/completions", json={**CHAT, "fake": {"delay_s": 1}}),
+                                 client.post(f"{fake_url}/v1/chat/completions", json=CHAT,
                                              timeout=httpx.Timeout(5, pool=0.1)))
         return answers
 

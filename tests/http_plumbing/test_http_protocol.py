@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from http_plumbing.http_protocol import HttpProtocol, _HeldHeadersTransport
-from tests.conftest import asgi_app, serve_in_thread
+from tests.support.servers import asgi_app, serve_in_thread
 
 
 class RecordingTransport:

@@ -143,6 +143,7 @@ def test_cpu_path_validates_arguments(kv):
         dispatch.write_kv(torch.zeros(1, 3, 64), torch.zeros(1, 3, 64), kv.k_cache, kv.v_cache, torch.tensor([1.0]))
 
 
+@pytest.mark.subprocess
 def test_importing_dispatch_does_not_need_triton():
     code = "import sys, kernels; kernels.decode_attention; assert 'triton' not in sys.modules, 'triton imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

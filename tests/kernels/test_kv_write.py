@@ -3,6 +3,9 @@ import torch
 
 from kernels import reference
 from kernels.kv_write import kv_write
+from tests.triton_mode import TRITON_MARKS
+
+pytestmark = TRITON_MARKS
 
 
 @pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])

@@ -262,6 +262,7 @@ def test_switched_off_or_unbuildable_leaves_the_torch_paths(fresh_library, monke
     assert "torch paths" in caplog.text
 
 
+@pytest.mark.slow  # builds the C++ kernels from scratch
 def test_builds_once_into_the_cache(fresh_library, tmp_path):
     assert native.library() is not None
     built = list((tmp_path / "kernels").glob("*.so"))

@@ -121,6 +121,7 @@ def test_inputs_it_cannot_take_are_refused_not_read():
         native_linear.native_linear(torch.randn(1, 32), weight, None)
 
 
+@pytest.mark.slow  # torch.compile
 def test_compiled_graph_calls_the_op(monkeypatch):
     weight = torch.randn(64, 32)
     packed = native_linear.pack(weight)
@@ -253,6 +254,7 @@ def test_cpp_bodied_ops_refuse_what_the_python_bodied_refuse():
         gated(torch.randn(1, 64), native_linear.pack_gated(torch.randn(64, 32)))
 
 
+@pytest.mark.slow  # torch.compile
 def test_a_compiled_graph_calls_the_cpp_bodied_op():
     weight = torch.randn(64, 32)
     packed = native_linear.pack(weight)

@@ -3,6 +3,9 @@ import torch
 
 from kernels import reference
 from kernels.paged_decode import choose_num_splits, paged_decode
+from tests.triton_mode import TRITON_MARKS
+
+pytestmark = TRITON_MARKS
 
 RAGGED = [1, 37, 100, 0, 64, 16, 129]  # one token, mid-block, block edges, an empty (padding) row
 

@@ -3,6 +3,9 @@ import torch
 
 from kernels import reference
 from kernels.paged_prefill import paged_prefill
+from tests.triton_mode import TRITON_MARKS
+
+pytestmark = TRITON_MARKS
 
 
 def packed(q_lens: list[int]) -> torch.Tensor:

@@ -4,6 +4,9 @@ import torch
 from kernels import reference
 from kernels.paged_decode import paged_decode
 from kernels.shared_prefix_decode import group_by_prefix, shared_prefix_decode
+from tests.triton_mode import TRITON_MARKS
+
+pytestmark = TRITON_MARKS
 
 PREFIX_LENS = [70, 0, 33]  # a multi-tile prefix, an empty one, one ending mid-block
 PREFIX_IDS = [0, 2, -1, 0, 1, 2, 0, 2, -1]  # several sequences per prefix, two without any

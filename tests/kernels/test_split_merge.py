@@ -1,6 +1,9 @@
 import torch
 
 from kernels.split_merge import merge_splits
+from tests.triton_mode import TRITON_MARKS
+
+pytestmark = TRITON_MARKS
 
 
 def test_merges_by_log_sum_exp_and_ignores_empty_splits():

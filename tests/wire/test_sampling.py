@@ -38,6 +38,17 @@ def test_ranges_are_checked_wherever_the_fields_arrive(carrier, bad):
         msgspec.convert(base | bad, carrier)
 
 
+@pytest.mark.parametrize("carrier", [ChatCompletionRequest, CompletionRequest, ContextGenerateRequest],
+                         ids=lambda c: c.__name__)
+@pytest.mark.parametrize("priority", [2**31, -(2**31) - 1, 10**30])
+def test_a_priority_beyond_32_bits_is_refused(carrier, priority):
+    base = {k: v for k, v in {"model": "m", "prompt": "x", "messages": [{"role": "user", "content": "x"}]}.items()
+            if k in carrier.__struct_fields__}
+    assert msgspec.convert(base | {"priority": 2**31 - 1}, carrier).priority == 2**31 - 1
+    with pytest.raises(msgspec.ValidationError, match="priority"):
+        msgspec.convert(base | {"priority": priority}, carrier)
+
+
 def test_sampling_of_takes_the_set_fields_and_chats_max_completion_tokens():
     body = {"model": "m", "messages": [], "temperature": 0, "top_p": None, "max_completion_tokens": 7, "n": 2}
     assert sampling_of(body) == {"temperature": 0, "max_tokens": 7}

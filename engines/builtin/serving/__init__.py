@@ -1,6 +1,6 @@
 """The builtin engine's OpenAI surface over its core, one noun per file:
 
-builtin_engine.py  BuiltinEngine: the seam's Engine; its surfaces below
+builtin_engine.py  BuiltinEngine: its surfaces below, its health, stats and metrics
 chat.py            chat completions (templates, tools, structured output)
 completions.py     legacy completions (several prompts, echo, prompt scoring)
 contexts.py        Parrot's context primitives and their request bodies

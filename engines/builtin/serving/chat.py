@@ -27,7 +27,7 @@ from wire.openai import (
     now,
 )
 from engines.builtin.serving.errors import EngineBadRequest
-from engines.builtin.serving.choices import Piece, PromptJob, usage, usage_of
+from engines.builtin.serving.choices import Piece, PromptJob, UsageCount, usage
 from engines.builtin.serving.model_serving import ModelServing, validate_request
 from engines.builtin.serving.sampling import per_choice
 
@@ -60,10 +60,10 @@ class ChatCompletions(ModelServing):
 
         for index in job.indices:
             yield chunk([ChatChunkChoice(index, ChatDelta(role="assistant", content=""))])
-        completion_tokens = 0
+        count = UsageCount([job])
         readers = {index: ToolCallReader() for index in job.indices} if job.tool_calls else None
         async for index, piece in self.run_all([job]):
-            completion_tokens += len(piece.token_ids)
+            count.add(index, piece.token_ids, piece.events)
             logprobs = self.logprobs.chat(piece.events) if request.logprobs else None
             delta, finish_reason = ChatDelta(content=piece.text), piece.finish_reason
             if readers is not None:
@@ -72,7 +72,7 @@ class ChatCompletions(ModelServing):
                     continue  # text held back until it is known to be (part of) a call
             yield chunk([ChatChunkChoice(index, delta, finish_reason, logprobs)])
         if request.stream_options is not None and request.stream_options.include_usage:
-            yield chunk([], usage_of(len(job.tokens), completion_tokens))
+            yield chunk([], count.usage())
 
     def _with_tools(self, messages: list[ChatMessage], tools: list[Tool] | None) -> list[ChatMessage]:
         return tool_messages(messages, tools, getattr(self.tokenizer, "chat_template", None))

@@ -10,9 +10,7 @@ from typing import AsyncIterator
 
 from engines.builtin.tokenizer import IncrementalDetokenizer
 from engines.builtin.types import SamplingParams, TokenEvent
-from wire.openai import (
-    Usage,
-)
+from wire.openai import PromptTokensDetails, Usage
 
 
 @dataclass
@@ -81,9 +79,38 @@ class PromptJob:
 
 
 
-def usage_of(prompt_tokens: int, completion_tokens: int) -> Usage:
-    return Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+def usage_of(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
+    return Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens,
+                 PromptTokensDetails(cached_tokens=cached_tokens))
+
+
+def cached_tokens(events: list[TokenEvent]) -> int | None:
+    """What a choice's first token says of its prompt's cached tokens; None before it."""
+    return events[0].cached_tokens if events else None
+
+
+class UsageCount:
+    """A request's usage as its choices' pieces arrive. Each prompt counts once, its cached tokens as its
+    least cached choice found them (the first computes what the others then find cached)."""
+
+    def __init__(self, jobs: list[PromptJob]):
+        self.jobs = jobs
+        self.completion_tokens = 0
+        self._cached: dict[int, int] = {}
+
+    def add(self, index: int, token_ids: list[int], events: list[TokenEvent]) -> None:
+        self.completion_tokens += len(token_ids)
+        cached = cached_tokens(events)
+        if cached is not None and index not in self._cached:
+            self._cached[index] = cached
+
+    def usage(self) -> Usage:
+        cached = sum(min((self._cached.get(i, 0) for i in job.indices), default=0) for job in self.jobs)
+        return usage_of(sum(len(job.tokens) for job in self.jobs), self.completion_tokens, cached)
 
 
 def usage(jobs: list[PromptJob], results: list[ChoiceResult]) -> Usage:
-    return usage_of(sum(len(job.tokens) for job in jobs), sum(len(r.token_ids) for r in results))
+    count = UsageCount(jobs)
+    for index, result in enumerate(results):
+        count.add(index, result.token_ids, result.events)
+    return count.usage()

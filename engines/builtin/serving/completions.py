@@ -18,7 +18,7 @@ from wire.openai import (
     now,
 )
 from engines.builtin.serving.errors import EngineBadRequest, translate
-from engines.builtin.serving.choices import Piece, PromptJob, usage, usage_of
+from engines.builtin.serving.choices import Piece, PromptJob, UsageCount, usage
 from engines.builtin.serving.model_serving import ModelServing, validate_request
 from engines.builtin.serving.sampling import per_choice
 
@@ -54,16 +54,16 @@ class Completions(ModelServing):
                                           logprobs=echo_logprobs[i // request.n] if echo_logprobs else None)
                          for job in jobs for i in job.indices])
         text_offsets = [len(echoes[i // request.n]) if request.echo else 0 for job in jobs for i in job.indices]
-        completion_tokens = 0
+        count = UsageCount(jobs)
         async for index, piece in self._pieces(request, jobs):
-            completion_tokens += len(piece.token_ids)
+            count.add(index, piece.token_ids, piece.events)
             logprobs = None
             if request.logprobs is not None:
                 logprobs = self.logprobs.completion(piece.events, text_offsets[index])
                 text_offsets[index] += sum(len(t) for t in logprobs.tokens)
             yield chunk([CompletionChoice(index, piece.text, piece.finish_reason, logprobs)])
         if request.stream_options is not None and request.stream_options.include_usage:
-            yield chunk([], usage_of(sum(len(job.tokens) for job in jobs), completion_tokens))
+            yield chunk([], count.usage())
 
     def _jobs(self, request: CompletionRequest) -> tuple[list[PromptJob], list[str]]:
         validate_request(request)

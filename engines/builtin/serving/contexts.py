@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import aclosing
-from typing import Annotated, AsyncIterator
+from typing import Annotated, AsyncIterator, NamedTuple
 
 import msgspec
 from msgspec import Meta
 
+from engines.builtin.splicing import SEAM_TOKENS
 from engines.builtin.tokenizer import IncrementalDetokenizer, text_tokens
 from engines.builtin.serving.named_outputs import Output
 from engines.seam.contexts import FillResult, ForkPart
@@ -19,7 +20,7 @@ from wire.openai import (
 )
 from wire.sampling import SamplingWithHints, check_sampling
 from engines.builtin.serving.errors import EngineBadRequest, translate, translated
-from engines.builtin.serving.choices import ChoiceResult, Piece, decode_events, usage_of
+from engines.builtin.serving.choices import ChoiceResult, Piece, cached_tokens, decode_events, usage_of
 from engines.builtin.serving.model_serving import ModelServing
 
 
@@ -42,14 +43,16 @@ class ContextGenerateRequest(SamplingWithHints, kw_only=True, omit_defaults=True
     text: str | None = None
     tokens: list[int] | None = None
     # With fork, instead of text/tokens: the text as pieces, some of them earlier generations' outputs
-    # (named by their output_id), spliced in as their token ids once produced (named_outputs.py).
+    # (named by their output_id), taken as the text they answered once produced (named_outputs.py).
     parts: list[ForkPart] | None = None
     # A name for this generation's output, so that later requests can take it as input (parts).
     output_id: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
     fork: bool = False
     # With fork: the context's own text, to create it from if it does not exist yet. Requests naming
     # one new prefix can then all be sent at once: the first creates it, and the step that computes
-    # it (or the prefix cache after) shares its KV with every fork.
+    # it (or the prefix cache after) shares its KV with every fork. With it, the prompt is exactly the
+    # tokenization of this text and the fork's as one text (splicing.py); without it, the fork's text is
+    # tokenized on its own.
     context_text: str | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] = 0
@@ -85,13 +88,59 @@ class ContextGenerationChunk(msgspec.Struct, omit_defaults=True):
     context_tokens: int | None = None
 
 
+class Prompt(NamedTuple):
+    """A generation's prompt: the tokens after its ``parent`` context (None: it runs on its own)."""
+
+    parent: str | None
+    tokens: list[int]
+    parent_tokens: list[int] | None = None  # to create the parent from when it does not exist
+    context_tokens: int = 0  # of the whole prompt, those counted as the context's (usage: the rest are its own)
+    own_ahead: int = 0  # of its own tokens, those the parent holds (its text computed ahead)
+
+    @property
+    def own_tokens(self) -> int:
+        return self.own_ahead + len(self.tokens)
+
+
+class Seam(NamedTuple):
+    """Where a fork's text meets its context."""
+
+    tokens: list[int]  # the context's text's tokens, which the splice may change at its end
+    length: int  # the context's tokens the fork follows (0: none; it runs on its own)
+    create: list[int] | None  # the context's tokens when the fork creates it
+    healed: bool  # whether the seam is healed (the context's text given)
+
+    def holds(self, keep: int) -> bool:
+        """Whether the fork can follow the context: the splice keeps its every token."""
+        return not self.healed or (self.length == len(self.tokens) and keep == len(self.tokens))
+
+
+class Started(NamedTuple):
+    context_tokens: int
+    own_tokens: int
+    pieces: AsyncIterator[Piece]
+
+
 class Ahead:
     """A fork's text before its first awaited output, being computed in a child context while it waits."""
 
-    def __init__(self, context_id: str, filled: asyncio.Future, serving: ModelServing):
+    def __init__(self, context_id: str, lead: list[int], filled: asyncio.Future, serving: ModelServing):
         self.context_id = context_id
+        self.lead = lead
         self.filled = filled
         self._serving = serving
+
+    async def tokens(self) -> list[int] | None:
+        """The tokens it holds once computed; None when its fill failed (the fork then follows the context)."""
+        try:
+            await asyncio.shield(self.filled)
+        except asyncio.CancelledError:
+            if not self.filled.cancelled():
+                raise  # we are cancelled, not the fill
+            return None
+        except Exception:
+            return None
+        return self.lead
 
     async def drop(self) -> None:
         """Stops its fill if it still runs, and frees it."""
@@ -128,56 +177,48 @@ class ContextPrimitives(ModelServing):
             raise translate(exc) from exc
 
     async def generate(self, context_id: str, request: ContextGenerateRequest) -> ContextGeneration:
-        context_tokens, suffix_tokens, pieces = await self._start(context_id, request)
+        started = await self._start(context_id, request)
         result = ChoiceResult()
-        async with aclosing(translated(pieces)) as checked:
+        async with aclosing(translated(started.pieces)) as checked:
             async for piece in checked:
                 result.add(piece)
-        usage = usage_of(suffix_tokens, len(result.token_ids))
-        return ContextGeneration(result.text, result.token_ids, result.finish_reason, usage, context_tokens)
+        return ContextGeneration(result.text, result.token_ids, result.finish_reason,
+                                 _usage(started, len(result.token_ids), cached_tokens(result.events)),
+                                 started.context_tokens)
 
     async def generate_stream(self, context_id: str, request: ContextGenerateRequest
                               ) -> AsyncIterator[ContextGenerationChunk]:
         """Generates after a context's tokens and appends the output to it; with ``fork``, after the
-        context's tokens plus ``text``/``tokens`` in a temporary child, leaving the context as it was."""
-        context_tokens, suffix_tokens, pieces = await self._start(context_id, request)
-        generated = 0
-        async with aclosing(translated(pieces)) as checked:
+        context's tokens plus ``text``/``tokens``/``parts`` in a temporary child, leaving the context as it was."""
+        started = await self._start(context_id, request)
+        generated, cached = 0, None
+        async with aclosing(translated(started.pieces)) as checked:
             async for piece in checked:
                 generated += len(piece.token_ids)
+                cached = cached if cached is not None else cached_tokens(piece.events)
                 chunk = ContextGenerationChunk(piece.text, piece.token_ids, piece.finish_reason)
                 if piece.finish_reason is not None:
-                    chunk.usage, chunk.context_tokens = usage_of(suffix_tokens, generated), context_tokens
+                    chunk.usage, chunk.context_tokens = _usage(started, generated, cached), started.context_tokens
                 yield chunk
 
-    async def _start(self, context_id: str, request: ContextGenerateRequest
-                     ) -> tuple[int, int, AsyncIterator[Piece]]:
-        """Checks and starts a generation after a context: (the context's tokens, the request's own, pieces).
-        A fork given as parts first waits for the outputs they name; its text before the first of them is
-        computed meanwhile (``_ahead``), so that only the rest is left once they are produced."""
+    async def _start(self, context_id: str, request: ContextGenerateRequest) -> Started:
+        """Checks and starts a generation after a context. A fork given as parts first waits for the outputs
+        they name; its text before the first of them is computed meanwhile (``_ahead``), so that only the
+        rest is left once they are produced."""
         self._check_suffix(request)
         if request.output_id is not None:
             self.named_outputs.begin(request.output_id)  # first: its consumers may already be waiting
-        length = self.llm.context_length(context_id)
-        # Tokenized only to create the context: requests that find it (most) skip that.
-        context = (text_tokens(self.tokenizer, request.context_text)
-                   if request.context_text and length is None else None)
-        ahead = made = None
+        ahead = None
         try:
-            parts = request.parts or []
-            waits = next((i for i, part in enumerate(parts) if part.output_of is not None), None)
-            lead = self._text_tokens(parts[:waits]) if waits else []  # the text before the first awaited output
-            if lead:
-                ahead = await self._ahead(context_id, context, lead, request.priority or 0)
-                made, context, parts = context, None, parts[waits:]  # the context exists now
-            suffix, inputs_step = await self._suffix_tokens(request, parts)
-            if ahead is not None:
-                await ahead.filled
-            params = self.sampling_params(request, len(lead) + len(suffix), logprobs=request.logprobs,
+            if request.fork and request.tokens is None:
+                ahead = self._ahead(context_id, request)
+                prompt, inputs_step = await self._spliced_prompt(context_id, request, ahead)
+            else:
+                prompt, inputs_step = self._unspliced_prompt(context_id, request)
+            params = self.sampling_params(request, prompt.own_tokens, logprobs=request.logprobs,
                                           top_logprobs=request.top_logprobs)
-            detok = IncrementalDetokenizer(self.tokenizer, request.stop_list())
-            parent = ahead.context_id if ahead is not None else context_id
-            events = (self.llm.generate_from_prompt(suffix, params, parent_context_id=parent, parent_tokens=context)
+            events = (self.llm.generate_from_prompt(prompt.tokens, params, parent_context_id=prompt.parent,
+                                                    parent_tokens=prompt.parent_tokens)
                       if request.fork else self.llm.generate(context_id, params))
         except BaseException as exc:
             if request.output_id is not None:
@@ -187,21 +228,61 @@ class ContextPrimitives(ModelServing):
             if isinstance(exc, Exception) and (translated_exc := translate(exc)) is not exc:
                 raise translated_exc from exc
             raise
-        context_tokens = length if length is not None else len(made or context or ())  # 0: not found, as events say
         hidden = self.hidden_ids(params)
-        pieces = decode_events(events, detok, hidden)
+        pieces = decode_events(events, IncrementalDetokenizer(self.tokenizer, request.stop_list()), hidden)
         if request.output_id is not None or inputs_step is not None:
-            pieces = self._handed_off(pieces, request.output_id, inputs_step, hidden, ahead)
-        return context_tokens, len(lead) + len(suffix), pieces
+            pieces = self._handed_off(pieces, request.output_id, inputs_step, ahead)
+        elif ahead is not None:
+            await ahead.drop()
+        return Started(prompt.context_tokens, prompt.own_tokens, pieces)
 
-    async def _ahead(self, context_id: str, context: list[int] | None, lead: list[int], priority: int) -> "Ahead":
+    async def _spliced_prompt(self, context_id: str, request: ContextGenerateRequest, ahead: "Ahead | None"
+                              ) -> tuple[Prompt, int | None]:
+        """A fork's prompt: its context's text and its own text tokenized as one text (splicing.py), the prompt a
+        plain request would send (without the context's text, its own text as one text). It follows the
+        context while those tokens keep the context's, and its text computed ahead while they keep those
+        too; else (a merge across the seam) it runs on its own, the prefix cache sharing the context's
+        full blocks."""
+        seam = self._seam(context_id, request)
+        rest, inputs_step = await self._fork_text(request)
+        keep, tail = self.splicer.splice(request.context_text or "", rest)
+        if not seam.holds(keep):
+            if seam.create is not None:
+                self.llm.ensure_context(context_id, seam.create)  # the requests after this one fork it
+            return Prompt(None, seam.tokens[:keep] + tail), inputs_step
+        if ahead is not None:
+            computed = await ahead.tokens()
+            if computed is not None and tail[:len(computed)] == computed:
+                return Prompt(ahead.context_id, tail[len(computed):], context_tokens=seam.length,
+                              own_ahead=len(computed)), inputs_step
+        return Prompt(context_id, tail, parent_tokens=seam.create, context_tokens=seam.length), inputs_step
+
+    def _ahead(self, context_id: str, request: ContextGenerateRequest) -> "Ahead | None":
         """Starts computing a fork's text before its first awaited output, in a child of the context (made
-        first from ``context`` when it does not exist yet)."""
-        if context is not None:
-            self.llm.ensure_context(context_id, context)
+        first when it does not exist yet), its last few tokens held back: they may merge with the output."""
+        parts = request.parts or []
+        waits = next((i for i, part in enumerate(parts) if part.output_of is not None), None)
+        if not waits:
+            return None
+        seam = self._seam(context_id, request)
+        keep, tail = self.splicer.splice(request.context_text or "", "".join(part.text or "" for part in parts[:waits]))
+        lead = tail[:-SEAM_TOKENS]
+        if not seam.holds(keep) or not lead:
+            return None
+        if seam.create is not None:
+            self.llm.ensure_context(context_id, seam.create)
         child = new_id("ahead")
-        return Ahead(child, asyncio.ensure_future(self.llm.fill(lead, context_id=child, parent_context_id=context_id,
-                                                                priority=priority)), self)
+        return Ahead(child, lead, asyncio.ensure_future(
+            self.llm.fill(lead, context_id=child, parent_context_id=context_id, priority=request.priority or 0)), self)
+
+    def _seam(self, context_id: str, request: ContextGenerateRequest) -> "Seam":
+        length = self.llm.context_length(context_id)
+        if not request.context_text:
+            return Seam([], length or 0, None, healed=False)
+        tokens = self.splicer.left_tokens(request.context_text)
+        if length not in (None, len(tokens)):  # the context holds other tokens than its text's
+            return Seam(tokens, 0, None, healed=True)
+        return Seam(tokens, len(tokens), tokens if length is None else None, healed=True)
 
     @staticmethod
     def _check_suffix(request: ContextGenerateRequest) -> None:
@@ -221,34 +302,31 @@ class ContextPrimitives(ModelServing):
             if part.output_of is not None and part.output_of == request.output_id:
                 raise EngineBadRequest("a generation cannot take its own output as input", f"parts.{i}")
 
-    async def _suffix_tokens(self, request: ContextGenerateRequest, parts: list[ForkPart]
-                             ) -> tuple[list[int], int | None]:
-        """The fork's tokens (of ``parts`` when it has parts), and with parts naming outputs, the step that
-        produced the last of those."""
+    def _unspliced_prompt(self, context_id: str, request: ContextGenerateRequest) -> tuple[Prompt, None]:
+        """A generation appended to a context, or a fork given as token ids."""
+        length = self.llm.context_length(context_id) or 0  # 0: not found, as its events will say
         if request.tokens is not None:
             self.check_token_ids(request.tokens, "tokens")
-            return request.tokens, None
+        return Prompt(context_id, request.tokens or [], context_tokens=length), None
+
+    async def _fork_text(self, request: ContextGenerateRequest) -> tuple[str, int | None]:
+        """A fork's text, each output its parts name taken as the text it answered once produced; with such
+        outputs, the step that produced the last of them."""
         if request.parts is None:
-            return (text_tokens(self.tokenizer, request.text) if request.text else []), None
-        # The text parts tokenized first, while the outputs are still being generated, not after them.
-        texts = [None if part.output_of is not None else self._text_tokens([part]) for part in parts]
-        tokens: list[int] = []
+            return request.text or "", None
+        texts: list[str] = []
         inputs_step = None
-        for part, text in zip(parts, texts):
-            if text is not None:
-                tokens += text
+        for part in request.parts:
+            if part.output_of is None:
+                texts.append(part.text or "")
                 continue
             output = await self.named_outputs.wait(part.output_of)
-            tokens += output.token_ids
+            texts.append(output.text)
             inputs_step = max(inputs_step or 0, output.step)
-        return tokens, inputs_step
-
-    def _text_tokens(self, parts: list[ForkPart]) -> list[int]:
-        """Text parts as tokens, each part tokenized on its own (the handoff's rule at the seams)."""
-        return [token for part in parts for token in text_tokens(self.tokenizer, part.text or "")]
+        return "".join(texts), inputs_step
 
     async def _handed_off(self, pieces: AsyncIterator[Piece], output_id: str | None, inputs_step: int | None,
-                          hidden: frozenset[int], ahead: "Ahead | None") -> AsyncIterator[Piece]:
+                          ahead: "Ahead | None") -> AsyncIterator[Piece]:
         """``pieces``, with the output named ``output_id`` once the generation ends (failed if it does not),
         the steps this request waited after its last input was produced measured, and the context its text
         was computed ahead in freed."""
@@ -262,27 +340,26 @@ class ContextPrimitives(ModelServing):
                     result.add(piece)
                     if piece.finish_reason is not None and output_id is not None:
                         # Before the last piece is written out: its consumers need not wait for the write.
-                        self._settle(output_id, result, hidden)
+                        self._settle(output_id, result)
                         output_id = None
                     yield piece
         finally:
             if output_id is not None:
-                self._settle(output_id, result, hidden)
+                self._settle(output_id, result)
             if ahead is not None:
                 await ahead.drop()
 
-    def _settle(self, output_id: str, result: ChoiceResult, hidden: frozenset[int]) -> None:
+    def _settle(self, output_id: str, result: ChoiceResult) -> None:
         """The named output produced from the generation's result, or failed when it did not finish."""
         if result.finish_reason in ("stop", "length") and result.events:
-            self.named_outputs.produce(output_id, Output(self._output_ids(result, hidden), result.events[-1].step))
+            self.named_outputs.produce(output_id, Output(result.text, result.events[-1].step))
         else:
             self.named_outputs.fail(output_id, f"its generation ended without finishing "
                                                f"({result.finish_reason or 'cancelled or failed'})")
 
-    def _output_ids(self, result: ChoiceResult, hidden: frozenset[int]) -> list[int]:
-        """What a consumer takes of an output: the ids generated, an ending EOS or stop token left out, when
-        they decode to its text; else (a stop string cut the text inside a token) its text tokenized."""
-        ids = result.token_ids
-        if result.finish_reason == "stop" and ids and ids[-1] in hidden:
-            ids = ids[:-1]
-        return ids if self.tokenizer.decode(ids) == result.text else text_tokens(self.tokenizer, result.text)
+
+def _usage(started: Started, generated: int, cached: int | None) -> Usage:
+    """A context generation's usage: its own prompt tokens, of those the ones it did not compute (the first
+    token's count covers the whole prompt, the context's tokens included)."""
+    own_cached = min(started.own_tokens, max(0, (cached or 0) - started.context_tokens))
+    return usage_of(started.own_tokens, generated, own_cached)

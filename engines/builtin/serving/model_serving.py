@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable
 
 
+from engines.builtin.splicing import TokenSplicer
 from engines.builtin.tokenizer import IncrementalDetokenizer, TokenTexts
 from engines.builtin.types import SamplingParams, TokenEvent
 from wire.errors import InvalidRequest
@@ -38,11 +39,12 @@ class Shared:
     token_texts: TokenTexts
     eos_token_ids: frozenset[int]
     named_outputs: NamedOutputs
+    splicer: TokenSplicer
 
     @classmethod
     def of(cls, llm: EngineCore, model_name: str) -> "Shared":
         return cls(llm, model_name, llm.tokenizer, TokenTexts(llm.tokenizer), frozenset(llm.eos_token_ids),
-                   NamedOutputs())
+                   NamedOutputs(), TokenSplicer(llm.tokenizer))
 
 
 class ModelServing:
@@ -56,6 +58,7 @@ class ModelServing:
         self.eos_token_ids = shared.eos_token_ids
         self.logprobs = LogprobsWriter(shared.tokenizer, shared.token_texts)
         self.named_outputs = shared.named_outputs
+        self.splicer = shared.splicer
 
     def sampling_params(self, request: Any, prompt_len: int, *, logprobs: bool, top_logprobs: int,
                         prompt_param: str = "prompt") -> SamplingParams:

@@ -1,13 +1,12 @@
-"""Generations' outputs kept by name, so that later requests can take them as input token ids: the
-engine side of the token-id handoff between a DAG's producer and consumer calls.
+"""Generations' outputs kept by name, so that later requests can take them as input: the engine side of
+the handoff between a DAG's producer and consumer calls.
 
 A gateway running a DAG names a generation's output (``output_id``) and sends the call that consumes it
 ahead of time, its fork text naming that output where the value goes (``ForkPart(output_of=...)``). The
 consumer waits here, on the engine, and is queued for the step loop as soon as its producer's last token
-is decoded: no round trip through the gateway, and the value is the producer's own token ids, not its
-text tokenized again. Which ids: the ones it generated, its ending EOS or stop token left out, when they
-decode to the text it answered; when they do not (a stop string cut the text inside a token), its text is
-tokenized instead.
+is decoded: no round trip through the gateway. What it takes is the producer's text, the value a plain
+request would have sent, tokenized together with the text around it (splicing.py): a producer's own token
+ids are not always how its text tokenizes, nor how it tokenizes beside what precedes it.
 
 Everything here runs on the engine's event loop (the HTTP app's), so it needs no lock.
 """
@@ -22,7 +21,7 @@ from engines.builtin.serving.errors import InputUnavailable, OutputTaken
 
 
 class Output(NamedTuple):
-    token_ids: list[int]
+    text: str  # what its generation answered
     step: int  # the engine step that produced its last token
 
 

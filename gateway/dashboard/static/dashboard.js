@@ -338,11 +338,12 @@ async function loadBenchmarks() {
   try {
     const plots = (await api("/dashboard/benchmarks")).data;
     box.replaceChildren(...plots.map((p) => el("figure", {},
-      el("a", { href: p.url, target: "_blank", rel: "noopener" }, el("img", { src: p.url, alt: p.name, loading: "lazy" })),
-      el("figcaption", {}, p.name))));
-    if (!plots.length) box.append(el("p", { class: "muted" }, "No benchmark plots found (docs/benchmarks/*.png in the checkout, or [dashboard] benchmarks_dir)."));
+      ...(p.url ? [el("a", { href: p.url, target: "_blank", rel: "noopener" }, el("img", { src: p.url, alt: p.name, loading: "lazy" }))] : []),
+      el("figcaption", {}, ...p.results.map((r) => el("div", { class: "result" },
+        el("strong", {}, r.ratio), ` ${r.what}, vs ${r.vs} (${r.host}, ${r.date})`))))));
+    if (!plots.length) box.append(el("p", { class: "muted" }, "No current benchmark results (docs/benchmarks/current.json in the checkout, written by python -m benchmarks.report, or [dashboard] benchmarks_dir)."));
   } catch (err) {
-    box.replaceChildren(el("p", { class: "muted" }, `Benchmark plots unavailable: ${err.message}`));
+    box.replaceChildren(el("p", { class: "muted" }, `Benchmark results unavailable: ${err.message}`));
   }
 }
 

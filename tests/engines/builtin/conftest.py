@@ -1,5 +1,5 @@
 """Engine fixtures for the builtin engine's tests: on the tiny random Llama of tests/conftest.py, and the
-default model served over HTTP (``llm``, ``base_url``) for the modules that talk to a real engine app."""
+default model served over HTTP (``smollm2_core``, ``base_url``) for the modules that talk to a real engine app."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import pytest
 
 from engines.builtin.config import EngineConfig
 from engines.builtin.http_app import create_app
+from tests.support.compiled import run_compiled_engine
+from tests.support.markers import marks_users
 
 
 @pytest.fixture(scope="session")
@@ -36,7 +38,8 @@ def make_engine(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def llm():
+@marks_users("model")
+def smollm2_core():
     """The default model (SmolLM2) on a started engine core, 128 KV blocks (a 2048-token window)."""
     from engines.builtin.core import EngineCore
 
@@ -47,6 +50,14 @@ def llm():
 
 
 @pytest.fixture(scope="module")
-def base_url(llm, serve_module) -> str:
-    """``llm`` behind the engine's HTTP app on loopback."""
-    return serve_module(create_app(llm=llm))
+def base_url(smollm2_core, serve_module) -> str:
+    """``smollm2_core`` behind the engine's HTTP app on loopback."""
+    return serve_module(create_app(llm=smollm2_core))
+
+
+@pytest.fixture
+@marks_users("subprocess", "slow")
+def run_compiled():
+    """``run_compiled(model_dir, dtype, batches, **request)`` (tests/support/compiled.py): a compiled engine's
+    outputs, in a process of its own."""
+    return run_compiled_engine

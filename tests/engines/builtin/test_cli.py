@@ -9,6 +9,7 @@ import sys
 import threading
 
 import httpx
+import msgspec
 import pytest
 from litestar import Litestar, Request, post
 
@@ -30,6 +31,28 @@ def test_flags_and_environment_override_defaults(monkeypatch):
     assert args.port == 9
 
 
+@pytest.mark.parametrize("field", [f.name for f in msgspec.structs.fields(EngineConfig) if f.type is bool])
+def test_every_boolean_is_a_switch_with_a_no_form(field, monkeypatch):
+    """``--compile`` alone turns it on (it once wanted ``--compile true``, which still works), ``--no-compile``
+    off, and the command line wins over the environment either way."""
+    flag = field.replace("_", "-")
+    negated = field.removeprefix("enable_").replace("_", "-")
+    for argv, expected in (([f"--{flag}"], True), ([f"--{flag}", "true"], True), ([f"--{flag}", "false"], False),
+                           ([f"--no-{negated}"], False)):
+        assert getattr(engine_config(build_parser().parse_args(argv)), field) is expected, argv
+    monkeypatch.setenv(f"PARROT_ENGINE_{field.upper()}", "true")
+    assert getattr(engine_config(build_parser().parse_args([])), field) is True
+    assert getattr(engine_config(build_parser().parse_args([f"--no-{negated}"])), field) is False
+    monkeypatch.setenv(f"PARROT_ENGINE_{field.upper()}", "false")
+    assert getattr(engine_config(build_parser().parse_args([f"--{flag}"])), field) is True
+
+
+def test_access_log_switch_overrides_the_environment(monkeypatch):
+    monkeypatch.setenv("PARROT_ENGINE_ACCESS_LOG", "true")
+    assert build_parser().parse_args([]).access_log is True
+    assert build_parser().parse_args(["--no-access-log"]).access_log is False
+
+
 def test_invalid_engine_option_exits_with_a_message():
     with pytest.raises(SystemExit, match="block_size"):
         engine_config(build_parser().parse_args(["--block-size", "sixteen"]))
@@ -44,6 +67,7 @@ def test_served_model_names():
     assert served_model_name(EngineConfig(model="/models/phi.Q4_0.gguf")) == "phi.Q4_0"
 
 
+@pytest.mark.subprocess
 @pytest.mark.timeout(120)
 def test_engine_process_serves_and_registers_with_the_gateway(tiny_model_dir, serve, wait_until):
     registrations, heartbeats, secrets, tokens = [], [], set(), set()

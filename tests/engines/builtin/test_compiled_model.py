@@ -6,11 +6,6 @@ runs in a process of its own (compiled_engine_run.py says why)."""
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,23 +13,13 @@ import torch
 from engines.builtin import quantization
 from engines.builtin.types import SamplingParams
 from kernels import native
+from tests.support.compiled import COMPILED_MAX_TOKENS
 from tests.kernel_markers import needs_grouped
 
 pytestmark = pytest.mark.timeout(600)
 
-MAX_TOKENS = 12
+MAX_TOKENS = COMPILED_MAX_TOKENS
 BUDGET = 24  # tokens a step computes: the 64-token prompt is three chunks
-RUNNER = Path(__file__).with_name("compiled_engine_run.py")
-ROOT = Path(__file__).parents[3]
-
-
-def run_compiled(model_dir, dtype: str, batches: list[list[list[int]]], **options) -> dict:
-    request = {"model": str(model_dir), "dtype": dtype, "max_tokens": MAX_TOKENS, "batches": batches, **options}
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, str(RUNNER)], input=json.dumps(request), capture_output=True, text=True,
-                          cwd=ROOT, env=env, timeout=540)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def mixed_prompts() -> list[list[int]]:
@@ -42,7 +27,7 @@ def mixed_prompts() -> list[list[int]]:
     return [torch.randint(3, 49152, (n,), generator=generator).tolist() for n in (5, 31, 64, 17)]
 
 
-def test_compiled_fp32_gives_the_eager_tokens_and_compiles_only_at_start(make_engine, tiny_model_dir):
+def test_compiled_fp32_gives_the_eager_tokens_and_compiles_only_at_start(run_compiled, make_engine, tiny_model_dir):
     # A prompt alone whose first chunks want no logits (steps that sample no row: that their rows tensor was
     # made otherwise than a sampling step's once recompiled the graphs while serving), a batch of four
     # (chunked prefills of different lengths, then batched decodes), one alone, a batch of three.
@@ -77,7 +62,7 @@ TIE_NATS = 0.5
 
 
 @pytest.mark.parametrize("scheme", ["int4", pytest.param("int8", marks=needs_grouped)])  # fbgemm's int8 does not compile
-def test_compiled_quantized_model_follows_the_eager_tokens_up_to_rounding_ties(make_engine, tiny_model_dir, scheme):
+def test_compiled_quantized_model_follows_the_eager_tokens_up_to_rounding_ties(run_compiled, make_engine, tiny_model_dir, scheme):
     batches = [mixed_prompts(), mixed_prompts()[2:3]]
     compiled = run_compiled(tiny_model_dir, "float32", batches, quantization=scheme)
     assert compiled["head"] == ("Int8Linear" if quantization.native_grouped() else "FbgemmInt8Linear")  # runs eagerly
@@ -94,7 +79,7 @@ def test_compiled_quantized_model_follows_the_eager_tokens_up_to_rounding_ties(m
             assert eager_pick - compiled_pick <= TIE_NATS, f"parted at {first}: {eager_pick:.3f} vs {compiled_pick:.3f}"
 
 
-def test_a_second_compiled_model_runs_its_own_weights(make_engine, tiny_model_dir, smollm2_tokenizer_dir, tmp_path):
+def test_a_second_compiled_model_runs_its_own_weights(run_compiled, make_engine, tiny_model_dir, smollm2_tokenizer_dir, tmp_path):
     """Each graph has its model's weights frozen in, and the guards inside the model are dropped: the
     forward's own number is what keeps one model's graph from running for another in the same process."""
     other_dir = other_tiny_model(smollm2_tokenizer_dir, tmp_path)
@@ -112,7 +97,7 @@ def other_tiny_model(tokenizer_dir, directory):
 
     from transformers import LlamaForCausalLM
 
-    from tests.conftest import tiny_llama_config
+    from tests.support.models import tiny_llama_config
 
     torch.manual_seed(1)
     LlamaForCausalLM(tiny_llama_config()).save_pretrained(directory)

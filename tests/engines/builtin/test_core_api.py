@@ -9,7 +9,7 @@ import pytest
 
 from engines.builtin.errors import ContextBusy, ContextNotFound, PromptTooLong
 from engines.builtin.types import SamplingParams
-from tests.conftest import eventually
+from tests.support.waiting import eventually
 
 ENDLESS = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
 

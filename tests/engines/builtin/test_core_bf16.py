@@ -14,6 +14,7 @@ from engines.builtin.cpu_linear import NativeLinear, cpu_has_fast_bf16
 from engines.builtin.loader import resolve_dtype
 from engines.builtin.types import SamplingParams
 from tests.kernel_markers import needs_bf16
+from tests.support.compiled import COMPILED_MAX_TOKENS
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -76,14 +77,12 @@ def test_bf16_greedy_follows_hf_bf16_up_to_ties(make_engine, hf_bf16):
 
 
 @needs_bf16
-def test_compiled_bf16_follows_hf_bf16_up_to_ties(tiny_model_dir, hf_bf16):
+def test_compiled_bf16_follows_hf_bf16_up_to_ties(run_compiled, tiny_model_dir, hf_bf16):
     """The compiled forward (`compile`, run in a process of its own: test_compiled_model.py) holds to
     the same tolerance as the eager one."""
-    from test_compiled_model import MAX_TOKENS, run_compiled
-
     compiled = run_compiled(tiny_model_dir, "bfloat16", [prompts()])
     assert compiled["head"] == "NativeLinear"  # the head runs eagerly, on the C++ kernel
-    assert_follows_hf_up_to_ties(hf_bf16, compiled["outputs"][0], MAX_TOKENS)
+    assert_follows_hf_up_to_ties(hf_bf16, compiled["outputs"][0], COMPILED_MAX_TOKENS)
 
 
 def assert_follows_hf_up_to_ties(hf_bf16, outputs: list[list[int]], max_tokens: int) -> None:

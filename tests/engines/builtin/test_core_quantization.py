@@ -194,6 +194,7 @@ def test_linears_the_grouped_kernels_do_not_take_go_to_torchs(monkeypatch):
     assert quantization.untraceable_linears(int4_model) == []  # torch's int4 kernel traces
 
 
+@pytest.mark.model
 def test_an_engine_refuses_to_compile_fbgemms_linears(monkeypatch):
     from engines.builtin import quantization
 
@@ -209,6 +210,7 @@ def test_quantization_is_a_cpu_option():
         msgspec.convert({"quantization": "fp8"}, EngineConfig)
 
 
+@pytest.mark.model
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_quantized_smollm2_still_answers(scheme):
     """Questions both modes answer, as fp32 does. (Capital questions sit on a knife edge for a 135M model's quantized

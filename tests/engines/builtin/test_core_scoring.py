@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engines.builtin.types import SamplingParams
-from tests.conftest import eventually
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -28,6 +28,9 @@ def hf_model(smollm2_gguf):
     return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
 
 
+pytestmark = pytest.mark.model
+
+
 def test_greedy_batch_matches_hf_generate(engine, hf_model):
     assert engine.model_name.startswith("SmolLM2")
     prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True) for q in QUESTIONS]

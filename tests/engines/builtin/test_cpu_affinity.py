@@ -61,6 +61,7 @@ def test_step_thread_and_its_worker_each_get_a_core(make_engine):
     assert len(on_first) == 1 and on_first != [step_thread.native_id], "one intra-op worker, on the other core"
 
 
+@pytest.mark.subprocess
 @two_cores
 @pytest.mark.timeout(120)
 def test_engine_process_keeps_its_server_off_the_compute_cores(tiny_model_dir, wait_until):

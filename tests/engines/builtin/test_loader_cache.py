@@ -14,6 +14,7 @@ import torch
 
 from engines.builtin import loader
 from engines.builtin.loader import ModelSource, load_checkpoint, load_tokenizer
+from tests.support.markers import marks_users
 
 
 def write_tiny_gguf(path: Path, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2) -> None:
@@ -58,6 +59,7 @@ def write_tiny_gguf(path: Path, hidden: int = 64, layers: int = 2, heads: int = 
 
 
 @pytest.fixture
+@marks_users("model")  # a tiny GGUF, loaded through transformers
 def tiny_gguf(tmp_path, monkeypatch) -> ModelSource:
     pytest.importorskip("gguf")
     write_tiny_gguf(tmp_path / "tiny.Q0.gguf")

@@ -22,7 +22,9 @@ from engines.builtin.config import EngineConfig
 from engines.builtin.http_app import GatewayRegistration, create_app as create_engine_app
 from gateway.app import create_app as create_gateway_app
 from gateway.config import BuiltinConfig, EnginesConfig, GatewayConfig
-from tests.conftest import free_port, wait_until
+from tests.support.servers import free_port
+from tests.support.waiting import wait_until
+from tests.support.markers import marks_users
 
 pytestmark = pytest.mark.timeout(300)
 SECRET = "observability-engine-secret"
@@ -78,7 +80,8 @@ def gateway(serve_module) -> tuple[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir, gateway, tmp_path_factory) -> Iterator[EngineProcess]:
+@marks_users("subprocess")
+def engine_process(tiny_model_dir, gateway, tmp_path_factory) -> Iterator[EngineProcess]:
     gateway_url, _ = gateway
     process = EngineProcess(tiny_model_dir, gateway_url, tmp_path_factory.mktemp("engine-log") / "stderr.jsonl")
     try:
@@ -90,6 +93,18 @@ def engine(tiny_model_dir, gateway, tmp_path_factory) -> Iterator[EngineProcess]
         process.close()
 
 
+def test_a_scraper_reads_metrics_and_health_without_the_secret_and_nothing_else(engine):
+    """What `parrot serve` users point Prometheus at: the engine's /metrics and /health answer without the
+    per-start secret they never see (they carry no prompt); every other route still wants it."""
+    metrics = httpx.get(f"{engine.url}/metrics")
+    assert metrics.status_code == 200
+    assert "vllm:num_requests_running" in samples(metrics.text)  # parsed by prometheus_client
+    assert httpx.get(f"{engine.url}/health").status_code == 200
+    for path in ("/v1/stats", "/v1/models"):
+        refused = httpx.get(f"{engine.url}{path}")
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_engine_secret"
+
+
 def completion(http: httpx.Client, base: str, max_tokens: int, **extra: Any) -> dict:
     response = http.post(f"{base}/v1/completions", json={
         "model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **extra})
@@ -97,21 +112,21 @@ def completion(http: httpx.Client, base: str, max_tokens: int, **extra: Any) -> 
     return response.json()
 
 
-def test_metrics_move_under_load_and_parse_with_vllm_names(engine, gateway, wait_until):
-    before = engine.metrics()
+def test_metrics_move_under_load_and_parse_with_vllm_names(engine_process, gateway, wait_until):
+    before = engine_process.metrics()
     requests = 4  # on 2 seats: two wait; 24 KV blocks for two 300-token sequences: one is preempted
     seen = {"waiting": 0.0, "kv": 0.0}
     with concurrent.futures.ThreadPoolExecutor(requests) as pool:
-        answers = [pool.submit(completion, engine.http, engine.url, 300) for _ in range(requests)]
+        answers = [pool.submit(completion, engine_process.http, engine_process.url, 300) for _ in range(requests)]
         while not all(answer.done() for answer in answers):
             # A poll every 50 ms, not back to back: on 2 cores a tight loop of /metrics requests slowed
             # the engine's steps until a completion ran past the client's 60 s timeout (2 of ~6 full runs).
             time.sleep(0.05)
-            now = engine.metrics()
+            now = engine_process.metrics()
             seen["waiting"] = max(seen["waiting"], now["vllm:num_requests_waiting"])
             seen["kv"] = max(seen["kv"], now["vllm:kv_cache_usage_perc"])
         usages = [answer.result()["usage"] for answer in answers]
-    after = engine.metrics()
+    after = engine_process.metrics()
 
     assert seen["waiting"] >= 1 and seen["kv"] > 0.5  # both moved while the work ran
     assert after["vllm:num_requests_waiting"] == after["vllm:num_requests_running"] == 0
@@ -144,7 +159,7 @@ def test_metrics_move_under_load_and_parse_with_vllm_names(engine, gateway, wait
     assert mirrored()["parrot:prefix_cache_hits_total"] > 0
 
 
-def test_the_clients_request_id_is_on_the_engines_json_log_lines(engine, gateway, wait_until):
+def test_the_clients_request_id_is_on_the_engines_json_log_lines(engine_process, gateway, wait_until):
     gateway_url, _ = gateway
     with httpx.Client(timeout=60) as http:
         response = http.post(f"{gateway_url}/v1/chat/completions", headers={"x-request-id": "client-req-42"},
@@ -159,7 +174,7 @@ def test_the_clients_request_id_is_on_the_engines_json_log_lines(engine, gateway
         assert dag.status_code == 200, dag.text
 
     def lines_of(request_id: str) -> list[dict]:
-        return [record for record in map(json.loads, engine.log_lines()) if record.get("request_id") == request_id]
+        return [record for record in map(json.loads, engine_process.log_lines()) if record.get("request_id") == request_id]
 
     wait_until(lambda: lines_of("dag-req-7"))
     forks = [s.value for f in text_string_to_metric_families(httpx.get(f"{gateway_url}/metrics").text)
@@ -171,13 +186,13 @@ def test_the_clients_request_id_is_on_the_engines_json_log_lines(engine, gateway
     assert any("/v1/contexts/" in line["message"] and "/generate" in line["message"] for line in lines_of("dag-req-7"))
 
 
-def test_every_log_line_is_json_and_none_is_per_heartbeat(engine, gateway):
+def test_every_log_line_is_json_and_none_is_per_heartbeat(engine_process, gateway):
     _, app = gateway
     record = next(r for r in app.state.gateway.registry.records() if r.engine.name == "tiny-engine")
     before = record.last_heartbeat
     threading.Event().wait(0.5)  # five heartbeat intervals
     assert record.last_heartbeat > before  # the engine kept heartbeating meanwhile
-    lines = engine.log_lines()
+    lines = engine_process.log_lines()
     records = [json.loads(line) for line in lines]  # every line: a JSON object
     assert {"time", "level", "logger", "message", "request_id"} <= set(records[0])
     assert not [r for r in records if "heartbeat" in r["message"].lower()]

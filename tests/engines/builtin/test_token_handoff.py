@@ -1,6 +1,6 @@
-"""The engine's side of the token-id handoff: a fork whose text names an earlier generation's output
-waits on the engine, then runs after that output's token ids, in the step after it was produced. Real
-engine (the default model) over HTTP on loopback."""
+"""The engine's side of the handoff: a fork whose text names an earlier generation's output waits on the
+engine, then runs after that output's text, tokenized with the text around it as one text, in the step
+after it was produced. Real engine (the default model) over HTTP on loopback."""
 
 from __future__ import annotations
 
@@ -13,10 +13,12 @@ import pytest
 
 from engines.builtin.serving.errors import InputUnavailable
 from engines.builtin.serving.named_outputs import NamedOutputs, Output
+from engines.builtin.splicing import SEAM_TOKENS
 from engines.builtin.tokenizer import text_tokens
 
 pytestmark = pytest.mark.timeout(120)
-SYSTEM = "You are a concise assistant. Answer in one short sentence, without preamble. " * 2
+# No space at its end: a fork's text then meets it at a pre-token boundary, which keeps the context's tokens.
+SYSTEM = ("You are a concise assistant. Answer in one short sentence, without preamble. " * 2).rstrip()
 GREEDY = {"temperature": 0, "max_tokens": 12}
 
 
@@ -42,20 +44,24 @@ def fork(text_or_parts, **extra) -> dict:
     return body
 
 
-async def test_a_consumer_sent_first_runs_after_its_producers_ids_in_the_next_step(llm, base_url, context):
+@pytest.mark.parametrize("with_context_text", [False, True], ids=["fork-text-alone", "context-text-given"])
+async def test_a_consumer_sent_first_runs_on_its_prompt_as_one_text_in_the_next_step(smollm2_core, base_url, context,
+                                                                                      with_context_text):
     output_id = f"out-{os.urandom(6).hex()}"
-    question, follow_up = "Q: Name one primary color.\nA:", "\nQ: Repeat the answer above in capitals.\nA:"
+    lead, question = "\nEarlier, the assistant gave this short answer:", "Q: Name one primary color.\nA:"
+    follow_up = "\nQ: Repeat the answer above in capitals.\nA:"
+    given = {"context_text": SYSTEM} if with_context_text else {}
     async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
         before = handoff_waits(httpx.Client(base_url=base_url))
         stats = (await http.get("/v1/stats")).json()
         consumer = asyncio.ensure_future(http.post(f"/v1/contexts/{context}/generate", json=fork([
-            {"text": "Earlier answer:"}, {"output_of": output_id}, {"text": follow_up}])))
+            {"text": lead}, {"output_of": output_id}, {"text": follow_up}], **given)))
         # The consumer waits on the engine (nothing produces its input yet), its text before the input
-        # computed meanwhile.
-        lead = len(text_tokens(llm.tokenizer, "Earlier answer:"))
+        # computed meanwhile, less the tokens that may merge with the input.
+        ahead = len(text_tokens(smollm2_core.tokenizer, lead)) - SEAM_TOKENS
         for _ in range(100):
             now = (await http.get("/v1/stats")).json()
-            if now["prompt_tokens"] - stats["prompt_tokens"] == lead and now["running"] == now["waiting"] == 0:
+            if now["prompt_tokens"] - stats["prompt_tokens"] == ahead and now["running"] == now["waiting"] == 0:
                 break
             await asyncio.sleep(0.05)
         else:
@@ -64,21 +70,27 @@ async def test_a_consumer_sent_first_runs_after_its_producers_ids_in_the_next_st
         produced = (await http.post(f"/v1/contexts/{context}/generate",
                                     json=fork(question, output_id=output_id))).json()
         handed = (await consumer).json()
-        # The rule: each text part tokenized alone, the producer's ids (its EOS left out) between them.
-        producer_ids = [t for t in produced["token_ids"] if t not in llm.eos_token_ids]
-        expected = (text_tokens(llm.tokenizer, "Earlier answer:") + producer_ids
-                    + text_tokens(llm.tokenizer, follow_up))
-        by_tokens = (await http.post(f"/v1/contexts/{context}/generate",
-                                     json={**GREEDY, "fork": True, "tokens": expected})).json()
-    assert handed["usage"]["prompt_tokens"] == len(expected)
-    assert handed["text"] == by_tokens["text"] and handed["token_ids"] == by_tokens["token_ids"]
+        # The rule: the producer's text in its place, tokenized as one text with the context's text when
+        # it is given (the prompt a plain request sends), else with the fork's own text alone.
+        prompt = (SYSTEM if with_context_text else "") + lead + produced["text"] + follow_up
+        if with_context_text:
+            model = (await http.get("/v1/models")).json()["data"][0]["id"]
+            alike = (await http.post("/v1/completions", json={**GREEDY, "model": model, "prompt": prompt})
+                     ).json()["choices"][0]
+        else:
+            alike = (await http.post(f"/v1/contexts/{context}/generate", json={**GREEDY, "fork": True, "tokens":
+                                     text_tokens(smollm2_core.tokenizer, prompt)})).json()
+    counted = handed["usage"]["prompt_tokens"] + (handed["context_tokens"] if with_context_text else 0)
+    assert counted == len(text_tokens(smollm2_core.tokenizer, prompt))
+    assert handed["text"] == alike["text"]
+    assert handed["usage"]["prompt_tokens_details"]["cached_tokens"] >= ahead  # computed ahead, not again
     after = handoff_waits(httpx.Client(base_url=base_url))
     assert httpx.get(f"{base_url}/v1/stats").json()["blocks_free"] == stats["blocks_free"]  # the ahead context freed
     assert after["count"] == before["count"] + 1
     assert after["1.0"] == before.get("1.0", 0) + 1  # its first token came in the step after the producer's last
 
 
-async def test_an_output_cut_by_a_stop_string_is_handed_over_as_its_text_tokenized(llm, base_url, context):
+async def test_an_output_cut_by_a_stop_string_is_handed_over_as_its_text(smollm2_core, base_url, context):
     output_id = f"out-{os.urandom(6).hex()}"
     async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
         produced = (await http.post(f"/v1/contexts/{context}/generate", json=fork(
@@ -86,7 +98,7 @@ async def test_an_output_cut_by_a_stop_string_is_handed_over_as_its_text_tokeniz
         handed = (await http.post(f"/v1/contexts/{context}/generate", json=fork(
             [{"output_of": output_id}, {"text": "\nAgain:"}]))).json()
     assert produced["finish_reason"] == "stop" and "thr" not in produced["text"]
-    expected = text_tokens(llm.tokenizer, produced["text"]) + text_tokens(llm.tokenizer, "\nAgain:")
+    expected = text_tokens(smollm2_core.tokenizer, produced["text"] + "\nAgain:")
     assert handed["usage"]["prompt_tokens"] == len(expected)
 
 
@@ -126,6 +138,6 @@ async def test_a_consumer_of_an_output_nobody_starts_producing_is_refused_in_tim
     waiter = asyncio.ensure_future(outputs.wait("slow"))
     await asyncio.sleep(0.3)
     assert not waiter.done()
-    outputs.produce("slow", Output([1, 2], step=7))
-    assert await waiter == Output([1, 2], 7)
+    outputs.produce("slow", Output("one two", step=7))
+    assert await waiter == Output("one two", 7)
     assert len(outputs) == 1  # the unclaimed one was forgotten with its last waiter

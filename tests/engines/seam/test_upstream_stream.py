@@ -11,7 +11,7 @@ from engines.seam import upstream
 from http_plumbing.aiohttp_transport import AiohttpTransport
 from wire.sse import SSE_DONE
 from engines.seam.upstream import UpstreamEngine
-from tests.conftest import asgi_app
+from tests.support.servers import asgi_app
 
 FIRST, LAST = b'data: {"n":1}\n\n', b'data: {"n":2}\n\n'
 

@@ -12,7 +12,7 @@ from engines.builtin.config import EngineConfig
 from engines.builtin.http_app import create_app as create_engine_app
 from gateway.app import create_app as create_gateway_app
 from gateway.config import AuthConfig, BuiltinConfig, EnginesConfig, GatewayConfig, QuotasConfig, SemanticConfig
-from tests.conftest import wait_until
+from tests.support.waiting import wait_until
 
 MODEL = "tiny"
 ALICE, BOB = "sk-alice", "sk-bob"

@@ -16,8 +16,8 @@ import pytest
 
 from gateway.config import SemanticConfig, UpstreamConfig
 from gateway.semantic.graph import LATENCY_PRIORITY, Call, Session, VariableFailed
-from tests.conftest import wait_until
-from tests.gateway.conftest import MODEL
+from tests.support.waiting import wait_until
+from tests.support.fake_upstream import MODEL
 
 
 def chat(text: str, parrot: dict, **extra) -> dict:
@@ -534,6 +534,7 @@ def test_streamed_parrot_answers_keep_tool_calls_and_completion_objects(gw, sess
     assert {c["object"] for c in chunks} == {"text_completion"} and chunks[-1]["usage"]
 
 
+@pytest.mark.slow  # thousands of calls
 async def test_latency_marking_walks_chains_thousands_deep():
     session = Session("owner", {})
     previous = session.new_variable("blocker")  # never set: the chain waits

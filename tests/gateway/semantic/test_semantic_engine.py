@@ -10,7 +10,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import SMOLLM, wait_until
+from tests.support.models import SMOLLM
+
+from tests.support.waiting import wait_until
 
 SYSTEM = ("You are a careful assistant for a museum of natural history. Answer in one short sentence, "
           "plainly, without lists. Visitors ask about animals, fossils and the building itself.")

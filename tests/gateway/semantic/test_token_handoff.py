@@ -15,7 +15,7 @@ from engines.builtin.tokenizer import text_tokens
 from engines.seam import ForkPart, PromptSplit, Segment
 from gateway.semantic.handoff import PendingOutput, fork_parts
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.model]  # SmolLM2 in an engine in this process
 CONFIG = EngineConfig(num_blocks=128)
 MODEL = served_model_name(CONFIG)
 SYSTEM = "You rewrite notes for a busy reader. Keep every fact, drop filler, answer in one sentence.\n"
