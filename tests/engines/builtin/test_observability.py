@@ -93,15 +93,15 @@ def engine_process(tiny_model_dir, gateway, tmp_path_factory) -> Iterator[Engine
         process.close()
 
 
-def test_a_scraper_reads_metrics_and_health_without_the_secret_and_nothing_else(engine):
+def test_a_scraper_reads_metrics_and_health_without_the_secret_and_nothing_else(engine_process):
     """What `parrot serve` users point Prometheus at: the engine's /metrics and /health answer without the
     per-start secret they never see (they carry no prompt); every other route still wants it."""
-    metrics = httpx.get(f"{engine.url}/metrics")
+    metrics = httpx.get(f"{engine_process.url}/metrics")
     assert metrics.status_code == 200
     assert "vllm:num_requests_running" in samples(metrics.text)  # parsed by prometheus_client
-    assert httpx.get(f"{engine.url}/health").status_code == 200
+    assert httpx.get(f"{engine_process.url}/health").status_code == 200
     for path in ("/v1/stats", "/v1/models"):
-        refused = httpx.get(f"{engine.url}{path}")
+        refused = httpx.get(f"{engine_process.url}{path}")
         assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_engine_secret"
 
 
