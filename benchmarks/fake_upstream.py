@@ -109,12 +109,16 @@ async def send_json(send, status: int, payload: Any) -> None:
     await send({"type": "http.response.body", "body": data})
 
 
+async def lifespan(receive, send) -> None:
+    """Acknowledges an ASGI lifespan's startup and shutdown."""
+    while (await receive())["type"] != "lifespan.shutdown":
+        await send({"type": "lifespan.startup.complete"})
+    await send({"type": "lifespan.shutdown.complete"})
+
+
 async def app(scope, receive, send) -> None:
     if scope["type"] == "lifespan":
-        while (await receive())["type"] != "lifespan.shutdown":
-            await send({"type": "lifespan.startup.complete"})
-        await send({"type": "lifespan.shutdown.complete"})
-        return
+        return await lifespan(receive, send)
     path, method = scope["path"], scope["method"]
     if method == "GET" and path == "/v1/models":
         return await send_json(send, 200, MODELS)

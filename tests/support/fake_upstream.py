@@ -19,7 +19,8 @@ from typing import Any
 
 import msgspec
 
-from benchmarks.fake_upstream import MODELS, NOT_FOUND, ROUTES, chunks, completion, event, read_body, send_json
+from benchmarks.fake_upstream import (MODELS, NOT_FOUND, ROUTES, chunks, completion, event, lifespan, read_body,
+                                      send_json)
 
 __all__ = ["CHAT", "MODEL", "app", "chunks", "completion"]
 
@@ -78,10 +79,7 @@ async def _stream(send, receive, body: dict[str, Any], fake: dict[str, Any]) -> 
 
 async def app(scope, receive, send) -> None:
     if scope["type"] == "lifespan":
-        while (await receive())["type"] != "lifespan.shutdown":
-            await send({"type": "lifespan.startup.complete"})
-        await send({"type": "lifespan.shutdown.complete"})
-        return
+        return await lifespan(receive, send)
     path, method = scope["path"], scope["method"]
     if method == "GET" and path == "/fake/stats":
         return await send_json(send, 200, _stats)

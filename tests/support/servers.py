@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterator
 
 import uvicorn
 
+from benchmarks.fake_upstream import read_body
 from http_plumbing.http_protocol import HttpProtocol
 
 
@@ -90,9 +91,4 @@ def asgi_app(handler: Callable[[Any, Any, Any], Any]) -> Callable[[Any, Any, Any
 
 async def read_asgi_body(receive: Callable[[], Any]) -> bytes:
     """The whole request body an ASGI handler receives."""
-    body = b""
-    while True:
-        message = await receive()
-        body += message.get("body", b"")
-        if not message.get("more_body"):
-            return body
+    return await read_body(receive)
