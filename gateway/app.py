@@ -11,17 +11,16 @@ from typing import AsyncIterator
 
 import httpx
 from litestar import Litestar
-from litestar.connection import ASGIConnection
-from litestar.handlers import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
 
 from http_plumbing.aiohttp_transport import AiohttpTransport
 from http_plumbing.http11 import Http11Transport
 from engines.seam.upstream import NoCookies
+from gateway.auth import admin_owners, api_key_guard
 from gateway.circuit import CircuitBreaker
 from gateway.config import GatewayConfig
 from gateway.dashboard.routes import DEFAULT_BENCHMARKS_DIR
-from gateway.errors import EXCEPTION_HANDLERS, APIError
+from gateway.errors import EXCEPTION_HANDLERS
 from gateway.allocator import map_large_blocks_separately
 from gateway.health_checks import health_checks
 from gateway.metrics import GatewayMetrics
@@ -30,7 +29,6 @@ from gateway.openapi import document
 from gateway.registry import EngineRegistry
 from gateway.routes import ROUTES
 from gateway.semantic.service import SemanticService
-from gateway.semantic.sessions import SessionStore
 from gateway.service import Gateway
 from gateway.supervisor import EngineSupervisors
 from gateway.tracing import Tracing
@@ -53,23 +51,6 @@ def _http_client(config: GatewayConfig) -> tuple[httpx.AsyncClient, httpx.AsyncB
         cookies=NoCookies(),
     )
     return client, transport
-
-
-def _require_api_key(api_keys: frozenset[str]):
-    """A guard (guards also run for plain ASGI handlers, unlike before_request hooks)."""
-
-    def guard(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
-        if handler.opt.get("exclude_from_auth"):
-            return
-        header = connection.headers.get("authorization", "")
-        scheme, _, key = header.partition(" ")
-        if scheme.lower() != "bearer" or not key:
-            raise APIError(401, "You didn't provide an API key. Pass it as 'Authorization: Bearer KEY'.",
-                           code="invalid_api_key")
-        if key.strip() not in api_keys:
-            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
-
-    return guard
 
 
 async def _sweep(semantic: SemanticService, quotas: Quotas, session_idle_ttl_s: float) -> None:
@@ -104,7 +85,7 @@ def create_app(config: GatewayConfig | None = None) -> Litestar:
             app.state.semantic = SemanticService(gateway, config.semantic, limits_of=quotas.limits, tracing=tracing)
             sessions = app.state.semantic.sessions
             gateway.metrics.mirror(registry.records, sessions.all, sessions.holdings)
-            app.state.admin_owners = frozenset(SessionStore.owner_of(key) for key in config.auth.admin_keys)
+            app.state.admin_owners = admin_owners(config.auth)
             benchmarks_dir = config.dashboard.benchmarks_dir
             app.state.benchmarks_dir = Path(benchmarks_dir) if benchmarks_dir else DEFAULT_BENCHMARKS_DIR
             app.state.supervisor = EngineSupervisors(config, registry) if config.builtin_enabled() else None
@@ -124,14 +105,12 @@ def create_app(config: GatewayConfig | None = None) -> Litestar:
         """Entered after ``lifespan`` (which made the registry), left before it."""
         return health_checks(app.state.gateway.registry, config.routing.health_check_interval_s)
 
-    api_keys = frozenset(config.auth.api_keys)
-    if api_keys:  # admin keys are client keys too; they alone do not turn authentication on
-        api_keys |= frozenset(config.auth.admin_keys)
+    guard = api_key_guard(config.auth)
     app = document(Litestar(
         route_handlers=ROUTES,
         lifespan=[lifespan, upstream_health_checks],
         exception_handlers=EXCEPTION_HANDLERS,
-        guards=[_require_api_key(api_keys)] if api_keys else None,
+        guards=[guard] if guard else None,
         request_max_body_size=config.limits.max_body_bytes,
         openapi_config=OpenAPIConfig(title="Parrot gateway", version="0.1.0", path="/docs"),
         debug=False,

@@ -18,9 +18,9 @@ from litestar.types import Message, Receive, Scope, Send
 
 from engines.seam import Route
 from http_plumbing.disconnect import CancelledOnDisconnect
+from gateway.auth import owner
 from gateway.errors import APIError, body_error
 from gateway.quotas import Quotas
-from gateway.semantic.routes import owner
 from gateway.service import ENGINE_HEADER, REQUEST_SCHEMAS, Gateway, OpenAIRequest
 from gateway.streaming import send_events
 

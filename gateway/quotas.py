@@ -1,6 +1,6 @@
 """Per-key rate and concurrency quotas: who may start a request now, and what it used.
 
-Identities are owners (``SessionStore.owner_of``: a hash of the presented API key). Rates are
+Identities are owners (``gateway/auth.py``'s ``owner_of``: a hash of the presented API key). Rates are
 token buckets (O(1) per request, no timestamps kept): a key holds up to a minute's allowance and
 regains it continuously, so a burst of a whole minute's requests is admitted and then one more each
 60 / limit seconds. Tokens are charged after the fact (a request's size is known only when it
@@ -17,9 +17,9 @@ import time
 from contextvars import ContextVar
 from typing import Callable, Iterator
 
+from gateway.auth import owner_of
 from gateway.config import QuotaLimits, QuotasConfig
 from gateway.domain_errors import RateLimited
-from gateway.semantic.sessions import SessionStore
 
 Clock = Callable[[], float]
 
@@ -116,7 +116,7 @@ class Quotas:
     def __init__(self, config: QuotasConfig, clock: Clock = time.monotonic):
         self._clock = clock
         self._default = config.for_key(None)
-        self._by_owner = {SessionStore.owner_of(key): config.for_key(key) for key in config.keys}
+        self._by_owner = {owner_of(key): config.for_key(key) for key in config.keys}
         self._usage: dict[str, KeyUsage] = {}
         # Whether requests need admitting at all: some key has a rate or concurrency quota.
         self.enabled = any(_limits_rates(limits) for limits in (self._default, *self._by_owner.values()))

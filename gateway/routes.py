@@ -16,6 +16,7 @@ from engines.seam import EngineStats
 from engines.seam.connect import CAPABILITIES, capabilities_of
 from wire.openai import ModelCard, ModelList
 from gateway.dashboard.routes import DASHBOARD_ROUTES
+from gateway.auth import presented_key
 from gateway.errors import APIError, model_not_found
 from gateway.openai_endpoints import chat_completions, completions
 from gateway.semantic.routes import SEMANTIC_ROUTES
@@ -99,11 +100,6 @@ async def metrics(state: State) -> Response:
 # and no cross-site "simple" form POST, can put itself in the path of other users' requests.
 
 
-def _bearer(connection: ASGIConnection) -> str:
-    scheme, _, credential = connection.headers.get("authorization", "").partition(" ")
-    return credential.strip() if scheme.lower() == "bearer" else ""
-
-
 def _require_json(connection: ASGIConnection, _: BaseRouteHandler) -> None:
     media_type = connection.headers.get("content-type", "").partition(";")[0].strip().lower()
     if media_type != JSON:
@@ -112,7 +108,7 @@ def _require_json(connection: ASGIConnection, _: BaseRouteHandler) -> None:
 
 def _require_engine_secret(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
     registry = connection.app.state.gateway.registry
-    if not registry.secret_accepted(_bearer(connection)):
+    if not registry.secret_accepted(presented_key(connection)):
         if not registry.registration_open():  # only the gateway's own engines may register
             raise APIError(403, "Engine registration is disabled: set [engines] registration_secret "
                                 "(PARROT_ENGINE_SECRET) on the gateway and the engine.",
@@ -126,7 +122,7 @@ def _require_engine_token(connection: ASGIConnection, handler: BaseRouteHandler)
     """The token the engine got on registration: an engine speaks only for itself."""
     registry = connection.app.state.gateway.registry
     engine_id = connection.path_params["engine_id"]
-    if registry.authenticated(engine_id, _bearer(connection)) is None:
+    if registry.authenticated(engine_id, presented_key(connection)) is None:
         if registry.get(engine_id) is None:
             raise APIError(404, f"engine {engine_id!r} is not registered", code="engine_not_found")
         raise APIError(401, "Pass the token this engine got on registration as 'Authorization: Bearer TOKEN'.",
@@ -178,7 +174,7 @@ class Registered(msgspec.Struct):
 @post("/v1/engines", status_code=201, exclude_from_auth=True, guards=[_require_engine_secret])
 async def register_engine(request: Request, data: JSONBody[EngineRegistration], state: State) -> Registered:
     record = await state.gateway.register_remote(data.name, data.url, data.models, data.announced_capabilities(),
-                                           _bearer(request))
+                                           presented_key(request))
     return Registered(id=record.id, token=record.token)
 
 

@@ -9,7 +9,6 @@ from litestar.datastructures import State
 from litestar.params import FromPath, FromQuery, JSONBody, QueryParameter
 
 from http_plumbing.disconnect import CancelledOnDisconnect
-from gateway.semantic.sessions import SessionStore
 from gateway.semantic.schema import (
     Criteria,
     OutputView,
@@ -24,22 +23,10 @@ from gateway.semantic.schema import (
     VarSet,
     VarView,
 )
+from gateway.auth import is_admin, owner
 from gateway.errors import APIError
 from gateway.semantic.graph_view import session_graph, session_summary
 from gateway.semantic.service import SemanticService, view
-
-
-def owner(request: Request) -> str:
-    """Sessions belong to the bearer key that made them, on an open gateway (no configured keys) too:
-    there the key authenticates nobody, but clients that present different keys (the openai SDK always
-    sends one) expect not to see each other's sessions. Requests without a key share one owner."""
-    scheme, _, key = request.headers.get("authorization", "").partition(" ")
-    return SessionStore.owner_of(key.strip() if scheme.lower() == "bearer" else None)
-
-
-def is_admin(request: Request) -> bool:
-    """Whether the presented key is one of ``[auth] admin_keys``: it may view every key's sessions."""
-    return owner(request) in request.app.state.admin_owners
 
 
 def semantic(state: State) -> SemanticService:

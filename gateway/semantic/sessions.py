@@ -3,7 +3,6 @@ variables they hold by id, per-key counts against quotas, and which sessions hav
 
 from __future__ import annotations
 
-import hashlib
 import time
 from typing import Callable
 
@@ -31,10 +30,6 @@ class SessionStore:
         self._variables: dict[str, Variable] = {}
         self._counts: dict[str, int] = {}  # owner -> its sessions, its default session not counted
         self._holdings: dict[str, Holdings] = {}  # owner -> its calls and pinned prefixes, in all its sessions
-
-    @staticmethod
-    def owner_of(api_key: str | None) -> str:
-        return hashlib.sha256((api_key or "").encode()).hexdigest()
 
     def create(self, owner: str, *, default: bool = False) -> Session:
         limits = self._limits_of(owner)

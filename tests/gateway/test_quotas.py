@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gateway.auth import owner_of
 from gateway.config import AuthConfig, QuotaLimits, QuotasConfig, SemanticConfig
 from gateway.domain_errors import RateLimited
 from gateway.quotas import Quotas, count_tokens
@@ -61,7 +62,7 @@ def assert_quota_error(response: httpx.Response, status: int, code: str) -> None
 def test_requests_per_minute_refuse_with_a_retry_after_then_admit_once_it_has_passed():
     clock = FakeClock()
     quotas = Quotas(QuotasConfig(requests_per_minute=2), clock=clock)
-    owner = SessionStore.owner_of(ALICE)
+    owner = owner_of(ALICE)
     for _ in range(2):
         quotas.admit(owner).release()
     with pytest.raises(RateLimited) as refused:
@@ -72,13 +73,13 @@ def test_requests_per_minute_refuse_with_a_retry_after_then_admit_once_it_has_pa
         quotas.admit(owner)
     clock.now += 1
     quotas.admit(owner).release()
-    quotas.admit(SessionStore.owner_of(BOB)).release()  # another key's allowance is its own
+    quotas.admit(owner_of(BOB)).release()  # another key's allowance is its own
 
 
 def test_tokens_per_minute_charge_reported_usage_else_the_estimate():
     clock = FakeClock()
     quotas = Quotas(QuotasConfig(tokens_per_minute=600), clock=clock)  # 10 tokens a second
-    owner = SessionStore.owner_of(ALICE)
+    owner = owner_of(ALICE)
     with quotas.admitted(owner, estimate_tokens=50):
         count_tokens(700)  # what the gateway's usage decoder reports: the estimate is not charged on top
     with pytest.raises(RateLimited) as refused:
@@ -96,7 +97,7 @@ def test_a_key_table_overrides_only_the_fields_it_sets():
     config = QuotasConfig(requests_per_minute=100, sessions=5, keys={ALICE: {"sessions": 50}})
     assert config.for_key(ALICE) == QuotaLimits(requests_per_minute=100, sessions=50)
     assert config.for_key(BOB) == QuotaLimits(requests_per_minute=100, sessions=5)
-    assert Quotas(config).limits(SessionStore.owner_of(ALICE)).sessions == 50
+    assert Quotas(config).limits(owner_of(ALICE)).sessions == 50
     assert not Quotas(QuotasConfig()).enabled  # nothing to count on the hot path by default
 
 
