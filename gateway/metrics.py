@@ -12,15 +12,44 @@ requests waiting, KV-cache use, prefix-cache queries and hits, preemptions.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Protocol, Sized
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
     from gateway.registry import EngineRecord
-    from gateway.semantic.graph import Session
-    from gateway.semantic.holdings import Holdings
+
+
+# What the metrics read of the semantic layer (gateway/semantic/: graph.py's Session and Call, holdings.py's
+# Holdings), which sits above this module.
+
+
+class CallState(Protocol):
+    @property
+    def started(self) -> float | None: ...  # None while pending (waiting for its inputs)
+
+    @property
+    def group(self) -> str | None: ...  # its task group, if any
+
+
+class SessionState(Protocol):
+    @property
+    def variables(self) -> Sized: ...
+
+    @property
+    def calls(self) -> Mapping[str, CallState]: ...
+
+
+class HeldState(Protocol):
+    """What a key holds between requests."""
+
+    @property
+    def pinned_tokens(self) -> int: ...
+
+    @property
+    def refused_pins(self) -> int: ...
+
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -78,8 +107,8 @@ class GatewayMetrics:
     def on(self, model: str, engine: str) -> "RouteMetrics":
         return self.model(model).on(engine)
 
-    def mirror(self, engines: Callable[[], Iterable[EngineRecord]], sessions: Callable[[], Iterable[Session]],
-               holdings: Callable[[], Iterable[Holdings]] = list) -> None:
+    def mirror(self, engines: Callable[[], Iterable[EngineRecord]], sessions: Callable[[], Iterable[SessionState]],
+               holdings: Callable[[], Iterable[HeldState]] = list) -> None:
         """Reads, at each scrape, what ``engines()`` report, the state of the semantic graphs of ``sessions()``
         and what keys hold between requests (``holdings()``)."""
         self.registry.register(_EngineReports(engines))
@@ -166,7 +195,7 @@ class _EngineReports:
 class _SemanticState:
     """The semantic graphs now: calls pending (waiting for inputs) and running, variables, task groups."""
 
-    def __init__(self, sessions: Callable[[], Iterable[Session]], holdings: Callable[[], Iterable[Holdings]]):
+    def __init__(self, sessions: Callable[[], Iterable[SessionState]], holdings: Callable[[], Iterable[HeldState]]):
         self._sessions = sessions
         self._holdings = holdings
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import TYPE_CHECKING, Any, ContextManager, Iterator, Mapping
+from typing import Any, ContextManager, Iterator, Mapping, Protocol
 
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -23,8 +23,38 @@ try:
 except ImportError:  # the tracing extra is not installed: tracing stays off
     trace = None
 
-if TYPE_CHECKING:
-    from gateway.semantic.graph import Call
+
+class _Identified(Protocol):
+    @property
+    def id(self) -> str: ...
+
+
+class _Input(Protocol):
+    @property
+    def producer(self) -> TracedCall | None: ...  # the call whose output binds it, if any
+
+
+class TracedCall(Protocol):
+    """What a semantic call's span reads of the call (gateway/semantic/graph.py's Call), and where it leaves
+    its own span's context for the calls that read its outputs."""
+
+    span_context: Any
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def session(self) -> _Identified: ...
+
+    @property
+    def inputs(self) -> Mapping[str, _Input]: ...
+
+    @property
+    def latency_critical(self) -> bool: ...
+
+    @property
+    def group(self) -> str | None: ...
+
 
 log = logging.getLogger(__name__)
 _NOT_TRACED = ("/v1/engines",)
@@ -102,14 +132,14 @@ class Tracing:
         """``app`` with a server span around each request (continuing the client's ``traceparent``)."""
         return app if self.tracer is None else _RequestSpans(app, self.tracer)
 
-    def call(self, call: "Call") -> ContextManager[None]:
+    def call(self, call: TracedCall) -> ContextManager[None]:
         """A semantic call's span, from its inputs being ready to its outputs being bound (nothing when off).
         Its parent is the current span: the request that submitted the call (its task copied that request's
         context). It links to the spans of the calls whose outputs it read (ended before it started)."""
         return _OFF if self.tracer is None else self._call_span(call)
 
     @contextlib.contextmanager
-    def _call_span(self, call: "Call") -> Iterator[None]:
+    def _call_span(self, call: TracedCall) -> Iterator[None]:
         producers = [v.producer for v in call.inputs.values() if v.producer is not None]
         links = [trace.Link(p.span_context) for p in producers if p.span_context is not None]
         attributes = {"parrot.call_id": call.id, "parrot.session_id": call.session.id,
