@@ -97,7 +97,7 @@ class LaunchedGateway:
         self.port, engine_port = free_port(), free_port()
         self._headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.url = f"http://127.0.0.1:{self.port}/v1"
-        command = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(self.port),
+        command = [sys.executable, "-m", "gateway.server.cli", "serve", "--port", str(self.port),
                    "--engine-port", str(engine_port), "--log-level", "warning"]
         if engine_args:
             # Engine flags reach `parrot engine` only through the config's builtin.extra_args.

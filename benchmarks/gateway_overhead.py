@@ -140,7 +140,7 @@ def main() -> None:
     upstream_port, gateway_port = args.upstream_port or free_port(), free_port()
     upstream_url = f"http://127.0.0.1:{upstream_port}/v1"
     procs = [start(["benchmarks.fake_upstream", "--port", str(upstream_port)]),
-             start(["gateway.cli", "serve", "--no-builtin", "--port", str(gateway_port), "--log-level", "warning",
+             start(["gateway.server.cli", "serve", "--no-builtin", "--port", str(gateway_port), "--log-level", "warning",
                     "--upstream", f"fake={upstream_url}"])]
     try:
         wait_ready(f"{upstream_url}/models")

@@ -74,7 +74,7 @@ class Fleet:
         return [f"http://127.0.0.1:{port}" for port in self.ports]
 
     def start(self) -> None:
-        self.processes = [start([sys.executable, "-m", "gateway.cli", "engine", "--port", str(port),
+        self.processes = [start([sys.executable, "-m", "gateway.server.cli", "engine", "--port", str(port),
                                  "--num-blocks", str(self.args.num_blocks), "--num-threads", "1",
                                  "--log-level", "warning", *self.args.engine_args.split()])
                           for port in self.ports]
@@ -98,7 +98,7 @@ def start_front(policy: str, fleet: Fleet, args: argparse.Namespace) -> tuple[su
     port = free_port()
     if policy in GATEWAY_POLICIES:
         upstreams = [arg for url in fleet.urls for arg in ("--upstream", f"{MODEL}={url}/v1")]
-        process = start([sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--no-builtin",
+        process = start([sys.executable, "-m", "gateway.server.cli", "serve", "--port", str(port), "--no-builtin",
                          "--log-level", "warning", *upstreams],
                         env={"PARROT_SCHEDULER_POLICY": policy, "PARROT_HEALTH_CHECK_INTERVAL_S": "0.5"})
         ready = f"http://127.0.0.1:{port}/health/ready"

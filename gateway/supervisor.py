@@ -52,7 +52,7 @@ class EngineSupervisor:
         port = builtin.port + replica
         self.url = f"http://{builtin.host}:{port}"
         gateway_host = "127.0.0.1" if server.host in ("0.0.0.0", "::") else server.host
-        self._command = [sys.executable, "-m", "gateway.cli", "engine", "--host", builtin.host,
+        self._command = [sys.executable, "-m", "gateway.server.cli", "engine", "--host", builtin.host,
                          "--port", str(port), "--gateway-url", f"http://{gateway_host}:{server.port}",
                          "--advertise-url", self.url, "--log-format", server.log_format]
         if server.access_log:

@@ -81,7 +81,7 @@ def smollm_gateway(serve_session) -> Iterator[dict[str, str]]:
 
     import httpx
 
-    from gateway.app import create_app
+    from gateway.server.app import create_app
     from gateway.config import BuiltinConfig, EnginesConfig, GatewayConfig
 
     secret = "smollm-engine-secret"
@@ -90,7 +90,7 @@ def smollm_gateway(serve_session) -> Iterator[dict[str, str]]:
     gateway = serve_session(create_app(config))
     engine_port = free_port()
     engine = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "engine", "--port", str(engine_port), "--gateway-url", gateway,
+        [sys.executable, "-m", "gateway.server.cli", "engine", "--port", str(engine_port), "--gateway-url", gateway,
          "--heartbeat-interval", "0.5"],
         env={**os.environ, "HF_HUB_OFFLINE": "1", "PARROT_ENGINE_SECRET": secret})
     try:

@@ -109,7 +109,7 @@ def gateway() -> Iterator[str]:
     example of this module."""
     port, engine_port = free_port(), free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--engine-port", str(engine_port)],
+        [sys.executable, "-m", "gateway.server.cli", "serve", "--port", str(port), "--engine-port", str(engine_port)],
         cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"

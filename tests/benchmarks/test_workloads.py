@@ -15,7 +15,7 @@ import pytest
 
 from benchmarks.workloads import WORKLOADS, chain, map_reduce, mixed, multi_agent, shared_prompt
 from benchmarks.workloads.text import document, questions, system_prompt
-from gateway.app import create_app
+from gateway.server.app import create_app
 from tests.support.fake_upstream import MODEL
 from tests.support.gateways import fake_gateway_config
 

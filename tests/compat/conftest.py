@@ -6,7 +6,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from gateway.app import create_app
+from gateway.server.app import create_app
 from gateway.config import SemanticConfig
 from tests.support.gateways import fake_gateway_config
 

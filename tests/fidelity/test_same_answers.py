@@ -16,7 +16,7 @@ import pytest
 
 from benchmarks.workloads import chain, map_reduce, multi_agent, shared_prompt
 from benchmarks.workloads.text import document
-from gateway.app import create_app
+from gateway.server.app import create_app
 from gateway.config import BuiltinConfig, GatewayConfig, UpstreamConfig
 from tests.support.models import SMOLLM
 

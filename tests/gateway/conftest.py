@@ -8,7 +8,7 @@ from typing import Any, Callable
 import httpx
 import pytest
 
-from gateway.app import create_app
+from gateway.server.app import create_app
 from gateway.config import UpstreamConfig
 from tests.support.gateways import fake_gateway_config, gateway_config
 

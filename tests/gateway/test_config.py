@@ -9,7 +9,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from gateway.cli import _serve_parser, config_from_args
+from gateway.server.cli import _serve_parser, config_from_args
 from gateway.config import GatewayConfig, load_config
 
 TOML = """
@@ -133,7 +133,7 @@ def test_serve_help_runs():
 
 @pytest.mark.subprocess
 def test_parrot_without_a_command_prints_usage():
-    result = subprocess.run([sys.executable, "-m", "gateway.cli"], capture_output=True, text=True, timeout=60)
+    result = subprocess.run([sys.executable, "-m", "gateway.server.cli"], capture_output=True, text=True, timeout=60)
 
     assert result.returncode == 2
     assert "usage: parrot" in result.stderr

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from gateway.app import create_app
+from gateway.server.app import create_app
 from gateway.config import AuthConfig, BuiltinConfig, DashboardConfig, EnginesConfig, GatewayConfig
 from tests.support.models import SMOLLM
 from tests.support.servers import free_port
@@ -70,7 +70,7 @@ def dashboard_gateway(serve_module, benchmarks_dir) -> Iterator[str]:
                            dashboard=DashboardConfig(benchmarks_dir=str(benchmarks_dir)))
     url = serve_module(create_app(config))
     engine = subprocess.Popen(
-        [sys.executable, "-m", "gateway.cli", "engine", "--port", str(free_port()), "--gateway-url", url,
+        [sys.executable, "-m", "gateway.server.cli", "engine", "--port", str(free_port()), "--gateway-url", url,
          "--heartbeat-interval", "0.5"],
         env={**os.environ, "HF_HUB_OFFLINE": "1", "PARROT_ENGINE_SECRET": SECRET})
     try:

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from gateway.cli import _serve_parser, config_from_args
+from gateway.server.cli import _serve_parser, config_from_args
 from gateway.config import AuthConfig, DashboardConfig, SemanticConfig, load_config
 from gateway.request_rate import RequestRate
 from tests.support.fake_upstream import MODEL

@@ -93,7 +93,7 @@ def test_an_open_gateway_without_a_secret_refuses_every_registration(http, start
 def test_a_gateway_whose_only_engines_are_its_own_answers_registration_403(http, serve, fake_url, attacker):
     """`parrot serve` with no [engines] registration_secret: its builtin engine registers with a secret of its
     own, and anyone else is told registration is disabled (403, as the README says), not 401."""
-    from gateway.app import create_app
+    from gateway.server.app import create_app
     from gateway.config import UpstreamConfig
     from tests.gateway.conftest import gateway_config
 

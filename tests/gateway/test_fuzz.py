@@ -15,9 +15,9 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from gateway.app import create_app
+from gateway.server.app import create_app
 from gateway.config import UpstreamConfig
-from gateway.openapi import EXAMPLE_MODEL
+from gateway.server.openapi import EXAMPLE_MODEL
 from tests.support.fake_upstream import MODEL
 from tests.support.gateways import gateway_config
 

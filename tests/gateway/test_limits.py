@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from gateway.app import create_app
+from gateway.server.app import create_app
 from gateway.config import BuiltinConfig, EnginesConfig, GatewayConfig, LimitsConfig, SemanticConfig
 from tests.support.models import SMOLLM
 from tests.support.fake_upstream import MODEL

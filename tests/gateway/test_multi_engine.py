@@ -30,7 +30,7 @@ class ParrotFleet:
                "PARROT_ENGINE_NUM_THREADS": "1", "PARROT_ENGINE_HEARTBEAT_INTERVAL": "0.5",
                "PARROT_HEARTBEAT_TIMEOUT_S": "3"}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "serve", "--port", str(self.port), "--engines", str(engines),
+            [sys.executable, "-m", "gateway.server.cli", "serve", "--port", str(self.port), "--engines", str(engines),
              "--engine-port", str(free_port_run(engines)), "--model", str(model_dir), "--log-level", "warning"],
             env=env)
         self.url = f"http://127.0.0.1:{self.port}"

@@ -129,7 +129,7 @@ def test_gateway_json_log_lines_carry_the_request_id_and_none_is_per_heartbeat(f
     log_path = tmp_path / "gateway.jsonl"
     with log_path.open("w") as log:
         gateway = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "serve", "--no-builtin", "--port", str(port), "--log-format", "json",
+            [sys.executable, "-m", "gateway.server.cli", "serve", "--no-builtin", "--port", str(port), "--log-format", "json",
              "--access-log", "--upstream", f"fake-model={fake_url}/v1"],
             env={**os.environ, "PARROT_ENGINE_SECRET": ENGINE_SECRET, "PARROT_NUM_RETRIES": "1"},
             stdout=subprocess.DEVNULL, stderr=log)
@@ -228,7 +228,7 @@ def test_without_opentelemetry_tracing_is_off_and_nothing_fails():
 import sys
 sys.modules["opentelemetry"] = None  # as if the tracing extra were not installed: importing it fails
 from gateway import tracing
-from gateway.app import create_app
+from gateway.server.app import create_app
 from gateway.config import GatewayConfig, TracingConfig
 assert tracing.trace is None
 assert not tracing.Tracing(TracingConfig(enabled=True)).enabled

@@ -27,7 +27,7 @@ def test_a_keyed_gateway_documents_its_401s_as_they_are_answered(start_gateway, 
 
 
 def test_an_open_gateway_documents_no_client_keys():
-    from gateway.app import create_app
+    from gateway.server.app import create_app
 
     document = create_app(gateway_config([])).openapi_schema.to_schema()
     assert "apiKey" not in document["components"]["securitySchemes"]

@@ -272,7 +272,7 @@ def test_memory_of_deleted_sessions_goes_back_to_the_os(tmp_path: Path, http):
     config = tmp_path / "parrot.toml"
     config.write_text("[quotas]\nbytes_per_session = 268435456\n")
     port = free_port()
-    gateway = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--no-builtin", "--port", str(port),
+    gateway = subprocess.Popen([sys.executable, "-m", "gateway.server.cli", "serve", "--no-builtin", "--port", str(port),
                                 "--log-level", "warning"], env={**os.environ, "PARROT_CONFIG": str(config)})
     url = f"http://127.0.0.1:{port}"
     try:

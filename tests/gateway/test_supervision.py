@@ -72,7 +72,7 @@ class ParrotServe:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PARROT_API_KEYS": CLIENT_KEY, "PARROT_ADMIN_KEYS": ADMIN_KEY,
                "PARROT_ENGINE_NUM_BLOCKS": "160", "PARROT_ENGINE_HEARTBEAT_INTERVAL": "0.5"}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "serve", "--port", str(self.port),
+            [sys.executable, "-m", "gateway.server.cli", "serve", "--port", str(self.port),
              "--engine-port", str(self.engine_port), "--model", str(model_dir), "--log-level", "warning"], env=env)
         self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", headers=bearer(CLIENT_KEY), timeout=30)
 

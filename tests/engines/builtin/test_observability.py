@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engines.builtin.config import EngineConfig
 from engines.builtin.http_app import GatewayRegistration, create_app as create_engine_app
-from gateway.app import create_app as create_gateway_app
+from gateway.server.app import create_app as create_gateway_app
 from gateway.config import BuiltinConfig, EnginesConfig, GatewayConfig
 from tests.support.servers import free_port
 from tests.support.waiting import wait_until
@@ -48,7 +48,7 @@ class EngineProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        command = [sys.executable, "-m", "gateway.cli", "engine", "--model", str(tiny_model_dir), "--port",
+        command = [sys.executable, "-m", "gateway.server.cli", "engine", "--model", str(tiny_model_dir), "--port",
                    str(self.port), "--served-model-name", MODEL, "--name", "tiny-engine",
                    # 24 blocks of 16 tokens: two 300-token generations cannot both fit, so one is preempted.
                    "--num-blocks", "24", "--max-model-len", "384", "--max-num-seqs", "2",

@@ -1,5 +1,5 @@
 """HTTP handlers: thin, typed, and all alike — validate, hand to the Gateway service, shape the reply.
-(The two proxied OpenAI POSTs, the hot path, are plain ASGI handlers: gateway/openai_endpoints.py.)"""
+(The two proxied OpenAI POSTs, the hot path, are plain ASGI handlers: gateway/server/openai_endpoints.py.)"""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from wire.openai import ModelCard, ModelList
 from gateway.dashboard.routes import DASHBOARD_ROUTES
 from gateway.auth import presented_key
 from gateway.errors import APIError, model_not_found
-from gateway.openai_endpoints import chat_completions, completions
+from gateway.server.openai_endpoints import chat_completions, completions
 from gateway.semantic.routes import SEMANTIC_ROUTES
 from gateway.service import Gateway
 

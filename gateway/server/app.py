@@ -25,9 +25,9 @@ from gateway.allocator import map_large_blocks_separately
 from gateway.health_checks import health_checks
 from gateway.metrics import GatewayMetrics
 from gateway.quotas import Quotas
-from gateway.openapi import document
+from gateway.server.openapi import document
 from gateway.registry import EngineRegistry
-from gateway.routes import ROUTES
+from gateway.server.routes import ROUTES
 from gateway.semantic.service import SemanticService
 from gateway.service import Gateway
 from gateway.supervisor import EngineSupervisors

@@ -4,7 +4,7 @@ Litestar documents each typed handler from its signature: its success body, and 
 validation-error shape. It cannot know that every error leaves through one boundary as OpenAI's
 error object (http_plumbing/http_errors.py), which statuses the services behind a handler raise, that
 /metrics is Prometheus text, or anything about the two OpenAI routes, which are plain ASGI handlers
-(gateway/openai_endpoints.py). ``document`` fixes the generated document in one place, after the
+(gateway/server/openai_endpoints.py). ``document`` fixes the generated document in one place, after the
 app is built, so handlers stay free of response declarations.
 """
 
@@ -37,7 +37,7 @@ from wire.openai import (
     ErrorResponse,
 )
 from gateway.config import GatewayConfig
-from gateway.routes import HealthReport
+from gateway.server.routes import HealthReport
 from gateway.semantic.schema import Accepted, ParrotExtension
 
 JSON = "application/json"

@@ -67,7 +67,7 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 def serve(argv: list[str]) -> None:
     import uvicorn
 
-    from gateway.app import create_app
+    from gateway.server.app import create_app
     from http_plumbing.http_protocol import HttpProtocol
     from http_plumbing.logs import configure_logging
 
