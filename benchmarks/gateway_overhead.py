@@ -140,8 +140,8 @@ def main() -> None:
     upstream_port, gateway_port = args.upstream_port or free_port(), free_port()
     upstream_url = f"http://127.0.0.1:{upstream_port}/v1"
     procs = [start(["benchmarks.fake_upstream", "--port", str(upstream_port)]),
-             start(["gateway.server.cli", "serve", "--no-builtin", "--port", str(gateway_port), "--log-level", "warning",
-                    "--upstream", f"fake={upstream_url}"])]
+             start(["gateway.server.cli", "serve", "--no-builtin", "--port", str(gateway_port),
+                    "--log-level", "warning", "--upstream", f"fake={upstream_url}"])]
     try:
         wait_ready(f"{upstream_url}/models")
         wait_ready(f"http://127.0.0.1:{gateway_port}/health")

@@ -20,7 +20,7 @@ import time
 
 # The one place the gateway reads the builtin engine's own modules (torch-free): its command line, to know the model
 # it will serve before it registers. Through the seam this would make engines.seam depend on engines.builtin.
-from engines.builtin.cli import SECRET_ENV, build_parser, engine_config
+from engines.builtin.server.cli import SECRET_ENV, build_parser, engine_config
 from engines.builtin.config import served_model_name
 from gateway.config import GatewayConfig, secret_env_vars
 from gateway.registry import EngineRegistry, url_key

@@ -1,5 +1,5 @@
 """The engine seam: all the gateway knows of engines, and all it imports from ``engines/`` but the builtin
-engine's torch-free command line (engines/builtin/cli.py), which gateway/supervisor.py reads to start one.
+engine's torch-free command line (engines/builtin/server/cli.py), which gateway/supervisor.py reads to start one.
 
 interface.py     ``Engine`` (create / stream / health / stats / aclose) and the optional capabilities
                  ``ContextEngine`` (contexts + prompt split), ``HintedEngine`` (scheduling fields) and

@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _engine(argv: list[str]) -> None:
-    from engines.builtin.cli import main as engine_main
+    from engines.builtin.server.cli import main as engine_main
 
     engine_main(argv)
 

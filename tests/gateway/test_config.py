@@ -160,7 +160,7 @@ def test_log_and_tracing_settings_from_file_env_and_flags(tmp_path, monkeypatch)
 
 
 def test_engine_log_flags_from_env_and_command_line(monkeypatch):
-    from engines.builtin.cli import build_parser
+    from engines.builtin.server.cli import build_parser
 
     assert (build_parser().parse_args([]).log_format, build_parser().parse_args([]).access_log) == ("text", False)
     monkeypatch.setenv("PARROT_ENGINE_LOG_FORMAT", "json")

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from engines.builtin.config import EngineConfig
-from engines.builtin.http_app import GatewayRegistration, create_app as create_engine_app
+from engines.builtin.server.app import GatewayRegistration, create_app as create_engine_app
 from gateway.config import AuthConfig, EnginesConfig
 from tests.support.servers import asgi_app
 from tests.support.fake_upstream import MODEL  # what the gateway fixtures serve

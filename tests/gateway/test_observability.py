@@ -129,8 +129,8 @@ def test_gateway_json_log_lines_carry_the_request_id_and_none_is_per_heartbeat(f
     log_path = tmp_path / "gateway.jsonl"
     with log_path.open("w") as log:
         gateway = subprocess.Popen(
-            [sys.executable, "-m", "gateway.server.cli", "serve", "--no-builtin", "--port", str(port), "--log-format", "json",
-             "--access-log", "--upstream", f"fake-model={fake_url}/v1"],
+            [sys.executable, "-m", "gateway.server.cli", "serve", "--no-builtin", "--port", str(port),
+             "--log-format", "json", "--access-log", "--upstream", f"fake-model={fake_url}/v1"],
             env={**os.environ, "PARROT_ENGINE_SECRET": ENGINE_SECRET, "PARROT_NUM_RETRIES": "1"},
             stdout=subprocess.DEVNULL, stderr=log)
         url = f"http://127.0.0.1:{port}"

@@ -273,7 +273,8 @@ def test_memory_of_deleted_sessions_goes_back_to_the_os(tmp_path: Path, http):
     config.write_text("[quotas]\nbytes_per_session = 268435456\n")
     port = free_port()
     gateway = subprocess.Popen([sys.executable, "-m", "gateway.server.cli", "serve", "--no-builtin", "--port", str(port),
-                                "--log-level", "warning"], env={**os.environ, "PARROT_CONFIG": str(config)})
+                                "--log-level", "warning"],
+                               env={**os.environ, "PARROT_CONFIG": str(config)})
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until(lambda: _up(http, url), timeout_s=30)

@@ -15,7 +15,7 @@ import httpx
 import msgspec
 import pytest
 
-from engines.builtin.cli import SECRET_ENV
+from engines.builtin.server.cli import SECRET_ENV
 from gateway.config import ENV_OVERRIDES, SECRET_SETTINGS, GatewayConfig
 from gateway.registry import EngineRegistry
 from gateway.supervisor import EngineSupervisor

@@ -1,6 +1,7 @@
 """The builtin engine in its process: OpenAI requests in, OpenAI responses out, over an ``EngineCore`` (which
-computes on its own thread). The HTTP app (http_app.py) exposes it, and gateways reach it over HTTP through the
-seam's ``BuiltinEngineClient``; its parts are the three surfaces chat.py, completions.py and contexts.py."""
+computes on its own thread). The HTTP app (engines/builtin/server/app.py) exposes it, and gateways reach it
+over HTTP through the seam's ``BuiltinEngineClient``; its parts are the three surfaces chat.py, completions.py
+and contexts.py."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engines.builtin.config import EngineConfig
-from engines.builtin.http_app import create_app
+from engines.builtin.server.app import create_app
 from tests.support.compiled import run_compiled_engine
 from tests.support.markers import marks_users
 

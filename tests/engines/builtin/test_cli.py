@@ -13,9 +13,9 @@ import msgspec
 import pytest
 from litestar import Litestar, Request, post
 
-from engines.builtin.cli import build_parser, engine_config
+from engines.builtin.server.cli import build_parser, engine_config
 from engines.builtin.config import EngineConfig
-from engines.builtin.http_app import DEFAULT_SERVED_MODEL_NAME, served_model_name
+from engines.builtin.server.app import DEFAULT_SERVED_MODEL_NAME, served_model_name
 
 
 def test_engine_defaults_come_from_engine_config():
@@ -89,7 +89,7 @@ def test_engine_process_serves_and_registers_with_the_gateway(tiny_model_dir, se
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     command = [
-        sys.executable, "-m", "engines.builtin.cli", "--model", str(tiny_model_dir), "--port", str(port),
+        sys.executable, "-m", "engines.builtin.server.cli", "--model", str(tiny_model_dir), "--port", str(port),
         "--served-model-name", "tiny", "--max-model-len", "128", "--num-blocks", "16",
         "--gateway-url", gateway_url, "--name", "cli-test", "--heartbeat-interval", "0.1", "--log-level", "warning",
     ]

@@ -69,7 +69,7 @@ def test_engine_process_keeps_its_server_off_the_compute_cores(tiny_model_dir, w
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "engines.builtin.cli", "--model", str(tiny_model_dir), "--port", str(port),
+    command = [sys.executable, "-m", "engines.builtin.server.cli", "--model", str(tiny_model_dir), "--port", str(port),
                "--served-model-name", "tiny", "--max-model-len", "128", "--num-blocks", "16", "--cpu-cores", str(compute),
                "--log-level", "warning"]
     process = subprocess.Popen(command, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stderr=subprocess.DEVNULL)

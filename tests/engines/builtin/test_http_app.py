@@ -17,7 +17,7 @@ import pytest
 from litestar import Litestar, Request, Response, post
 from litestar.params import FromPath
 
-from engines.builtin.http_app import DEFAULT_SERVED_MODEL_NAME, GatewayRegistration, create_app
+from engines.builtin.server.app import DEFAULT_SERVED_MODEL_NAME, GatewayRegistration, create_app
 from tests.support.waiting import wait_until
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

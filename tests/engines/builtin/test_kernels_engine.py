@@ -147,7 +147,7 @@ async def test_prefix_caching_switch(make_engine, enabled):
     [([], True), (["--no-prefix-caching"], False), (["--enable-prefix-caching", "false"], False)],
 )
 def test_prefix_caching_flags(argv, enabled):
-    from engines.builtin.cli import build_parser, engine_config
+    from engines.builtin.server.cli import build_parser, engine_config
 
     assert engine_config(build_parser().parse_args(argv)).enable_prefix_caching is enabled
 

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from engines.builtin.config import EngineConfig
-from engines.builtin.http_app import create_app as create_engine_app
+from engines.builtin.server.app import create_app as create_engine_app
 from gateway.server.app import create_app as create_gateway_app
 from gateway.config import BuiltinConfig, EnginesConfig, GatewayConfig
 

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engines.builtin.config import EngineConfig
-from engines.builtin.http_app import create_app as create_engine_app
+from engines.builtin.server.app import create_app as create_engine_app
 from gateway.server.app import create_app as create_gateway_app
 from gateway.config import AuthConfig, BuiltinConfig, EnginesConfig, GatewayConfig, QuotasConfig, SemanticConfig
 from tests.support.waiting import wait_until

@@ -36,7 +36,8 @@ def engine(llm) -> BuiltinEngine:
 
 
 def _surface_and_request(engine: BuiltinEngine, route: str, body: dict):
-    """The surface the HTTP app's route calls, and the request it decoded from ``body`` (engines/builtin/http_app.py)."""
+    """The surface the HTTP app's route calls, and the request it decoded from ``body``
+    (engines/builtin/server/app.py)."""
     if route == "chat/completions":
         return engine.chats, msgspec.convert(body, ChatCompletionRequest)
     return engine.completions, msgspec.convert(body, CompletionRequest)

@@ -35,7 +35,7 @@ from engines.builtin.serving import (
     ContextFillRequest,
     ContextGenerateRequest,
 )
-from engines.builtin.membership import GatewayMembership, GatewayRegistration
+from engines.builtin.server.membership import GatewayMembership, GatewayRegistration
 from engines.builtin.prompt_split import PromptSplitRequest, split_prompt
 from engines.builtin.serving.chat import ChatCompletions
 from engines.builtin.serving.completions import Completions

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     from http_plumbing.logs import configure_logging
 
     from engines.builtin.cpu_affinity import keep_off
-    from engines.builtin.http_app import GatewayRegistration, create_app
+    from engines.builtin.server.app import GatewayRegistration, create_app
 
     args = build_parser().parse_args(argv)
     config = engine_config(args)
