@@ -19,6 +19,11 @@ from tests.support.servers import free_port, serve_in_thread
 from tests.support.waiting import wait_until
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Tests run two at a time (xdist) beside engine processes on two cores: more compute threads than cores. libgomp's
+# threads spin at each barrier by default, and a spinning thread holds the core its descheduled peer needs, which
+# made a 24-token request take 30 s instead of 1.9 s beside one busy process. Set here, before any test imports
+# torch (libgomp reads it when loaded); engine processes the tests start inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by markers
