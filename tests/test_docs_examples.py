@@ -106,7 +106,7 @@ def test_config_example_loads(block: Block, tmp_path):
 
 @pytest.fixture(scope="module")
 @marks_users("model", "subprocess")
-def parrot_serve() -> Iterator[str]:
+def examples_gateway() -> Iterator[str]:
     """`parrot serve` as `make serve` runs it (the builtin engine on SmolLM2), on free ports; one for every
     example of this module."""
     port, engine_port = free_port(), free_port()
@@ -149,7 +149,7 @@ CONCURRENT = 2  # examples running at once: the engine batches their requests, a
 
 
 @pytest.fixture(scope="module")
-def runs(parrot_serve: str, request: pytest.FixtureRequest) -> dict[str, Run]:
+def runs(examples_gateway: str, request: pytest.FixtureRequest) -> dict[str, Run]:
     """Every selected example run as written, each in its own process as a reader would run it, a few at a time."""
     selected = [item.callspec.params["block"] for item in request.session.items
                 if getattr(item, "originalname", None) == "test_example_runs_as_written"]
@@ -157,7 +157,7 @@ def runs(parrot_serve: str, request: pytest.FixtureRequest) -> dict[str, Run]:
 
     def run(block: Block) -> Run:
         try:
-            done = subprocess.run([*RUNNERS[block.language], ADDRESS.sub(parrot_serve, block.code)], cwd=REPO, env=env,
+            done = subprocess.run([*RUNNERS[block.language], ADDRESS.sub(examples_gateway, block.code)], cwd=REPO, env=env,
                                   capture_output=True, text=True, timeout=300)
         except subprocess.TimeoutExpired as exc:
             return Run(None, str(exc.stdout or ""), f"{exc.stderr or ''}\n(killed: still running after 300 s)")
