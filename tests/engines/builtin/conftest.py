@@ -55,7 +55,7 @@ def base_url(smollm2_core, serve_module) -> str:
     return serve_module(create_app(llm=smollm2_core))
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")  # a function; its users may be module-scoped
 @marks_users("subprocess", "slow")
 def run_compiled():
     """``run_compiled(model_dir, dtype, batches, **request)`` (tests/support/compiled.py): a compiled engine's

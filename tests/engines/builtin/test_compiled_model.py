@@ -27,12 +27,25 @@ def mixed_prompts() -> list[list[int]]:
     return [torch.randint(3, 49152, (n,), generator=generator).tolist() for n in (5, 31, 64, 17)]
 
 
-def test_compiled_fp32_gives_the_eager_tokens_and_compiles_only_at_start(run_compiled, make_engine, tiny_model_dir):
+def fp32_batches() -> list[list[list[int]]]:
     # A prompt alone whose first chunks want no logits (steps that sample no row: that their rows tensor was
     # made otherwise than a sampling step's once recompiled the graphs while serving), a batch of four
     # (chunked prefills of different lengths, then batched decodes), one alone, a batch of three.
-    batches = [mixed_prompts()[2:3], mixed_prompts(), mixed_prompts()[1:2], [[7, 8], [9, 10, 11], [12]]]
-    compiled = run_compiled(tiny_model_dir, "float32", batches, max_num_batched_tokens=BUDGET)
+    return [mixed_prompts()[2:3], mixed_prompts(), mixed_prompts()[1:2], [[7, 8], [9, 10, 11], [12]]]
+
+
+@pytest.fixture(scope="module")
+def compiled_fp32(run_compiled, tiny_model_dir, smollm2_tokenizer_dir, tmp_path_factory) -> dict:
+    """One compiling process for the fp32 tests (a compile is most of a minute here): the tiny model's batches,
+    then another model's (other weights, same architecture) compiled after it in the same process."""
+    other_dir = other_tiny_model(smollm2_tokenizer_dir, tmp_path_factory.mktemp("other-tiny-llama"))
+    compiled = run_compiled(tiny_model_dir, "float32", fp32_batches(), max_num_batched_tokens=BUDGET,
+                            then_model=str(other_dir))
+    return compiled | {"other_dir": other_dir}
+
+
+def test_compiled_fp32_gives_the_eager_tokens_and_compiles_only_at_start(compiled_fp32, make_engine):
+    batches, compiled = fp32_batches(), compiled_fp32
     assert compiled["last_hidden"] == "CompiledForward"
     assert compiled["screened_steps"] > 0, "greedy steps of few rows take the head's screen over the graph's hidden states"
     assert compiled["native_attention"], "the graph calls the C++ attention operator where the kernels build"
@@ -79,15 +92,13 @@ def test_compiled_quantized_model_follows_the_eager_tokens_up_to_rounding_ties(r
             assert eager_pick - compiled_pick <= TIE_NATS, f"parted at {first}: {eager_pick:.3f} vs {compiled_pick:.3f}"
 
 
-def test_a_second_compiled_model_runs_its_own_weights(run_compiled, make_engine, tiny_model_dir, smollm2_tokenizer_dir, tmp_path):
+def test_a_second_compiled_model_runs_its_own_weights(compiled_fp32, make_engine):
     """Each graph has its model's weights frozen in, and the guards inside the model are dropped: the
     forward's own number is what keeps one model's graph from running for another in the same process."""
-    other_dir = other_tiny_model(smollm2_tokenizer_dir, tmp_path)
-    batches = [mixed_prompts()[:2]]
-    compiled = run_compiled(tiny_model_dir, "float32", batches, then_model=str(other_dir))
+    compiled = compiled_fp32
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    other = make_engine(model=str(other_dir)).generate_batch(batches[0], params)
-    assert compiled["then_outputs"] == [other]
+    other = make_engine(model=str(compiled["other_dir"]), max_num_batched_tokens=BUDGET)
+    assert compiled["then_outputs"] == [other.generate_batch(prompts, params) for prompts in fp32_batches()]
     assert compiled["outputs"] != compiled["then_outputs"], "the two models must answer differently for this to show"
 
 
