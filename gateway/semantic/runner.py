@@ -23,6 +23,7 @@ import msgspec
 from engines.seam import ContextEngine, EngineError, ForkPart, Generation, GenerationChunk, PromptSplit, Route
 from engines.seam.connect import has_capability
 from gateway.attempts import retryable
+from gateway.outcomes import read_usage
 from gateway.prompt_prefix import chain, tokens_in
 from gateway.registry import EngineRecord
 from gateway.scheduler import Placement, Work
@@ -131,7 +132,7 @@ class Runner:
                 records = [r for r in self._with_contexts(model) if r.id not in tried]
                 if (not retryable(exc) or not records or len(tried) > self.gateway.config.routing.num_retries
                         or (sink is not None and sink.started)):
-                    self.gateway.record_failure(model, exc)
+                    self.gateway.outcomes.failed(model, exc)
                     raise
         return self._answered(route, model, plan, generation, started)
 
@@ -139,7 +140,7 @@ class Runner:
         prompt_tokens, cached_tokens = generation.prompt_usage()
         response = _response(route, model, generation.text, generation.finish_reason, prompt_tokens,
                              len(generation.token_ids), cached_tokens)
-        self.gateway.record_success(model, plan.record.engine.name, response, started)  # as a plain request is
+        self.gateway.outcomes.succeeded(model, plan.record.engine.name, read_usage(response), started)  # as a plain request is
         return Answer(response, plan.record.id)
 
     async def plan_ahead(self, route: Route, body: dict[str, Any], call: Call, input_timeout_s: float
@@ -179,7 +180,7 @@ class Runner:
         except EngineError as exc:
             if (exc.status_code == 424 or retryable(exc)) and not (sink is not None and sink.started):
                 return None  # a producer failed there, or the engine did: run from the text (elsewhere)
-            self.gateway.record_failure(body["model"], exc)
+            self.gateway.outcomes.failed(body["model"], exc)
             raise
         if not withdrawn:
             for variable in call.inputs.values():  # bound by their producers as their answers arrive
@@ -305,7 +306,7 @@ class Runner:
             await self.prefixes.release(entry)
         if output is not None and pending is not None:
             output.settle(pending)
-        self.gateway.metrics.on(body["model"], record.engine.name).forks.inc()
+        self.gateway.outcomes.forked(body["model"], record.engine.name)
         if hit:
             self.prefixes.hit_tokens += generation.context_tokens
         return generation
