@@ -10,16 +10,20 @@ import msgspec
 
 from engines.seam import EngineError, Route
 from gateway.scheduler import Placement
+from gateway.semantic import template
 from gateway.semantic.answer import Answer, read_answer, usage_of
+from gateway.semantic.call_spec import Step
 from gateway.semantic.gateway_port import GatewayPort
 from gateway.semantic.streaming import TextSink
 from wire.openai import Usage
+from wire.placeholders import map_texts
 
 _WHOLE_ONLY = ("tools", "logprobs", "echo")  # answers a semantic stream gets whole, in one chunk
 
 
-async def run_plain(gateway: GatewayPort, route: Route, body: dict[str, Any], hints: dict[str, Any],
+async def run_plain(gateway: GatewayPort, step: Step, values: dict[str, str], hints: dict[str, Any],
                     placement: Placement, sink: TextSink | None) -> Answer:
+    route, body = step.route, _substituted(step.route, step.body, values)
     model = body["model"]
     if sink is None or (body.get("n") or 1) != 1 or any(body.get(k) for k in _WHOLE_ONLY):
         answer = await gateway.create(route, model, body, hints=hints, placement=placement, read=read_answer)
@@ -35,6 +39,10 @@ async def run_plain(gateway: GatewayPort, route: Route, body: dict[str, Any], hi
             if event.startswith(b"data: {"):
                 sink.put(whole.add(msgspec.json.decode(event[6:])))
     return Answer.generated(route, model, whole.text(), whole.finish_reason, whole.usage(), opened.record.id)
+
+
+def _substituted(route: Route, body: dict[str, Any], values: dict[str, str]) -> dict[str, Any]:
+    return map_texts(route, body, lambda text: template.substitute(text, values))
 
 
 class _Gathered:

@@ -10,12 +10,11 @@ import contextlib
 import time
 from typing import Any
 
-from engines.seam import EngineError, Generation, PromptSplit, Route
+from engines.seam import EngineError, Generation, PromptSplit
 from gateway.attempts import retryable
 from gateway.config import SemanticConfig
 from gateway.registry import EngineRecord
 from gateway.scheduler import Placement
-from gateway.semantic import template
 from gateway.semantic.answer import Answer, usage_of
 from gateway.semantic.call_spec import Step
 from gateway.semantic.forks import Forks, Handoff, Plan
@@ -26,11 +25,6 @@ from gateway.semantic.plain import run_plain
 from gateway.semantic.prefix import PrefixCache
 from gateway.semantic.streaming import TextSink
 from gateway.tracing import Tracing
-from wire.placeholders import map_texts
-
-
-def substitute(route: Route, body: dict[str, Any], values: dict[str, str]) -> dict[str, Any]:
-    return map_texts(route, body, lambda text: template.substitute(text, values))
 
 
 class Runner:
@@ -84,8 +78,7 @@ class Runner:
         split = await self.forks.split(step, records) if records and self.forks.forkable(step) else None
         if split is not None:
             return await self._fork(step, call, split, split.rest_with(values), records, hints, placement, started)
-        answer = await run_plain(self.gateway, step.route, substitute(step.route, step.body, values), hints,
-                                 placement, _sink(call))
+        answer = await run_plain(self.gateway, step, values, hints, placement, _sink(call))
         call.engine_id = answer.engine_id
         return answer
 
