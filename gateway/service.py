@@ -197,8 +197,9 @@ class Gateway:
                      hints: dict[str, Any] | None = None, placement: Placement = Placement(),
                      read: Callable[[bytes], Reported | None] = read_usage) -> Answer:
         """``hints``: scheduling fields (wire.sampling.SCHEDULING_FIELDS), added for engines that take them.
-        Failures are retried (gateway/attempts.py): nothing has reached the client yet. ``read``: how the
-        body is read, once, for the metrics (a caller that needs more of it than the usage reads that too)."""
+        Failures are retried (gateway/attempts.py): nothing has reached the client yet. ``read`` reads the
+        body, once, for the metrics; a caller that needs more of it (the semantic path: its text) passes a
+        reader that takes that too, and finds what it read on the answer."""
         started = time.perf_counter()
         attempts = self._attempts(route, model, body, placement)
         while (attempt := await attempts.next()) is not None:
