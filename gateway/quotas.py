@@ -100,7 +100,7 @@ class Admission:
             self.count(self._estimate)
 
 
-# The admission of the request being served, for the usage decoder (Gateway._count_usage) to charge;
+# The admission of the request being served, for the usage decoder (gateway/outcomes.py) to charge;
 # set only when its key has a tokens-per-minute quota. Tasks a request starts (semantic calls) inherit it.
 _current: ContextVar[Admission | None] = ContextVar("parrot_admission", default=None)
 

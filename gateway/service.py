@@ -3,23 +3,22 @@
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator, NamedTuple
+from typing import Any, AsyncIterator, Callable, NamedTuple
 
 import httpx
 import msgspec
 
-from engines.seam import Engine, EngineError, EngineOverloaded, HintedEngine, PrioritizedEngine, Route
+from engines.seam import Engine, EngineError, HintedEngine, PrioritizedEngine, Route
 from engines.seam.connect import connect, has_capability
 from wire.openai import COMPLETIONS_DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest, prompt_count
 from wire.sse import SSE_DONE, sse_event
-from wire.usage import usage_decoder
 from engines.seam.upstream import PrioritizedUpstreamEngine, UpstreamEngine
 from gateway.attempts import Attempts
 from gateway.config import GatewayConfig
 from gateway.domain_errors import Conflict, Invalid, model_not_found
 from gateway.errors import engine_error_body, error_payload
 from gateway.metrics import GatewayMetrics, RouteMetrics, carries_token
-from gateway.quotas import count_tokens
+from gateway.outcomes import Outcomes, Reported, read_usage
 from gateway.prompt_prefix import prompt_prefix
 from gateway.registry import EngineConflict, EngineRecord, EngineRegistry, endpoints_of
 from gateway.scheduler import Placement, Scheduler, Work
@@ -32,6 +31,7 @@ ENGINE_HEADER = "x-parrot-engine"  # on every proxied response: the engine it ca
 class Answer(NamedTuple):
     body: bytes
     engine_id: str  # where it ran (the x-parrot-engine header)
+    reported: Reported | None = None  # the body as ``create`` read it for the metrics (None: unreadable)
 
 
 class OpenedStream(msgspec.Struct):
@@ -50,6 +50,7 @@ class Gateway:
         self.scheduler = Scheduler(config.scheduler)
         registry.on_removed(self.scheduler.forget)
         self.metrics = metrics
+        self.outcomes = Outcomes(metrics)
         self.client = client
         self.transport = transport  # the client's, for the engines' hot path
 
@@ -82,6 +83,21 @@ class Gateway:
             raise Conflict(str(exc), param="url", code="engine_url_taken") from exc
         except ValueError as exc:
             raise Invalid(str(exc), param="url") from exc
+
+    # ------------------------------------------------------------ engines
+
+    def engines_for(self, model: str) -> list[EngineRecord]:
+        """The healthy engines serving ``model``."""
+        return list(self.registry.candidates(model))
+
+    def place(self, work: Work, records: list[EngineRecord]) -> EngineRecord | None:
+        """The engine the global scheduler picks for ``work`` among ``records``."""
+        return self.scheduler.place(work, records)
+
+    @property
+    def retries(self) -> int:
+        """How many more engines a failed request may be tried on ([routing] num_retries)."""
+        return self.config.routing.num_retries
 
     # ------------------------------------------------------------ validation
 
@@ -178,9 +194,12 @@ class Gateway:
         return Attempts(self.registry, self.scheduler, self.config.routing, model, body, describe)
 
     async def create(self, route: Route, model: str, body: dict[str, Any],
-                     hints: dict[str, Any] | None = None, placement: Placement = Placement()) -> Answer:
+                     hints: dict[str, Any] | None = None, placement: Placement = Placement(),
+                     read: Callable[[bytes], Reported | None] = read_usage) -> Answer:
         """``hints``: scheduling fields (wire.sampling.SCHEDULING_FIELDS), added for engines that take them.
-        Failures are retried (gateway/attempts.py): nothing has reached the client yet."""
+        Failures are retried (gateway/attempts.py): nothing has reached the client yet. ``read`` reads the
+        body, once, for the metrics; a caller that needs more of it (the semantic path: its text) passes a
+        reader that takes that too, and finds what it read on the answer."""
         started = time.perf_counter()
         attempts = self._attempts(route, model, body, placement)
         while (attempt := await attempts.next()) is not None:
@@ -196,62 +215,17 @@ class Gateway:
             except EngineError as exc:
                 if attempts.failed(record, exc):
                     continue
-                self.record_failure(model, exc)
+                self.outcomes.failed(model, exc)
                 raise
             finally:
                 record.in_flight -= 1
                 measured.requests_running.dec()
             record.breaker.succeeded()
             measured.queue_time.observe(dispatched - started)
-            self.record_success(model, record.engine.name, response, started)
-            return Answer(response, record.id)
-        raise self._no_engine(model, attempts.last_error)
-
-    def record_success(self, model: str, engine: str, response: bytes, started: float) -> None:
-        """Metrics for a finished non-streamed request on ``engine`` (its name): latency, tokens, finish reasons."""
-        measured = self.metrics.on(model, engine)
-        measured.e2e_latency.observe(time.perf_counter() - started)
-        self._count_success(model, self._count_usage(measured, response))
-
-    def _count_success(self, model: str, reasons: list[str]) -> None:
-        for reason in reasons or ["stop"]:
-            self.metrics.model(model).success(reason).inc()
-
-    def record_failure(self, model: str, exc: EngineError) -> None:
-        self.metrics.model(model).error(exc.status_code).inc()
-
-    @staticmethod
-    def _count_usage(measured: RouteMetrics, payload: bytes) -> list[str]:
-        """Counts the tokens a body reports; returns its choices' finish reasons."""
-        try:
-            decoded = usage_decoder.decode(payload)
-        except msgspec.DecodeError:
-            return []
-        if decoded.usage is not None:
-            measured.prompt_tokens.inc(decoded.usage.prompt_tokens)
-            measured.generation_tokens.inc(decoded.usage.completion_tokens)
-            count_tokens(decoded.usage.prompt_tokens + decoded.usage.completion_tokens)  # the key's quota
-        return [c.finish_reason for c in decoded.choices if c.finish_reason]
-
-    def _count_events(self, measured: RouteMetrics, events: bytes) -> list[str]:
-        """Token usage and finish reasons in a run of SSE events (most carry neither: skipped unparsed)."""
-        marks = [at for at in (events.find(b'"usage"'), events.find(b'"finish_reason":"')) if at >= 0]
-        if not marks:
-            return []
-        reasons: list[str] = []
-        start = events.rfind(b"\n\n", 0, min(marks))
-        tail = events[start + 2:] if start >= 0 else events  # from the first marked event on
-        for event in tail.split(b"\n\n"):
-            if event.startswith(b"data: ") and (b'"usage"' in event or b'"finish_reason":"' in event):
-                reasons += self._count_usage(measured, event[6:])
-        return reasons
-
-    def _no_engine(self, model: str, last_error: EngineError | None) -> EngineError:
-        if last_error is not None:
-            self.record_failure(model, last_error)
-            return last_error
-        self.metrics.model(model).error(503).inc()
-        return EngineOverloaded(f"no healthy engine serves model {model!r} right now")
+            reported = read(response)
+            self.outcomes.succeeded(model, record.engine.name, reported, started)
+            return Answer(response, record.id, reported)
+        raise self.outcomes.no_engine(model, attempts.last_error)
 
     # ------------------------------------------------------------ streaming
 
@@ -270,7 +244,7 @@ class Gateway:
             except EngineError as exc:
                 if attempts.failed(record, exc):
                     continue  # before the first chunk: nothing reached the client
-                self.record_failure(model, exc)
+                self.outcomes.failed(model, exc)
                 raise
             record.breaker.succeeded()
             measured = self.metrics.on(model, record.engine.name)
@@ -279,7 +253,7 @@ class Gateway:
             measured.requests_running.inc()
             record.requests.add()
             return OpenedStream(record=record, first=first, rest=rest, started=started, measured=measured)
-        raise self._no_engine(model, attempts.last_error)
+        raise self.outcomes.no_engine(model, attempts.last_error)
 
     async def sse_events(self, model: str, opened: OpenedStream) -> AsyncIterator[bytes]:
         """SSE events, ``[DONE]`` last (in the engine's last item when it sent one); an engine failure
@@ -299,16 +273,16 @@ class Gateway:
                     else:
                         measured.itl.observe(now - last_token_at)
                     last_token_at = now
-                reasons += self._count_events(measured, events)
+                reasons += self.outcomes.count_events(measured, events)
                 if events.endswith(SSE_DONE):  # the client has the whole answer, whatever follows
                     done = True
-                    self._count_success(model, reasons)
+                    self.outcomes.count_success(model, reasons)
                 yield events
                 events = await anext(opened.rest, None)
             if not done:
-                self._count_success(model, reasons)
+                self.outcomes.count_success(model, reasons)
         except EngineError as exc:
-            self.record_failure(model, exc)
+            self.outcomes.failed(model, exc)
             yield sse_event(error_payload(engine_error_body(exc)))
         finally:
             await opened.rest.aclose()  # closes the engine's stream, also when the client went away

@@ -14,7 +14,7 @@ import itertools
 import secrets
 import time
 from collections import OrderedDict
-from typing import Any, Awaitable, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Protocol
 
 from engines.seam import EngineError
 from gateway.config import QuotaLimits
@@ -24,6 +24,9 @@ from gateway.scheduler import Placement
 from gateway.semantic.handoff import PendingOutput
 from gateway.semantic.holdings import Holdings
 from gateway.semantic.schema import CallNode, CallState
+
+if TYPE_CHECKING:
+    from gateway.semantic.call_spec import CallSpec
 
 LATENCY_PRIORITY = 1 << 20  # above any app-FIFO rank
 _arrivals = itertools.count()
@@ -126,27 +129,31 @@ class Variable:
         return f"{self.name!r} ({self.id})" if self.name else self.id
 
 
-Work = Callable[["Call", dict[str, str]], Awaitable[dict[str, str]]]
-HandAhead = Callable[["Call"], Awaitable[dict[str, str] | None]]
+class CallRunner(Protocol):
+    """What runs a call's requests on engines (runner.py's ``Runner``)."""
+
+    async def warm(self, call: Call) -> None:
+        """While its inputs are not ready: what can be done before (its shared prefix filled)."""
+
+    async def run_ahead(self, call: Call) -> dict[str, str] | None:
+        """Its outputs, run on the engine generating its inputs before they are bound here (handoff.py);
+        None when it cannot go ahead (it then waits for its inputs' values)."""
+
+    async def run(self, call: Call, values: dict[str, str]) -> dict[str, str]:
+        """Its outputs, run with its inputs' ``values``."""
 
 
 class Call:
-    """One request in the graph: waits for its inputs, runs ``work``, binds its outputs."""
+    """One request in the graph: waits for its inputs, has ``runner`` run its ``spec``, binds its outputs."""
 
     def __init__(self, session: "Session", inputs: dict[str, Variable], outputs: dict[str, Variable],
-                 work: Work, *, latency: bool, call_id: str | None = None,
-                 prepare: Callable[[], Awaitable[None]] | None = None,
-                 hand_ahead: HandAhead | None = None):
+                 spec: CallSpec, runner: CallRunner, *, latency: bool, call_id: str | None = None):
         self.id = call_id or new_id("call")
-        # What can be done before the inputs are ready (render, fill the shared prefix): done first.
-        self.prepare = prepare
-        # Runs the call before its inputs are ready, on the engine producing them (handoff.py); None when
-        # it cannot, and the call then waits for its inputs' values.
-        self.hand_ahead = hand_ahead
+        self.spec: CallSpec | None = spec  # what it runs (None once it ended: its request and reply let go)
+        self.runner = runner
         self.session = session
         self.inputs = inputs
         self.outputs = outputs
-        self.work = work
         self.latency = latency
         self.grouped = False  # a member of task groups only: finishing before its peers gains nothing
         self.group: str | None = None  # when grouped: its task group (named by its first consumer)
@@ -247,19 +254,17 @@ class Call:
     async def run(self, input_timeout_s: float) -> dict[str, str]:
         deadline = time.monotonic() + input_timeout_s  # for its inputs, however long going ahead took
         try:
+            results = None
             if not all(variable.ready for variable in self.inputs.values()):
-                if self.prepare is not None:
-                    await self.prepare()
-                results = await self.hand_ahead(self) if self.hand_ahead is not None else None
+                await self.runner.warm(self)
+                results = await self.runner.run_ahead(self)
                 if results is None:
                     self.handed = None  # it runs the ordinary way after all
-            else:
-                results = None
             if results is None:
                 values = await self._values(deadline, input_timeout_s)
                 self.join_group()
                 self.mark_running()
-                results = await self.work(self, values)
+                results = await self.runner.run(self, values)
             self.state = "done"
         except BaseException as exc:
             message = _describe(exc)
@@ -272,7 +277,7 @@ class Call:
             self.finished = time.time()
             self.session.calls.pop(self.id, None)  # finished parts of the graph are freed,
             self.session.keep_finished(self)  # but for what the graph view shows of them;
-            self.work = self.prepare = self.hand_ahead = None  # with the request and response their closures hold
+            self.spec = None  # with its request and reply
         for name, output in self.outputs.items():
             try:
                 output.set(results[name])

@@ -19,10 +19,12 @@ from gateway.config import QuotaLimits, SemanticConfig, TracingConfig
 from gateway.errors import invalid_field
 from gateway.domain_errors import Conflict, DependencyFailed, DomainError, NotFound, model_not_found
 from gateway.semantic import template
+from gateway.semantic.answer import Reply
+from gateway.semantic.call_spec import CallSpec
 from gateway.semantic.graph import Call, Session, Variable, VariableFailed
 from gateway.semantic.sessions import SessionStore
 from gateway.semantic.prefix import PrefixCache
-from gateway.semantic.runner import Runner, output_text
+from gateway.semantic.runner import Runner
 from gateway.semantic.streaming import StreamedAnswer, TextSink
 from wire.placeholders import texts
 from gateway.semantic.schema import (
@@ -37,7 +39,7 @@ from gateway.semantic.schema import (
     VarRef,
     VarView,
 )
-from gateway.service import ENGINE_HEADER, REQUEST_SCHEMAS, Answer, Gateway
+from gateway.service import ENGINE_HEADER, REQUEST_SCHEMAS, Gateway
 from gateway.streaming import EventStream
 from gateway.tracing import Tracing
 
@@ -63,7 +65,7 @@ class SemanticService:
                                      finished_calls_kept=config.finished_calls_kept)
         self.prefixes = PrefixCache(config.max_prefixes_per_engine)
         gateway.registry.on_removed(self.prefixes.forget_engine)  # its contexts went with it
-        self.runner = Runner(gateway, self.prefixes, config.min_prefix_chars)
+        self.runner = Runner(gateway, self.prefixes, config, self.tracing)
 
     # ------------------------------------------------------------ binding
 
@@ -113,65 +115,41 @@ class SemanticService:
         session = self.sessions.resolve(ext.session_id, owner)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}  # runs whole, server-side
-        sink = TextSink() if stream else None
+        reply = Reply(TextSink() if stream else None)
         latency = ext.criteria == "latency" or (ext.criteria is None and ext.wait)
         inline = InlineCalls(self, route, session)
         with session.undo_on_error() as made:
             inputs = self._bind(session, _placeholders(route, body), ext.vars, "parrot.vars", inline)
             output = self._output(session, ext.output)
-            call, responses = self._extension_call(route, body, session, inputs, output, latency, sink)
+            call = self._extension_call(route, body, session, inputs, output, latency, reply)
         result = ParrotResult(session_id=session.id, output=OutputView(id=output.id, name=output.name),
                               call_id=call.id, inline={path: OutputView(id=v.id, name=v.name)
                                                        for path, v in inline.outputs.items()})
         if not ext.wait:
             result.status = "queued"
             return Response(msgspec.json.encode(Accepted(parrot=result)), status_code=202, media_type=JSON)
-        parrot = msgspec.to_builtins(result)
-        if sink is not None:
+        if reply.sink is not None:
             assert call.task is not None
-            sink.follow(call.task)
-            first = await sink.first()
+            reply.sink.follow(call.task)
+            first = await reply.sink.first()
             if first is not None:
-                return self._stream(call, sink, first, StreamedAnswer(route, body["model"], parrot, include_usage),
-                                    lambda: responses["answer"].body)
+                return self._stream(call, reply, first, StreamedAnswer(route, body["model"], result, include_usage))
         await self._finish_request(call, made)
-        answer = msgspec.json.decode(responses["answer"].body)
-        answer["parrot"] = parrot
-        where = {ENGINE_HEADER: responses["answer"].engine_id}
+        answer = reply.answer
+        assert answer is not None  # its call ran
+        where = {ENGINE_HEADER: answer.engine_id}
         if stream:  # ended without text: its one chunk
-            return _as_stream(route, answer, include_usage, where)
-        return Response(msgspec.json.encode(answer), media_type=JSON, headers=where)
+            return _as_stream(route, answer.as_dict() | {"parrot": result}, include_usage, where)
+        return Response(answer.encoded(msgspec.json.encode(result)), media_type=JSON, headers=where)
 
     def _extension_call(self, route: Route, body: dict[str, Any], session: Session, inputs: dict[str, Variable],
-                        output: Variable, latency: bool, sink: TextSink | None) -> tuple[Call, dict[str, Answer]]:
-        """The call of an extension request (or of an inline one) linked into its session and started; the
-        dict gets its engine's answer under "answer" once it has run."""
-        responses: dict[str, Answer] = {}
-
-        async def work(call: Call, values: dict[str, str]) -> dict[str, str]:
-            with self.tracing.call(call):
-                responses["answer"] = await self.runner.run(route, body, values, call=call, session=session,
-                                                             sink=sink, output=call.outputs["output"])
-            return {"output": output_text(route, responses["answer"].body)}
-
-        async def hand_ahead(call: Call) -> dict[str, str] | None:
-            handoff = await self.runner.plan_ahead(route, body, call, self.config.input_timeout_s)
-            if handoff is None:
-                return None
-            with self.tracing.call(call):
-                answer = await self.runner.run_ahead(route, body, handoff, call=call, session=session, sink=sink,
-                                                     input_timeout_s=self.config.input_timeout_s,
-                                                     output=call.outputs["output"])
-            if answer is None:
-                return None
-            responses["answer"] = answer
-            return {"output": output_text(route, answer.body)}
-
-        call = Call(session, inputs, {"output": output}, work, latency=latency,
-                    prepare=lambda: self.runner.warm(route, body, call, session),
-                    hand_ahead=hand_ahead if self.config.token_handoff else None)
+                        output: Variable, latency: bool, reply: Reply | None) -> Call:
+        """The call of an extension request (or of an inline one) linked into its session and started; its
+        answer goes to ``reply`` (None: an inline call's, which only its output variable gets)."""
+        call = Call(session, inputs, {"output": output}, CallSpec.of_request(route, body, reply), self.runner,
+                    latency=latency)
         self._start(session, call)
-        return call, responses
+        return call
 
     async def _finish_request(self, call: Call, made: set[str]) -> None:
         """``_finish``; a request the engine refused leaves nothing behind in its session, as a 400 here."""
@@ -182,18 +160,21 @@ class SemanticService:
                 call.session.forget(made)
             raise
 
-    def _stream(self, call: Call, sink: TextSink, first: str, answer: StreamedAnswer,
-                body_of: Callable[[], bytes]) -> Response:
+    def _stream(self, call: Call, reply: Reply, first: str, streamed: StreamedAnswer) -> Response:
+        sink = reply.sink
+        assert sink is not None
+
         async def events() -> AsyncIterator[bytes]:
-            yield answer.opening(first)
+            yield streamed.opening(first)
             async for piece in sink.rest():
-                yield answer.piece(piece)
+                yield streamed.piece(piece)
             try:
                 await self._finish(call)
             except Exception as exc:  # headers are gone: in-band, as a failing engine stream reports it
-                yield answer.failed(exc)
+                yield streamed.failed(exc)
                 return
-            yield answer.closing(msgspec.json.decode(body_of()))
+            assert reply.answer is not None  # its call ran
+            yield streamed.closing(reply.answer)
 
         where = {ENGINE_HEADER: sink.engine_id} if sink.engine_id else {}
         return EventStream(events(), media_type="text/event-stream", headers={"cache-control": "no-cache", **where})
@@ -275,70 +256,17 @@ class SemanticService:
             self._check_sampling(spec.model, name, output)
         session = self.sessions.resolve(spec.session_id, owner)
         placeholders = {p.name for p in pieces if p.kind == "input"}
-
-        async def work(call: Call, values: dict[str, str]) -> dict[str, str]:
-            with self.tracing.call(call):
-                return await self._run_template(spec, pieces, values, call, session)
-
-        async def hand_ahead(call: Call) -> dict[str, str] | None:
-            """The first output sent ahead to the engine generating the inputs; the rest as usual."""
-            name, body = self._first_output(spec, pieces)
-            handoff = await self.runner.plan_ahead("completions", body, call, self.config.input_timeout_s)
-            if handoff is None:
-                return None
-            with self.tracing.call(call):
-                answer = await self.runner.run_ahead("completions", body, handoff, call=call, session=session,
-                                                     input_timeout_s=self.config.input_timeout_s,
-                                                     output=call.outputs[name])
-                if answer is None:
-                    return None
-                values = {n: v.value for n, v in call.inputs.items() if v.value is not None}  # all bound by now
-                return await self._run_template(spec, pieces, values, call, session,
-                                                generated={name: output_text("completions", answer.body)})
-
         with session.undo_on_error():
             inputs = self._bind(session, placeholders, spec.inputs, "inputs")
             outputs = {name: session.new_variable(name) for name in outputs_in_template}
-            call = Call(session, inputs, outputs, work, latency=spec.criteria == "latency",
-                        hand_ahead=hand_ahead if self.config.token_handoff else None)
+            call = Call(session, inputs, outputs, CallSpec.of_template(spec, pieces), self.runner,
+                        latency=spec.criteria == "latency")
             self._start(session, call)
         return session, call
 
     def _check_sampling(self, model: str, name: str, output: OutputSpec) -> None:
         """An output's sampling, held to /v1/completions' ranges and limits before the call is accepted."""
         _checked(self.gateway, CompletionRequest, {"model": model, "prompt": "", **output.sampling()}, f"outputs.{name}")
-
-    @staticmethod
-    def _first_output(spec: SemanticCall, pieces: list[template.Piece]) -> tuple[str, dict[str, Any]]:
-        """The template's first output and the completions request that generates it."""
-        prompt = ""
-        for piece in pieces:
-            if piece.kind == "output":
-                output = spec.outputs.get(piece.name)
-                return piece.name, {"model": spec.model, "prompt": prompt, **(output.sampling() if output else {})}
-            prompt += piece.text if piece.kind == "text" else "{{" + piece.name + "}}"
-        raise AssertionError("submit_call checked that the template has an output")
-
-    async def _run_template(self, spec: SemanticCall, pieces: list[template.Piece], values: dict[str, str],
-                            call: Call, session: Session, generated: dict[str, str] | None = None
-                            ) -> dict[str, str]:
-        """Generate each output in order, each seeing the text and outputs before it (those in
-        ``generated`` are taken as they are)."""
-        results: dict[str, str] = dict(generated or {})
-        known = values | results
-        prompt = ""  # placeholders kept: the runner forks the constant text before the first one
-        for piece in pieces:
-            if piece.kind == "text":
-                prompt += piece.text
-                continue
-            if piece.kind == "output" and piece.name not in results:
-                output = spec.outputs.get(piece.name)
-                body = {"model": spec.model, "prompt": prompt, **(output.sampling() if output else {})}
-                answer = await self.runner.run("completions", body, known, call=call, session=session,
-                                               output=call.outputs[piece.name])
-                known[piece.name] = results[piece.name] = output_text("completions", answer.body)
-            prompt += "{{" + piece.name + "}}"
-        return results
 
 
 class InlineCalls:
@@ -374,7 +302,7 @@ class InlineCalls:
         inputs = service._bind(self.session, _placeholders(self.route, body), ext.vars, f"{param}.parrot.vars", nested)
         output = self.session.new_variable(name)
         self.outputs[path] = output
-        service._extension_call(self.route, body, self.session, inputs, output, ext.criteria == "latency", None)
+        service._extension_call(self.route, body, self.session, inputs, output, ext.criteria == "latency", reply=None)
         return output
 
     def _declare(self, param: str) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import msgspec
 
@@ -20,6 +20,10 @@ from engines.seam import Route
 from http_plumbing.http_errors import engine_error_body, error_payload
 from wire.openai import new_id
 from wire.sse import SSE_DONE, sse_event
+
+if TYPE_CHECKING:
+    from gateway.semantic.answer import Answer
+    from gateway.semantic.schema import ParrotResult
 
 _END = None  # queued once the call has ended
 
@@ -53,7 +57,7 @@ class TextSink:
 class StreamedAnswer:
     """The OpenAI chunks of one streamed semantic answer."""
 
-    def __init__(self, route: Route, model: str, parrot: dict[str, Any], include_usage: bool):
+    def __init__(self, route: Route, model: str, parrot: ParrotResult, include_usage: bool):
         self.route, self.parrot, self.include_usage = route, parrot, include_usage
         chat = route == "chat/completions"
         self._base = {"id": new_id("chatcmpl" if chat else "cmpl"),
@@ -77,12 +81,11 @@ class StreamedAnswer:
     def piece(self, text: str) -> bytes:
         return self._chunk(self._piece(text, finish_reason=None))
 
-    def closing(self, answer: dict[str, Any]) -> bytes:
+    def closing(self, answer: Answer) -> bytes:
         """The finish reason (and usage, when asked for) from the call's whole answer, then ``[DONE]``."""
-        finish = answer["choices"][0].get("finish_reason")
-        events = self._chunk(self._piece("", finish_reason=finish), parrot=self.parrot)
-        if self.include_usage and answer.get("usage"):
-            events += sse_event(msgspec.json.encode({**self._base, "choices": [], "usage": answer["usage"]}))
+        events = self._chunk(self._piece("", finish_reason=answer.finish_reason), parrot=self.parrot)
+        if self.include_usage and answer.usage is not None:
+            events += sse_event(msgspec.json.encode({**self._base, "choices": [], "usage": answer.usage}))
         return events + SSE_DONE
 
     @staticmethod

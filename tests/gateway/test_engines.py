@@ -191,9 +191,9 @@ def test_streamed_usage_and_finish_reasons_are_counted_wherever_they_sit_in_a_re
     stop = b'{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}'
     usage = b'{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2,"total_tokens":7}}'
 
-    assert gateway._count_events(measured, sse_event(delta) * 3) == []
-    assert gateway._count_events(measured, sse_event(stop)) == ["stop"]  # the marked event opens the read
-    assert gateway._count_events(measured, sse_event(delta) * 2 + sse_event(stop) + sse_event(usage)) == ["stop"]
+    assert gateway.outcomes.count_events(measured, sse_event(delta) * 3) == []
+    assert gateway.outcomes.count_events(measured, sse_event(stop)) == ["stop"]  # the marked event opens the read
+    assert gateway.outcomes.count_events(measured, sse_event(delta) * 2 + sse_event(stop) + sse_event(usage)) == ["stop"]
     families = {s.name: s.value for f in text_string_to_metric_families(gateway.metrics.render().decode())
                 for s in f.samples}
     assert families["parrot:prompt_tokens_total"] == 5 and families["parrot:generation_tokens_total"] == 2

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from gateway.config import SemanticConfig, UpstreamConfig
+from gateway.semantic.call_spec import CallSpec
 from gateway.semantic.graph import LATENCY_PRIORITY, Call, Session, VariableFailed
 from tests.support.waiting import wait_until
 from tests.support.fake_upstream import MODEL
@@ -373,9 +374,29 @@ def test_inline_calls_are_the_extensions_only(gw):
 # ---------------------------------------------------------------- performance deduction (graph level)
 
 
-async def _idle(call, values):
+class _Runner:
+    """Runs calls with ``work(call, values)`` (graph.CallRunner), nothing ahead."""
+
+    def __init__(self, work):
+        self.work = work
+
+    async def warm(self, call):
+        pass
+
+    async def run_ahead(self, call):
+        return None
+
+    async def run(self, call, values):
+        return await self.work(call, values)
+
+
+async def _empty_outputs(call, values):
     await asyncio.sleep(0)
     return {name: "" for name in call.outputs}
+
+
+_idle = _Runner(_empty_outputs)
+NOTHING = CallSpec(())
 
 
 async def test_latency_read_makes_transitive_producers_latency_critical():
@@ -384,14 +405,14 @@ async def test_latency_read_makes_transitive_producers_latency_critical():
     maps = [session.new_variable(f"m{i}") for i in range(2)]
     final = session.new_variable("final")
     blocker = session.new_variable("blocker")  # never set: keeps every call waiting
-    producers = [Call(session, {"d": doc, "b": blocker}, {"o": m}, _idle, latency=False) for m in maps]
-    reducer = Call(session, {"a": maps[0], "b": maps[1]}, {"o": final}, _idle, latency=False)
+    producers = [Call(session, {"d": doc, "b": blocker}, {"o": m}, NOTHING, _idle, latency=False) for m in maps]
+    reducer = Call(session, {"a": maps[0], "b": maps[1]}, {"o": final}, NOTHING, _idle, latency=False)
     for call in [*producers, reducer]:
         session.add_call(call, input_timeout_s=5)
     assert not any(c.latency for c in [*producers, reducer])
     final.producer.mark_latency()
     assert all(c.latency for c in [*producers, reducer])
-    assert reducer.priority > Call(Session("x", {}), {}, {}, _idle, latency=False).priority
+    assert reducer.priority > Call(Session("x", {}), {}, {}, NOTHING, _idle, latency=False).priority
     assert Call.group_peers(producers[0].consumers()) == set(producers)  # they feed the same consumer
     session.close()
 
@@ -399,9 +420,9 @@ async def test_latency_read_makes_transitive_producers_latency_critical():
 async def test_a_producer_linked_after_its_urgent_consumer_is_urgent_too():
     session = Session("owner", {})
     summary, final = session.new_variable("summary"), session.new_variable("final")
-    reducer = Call(session, {"s": summary}, {"o": final}, _idle, latency=True)
+    reducer = Call(session, {"s": summary}, {"o": final}, NOTHING, _idle, latency=True)
     session.add_call(reducer, input_timeout_s=5)
-    mapper = Call(session, {}, {"o": summary}, _idle, latency=False)
+    mapper = Call(session, {}, {"o": summary}, NOTHING, _idle, latency=False)
     session.add_call(mapper, input_timeout_s=5)
     assert mapper.latency
     session.close()
@@ -421,10 +442,10 @@ async def test_engine_hints_batch_a_task_group_even_when_urgent():
         return {name: "" for name in call.outputs}
 
     reducer = Call(session, {f"s{i}": v for i, v in enumerate(summaries)}, {"o": session.new_variable()},
-                   record, latency=True)
+                   NOTHING, _Runner(record), latency=True)
     session.add_call(reducer, input_timeout_s=5)
-    mappers = [Call(session, {}, {"o": v}, record, latency=False) for v in summaries]
-    alone = Call(session, {}, {"o": session.new_variable()}, record, latency=True)
+    mappers = [Call(session, {}, {"o": v}, NOTHING, _Runner(record), latency=False) for v in summaries]
+    alone = Call(session, {}, {"o": session.new_variable()}, NOTHING, _Runner(record), latency=True)
     for call in [*mappers, alone]:
         session.add_call(call, input_timeout_s=5)
     await reducer.task
@@ -447,9 +468,10 @@ async def test_a_sole_producer_of_an_urgent_consumer_is_not_a_task_group():
         return {name: "" for name in call.outputs}
 
     # One call with two outputs that one urgent consumer reads: nobody else feeds that consumer.
-    reader = Call(session, {"q": question, "a": answer}, {"o": session.new_variable()}, record, latency=True)
+    reader = Call(session, {"q": question, "a": answer}, {"o": session.new_variable()}, NOTHING, _Runner(record),
+                  latency=True)
     session.add_call(reader, input_timeout_s=5)
-    writer = Call(session, {}, {"q": question, "a": answer}, record, latency=False)
+    writer = Call(session, {}, {"q": question, "a": answer}, NOTHING, _Runner(record), latency=False)
     session.add_call(writer, input_timeout_s=5)
     await reader.task
     assert seen[writer.id]["criteria"] == "latency"
@@ -458,8 +480,8 @@ async def test_a_sole_producer_of_an_urgent_consumer_is_not_a_task_group():
 
 async def test_app_fifo_earlier_sessions_go_first():
     older, newer = Session("o", {}), Session("o", {})
-    first_stage_new = Call(newer, {}, {}, _idle, latency=False)
-    later_stage_old = Call(older, {}, {}, _idle, latency=False)
+    first_stage_new = Call(newer, {}, {}, NOTHING, _idle, latency=False)
+    later_stage_old = Call(older, {}, {}, NOTHING, _idle, latency=False)
     assert later_stage_old.priority > first_stage_new.priority
 
 
@@ -540,10 +562,11 @@ async def test_latency_marking_walks_chains_thousands_deep():
     previous = session.new_variable("blocker")  # never set: the chain waits
     for _ in range(3000):
         output = session.new_variable()
-        session.add_call(Call(session, {"in": previous}, {"out": output}, _idle, latency=False), input_timeout_s=5)
+        session.add_call(Call(session, {"in": previous}, {"out": output}, NOTHING, _idle, latency=False),
+                         input_timeout_s=5)
         previous = output
 
-    session.add_call(Call(session, {"in": previous}, {"out": session.new_variable()}, _idle, latency=True),
+    session.add_call(Call(session, {"in": previous}, {"out": session.new_variable()}, NOTHING, _idle, latency=True),
                      input_timeout_s=5)
 
     assert all(call.latency for call in session.calls.values())
@@ -554,8 +577,8 @@ async def test_a_default_session_forgets_its_oldest_finished_variables_only():
     index: dict = {}
     session = Session("owner", index, default=True, max_variables=10)
     pending = session.new_variable("pending")  # an input nobody has produced yet: kept
-    session.add_call(Call(session, {"in": pending}, {"out": session.new_variable("out")}, _idle, latency=False),
-                     input_timeout_s=5)
+    session.add_call(Call(session, {"in": pending}, {"out": session.new_variable("out")}, NOTHING, _idle,
+                          latency=False), input_timeout_s=5)
     finished = [session.new_variable(f"v{i}", "value") for i in range(20)]
 
     assert len(session.variables) <= 10 and pending.id in session.variables
@@ -570,7 +593,8 @@ async def test_a_failure_carried_down_a_long_chain_stays_short():
     previous = first
     for _ in range(300):
         output = session.new_variable()
-        session.add_call(Call(session, {"in": previous}, {"out": output}, _idle, latency=False), input_timeout_s=5)
+        session.add_call(Call(session, {"in": previous}, {"out": output}, NOTHING, _idle, latency=False),
+                         input_timeout_s=5)
         previous = output
     first.fail("the original reason")
 
