@@ -1,7 +1,7 @@
 """Server-sent events out of the gateway: litestar's ``Stream``, with a cheaper disconnect watch.
 
 litestar's streaming response runs every body in an anyio task group beside a task that waits for
-the client to disconnect. Setting those up took ~12% of the gateway's CPU for a proxied stream.
+the client to disconnect. Setting those up was a sizeable share of the gateway's CPU for a proxied stream.
 Here the body is sent from the request's own task under ``CancelledOnDisconnect``, whose watch
 cancels that task if the client leaves, which closes the engine's stream at once (the iterator's
 ``finally`` runs) even while no event is due."""

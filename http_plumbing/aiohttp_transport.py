@@ -1,6 +1,6 @@
 """An httpx transport over aiohttp's connection pool: httpx's API, aiohttp's faster HTTP/1.1 handling.
 
-httpx's own pool (httpcore) cost the gateway about twice the CPU per proxied request of aiohttp's.
+httpx's own pool (httpcore) cost the gateway far more CPU per proxied request than aiohttp's.
 This transport is the seam between the two: ``httpx.AsyncClient(transport=AiohttpTransport(...))``.
 It does only what an engine API needs (no proxies, no redirects, no decompression: httpx decodes
 content itself) and maps aiohttp's failures onto httpx's exception types, so callers see httpx only.
@@ -38,8 +38,8 @@ class _ResponseHandler(ResponseHandler):
     """aiohttp's connection protocol, less a cost per HTTP chunk. aiohttp's StreamReader calls
     ``resume_reading()`` for every chunk it hands out, paused or not, and each call re-enters the
     parser with ``b""`` to resume a paused decompression (never here: ``auto_decompress=False``).
-    An engine streams one HTTP chunk per token; those calls were ~7% of the gateway's CPU for a
-    proxied stream. A protocol that paused (flow control) is resumed exactly as before."""
+    An engine streams one HTTP chunk per token; those calls were a measurable share of the gateway's CPU
+    for a proxied stream. A protocol that paused (flow control) is resumed exactly as before."""
 
     def resume_reading(self, resume_parser: bool = True) -> None:
         # getattr: should aiohttp rename its flags, every call goes through, as in aiohttp itself.

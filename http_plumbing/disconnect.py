@@ -21,7 +21,7 @@ class CancelledOnDisconnect:
 
     The watch, a task waiting on ``receive``, starts only once the block has run for ``after_s``: a
     disconnect matters for work that goes on (generation), and the many short requests of a busy
-    gateway then never pay for the task (~10% of its CPU for a proxied request)."""
+    gateway then never pay for the task (a sizeable share of its CPU for a proxied request)."""
 
     def __init__(self, receive: Receive, after_s: float = 0.05):
         self._receive = receive

@@ -8,8 +8,9 @@ a list that the body iterator takes whole. It does only what engine APIs need: a
 body in memory, a response streamed back, keep-alive pooling. Anything else (https, HEAD, a streamed
 request body) goes to the ``fallback`` transport, as do failures' types: httpx's, as from httpcore.
 
-Kept hand-written because benchmarks/gateway_overhead.py shows it: the gateway spent 0.67x the CPU
-per streamed request of the aiohttp path (itself half of httpx's own pool, aiohttp_transport.py).
+Kept hand-written because benchmarks/gateway_overhead.py shows it: the gateway spent clearly less CPU per
+streamed request than on the aiohttp path (itself cheaper than httpx's own pool, aiohttp_transport.py; the
+figures: docs/architecture.md, "Measurements behind design choices").
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ sending a byte now and then held its connection forever.
 
 uvicorn writes the status line and headers as soon as the app sends ``http.response.start``, and the
 body in a write of its own: two syscalls, and two wakeups of the client, for every response. On
-loopback a write costs its receiver's side of TCP too, and they were ~5% of the gateway's CPU for a
-proxied stream. Here the header write waits for the next write on the connection, and at the
+loopback a write costs its receiver's side of TCP too, and they were a measurable share of the gateway's
+CPU for a proxied stream. Here the header write waits for the next write on the connection, and at the
 latest for the event loop's next turn, so it is never delayed behind slow work.
 """
 

@@ -30,7 +30,7 @@ access_log = logging.getLogger("parrot.access")
 _QUIET_SUFFIXES = ("/heartbeat", "/metrics", "/health", "/health/live", "/health/ready")
 
 # Ids only need to be unique, not secret: a random per-process prefix and a counter (urandom per
-# request was ~1% of the gateway's CPU for a proxied stream).
+# request showed in the gateway's CPU profile of a proxied stream).
 _PREFIX = secrets.token_hex(8)
 _numbers = itertools.count()
 

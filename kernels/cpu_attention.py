@@ -1,18 +1,18 @@
 """The torch paths dispatch uses where Triton cannot run (CPU tensors): prefill always; decode and
-KV writes where the C++ kernels (kernels/native.py) are not built, which are 1.5-4x faster on decode.
+KV writes where the C++ kernels (kernels/native.py), faster on decode, are not built.
 
 On CPU a host sync is free, so these read lengths back freely and gather each batch's KV into
 padded dense tensors; `benchmarks/kernels.py --cpu` compares them with the alternatives (a
 per-sequence SDPA loop, a hand-written einsum softmax) and they are the fastest measured there.
-KV is gathered whole blocks at a time with index_select: on CPU that is 5-8x faster than
+KV is gathered whole blocks at a time with index_select: on CPU that is several times faster than
 advanced indexing by block or slot.
 
 What a path reads of a step's lengths and block tables (host reads, gather indices, masks) is the
 same for every layer, so the engine works it out once per step as a plan (``plan_decode``,
 ``plan_prefill``, ``plan_shared_prefix``) and passes it to each layer's call; without a plan, a call
-makes its own. Over SmolLM2's 30 layers a decode step's attention took 4.1 instead of 5.3 ms at
-batch 1 and 16.3 instead of 16.9 ms at batch 16 (bf16, contexts up to 256 tokens; `python -m
-benchmarks.kernels --cpu`, its "decode step" rows).
+makes its own. Planning once shortens a decode step's attention, more at small batches (`python -m
+benchmarks.kernels --cpu`, its "decode step" rows; the figures: docs/engine.md, "Measurements behind design
+choices").
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ def decode(q, k_cache, v_cache, block_tables, context_lens, scale, *, out=None, 
     """q [B, H, D] -> [B, H, D], zero rows where context_lens is 0.
 
     One padded-batch SDPA call with each kv head's query heads as its query rows. With GQA
-    through enable_gqa instead, masked bf16 SDPA was 1.5-2x slower than one call per sequence;
-    grouped this way it is 2-5x faster than that loop in bf16 too (16 sequences, ~230 tokens).
+    through enable_gqa instead, masked bf16 SDPA was slower than one call per sequence;
+    grouped this way it is several times faster than that loop in bf16 too.
     """
     return decode_padded(q, k_cache, v_cache, block_tables, context_lens, scale, out, plan)
 
@@ -256,12 +256,12 @@ def _tiled_rows(blocks: torch.Tensor, cached: int, n: int, block_size: int, tile
 def prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, *, out=None,
             plan: list[PrefillChunk] | None = None, native=None):
     """Per-sequence SDPA over the gathered context, causal mask aligned to the context's end; with
-    ``native`` (kernels/native.py), chunks planned in tiles go through its kernel instead (bf16: 1,000 new
-    tokens 7.5 vs 12.7 ms a layer call with SmolLM2's heads here, as accurate against an fp64 reference).
+    ``native`` (kernels/native.py), chunks planned in tiles go through its kernel instead (faster on a long
+    bf16 prefill, as accurate against an fp64 reference).
 
     Inputs go in as 4-D [1, heads, tokens, D]: torch's fused (flash) CPU kernel takes only 4-D
-    inputs, 3-D ones fall back to the materialised-scores math path, 5x slower for a 1,000-token
-    causal prefill here (bf16 and fp32) and 1.2-2x for a chunk over a cached prefix.
+    inputs, 3-D ones fall back to the materialised-scores math path, several times slower for a long
+    causal prefill (bf16 and fp32) and slower for a chunk over a cached prefix too.
     """
     out = torch.empty_like(q) if out is None else out
     plan = plan if plan is not None else plan_prefill(block_tables, cu_seqlens_q, context_lens, k_cache.shape[1],
@@ -368,9 +368,9 @@ def shared_prefix_decode(
 ):
     """Each prefix's KV gathered once and scored by all its sequences together. A group whose
     members' suffixes are short next to its prefix goes through one masked SDPA call over the
-    prefix and all their suffixes (torch's fused kernel, in the cache's dtype; over a 1,024-token
-    prefix and 64-token suffixes, 1.1x faster than the two passes below for 16 sequences and
-    1.4-1.6x for 4: `python -m benchmarks.kernels --cpu`, its shared-prefix rows). Otherwise a row's prefix and suffix scores go through one softmax together, so there
+    prefix and all their suffixes (torch's fused kernel, in the cache's dtype; faster than the two
+    passes below, most for few sequences: `python -m benchmarks.kernels --cpu`, its shared-prefix rows).
+    Otherwise a row's prefix and suffix scores go through one softmax together, so there
     is nothing to merge afterwards (as fast here as two log-sum-exp passes and a merge)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]

@@ -1,9 +1,9 @@
 """The CPU kernels written in C++ (kernels/native/*.cpp, one library), built on first use and called through ctypes.
 
-They include no torch headers, so the system compiler builds them in about a second (no ninja, no
+They include no torch headers, so the system compiler builds them quickly (no ninja, no
 extension toolchain). The one exception is native/torch_ops.cpp, the linears and a compiled forward's attention as
-torch operators with C++ bodies, built apart with torch's headers (``torch_ops()``, ~20 s once) so that a
-call skips Python. Each
+torch operators with C++ bodies, built apart with torch's headers (``torch_ops()``, a much slower build, once) so
+that a call skips Python. Each
 library is cached per source, flags and compiler under
 ``$PARROT_CACHE_DIR`` (default ``~/.cache/parrot``; keyed by source, flags, compiler and CPU) and written atomically, so engine processes
 started together build it once each at most and never load a half-written file. Where no compiler
@@ -191,8 +191,8 @@ class NativeKernels:
 
     def argmax_rows(self, logits: torch.Tensor) -> list[int] | None:
         """Each row's argmax of fp32 [rows, cols] logits, as torch.argmax(dim=-1) answers it (the first maximum,
-        a NaN above any number), ~8-12x faster here (native/argmax.cpp); None where the tensor is not one it
-        takes (another device, dtype or layout, no columns): the caller keeps torch's."""
+        a NaN above any number), several times faster than torch's (native/argmax.cpp); None where the tensor is
+        not one it takes (another device, dtype or layout, no columns): the caller keeps torch's."""
         if (self._argmax is None or logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2
                 or logits.stride(1) != 1 or logits.shape[1] == 0):
             return None
@@ -265,9 +265,9 @@ class PreparedDecode:
     """One step's decode attention on the C++ kernel, for each of its layers.
 
     The step's block tables, lengths and shared prefixes are checked and made into the kernel's arguments
-    once: checking and converting them again in each of 30 layer calls cost twice a batch-1 decode's
-    own work (~55 of ~80 us a call here). A layer's query and caches are checked in full the first time
-    their shapes are seen, then only compared with those.
+    once: checking and converting them again in each of 30 layer calls cost more than a batch-1 decode's
+    own work (docs/engine.md, "Measurements behind design choices"). A layer's query and caches are checked in
+    full the first time their shapes are seen, then only compared with those.
     """
 
     def __init__(self, kernels: NativeKernels, own_tables, own_lens, prefixes=None):
@@ -527,9 +527,10 @@ def torch_ops() -> bool:
 @functools.cache
 def _load_torch_ops() -> bool:
     """Whether the torch operators with C++ bodies (native/torch_ops.cpp: parrot_native::linear, ::gated_linear,
-    ::linear_q4, ::linear_q8 and a compiled forward's ::attention) are loaded here, built on first use against this torch's headers (~20 s,
-    cached as library() is). False where that fails (one warning says why) or the native kernels are switched
-    off: the Python-bodied ops of kernels/native_linear.py and engines/builtin/compiled_model.py serve then."""
+    ::linear_q4, ::linear_q8 and a compiled forward's ::attention) are loaded here, built on first use against
+    this torch's headers (slow, once: cached as library() is). False where that fails (one warning says why) or
+    the native kernels are switched off: the Python-bodied ops of kernels/native_linear.py and
+    engines/builtin/compiled_model.py serve then."""
     if library() is None:
         return False
     from torch.utils import cpp_extension

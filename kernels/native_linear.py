@@ -55,8 +55,8 @@ native_gated_linear = torch.ops.parrot.native_gated_linear
 def ops() -> tuple:
     """(linear, gated_linear) as the engine calls them: the C++-bodied parrot_native ops (native/torch_ops.cpp,
     the same contracts) where native.torch_ops() loads them here, else the Python-bodied ones above. The C++
-    bodies spare a call the ~12 us it spent in Python (a decode step makes 120). Looked up when a linear is
-    made, never per call."""
+    bodies spare each call the time it spent in Python (a decode step makes one per linear). Looked up when a
+    linear is made, never per call."""
     if not native.torch_ops():
         return native_linear, native_gated_linear
     return torch.ops.parrot_native.linear, torch.ops.parrot_native.gated_linear

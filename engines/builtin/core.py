@@ -218,7 +218,7 @@ class EngineCore(StepLoop):
                       parent_tokens=None):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
-        # Compiling a grammar (the first one also builds llguidance's view of the vocabulary, ~0.5 s)
+        # Compiling a grammar (the first one also builds llguidance's view of the vocabulary, which takes longer)
         # must not stall the server's event loop.
         grammar = await asyncio.to_thread(self._grammar_matcher, params) if params.grammar is not None else None
         ctx, arrival = self._start_generation(
@@ -355,11 +355,11 @@ def on_a_passing_thread(work: Callable[[], T], num_threads: int | None = None,
                         cores: tuple[int, ...] | None = None) -> T:
     """``work()`` on a thread of its own, joined. The engine computes on its step thread alone: torch's
     OpenMP workers belong to the thread that first ran a parallel op and live as long as it, and a second
-    thread's workers beside an idle first set made every op of the second ~1.3x slower here (2 cores: the
-    same small-GEMM loop 498 ms on the first thread, 689 ms on a second). Loading on a thread that then
-    ends leaves the step thread's workers the only ones. ``num_threads``: torch's intra-op threads there (a
-    per-thread setting; None: torch's default). ``cores``: the cores it computes on (the engine's
-    compute cores: the thread that starts it may be kept off them)."""
+    thread's workers beside an idle first set made every op of the second markedly slower (docs/engine.md,
+    "Measurements behind design choices"). Loading on a thread that then ends leaves the step thread's
+    workers the only ones. ``num_threads``: torch's intra-op threads there (a per-thread setting; None:
+    torch's default). ``cores``: the cores it computes on (the engine's compute cores: the thread that
+    starts it may be kept off them)."""
 
     def run() -> T:
         if num_threads:

@@ -1,8 +1,9 @@
 """The unquantized model's linears on CPU: every call on the C++ kernel (kernels/native_linear.py).
 
 Why: torch's CPU linears pay for generality at the row counts an engine runs. A decode step is one
-pass over every weight with a few rows; oneDNN's bf16 GEMM streams them at ~18 GB/s with one row and
-re-lays bf16 weights out on every call unless prepacked, torch's fp32 GEMV at ~12. The kernel reads
+pass over every weight with a few rows; oneDNN's bf16 GEMM streams them below a plain read's rate with one
+row and re-lays bf16 weights out on every call unless prepacked, torch's fp32 GEMV more slowly still (figures:
+docs/engine.md, "Measurements behind design choices"). The kernel reads
 weights packed once at load time at a plain read's rate for 1-8 rows, and bf16 (on AMX tiles where the
 CPU has them) is level with or ahead of prepacked oneDNN up to 1,000-row prefills (``python
 benchmarks/kernels.py --cpu``), and fp32 level with or ahead of torch's MKL GEMM (kernels/native_linear.py).

@@ -21,10 +21,9 @@ from engines.builtin.model import LlamaForCausalLM
 from engines.builtin.sampler import takes_argmax
 from kernels import native
 
-# The most rows a step screens, by the head's dtype. Measured against the full head and its argmax, SmolLM2's head
-# read from DRAM (400 MB read between calls), one process: on the hidden states of its own greedy 16-sequence steps,
-# fp32 4 / 8 / 12 / 16 rows 0.40x / 0.45x / 0.63x / 0.56-0.64x the time, bf16 (half the bytes) 1 / 2 / 4 rows
-# 0.63x / 0.62x / 0.64x and 8 rows 0.90x; on random inputs, fp32's one row 0.32x.
+# The most rows a step screens, by the head's dtype: up to these the screen took clearly less time than the full head
+# and its argmax (SmolLM2's head read from DRAM, on the hidden states of its own greedy steps); bf16's head, half the
+# bytes, gains less and for fewer rows. The figures: docs/engine.md, "Measurements behind design choices".
 SCREENED_ROWS = {torch.float32: 16, torch.bfloat16: 4}
 
 

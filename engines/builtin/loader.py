@@ -4,7 +4,7 @@ GGUF goes through transformers' own GGUF reader (it de-quantizes and undoes llam
 permutation), so both sources arrive as an HF-named state dict, which is then mapped onto our
 fused module tree.
 
-Parsing a GGUF takes transformers 30-50 s (mostly the tokenizer and metadata), so the first load
+transformers parses a GGUF slowly (mostly the tokenizer and metadata), so the first load
 saves the result as a plain HF checkpoint (safetensors, config, tokenizer files) in a cache
 directory, and later loads read that instead. The cache is keyed by the GGUF's name, size and
 mtime, and written to a temporary directory that is renamed into place: engine processes

@@ -17,10 +17,9 @@ from kernels import native as native_module
 from kernels import cpu_attention, dispatch
 from kernels.native import PreparedDecode
 
-# The Triton and C++ shared-prefix kernels always beat paged decode (the C++ one: 16 forks over a
-# 64-token prefix in 0.92x the time, 0.63x at 400); the torch CPU path only once the prefix it spares
-# re-reading is long: 16 forks decode in 0.86x the time at 400 shared tokens, 1.04x at 200
-# (python -m benchmarks.engine_decode --forks).
+# The Triton and C++ shared-prefix kernels always beat paged decode; the torch CPU path only once the prefix it
+# spares re-reading is long: ahead at 400 shared tokens, behind at 200 (python -m benchmarks.engine_decode --forks;
+# the figures: docs/engine.md, "Measurements behind design choices").
 CPU_MIN_SHARED_TOKENS = 320
 
 

@@ -1,7 +1,7 @@
 """Quantized linears for CPU decoding, where every step re-reads all weights from memory.
 
-A 135M-parameter model in fp32 is 540 MB a step; this machine's cores stream it at ~10 GB/s
-through torch's fp32 GEMV, so fp32 decoding tops out near 15 tok/s single-stream.
+A 135M-parameter model in fp32 is 540 MB a step, so a single stream's fp32 decoding is bound by how fast the
+cores stream those bytes through torch's fp32 GEMV; fewer bytes a weight decode faster.
 
 Both schemes run on the C++ group-quantized kernels (kernels/native/linear.cpp's linear_q8 and linear_q4,
 AVX2): weights in groups of 32 inputs with an fp16 scale a group and feature, as GGUF stores them, and each
@@ -10,12 +10,13 @@ relative error on a product).
 
 - ``int8``: GGUF's Q8_0, codes -127..127 (8.5 bits a weight with the scales; ~0.5% error on a weight). It
   answers as fp32 does far more often than fbgemm's int8 GEMM did (per-channel weights, 7-bit activations
-  per tensor: benchmarks.engine_accuracy), and SmolLM2's decoder linears took 0.34x fbgemm's time at 1 row
-  and 1.30-1.36x at 256 (an AMD EPYC, AVX2, one process). Where the kernels do not build, or for a linear whose sizes
-  they do not take (not multiples of 32), fbgemm's GEMM serves (FbgemmInt8Linear), eager only.
+  per tensor: benchmarks.engine_accuracy), and it ran SmolLM2's decoder linears well ahead of fbgemm's at 1 row,
+  somewhat behind at 256 (docs/engine.md, "Measurements behind design choices"). Where the kernels do not build,
+  or for a linear whose sizes they do not take (not multiples of 32), fbgemm's GEMM serves (FbgemmInt8Linear),
+  eager only.
 - ``int4``: GGUF's Q4_1, codes 0-15 and a minimum a group (weight = code * scale + minimum): the layout the
-  default model ships in, whose codes come back exactly. It ran SmolLM2's decoder linears in 0.30-0.36x the
-  time of torch's weight-only int4 kernel from 1 to 256 rows. Where it does not build, torch's kernel serves
+  default model ships in, whose codes come back exactly. It ran SmolLM2's decoder linears well ahead of
+  torch's weight-only int4 kernel from 1 to 256 rows. Where it does not build, torch's kernel serves
   (TorchInt4Linear): bf16 activations and scales, so a model answers as it does with ``dtype="bfloat16"``. 8x
   fewer bytes than fp32 for the codes (5 bits a weight with the scales) and the fastest for a step of a few
   tokens (single-stream decode). The output head stays 8-bit (Q8_0), as GGUF files keep it (SmolLM2's

@@ -49,8 +49,8 @@ RowArgmax = Callable[[torch.Tensor], "list[int] | None"]
 
 class Sampler:
     def __init__(self, seed: int, row_argmax: RowArgmax | None = None):
-        """``row_argmax``: the all-greedy batch's argmax (kernels/native.py's: torch's CPU argmax took ~1.0 ms a
-        16-sequence step over SmolLM2's vocabulary, ~5% of a bf16 decode step, against ~0.09); torch's where it is None."""
+        """``row_argmax``: the all-greedy batch's argmax (kernels/native.py's, a fraction of torch's CPU argmax's
+        time, which was a visible share of a batched decode step); torch's where it is None."""
         self.generator = torch.Generator().manual_seed(seed)  # for rows without a seed of their own
         self.row_argmax = row_argmax
 

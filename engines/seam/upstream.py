@@ -51,7 +51,7 @@ def translate_errors(name: str) -> Iterator[None]:
 
 class NoCookies(http.cookiejar.CookieJar):
     """The shared client's cookie jar: engine APIs set no cookies, and parsing every response for
-    them took ~0.1 ms of a proxied request (pass it as ``httpx.AsyncClient(cookies=NoCookies())``)."""
+    them was a visible part of a proxied request's cost (pass it as ``httpx.AsyncClient(cookies=NoCookies())``)."""
 
     def extract_cookies(self, response, request) -> None:
         return None
@@ -119,8 +119,8 @@ class UpstreamEngine:
         self.upstream_model = upstream_model
         self._client = client
         # The client's own transport, when given: completions go straight to it, skipping the
-        # client's auth, redirect and cookie layers (an engine API uses none of them), which cost
-        # ~0.1 ms of the ~0.6 ms of CPU the gateway spends on a proxied request.
+        # client's auth, redirect and cookie layers (an engine API uses none of them), a sizeable part of the
+        # CPU the gateway spends on a proxied request (docs/architecture.md, "Measurements behind design choices").
         self._transport = transport
         self._headers = [(b"content-type", b"application/json")]
         self._serves_metrics = True  # until its /metrics answered 404: most hosted APIs have none
@@ -142,13 +142,13 @@ class UpstreamEngine:
 
     def _request(self, route: Route, body: dict[str, Any]) -> httpx.Request:
         """A ready request: built directly rather than through client.build_request, which re-parses
-        the URL and merges client defaults on every call (~0.1 ms of the gateway's per-request cost)."""
+        the URL and merges client defaults on every call (a sizeable part of the gateway's per-request cost)."""
         url = self._urls.get(route)
         if url is None:
             url = self._urls[route] = httpx.URL(f"{self.base_url}/{route}")
         payload = self._payload(body)
         # The body as a ready stream, with the headers httpx would add (host, content-length) already
-        # there: a tenth of the cost of ``content=``, whose encoding pass was ~5% of the gateway's CPU.
+        # there: far cheaper than ``content=``, whose encoding pass was a measurable share of the gateway's CPU.
         # With the x-request-id of the request it is made for: the engine logs it on its lines about it.
         headers = [(b"host", url.netloc), *self._headers, *forwarded_headers(),
                    (b"content-length", b"%d" % len(payload))]

@@ -1,11 +1,11 @@
 """POST /v1/chat/completions and /v1/completions: the proxied hot path, as plain ASGI route handlers.
 
 Every other route is a typed litestar handler. These two were as well, but litestar's per-request
-machinery (signature model, kwargs extraction, the response object and its ASGI twin) took ~25% of
-the gateway's CPU for a proxied stream, and on a small box a gateway's added latency is mostly its
-CPU per request. They still decode the body into the same msgspec Structs and raise the same
-exceptions, which the app's exception handlers answer as OpenAI errors; the app's guards (auth) and
-``before_send`` hooks (x-request-id) apply to them like to every route.
+machinery (signature model, kwargs extraction, the response object and its ASGI twin) was a large share of
+the gateway's CPU for a proxied stream (docs/architecture.md, "Measurements behind design choices"), and on a
+small box a gateway's added latency is mostly its CPU per request. They still decode the body into the same
+msgspec Structs and raise the same exceptions, which the app's exception handlers answer as OpenAI errors; the
+app's guards (auth) and ``before_send`` hooks (x-request-id) apply to them like to every route.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 // Each row's argmax over fp32 rows: the index of its first maximum, a NaN counting as larger than any number (the
 // first NaN's index), as torch.argmax answers. A greedy batch takes one per sequence every step, and torch's CPU
-// argmax took ~1.0 ms for 16 rows of SmolLM2's 49,152 logits here, ~5% of a 16-sequence bf16 decode step; this
-// takes ~0.09 ms, about what torch's amax (the max alone) does (`python benchmarks/kernels.py --cpu`, "argmax").
+// argmax was a visible share of a batched decode step; this takes about what torch's amax (the max alone) does
+// (`python benchmarks/kernels.py --cpu`, "argmax"; the figures: docs/engine.md, "Measurements behind design
+// choices").
 // One pass a row (and a second from its start for a row holding a NaN): each lane keeps its first maximum and
 // where it was, then the lanes' largest value at the smallest index wins.
 

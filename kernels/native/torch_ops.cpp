@@ -5,11 +5,12 @@
 // and a compiled forward's attention, parrot_native::attention (KV write and paged_attention.cpp's decode, see
 // below), which engines/builtin/compiled_model.py calls instead of the Python-bodied parrot::paged_attention.
 //
-// Why: a bf16 decode step makes 120 linear calls, and each went dispatcher -> Python -> ctypes -> kernel:
-// ~15-19 us of a call's time here before the kernel ran (the Python side's checks, an empty tensor, the
-// ctypes conversions), 2-3 ms of a ~17-22 ms single-stream step. The dispatcher calls these bodies
-// directly (~3 us a call with its output tensor). Built by kernels/native.py's torch_ops() with torch's
-// headers (about 15 s, once, cached); where that build fails the Python-bodied ops serve.
+// Why: a bf16 decode step makes 120 linear calls, and each went dispatcher -> Python -> ctypes -> kernel,
+// spending time before the kernel ran (the Python side's checks, an empty tensor, the ctypes conversions) that
+// added up to a sizeable share of a single-stream step. The dispatcher calls these bodies directly, for a
+// fraction of that a call (the figures: docs/engine.md, "Measurements behind design choices"). Built by
+// kernels/native.py's torch_ops() with torch's headers (slow, once, cached); where that build fails the
+// Python-bodied ops serve.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
