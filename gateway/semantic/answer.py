@@ -46,13 +46,23 @@ class AnswerRead(UsageOnly):
     choices: list[_Choice] = []
 
 
+class _ChoicesRead(msgspec.Struct):
+    choices: list[_Choice] = []
+
+
 _read_decoder = msgspec.json.Decoder(AnswerRead)
+_choices_decoder = msgspec.json.Decoder(_ChoicesRead)
 
 
 def read_answer(body: bytes) -> AnswerRead | None:
     """``body`` read once (for the metrics and the call's text); None when it is no OpenAI response."""
     try:
         return _read_decoder.decode(body)
+    except msgspec.ValidationError:  # a usage of another shape (nulls): the text still counts, the usage not
+        try:
+            return AnswerRead(usage=None, choices=_choices_decoder.decode(body).choices)
+        except msgspec.DecodeError:
+            return None
     except msgspec.DecodeError:
         return None
 
@@ -81,11 +91,12 @@ class Answer(NamedTuple):
     @classmethod
     def passed_through(cls, route: Route, answer: EngineAnswer) -> Answer:
         """An engine's whole answer to a plain request, as ``read_answer`` read it."""
+        read = answer.reported if isinstance(answer.reported, AnswerRead) else read_answer(answer.body)
         try:
-            # Unread (None), it is read again for the reason it could not be (an error, not the usual path).
-            read = answer.reported if isinstance(answer.reported, AnswerRead) else _read_decoder.decode(answer.body)
+            if read is None:  # the engine answered 200 with something else: decoded again for the reason
+                _choices_decoder.decode(answer.body)
             choice = read.choices[0]
-        except (msgspec.DecodeError, LookupError) as exc:  # the engine answered 200 with something else
+        except (msgspec.DecodeError, LookupError, AttributeError) as exc:
             raise EngineError(f"the engine's answer is not an OpenAI {route} response ({exc})") from None
         return cls(answer.body, answer.engine_id, _text_of(route, choice), choice.finish_reason, read.usage)
 

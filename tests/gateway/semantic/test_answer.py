@@ -19,3 +19,11 @@ def test_an_upstreams_own_parrot_member_is_replaced_not_doubled():
     encoded = Answer(body, "e", "", None, None).encoded(PARROT)
     assert encoded.count(b'"parrot"') == 1
     assert msgspec.json.decode(encoded)["parrot"] == {"session_id": "sess_1"}
+
+
+def test_an_answer_with_a_usage_of_another_shape_still_gives_its_text():
+    from gateway.service import Answer as EngineAnswer
+
+    body = b'{"choices":[{"index":0,"text":"hi","finish_reason":"stop"}],"usage":{"prompt_tokens":null}}'
+    answer = Answer.passed_through("completions", EngineAnswer(body, "e"))
+    assert (answer.text, answer.finish_reason, answer.usage) == ("hi", "stop", None)
