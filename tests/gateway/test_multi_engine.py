@@ -163,7 +163,7 @@ def test_an_engine_killed_mid_request_is_replaced_for_the_client(parrot_fleet, w
     async def killed_mid_request() -> httpx.Response:
         async with httpx.AsyncClient(base_url=parrot_fleet.url, timeout=120) as client:
             request = asyncio.create_task(client.post("/v1/chat/completions", json={
-                "model": parrot_fleet.model, "max_tokens": 1500, "ignore_eos": True,
+                "model": parrot_fleet.model, "max_tokens": 400, "ignore_eos": True,
                 "messages": [{"role": "user", "content": "Tell a long story."}]}))
             busy = None
             while busy is None:
@@ -176,5 +176,5 @@ def test_an_engine_killed_mid_request_is_replaced_for_the_client(parrot_fleet, w
 
     answered = asyncio.run(killed_mid_request())
     assert answered.status_code == 200, answered.text
-    assert answered.json()["usage"]["completion_tokens"] == 1500
+    assert answered.json()["usage"]["completion_tokens"] == 400
     assert parrot_fleet.http.get("/health").json()["engines"] >= 2  # the gateway kept serving
