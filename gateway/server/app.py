@@ -27,6 +27,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.quotas import Quotas
 from gateway.server.openapi import document
 from gateway.registry import EngineRegistry
+from gateway.responses.service import ResponsesService
 from gateway.server.routes import ROUTES
 from gateway.semantic.service import SemanticService
 from gateway.service import Gateway
@@ -82,6 +83,7 @@ def create_app(config: GatewayConfig | None = None) -> Litestar:
             gateway.add_upstreams()
             app.state.gateway = gateway
             app.state.quotas = quotas = Quotas(config.quotas)
+            app.state.responses = ResponsesService(gateway, quotas, config.responses)
             app.state.semantic = SemanticService(gateway, config.semantic, limits_of=quotas.limits, tracing=tracing)
             sessions = app.state.semantic.sessions
             gateway.metrics.mirror(registry.records, sessions.all, sessions.holdings)
