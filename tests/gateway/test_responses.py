@@ -3,14 +3,12 @@ gateway on loopback in front of the fake upstream (which echoes the last message
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import openai
 import pydantic
 import pytest
 
-from gateway.config import LimitsConfig, ResponsesConfig
+from gateway.config import LimitsConfig, QuotasConfig, ResponsesConfig
 from tests.support.fake_upstream import MODEL
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather for a city.",
@@ -167,17 +165,63 @@ def test_stream_a_tool_call_with_its_arguments(client):
     assert final.output[0].type == "function_call" and final.output[0].arguments == '{"x": 1}'
 
 
-def test_background_polled_and_cancelled(client, wait_until):
+def test_background_polled(client, wait_until):
     response = client.responses.create(model=MODEL, input="in the back", background=True)
-    assert response.status in ("queued", "in_progress")
+
+    assert response.status in ("queued", "in_progress") and response.background is True
     wait_until(lambda: client.responses.retrieve(response.id).status == "completed", timeout_s=10)
     assert client.responses.retrieve(response.id).output_text == "echo: in the back"
 
-    slow = client.responses.create(model=MODEL, input="slow", background=True, extra_body={})
+
+def test_a_follow_up_on_a_running_background_response_waits_for_it(client):
+    running = client.responses.create(model=MODEL, input="first", background=True,
+                                      extra_body={"fake": {"delay_s": 0.5}})
+    follow_up = client.responses.create(model=MODEL, input="second", previous_response_id=running.id)
+
+    assert follow_up.output_text == "echo: second"
+    assert client.responses.retrieve(running.id).output_text == "echo: first"
+
+
+def test_background_cancelled(client, fake_stats, wait_until):
+    slow = client.responses.create(model=MODEL, input="slow", background=True, extra_body={"fake": {"delay_s": 30}})
+    wait_until(lambda: fake_stats()["last_body"]["messages"][-1]["content"] == "slow", timeout_s=5)
+    abandoned = fake_stats()["requests_abandoned"]
+
     cancelled = client.responses.cancel(slow.id)
-    assert cancelled.status in ("cancelled", "completed")
-    with pytest.raises(openai.BadRequestError):
+
+    assert cancelled.status == "cancelled" and client.responses.retrieve(slow.id).status == "cancelled"
+    wait_until(lambda: fake_stats()["requests_abandoned"] == abandoned + 1, timeout_s=5)  # the engine's work too
+    with pytest.raises(openai.BadRequestError):  # only background responses are cancelled
         client.responses.cancel(client.responses.create(model=MODEL, input="fg").id)
+
+
+def test_a_stream_the_engine_drops_ends_failed(client):
+    with client.responses.stream(model=MODEL, input="a b c d e", extra_body={"fake": {"die_after": 3}}) as stream:
+        events = list(stream)
+
+    assert events[-1].type == "response.failed" and events[-1].response.error.message
+    assert client.responses.retrieve(events[-1].response.id).status == "failed"
+
+
+def test_the_raw_stream_names_each_event(gateway_url):
+    with httpx.stream("POST", f"{gateway_url}/v1/responses",
+                      json={"model": MODEL, "input": "hi", "stream": True}) as answer:
+        lines = [line for line in answer.iter_lines() if line]
+    assert answer.headers["content-type"].startswith("text/event-stream")
+    names = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
+    assert names == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", "response.output_text.delta", "response.output_text.delta",
+                     "response.output_text.done", "response.content_part.done", "response.output_item.done",
+                     "response.completed"]
+    assert len([line for line in lines if line.startswith("data: {")]) == len(names)
+
+
+def test_quotas_apply_as_on_chat(start_gateway):
+    url = start_gateway(quotas=QuotasConfig(requests_per_minute=1))
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="sk-q", max_retries=0, timeout=10) as client:
+        client.responses.create(model=MODEL, input="one")
+        with pytest.raises(openai.RateLimitError):
+            client.responses.create(model=MODEL, input="two")
 
 
 def test_sizes_are_capped(start_gateway):
