@@ -18,7 +18,8 @@ from gateway.errors import body_error
 from gateway.quotas import Quotas
 from gateway.responses.store import ResponseStore, StoredResponse
 from gateway.service import Gateway
-from gateway.translation.chat import ChunkReader, completion_decoder
+from gateway.chat_path import ROUTE, check_chat, chunks
+from gateway.translation.chat import completion_decoder
 from gateway.translation.response_stream import ResponseStream
 from gateway.translation.responses import (
     CHAT_PARAMS,
@@ -32,12 +33,10 @@ from gateway.translation.responses import (
     usage,
 )
 from wire.errors import InvalidRequest
-from wire.openai import ChatCompletionRequest
 from wire.responses import Item, Response, ResponseError, ResponsesRequest, TextConfig
 
 log = logging.getLogger("parrot.responses")
 _KNOWN = frozenset(ResponsesRequest.__struct_fields__) | {"parrot", "conversation", "prompt", "stream_options"}
-ROUTE = "chat/completions"
 
 
 class Prepared(NamedTuple):
@@ -50,19 +49,6 @@ class Prepared(NamedTuple):
     chat: dict
     estimate: int  # tokens charged to the key when the engine reports no usage
     response: Response
-
-
-def _renamed(exc: InvalidRequest | DomainError) -> Exception:
-    """A chat-level error as the Responses API names the field."""
-    param = exc.param
-    if param is None:
-        return exc
-    head, dot, rest = param.partition(".")
-    name = CHAT_PARAMS.get(head.partition("[")[0])
-    if name is None:
-        return exc
-    exc.param = name if name == "input" else name + (dot + rest if dot else "")
-    return exc
 
 
 def echo_tier(asked: str | None) -> str:
@@ -97,13 +83,7 @@ class ResponsesService:
         chat = to_chat(request, [*earlier, *items], tools, choice)
         # Fields this API does not know go to the engine, as on the chat path (vLLM's sampling extras).
         chat.update((name, value) for name, value in body.items() if name not in _KNOWN and name not in chat)
-        try:
-            checked = msgspec.convert(chat, ChatCompletionRequest)
-            self.gateway.check(checked)
-        except (InvalidRequest, Invalid) as exc:
-            raise _renamed(exc) from None
-        except msgspec.ValidationError as exc:
-            raise Invalid(f"input: {exc}", param="input") from None
+        checked = check_chat(self.gateway, chat, CHAT_PARAMS, "input")
         response = Response(
             model=request.model, instructions=request.instructions, tools=tools, tool_choice=choice,
             parallel_tool_calls=request.parallel_tool_calls is not False, text=request.text or TextConfig(),
@@ -205,19 +185,17 @@ class ResponsesService:
             stored = self._store(prepared)  # in progress: GET finds it while it streams
             try:
                 yield writer.start()
-                reader = ChunkReader()
-                engine_events = self.gateway.sse_events(prepared.request.model, opened)
+                stream = chunks(self.gateway, prepared.request.model, opened)
                 try:
-                    async for events in engine_events:
-                        for chunk in reader.feed(events):
-                            if chunk.error is not None:
-                                yield writer.fail(chunk.error.code or chunk.error.type, chunk.error.message)
-                            else:
-                                out = writer.feed(chunk)
-                                if out:
-                                    yield out
+                    async for chunk in stream:
+                        if chunk.error is not None:
+                            yield writer.fail(chunk.error.code or chunk.error.type, chunk.error.message)
+                        else:
+                            out = writer.feed(chunk)
+                            if out:
+                                yield out
                 finally:
-                    await engine_events.aclose()  # the engine's stream closed at once when the client leaves
+                    await stream.aclose()  # the engine's stream closed at once when the client leaves
                 if prepared.response.status == "in_progress":
                     yield writer.finish()
                 if stored is not None:

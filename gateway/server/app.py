@@ -27,6 +27,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.quotas import Quotas
 from gateway.server.openapi import document
 from gateway.registry import EngineRegistry
+from gateway.messages.service import MessagesService
 from gateway.responses.service import ResponsesService
 from gateway.server.routes import ROUTES
 from gateway.semantic.service import SemanticService
@@ -84,6 +85,7 @@ def create_app(config: GatewayConfig | None = None) -> Litestar:
             app.state.gateway = gateway
             app.state.quotas = quotas = Quotas(config.quotas)
             app.state.responses = ResponsesService(gateway, quotas, config.responses)
+            app.state.messages = MessagesService(gateway, quotas)
             app.state.semantic = SemanticService(gateway, config.semantic, limits_of=quotas.limits, tracing=tracing)
             sessions = app.state.semantic.sessions
             gateway.metrics.mirror(registry.records, sessions.all, sessions.holdings)
