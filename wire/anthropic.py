@@ -67,14 +67,14 @@ class MessageParam(Struct):
 # ---------------------------------------------------------------- requests
 
 
-class Tool(Struct, omit_defaults=True):
+class AnthropicTool(Struct, omit_defaults=True):
     name: Annotated[str, Meta(min_length=1, max_length=128)]
     input_schema: dict[str, Any] | None = None
     description: str | None = None
     type: str | None = None  # "custom" or none: a client tool; the server tools (web search, ...) are not served
 
 
-class ToolChoice(Struct, omit_defaults=True):
+class AnthropicToolChoice(Struct, omit_defaults=True):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
@@ -94,8 +94,8 @@ class CountTokensRequest(Struct, kw_only=True, omit_defaults=True):
     model: Annotated[str, Meta(min_length=1)]
     messages: Annotated[list[MessageParam], Meta(min_length=1)]
     system: str | list[TextBlock] | None = None
-    tools: list[Tool] | None = None
-    tool_choice: ToolChoice | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
     thinking: dict[str, Any] | None = None
     output_config: OutputConfig | None = None
 
@@ -114,7 +114,7 @@ class MessagesRequest(CountTokensRequest, kw_only=True, omit_defaults=True):
 # ---------------------------------------------------------------- responses
 
 
-class Usage(Struct):
+class AnthropicUsage(Struct):
     input_tokens: int = 0  # computed ones: Anthropic counts the cache's apart
     output_tokens: int = 0
     cache_creation_input_tokens: int = 0
@@ -132,32 +132,32 @@ class ToolUseContent(Struct, tag_field="type", tag="tool_use"):
     input: dict[str, Any]
 
 
-Content = Union[TextContent, ToolUseContent]
-StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+AnthropicContent = Union[TextContent, ToolUseContent]
+AnthropicStopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
 
-class Message(Struct, kw_only=True):
+class AnthropicMessage(Struct, kw_only=True):
     id: str = field(default_factory=new_message_id)
     type: str = "message"
     role: str = "assistant"
     model: str
-    content: list[Content] = field(default_factory=list)
-    stop_reason: StopReason | None = None
+    content: list[AnthropicContent] = field(default_factory=list)
+    stop_reason: AnthropicStopReason | None = None
     stop_sequence: str | None = None
-    usage: Usage = field(default_factory=Usage)
+    usage: AnthropicUsage = field(default_factory=AnthropicUsage)
 
 
 class TokenCount(Struct):
     input_tokens: int
 
 
-class ErrorDetail(Struct):
+class AnthropicErrorDetail(Struct):
     type: str
     message: str
 
 
-class ErrorResponse(Struct):
-    error: ErrorDetail
+class AnthropicError(Struct):
+    error: AnthropicErrorDetail
     type: str = "error"
 
 
@@ -165,12 +165,12 @@ class ErrorResponse(Struct):
 
 
 class MessageStart(Struct, tag_field="type", tag="message_start"):
-    message: Message
+    message: AnthropicMessage
 
 
 class ContentBlockStart(Struct, tag_field="type", tag="content_block_start"):
     index: int
-    content_block: Content
+    content_block: AnthropicContent
 
 
 class TextDelta(Struct, tag_field="type", tag="text_delta"):
@@ -191,13 +191,13 @@ class ContentBlockStop(Struct, tag_field="type", tag="content_block_stop"):
 
 
 class StopDelta(Struct):
-    stop_reason: StopReason | None
+    stop_reason: AnthropicStopReason | None
     stop_sequence: str | None = None
 
 
 class MessageDelta(Struct, tag_field="type", tag="message_delta"):
     delta: StopDelta
-    usage: Usage
+    usage: AnthropicUsage
 
 
 class MessageStop(Struct, tag_field="type", tag="message_stop"):
@@ -208,15 +208,15 @@ class Ping(Struct, tag_field="type", tag="ping"):
     pass
 
 
-StreamEvent = Union[MessageStart, ContentBlockStart, ContentBlockDelta, ContentBlockStop, MessageDelta, MessageStop,
-                    Ping, ErrorResponse]
+AnthropicStreamEvent = Union[MessageStart, ContentBlockStart, ContentBlockDelta, ContentBlockStop, MessageDelta, MessageStop,
+                    Ping, AnthropicError]
 EVENT_NAMES = {MessageStart: "message_start", ContentBlockStart: "content_block_start",
                ContentBlockDelta: "content_block_delta", ContentBlockStop: "content_block_stop",
-               MessageDelta: "message_delta", MessageStop: "message_stop", Ping: "ping", ErrorResponse: "error"}
+               MessageDelta: "message_delta", MessageStop: "message_stop", Ping: "ping", AnthropicError: "error"}
 
 encoder = msgspec.json.Encoder()
 
 
-def sse(event: StreamEvent) -> bytes:
+def sse(event: AnthropicStreamEvent) -> bytes:
     """One event as Anthropic frames it: its type as the SSE event name, the event as data."""
     return b"event: " + EVENT_NAMES[type(event)].encode() + b"\ndata: " + encoder.encode(event) + b"\n\n"

@@ -60,14 +60,14 @@ def part_text(content: str | list[ContentPart]) -> str:
 # ---------------------------------------------------------------- items (input and output)
 
 
-class Message(Struct, tag_field="type", tag="message", omit_defaults=True):
+class MessageItem(Struct, tag_field="type", tag="message", omit_defaults=True):
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[ContentPart]
     id: str | None = None
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
-class FunctionCall(Struct, tag_field="type", tag="function_call", omit_defaults=True):
+class FunctionCallItem(Struct, tag_field="type", tag="function_call", omit_defaults=True):
     call_id: Annotated[str, Meta(min_length=1)]
     name: Annotated[str, Meta(min_length=1)]
     arguments: str
@@ -75,14 +75,14 @@ class FunctionCall(Struct, tag_field="type", tag="function_call", omit_defaults=
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
-class FunctionCallOutput(Struct, tag_field="type", tag="function_call_output", omit_defaults=True):
+class FunctionCallOutputItem(Struct, tag_field="type", tag="function_call_output", omit_defaults=True):
     call_id: Annotated[str, Meta(min_length=1)]
     output: str | list[ContentPart]
     id: str | None = None
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
-class Reasoning(Struct, tag_field="type", tag="reasoning", omit_defaults=True):
+class ReasoningItem(Struct, tag_field="type", tag="reasoning", omit_defaults=True):
     """Accepted in input (a client replays what another model answered) and skipped: no text to show."""
 
     id: str | None = None
@@ -93,7 +93,7 @@ class ItemReference(Struct, tag_field="type", tag="item_reference"):
     id: str
 
 
-Item = Union[Message, FunctionCall, FunctionCallOutput, Reasoning, ItemReference]
+Item = Union[MessageItem, FunctionCallItem, FunctionCallOutputItem, ReasoningItem, ItemReference]
 
 
 def input_item(raw: Any, at: str) -> Item:
@@ -193,7 +193,7 @@ class IncompleteDetails(Struct):
     reason: str
 
 
-OutputItem = Union[Message, FunctionCall]
+OutputItem = Union[MessageItem, FunctionCallItem]
 Status = Literal["queued", "in_progress", "completed", "incomplete", "cancelled", "failed"]
 
 

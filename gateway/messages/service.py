@@ -15,7 +15,7 @@ from gateway.service import Gateway
 from gateway.translation.chat import completion_decoder
 from gateway.translation.message_stream import MessageStream
 from gateway.translation.messages import CHAT_PARAMS, message, to_chat
-from wire.anthropic import CountTokensRequest, Message, MessagesRequest, TokenCount, Usage
+from wire.anthropic import CountTokensRequest, AnthropicMessage, MessagesRequest, TokenCount, AnthropicUsage
 
 _messages_decoder = msgspec.json.Decoder(MessagesRequest)
 _count_decoder = msgspec.json.Decoder(CountTokensRequest)
@@ -51,7 +51,7 @@ class MessagesService:
         checked = check_chat(self.gateway, chat, CHAT_PARAMS, "messages")
         return Prepared(owner, request, chat, self.gateway.max_request_tokens(checked) or 0)
 
-    async def create(self, prepared: Prepared) -> Message:
+    async def create(self, prepared: Prepared) -> AnthropicMessage:
         with self.quotas.admitted(prepared.owner, prepared.estimate):
             answer = await self.gateway.create(ROUTE, prepared.request.model, prepared.chat)
         return message(prepared.request, completion_decoder.decode(answer.body), echo_tier(prepared.request.service_tier))
@@ -59,7 +59,7 @@ class MessagesService:
     async def stream(self, prepared: Prepared) -> AsyncIterator[bytes]:
         """The message's SSE events; the first once the engine's stream has started."""
         request = prepared.request
-        writer = MessageStream(Message(model=request.model, usage=Usage(service_tier=echo_tier(request.service_tier))),
+        writer = MessageStream(AnthropicMessage(model=request.model, usage=AnthropicUsage(service_tier=echo_tier(request.service_tier))),
                                request.stop_sequences)
         with self.quotas.admitted(prepared.owner, prepared.estimate):
             opened = await self.gateway.open_stream(ROUTE, request.model, prepared.chat)

@@ -14,7 +14,7 @@ from gateway.auth import owner
 from gateway.errors import EXCEPTION_HANDLERS
 from gateway.messages.service import MessagesService
 from gateway.streaming import EventStream
-from wire.anthropic import ErrorDetail, ErrorResponse, TokenCount
+from wire.anthropic import AnthropicErrorDetail, AnthropicError, TokenCount
 
 JSON = "application/json"
 # Anthropic's error types by status (its "overloaded_error" is a 529 there; here the gateway's 503 keeps its status).
@@ -32,7 +32,7 @@ def anthropic_error(request: Request, exc: Exception) -> Response:
     if error.get("param"):
         message = f"{error['param']}: {message}" if not message.startswith(error["param"]) else message
     kind = ERROR_TYPES.get(answered.status_code, "api_error" if answered.status_code >= 500 else "invalid_request_error")
-    body = ErrorResponse(error=ErrorDetail(type=kind, message=message))
+    body = AnthropicError(error=AnthropicErrorDetail(type=kind, message=message))
     return Response(msgspec.json.encode(body), status_code=answered.status_code, media_type=JSON,
                     headers=dict(answered.headers))
 

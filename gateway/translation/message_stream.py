@@ -11,10 +11,10 @@ from wire.anthropic import (
     ContentBlockDelta,
     ContentBlockStart,
     ContentBlockStop,
-    ErrorDetail,
-    ErrorResponse,
+    AnthropicErrorDetail,
+    AnthropicError,
     InputJsonDelta,
-    Message,
+    AnthropicMessage,
     MessageDelta,
     MessageStart,
     MessageStop,
@@ -27,7 +27,7 @@ from wire.anthropic import (
 
 
 class MessageStream:
-    def __init__(self, message: Message, stop_sequences: list[str] | None):
+    def __init__(self, message: AnthropicMessage, stop_sequences: list[str] | None):
         self.message = message
         self._stop_sequences = stop_sequences
         self._block = -1  # the open block's index
@@ -80,4 +80,4 @@ class MessageStream:
                 + sse(MessageStop()))
 
     def fail(self, message: str) -> bytes:
-        return self._close() + sse(ErrorResponse(error=ErrorDetail(type="api_error", message=message)))
+        return self._close() + sse(AnthropicError(error=AnthropicErrorDetail(type="api_error", message=message)))

@@ -12,15 +12,15 @@ from gateway.translation.chat import Completion, cached_tokens, chat_body
 from wire.anthropic import (
     CountTokensRequest,
     ImageBlock,
-    Message,
+    AnthropicMessage,
     MessagesRequest,
-    StopReason,
+    AnthropicStopReason,
     TextBlock,
     TextContent,
     ToolResultBlock,
     ToolUseBlock,
     ToolUseContent,
-    Usage,
+    AnthropicUsage,
 )
 from wire.errors import InvalidRequest
 from wire.openai import Usage as ChatUsage
@@ -131,16 +131,16 @@ def to_chat(request: CountTokensRequest) -> dict[str, Any]:
     return chat_body(chat_messages(request), **fields)
 
 
-def usage(chat: ChatUsage | None, tier: str) -> Usage:
+def usage(chat: ChatUsage | None, tier: str) -> AnthropicUsage:
     if chat is None:
-        return Usage(service_tier=tier)
+        return AnthropicUsage(service_tier=tier)
     cached = cached_tokens(chat)
-    return Usage(input_tokens=chat.prompt_tokens - cached, output_tokens=chat.completion_tokens,
+    return AnthropicUsage(input_tokens=chat.prompt_tokens - cached, output_tokens=chat.completion_tokens,
                  cache_read_input_tokens=cached, service_tier=tier)
 
 
 def stop_reason(finish_reason: str | None, stopped_by: str | int | None,
-                stop_sequences: list[str] | None) -> tuple[StopReason | None, str | None]:
+                stop_sequences: list[str] | None) -> tuple[AnthropicStopReason | None, str | None]:
     """Anthropic's stop_reason and stop_sequence from a choice's finish and (where the engine says) the
     stop string that ended it."""
     if finish_reason == "tool_calls":
@@ -161,8 +161,8 @@ def tool_input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {"arguments": value}
 
 
-def message(request: MessagesRequest, completion: Completion, tier: str) -> Message:
-    answer = Message(model=request.model, usage=usage(completion.usage, tier))
+def message(request: MessagesRequest, completion: Completion, tier: str) -> AnthropicMessage:
+    answer = AnthropicMessage(model=request.model, usage=usage(completion.usage, tier))
     if not completion.choices:
         return answer
     choice = completion.choices[0]

@@ -13,8 +13,8 @@ from wire.responses import (
     ArgumentsDeltaEvent,
     ArgumentsDoneEvent,
     ContentPartEvent,
-    FunctionCall,
-    Message,
+    FunctionCallItem,
+    MessageItem,
     OutputItemEvent,
     OutputText,
     Response,
@@ -35,9 +35,9 @@ class ResponseStream:
     def __init__(self, response: Response):
         self.response = response
         self._sequence = 0
-        self._text: Message | None = None  # the open message item
+        self._text: MessageItem | None = None  # the open message item
         self._text_index = -1
-        self._calls: dict[int, tuple[int, FunctionCall]] = {}  # chat tool-call index -> (output index, item)
+        self._calls: dict[int, tuple[int, FunctionCallItem]] = {}  # chat tool-call index -> (output index, item)
         self._open_calls: list[int] = []
         self.finish_reason: str | None = None
 
@@ -71,7 +71,7 @@ class ResponseStream:
     def _text_delta(self, text: str) -> bytes:
         out = b""
         if self._text is None:
-            self._text = Message(role="assistant", id=new_item_id("msg"), status="in_progress", content=[])
+            self._text = MessageItem(role="assistant", id=new_item_id("msg"), status="in_progress", content=[])
             self._text_index = len(self.response.output)
             self.response.output.append(self._text)
             out += self._event(OutputItemEvent(type="response.output_item.added", sequence_number=self._seq(),
@@ -102,7 +102,7 @@ class ResponseStream:
         out = b""
         if index not in self._calls:
             out += self._close_text("completed")  # the text comes before the calls
-            item = FunctionCall(id=new_item_id("fc"), call_id=call_id or new_item_id("call"), name=name or "",
+            item = FunctionCallItem(id=new_item_id("fc"), call_id=call_id or new_item_id("call"), name=name or "",
                                 arguments="", status="in_progress")
             self._calls[index] = (len(self.response.output), item)
             self._open_calls.append(index)

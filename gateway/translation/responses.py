@@ -12,19 +12,19 @@ from gateway.translation.chat import Completion, cached_tokens, chat_body
 from wire.errors import InvalidRequest
 from wire.openai import Usage
 from wire.responses import (
-    FunctionCall,
-    FunctionCallOutput,
+    FunctionCallItem,
+    FunctionCallOutputItem,
     FunctionTool,
     IncompleteDetails,
     InputImage,
     InputTokensDetails,
     Item,
     ItemReference,
-    Message,
+    MessageItem,
     NamedFunction,
     OutputItem,
     OutputText,
-    Reasoning,
+    ReasoningItem,
     ResponsesRequest,
     ResponseUsage,
     ToolChoice,
@@ -41,7 +41,7 @@ CHAT_PARAMS = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_
 def input_items(request: ResponsesRequest, max_items: int) -> list[Item]:
     """The request's input as items (a string is one user message), each checked and given an id."""
     if isinstance(request.input, str):
-        return [Message(role="user", content=request.input, id=new_item_id("msg"))]
+        return [MessageItem(role="user", content=request.input, id=new_item_id("msg"))]
     if len(request.input) > max_items:
         raise InvalidRequest(f"input holds {len(request.input)} items, above this server's limit of {max_items}",
                              "input")
@@ -49,8 +49,8 @@ def input_items(request: ResponsesRequest, max_items: int) -> list[Item]:
     for i, raw in enumerate(request.input):
         item = input_item(raw, f"input[{i}]")
         if item.id is None and not isinstance(item, ItemReference):
-            item.id = new_item_id({Message: "msg", FunctionCall: "fc", FunctionCallOutput: "fco",
-                                   Reasoning: "rs"}[type(item)])
+            item.id = new_item_id({MessageItem: "msg", FunctionCallItem: "fc", FunctionCallOutputItem: "fco",
+                                   ReasoningItem: "rs"}[type(item)])
         items.append(item)
     return items
 
@@ -121,10 +121,10 @@ def chat_messages(instructions: str | None, conversation: list[Item]) -> list[di
     each call's output a tool message, reasoning skipped."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
     for item in conversation:
-        if isinstance(item, Message):
+        if isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
             messages.append({"role": role, "content": _content(item.content)})
-        elif isinstance(item, FunctionCall):
+        elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}
             last = messages[-1] if messages else None
@@ -132,7 +132,7 @@ def chat_messages(instructions: str | None, conversation: list[Item]) -> list[di
                 last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif isinstance(item, FunctionCallOutput):
+        elif isinstance(item, FunctionCallOutputItem):
             output = item.output if isinstance(item.output, str) else part_text(item.output)
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": output})
     return messages
@@ -202,10 +202,10 @@ def output_items(completion: Completion) -> list[OutputItem]:
     status = "incomplete" if choice.finish_reason == "length" else "completed"
     items: list[OutputItem] = []
     if choice.message.content:
-        items.append(Message(role="assistant", id=new_item_id("msg"), status=status,
+        items.append(MessageItem(role="assistant", id=new_item_id("msg"), status=status,
                              content=[OutputText(text=choice.message.content)]))
     for call in choice.message.tool_calls or ():
-        items.append(FunctionCall(id=new_item_id("fc"), call_id=call.id or new_item_id("call"),
+        items.append(FunctionCallItem(id=new_item_id("fc"), call_id=call.id or new_item_id("call"),
                                   name=call.function.name or "", arguments=call.function.arguments or "",
                                   status="completed"))
     return items
