@@ -108,5 +108,10 @@ class ResponseStore:
             if owner not in self._by_owner:
                 return
 
+    def sweep(self) -> None:
+        """Forgets every key's responses that have outlived the TTL (keys that never come back included)."""
+        for owner in list(self._by_owner):
+            self._expire(owner)
+
     def __len__(self) -> int:
         return sum(len(r) for r in self._by_owner.values())

@@ -11,6 +11,7 @@ from litestar import Request, Response, post
 from litestar.datastructures import State
 
 from gateway.auth import owner
+from http_plumbing.disconnect import CancelledOnDisconnect
 from gateway.errors import EXCEPTION_HANDLERS
 from gateway.messages.service import MessagesService
 from gateway.streaming import EventStream
@@ -57,7 +58,10 @@ async def create_message(request: Request, state: State) -> Response:
         events = service.stream(prepared).__aiter__()
         first = await anext(events)  # the engine's stream has started: failures before it are this status
         return EventStream(_then(first, events), media_type="text/event-stream", headers={"cache-control": "no-cache"})
-    return Response(msgspec.json.encode(await service.create(prepared)), media_type=JSON)
+    answer = None
+    async with CancelledOnDisconnect(request.receive):  # a client that leaves cancels the engine's work
+        answer = await service.create(prepared)
+    return Response(msgspec.json.encode(answer) if answer is not None else b"", media_type=JSON)
 
 
 @post("/v1/messages/count_tokens", status_code=200, exception_handlers=ANTHROPIC_ERRORS)

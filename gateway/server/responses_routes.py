@@ -12,6 +12,7 @@ from litestar.datastructures import State
 from litestar.params import FromPath, FromQuery, QueryParameter
 
 from gateway.auth import owner
+from http_plumbing.disconnect import CancelledOnDisconnect
 from gateway.domain_errors import Invalid
 from gateway.responses.service import ResponsesService
 from gateway.streaming import EventStream
@@ -42,7 +43,10 @@ async def create_response(request: Request, state: State) -> Response:
         events = service.stream(prepared).__aiter__()
         first = await anext(events)  # the engine's stream has started: failures before it are this status
         return EventStream(_then(first, events), media_type="text/event-stream", headers={"cache-control": "no-cache"})
-    return Response(msgspec.json.encode(await service.create(prepared)), media_type=JSON)
+    answer = None
+    async with CancelledOnDisconnect(request.receive):  # a client that leaves cancels the engine's work
+        answer = await service.create(prepared)
+    return Response(msgspec.json.encode(answer) if answer is not None else b"", media_type=JSON)
 
 
 @get("/v1/responses/{response_id:str}")

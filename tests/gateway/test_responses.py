@@ -232,3 +232,33 @@ def test_sizes_are_capped(start_gateway):
     answer = httpx.post(f"{url}/v1/responses", json={"model": MODEL, "input": "z" * 1200,
                                                      "previous_response_id": first["id"]})
     assert answer.status_code == 413 and answer.json()["error"]["param"] == "previous_response_id"
+
+
+def test_a_client_that_leaves_cancels_the_engines_work(gateway_url, fake_stats, wait_until):
+    abandoned = fake_stats()["requests_abandoned"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{gateway_url}/v1/responses", timeout=0.5,
+                   json={"model": MODEL, "input": "wait", "fake": {"delay_s": 30}})
+    wait_until(lambda: fake_stats()["requests_abandoned"] == abandoned + 1, timeout_s=5)
+
+
+def test_the_store_forgets_the_oldest_beyond_its_bounds_and_the_idle_after_its_ttl():
+    from gateway.responses.store import ResponseStore, StoredResponse
+    from gateway.domain_errors import NotFound
+    from wire.responses import MessageItem, Response
+
+    now = [0.0]
+    store = ResponseStore(ResponsesConfig(max_stored=2, ttl_s=10), clock=lambda: now[0])
+    made = []
+    for i in range(3):
+        made.append(StoredResponse(Response(model="m"), [MessageItem(role="user", content=f"q{i}")], []))
+        store.put("alice", made[-1])
+    with pytest.raises(NotFound):
+        store.get("alice", made[0].response.id)  # the oldest went
+    with pytest.raises(NotFound):
+        store.get("bob", made[2].response.id)  # another key's
+    now[0] = 5.0
+    store.get("alice", made[2].response.id)  # read: touched
+    now[0] = 12.0
+    store.sweep()
+    assert len(store) == 1 and store.get("alice", made[2].response.id) is made[2]
