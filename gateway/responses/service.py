@@ -80,6 +80,8 @@ class ResponsesService:
         if request.previous_response_id:
             earlier = await self._conversation(owner, request.previous_response_id)
         items = resolve_references(items, earlier)
+        if request.store is not False:
+            self.store.check_size(earlier, items)  # a 413 before the engine works, not after
         chat = to_chat(request, [*earlier, *items], tools, choice)
         # Fields this API does not know go to the engine, as on the chat path (vLLM's sampling extras).
         chat.update((name, value) for name, value in body.items() if name not in _KNOWN and name not in chat)
@@ -100,7 +102,7 @@ class ResponsesService:
             exc.param = "previous_response_id"
             raise
         if stored.task is not None and not stored.task.done():  # a background turn still running: its end
-            await asyncio.shield(stored.task)
+            await asyncio.wait([stored.task])
         if stored.response.status in ("failed", "cancelled"):
             raise Invalid(f"previous response {response_id!r} is {stored.response.status}: nothing to continue",
                           param="previous_response_id")
@@ -132,11 +134,24 @@ class ResponsesService:
 
     def start_background(self, prepared: Prepared) -> bytes:
         """A response queued and run by a task of its own; answered (as it stands now) at once."""
-        admission = self.quotas.admitted_later(prepared.owner, prepared.estimate)  # a 429 now, not later
         prepared.response.status = "queued"
-        stored = self._store(prepared)
+        admission = self.quotas.admitted_later(prepared.owner, prepared.estimate)  # a 429 now, not later
+        try:
+            stored = self._store(prepared)
+        except BaseException:
+            if admission is not None:
+                admission.release()
+            raise
         assert stored is not None  # background implies store
         stored.task = asyncio.create_task(self._background(prepared, stored, admission))
+
+        def settled(_: asyncio.Task) -> None:  # also when cancelled before it ever ran
+            if admission is not None:
+                admission.release()  # once, whoever comes first
+            if prepared.response.status in ("queued", "in_progress"):
+                prepared.response.status = "cancelled"
+
+        stored.task.add_done_callback(settled)
         return msgspec.json.encode(prepared.response)
 
     async def _background(self, prepared: Prepared, stored: StoredResponse, admission) -> None:
@@ -169,6 +184,8 @@ class ResponsesService:
         if task is not None and not task.done():
             task.cancel()
             await asyncio.wait([task])
+        if stored.response.status in ("queued", "in_progress"):  # cancelled before it ever ran
+            stored.response.status = "cancelled"
         return stored.response
 
     async def delete(self, owner: str, response_id: str) -> None:

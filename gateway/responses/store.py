@@ -53,6 +53,17 @@ class ResponseStore:
         self._by_owner: dict[str, OrderedDict[str, StoredResponse]] = {}
         self._bytes: dict[str, int] = {}
 
+    def check_size(self, earlier: list[Item], input: list[Item]) -> None:
+        """A 413 for a turn whose conversation, before its output, is already over the limit."""
+        size = len(_encoder.encode(earlier)) + len(_encoder.encode(input))
+        if size > self.config.max_response_bytes:
+            raise self._too_large(size)
+
+    def _too_large(self, size: int) -> TooLarge:
+        return TooLarge(f"this response's conversation is {size} bytes, above this server's limit of "
+                        f"{self.config.max_response_bytes} for a stored response: send store=false, or start "
+                        "a new conversation", param="previous_response_id", code="response_too_large")
+
     def put(self, owner: str, stored: StoredResponse) -> None:
         """Stores (or updates) ``stored`` for ``owner``; a 413 when its conversation is over the limit.
         The oldest of the key's responses go when it holds too many or too many bytes."""
@@ -60,9 +71,7 @@ class ResponseStore:
         before = stored.size
         size = stored.measure()
         if size > self.config.max_response_bytes:
-            raise TooLarge(f"this response's conversation is {size} bytes, above this server's limit of "
-                           f"{self.config.max_response_bytes} for a stored response: send store=false, or start "
-                           "a new conversation", param="previous_response_id", code="response_too_large")
+            raise self._too_large(size)
         responses = self._by_owner.setdefault(owner, OrderedDict())
         if stored.response.id in responses:
             self._bytes[owner] -= before

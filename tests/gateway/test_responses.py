@@ -262,3 +262,18 @@ def test_the_store_forgets_the_oldest_beyond_its_bounds_and_the_idle_after_its_t
     now[0] = 12.0
     store.sweep()
     assert len(store) == 1 and store.get("alice", made[2].response.id) is made[2]
+
+
+def test_a_background_response_holds_its_keys_seat_until_cancelled(start_gateway):
+    url = start_gateway(quotas=QuotasConfig(concurrent_requests=1))
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="sk-seat", max_retries=0, timeout=10) as client:
+        slow = client.responses.create(model=MODEL, input="slow", background=True,
+                                       extra_body={"fake": {"delay_s": 30}})
+        with pytest.raises(openai.RateLimitError):
+            client.responses.create(model=MODEL, input="meanwhile")
+        assert client.responses.cancel(slow.id).status == "cancelled"
+        assert client.responses.create(model=MODEL, input="after").output_text == "echo: after"
+        # Cancelled at once, before its task ever ran: settled all the same.
+        quick = client.responses.create(model=MODEL, input="x", background=True, extra_body={"fake": {"delay_s": 30}})
+        assert client.responses.cancel(quick.id).status == "cancelled"
+        assert client.responses.create(model=MODEL, input="again").output_text == "echo: again"
