@@ -146,6 +146,7 @@ class ChatCompletionRequest(RequestFields, kw_only=True, omit_defaults=True):
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    service_tier: str | None = None  # echoed by the builtin engine (``served_tier``); upstreams answer their own
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -283,6 +284,11 @@ class ChatChoice(Struct):
     logprobs: ChoiceLogprobs | None = None
 
 
+def served_tier(asked: str | None) -> str:
+    """The service tier an answer reports: the one asked for, ``auto`` (or none) being the default one."""
+    return asked if asked not in (None, "auto") else "default"
+
+
 class ChatCompletion(Struct):
     model: str
     choices: list[ChatChoice]
@@ -290,6 +296,7 @@ class ChatCompletion(Struct):
     id: str = field(default_factory=lambda: new_id("chatcmpl"))
     object: str = "chat.completion"
     created: int = field(default_factory=now)
+    service_tier: str | None = None
 
 
 class ToolCallDelta(Struct, omit_defaults=True):
@@ -318,6 +325,7 @@ class ChatCompletionChunk(Struct):
     id: str = ""
     object: str = "chat.completion.chunk"
     created: int = 0
+    service_tier: str | None = None
     usage: Usage | None = None
 
 

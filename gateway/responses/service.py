@@ -33,6 +33,7 @@ from gateway.translation.responses import (
     usage,
 )
 from wire.errors import InvalidRequest
+from wire.openai import served_tier
 from wire.responses import Item, Response, ResponseError, ResponsesRequest, TextConfig
 
 log = logging.getLogger("parrot.responses")
@@ -49,11 +50,6 @@ class Prepared(NamedTuple):
     chat: dict
     estimate: int  # tokens charged to the key when the engine reports no usage
     response: Response
-
-
-def echo_tier(asked: str | None) -> str:
-    """The service tier a response reports: the one asked for, ``auto`` (or none) being the default one."""
-    return asked if asked not in (None, "auto") else "default"
 
 
 class ResponsesService:
@@ -92,7 +88,7 @@ class ResponsesService:
             max_output_tokens=request.max_output_tokens, temperature=request.temperature, top_p=request.top_p,
             previous_response_id=request.previous_response_id, store=request.store is not False,
             background=bool(request.background), metadata=request.metadata or {}, user=request.user,
-            service_tier=echo_tier(request.service_tier))
+            service_tier=served_tier(request.service_tier))
         return Prepared(owner, request, items, earlier, chat, self.gateway.max_request_tokens(checked) or 0, response)
 
     async def _conversation(self, owner: str, response_id: str) -> list[Item]:
@@ -123,6 +119,8 @@ class ResponsesService:
         response.usage = usage(completion.usage)
         response.incomplete_details = incomplete(completion.choices[0].finish_reason if completion.choices else None)
         response.status = "incomplete" if response.incomplete_details is not None else "completed"
+        if completion.service_tier:  # the tier the engine says it served it on
+            response.service_tier = completion.service_tier
 
     async def create(self, prepared: Prepared) -> Response:
         """A response run to its end and stored (when asked) before it is returned."""

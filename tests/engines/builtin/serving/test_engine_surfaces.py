@@ -279,3 +279,13 @@ async def test_a_fork_without_max_tokens_stops_at_its_max_tokens_limit(engine):
     finally:
         await engine.contexts.free(parent.context_id)
     assert len(generation.token_ids) == 4 and generation.finish_reason == "length"
+
+
+async def test_the_service_tier_asked_is_echoed_and_the_usage_counts_cached_prompt_tokens(engine):
+    body = chat_body(max_tokens=2, service_tier="flex", stream_options={"include_usage": True})
+    created = await create(engine, "chat/completions", {k: v for k, v in body.items() if k != "stream_options"})
+    assert created["service_tier"] == "flex"
+    assert (await create(engine, "chat/completions", chat_body(max_tokens=2)))["service_tier"] == "default"
+    chunks = [json.loads(c) for c in await _payloads(stream(engine, "chat/completions", {**body, "stream": True}))]
+    assert {c["service_tier"] for c in chunks} == {"flex"}
+    assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the same prompt a third time
