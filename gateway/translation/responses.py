@@ -94,6 +94,8 @@ def tool_choice(request: ResponsesRequest, tools: list[FunctionTool]) -> ToolCho
     if isinstance(choice, str):
         if choice not in ("none", "auto", "required"):
             raise InvalidRequest("tool_choice must be 'none', 'auto', 'required' or a function", "tool_choice")
+        if choice == "required" and not tools:
+            raise InvalidRequest("tool_choice 'required' needs tools", "tool_choice")
         return choice  # type: ignore[return-value]
     if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
         raise InvalidRequest("tool_choice: only {\"type\": \"function\", \"name\": ...} names a tool here",

@@ -277,3 +277,18 @@ def test_a_background_response_holds_its_keys_seat_until_cancelled(start_gateway
         quick = client.responses.create(model=MODEL, input="x", background=True, extra_body={"fake": {"delay_s": 30}})
         assert client.responses.cancel(quick.id).status == "cancelled"
         assert client.responses.create(model=MODEL, input="again").output_text == "echo: again"
+
+
+def test_input_items_page_in_either_order(client):
+    response = client.responses.create(model=MODEL, input=[{"role": "user", "content": f"m{i}"} for i in range(5)])
+
+    newest = client.responses.input_items.list(response.id, limit=2)
+    assert [i.content for i in newest.data] == ["m4", "m3"] and newest.has_more
+    rest = client.responses.input_items.list(response.id, order="asc", after=newest.data[0].id)
+    assert rest.data == [] and not rest.has_more
+    oldest = client.responses.input_items.list(response.id, order="asc", limit=3)
+    assert [i.content for i in oldest.data] == ["m0", "m1", "m2"] and oldest.first_id == oldest.data[0].id
+    following = client.responses.input_items.list(response.id, order="asc", after=oldest.last_id)
+    assert [i.content for i in following.data] == ["m3", "m4"]
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model=MODEL, input="x", tool_choice="required")
