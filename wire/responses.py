@@ -129,7 +129,7 @@ ToolChoice = Union[Literal["none", "auto", "required"], NamedFunction]
 
 
 class TextFormat(Struct, omit_defaults=True):
-    type: Literal["text", "json_object", "json_schema"] = "text"
+    type: Literal["text", "json_object", "json_schema"]  # always written out
     name: str | None = None
     schema: dict[str, Any] | None = None
     description: str | None = None
@@ -137,7 +137,7 @@ class TextFormat(Struct, omit_defaults=True):
 
 
 class TextConfig(Struct, omit_defaults=True):
-    format: TextFormat = field(default_factory=TextFormat)
+    format: TextFormat = field(default_factory=lambda: TextFormat(type="text"))
 
 
 class ResponsesRequest(Struct, kw_only=True, omit_defaults=True):
