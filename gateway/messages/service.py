@@ -17,7 +17,10 @@ from gateway.translation.message_stream import MessageStream
 from gateway.translation.messages import CHAT_PARAMS, message, to_chat
 from wire.anthropic import CountTokensRequest, AnthropicMessage, MessagesRequest, TokenCount, AnthropicUsage
 
-_messages_decoder = msgspec.json.Decoder(MessagesRequest)
+_KNOWN = frozenset(MessagesRequest.__struct_fields__)
+# Anthropic's request fields without a chat-completions meaning: not sent to engines.
+ANTHROPIC_ONLY = frozenset({"cache_control", "container", "context_management", "diagnostics", "inference_geo",
+                            "mcp_servers", "speed", "user_profile_id", "workspace_id", "betas"})
 _count_decoder = msgspec.json.Decoder(CountTokensRequest)
 
 
@@ -46,8 +49,16 @@ class MessagesService:
         self.quotas = quotas
 
     def prepare(self, raw: bytes, owner: str) -> Prepared:
-        request: MessagesRequest = _decode(_messages_decoder, raw)
+        try:
+            body = msgspec.json.decode(raw)
+            request = msgspec.convert(body, MessagesRequest)
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+            raise body_error(exc, raw) from None
         chat = to_chat(request)
+        # Fields this API does not know go to the engine, as on the chat path (vLLM's sampling extras);
+        # Anthropic's own that have no meaning there do not.
+        chat.update((name, value) for name, value in body.items()
+                    if name not in _KNOWN and name not in ANTHROPIC_ONLY and name not in chat)
         checked = check_chat(self.gateway, chat, CHAT_PARAMS, "messages")
         return Prepared(owner, request, chat, self.gateway.max_request_tokens(checked) or 0)
 
