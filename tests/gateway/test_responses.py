@@ -224,6 +224,16 @@ def test_quotas_apply_as_on_chat(start_gateway):
             client.responses.create(model=MODEL, input="two")
 
 
+def test_a_stream_is_charged_to_its_keys_token_quota(start_gateway):
+    url = start_gateway(quotas=QuotasConfig(tokens_per_minute=12, concurrent_requests=1))
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="sk-t", max_retries=0, timeout=10) as client:
+        with client.responses.stream(model=MODEL, input="a b c d e f g h i j k l m n") as stream:
+            assert stream.get_final_response().usage.total_tokens > 12
+        with pytest.raises(openai.RateLimitError) as caught:  # the stream's usage was charged: the bucket is in debt
+            client.responses.create(model=MODEL, input="more")
+    assert caught.value.body["type"] == "tokens"
+
+
 def test_sizes_are_capped(start_gateway):
     url = start_gateway(limits=LimitsConfig(max_body_bytes=2000), responses=ResponsesConfig(max_response_bytes=4000))
     answer = httpx.post(f"{url}/v1/responses", json={"model": MODEL, "input": "x" * 5000})
