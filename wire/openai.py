@@ -282,6 +282,7 @@ class ChatChoice(Struct):
     message: ResponseMessage
     finish_reason: str | None = None
     logprobs: ChoiceLogprobs | None = None
+    stop_reason: str | None = None  # as vLLM answers: the stop string that ended the choice (None: another end)
 
 
 def served_tier(asked: str | None) -> str:
@@ -317,6 +318,7 @@ class ChatChunkChoice(Struct):
     delta: ChatDelta
     finish_reason: str | None = None
     logprobs: ChoiceLogprobs | None = None
+    stop_reason: str | None = None
 
 
 class ChatCompletionChunk(Struct):

@@ -46,7 +46,8 @@ class ChatCompletions(ModelServing):
                 message = ResponseMessage(content=content, tool_calls=calls or None)
                 finish_reason = _tool_finish_reason(finish_reason, calls)
             logprobs = self.logprobs.chat(r.events) if request.logprobs else None
-            choices.append(ChatChoice(index=i, message=message, finish_reason=finish_reason, logprobs=logprobs))
+            choices.append(ChatChoice(index=i, message=message, finish_reason=finish_reason, logprobs=logprobs,
+                                      stop_reason=r.stop_reason))
         return ChatCompletion(model=self.model_name, choices=choices, usage=usage([job], results),
                               service_tier=served_tier(request.service_tier))
 
@@ -73,7 +74,7 @@ class ChatCompletions(ModelServing):
                 delta, finish_reason = _tool_delta(readers[index], piece)
                 if delta.content is None and delta.tool_calls is None and finish_reason is None and logprobs is None:
                     continue  # text held back until it is known to be (part of) a call
-            yield chunk([ChatChunkChoice(index, delta, finish_reason, logprobs)])
+            yield chunk([ChatChunkChoice(index, delta, finish_reason, logprobs, piece.stop_reason)])
         if request.stream_options is not None and request.stream_options.include_usage:
             yield chunk([], count.usage())
 
