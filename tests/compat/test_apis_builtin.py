@@ -65,10 +65,16 @@ def test_messages_on_the_builtin_engine(gateway_url):
     with anthropic.Anthropic(base_url=gateway_url, api_key="unused", max_retries=0, timeout=120) as client:
         question = [{"role": "user", "content": "What is the capital of France?"}]
         message = client.messages.create(model=SMOLLM, max_tokens=24, messages=question,
-                                         system="Answer in one short sentence.")
+                                         system="Answer in one short sentence.", extra_body={"temperature": 0})
         assert "Paris" in message.content[0].text
         count = client.messages.count_tokens(model=SMOLLM, messages=question, system="Answer in one short sentence.")
         assert count.input_tokens == message.usage.input_tokens + message.usage.cache_read_input_tokens
+
+        words = message.content[0].text.split()
+        stop = words[len(words) // 2]  # greedy: the same answer again stops there
+        stopped = client.messages.create(model=SMOLLM, max_tokens=24, messages=question, stop_sequences=[stop],
+                                         system="Answer in one short sentence.", extra_body={"temperature": 0})
+        assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == stop
 
         tool = {"name": "get_weather", "description": WEATHER["description"], "input_schema": WEATHER["parameters"]}
         with client.messages.stream(model=SMOLLM, max_tokens=48, tools=[tool], tool_choice={"type": "any"},
