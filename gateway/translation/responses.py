@@ -171,7 +171,7 @@ def to_chat(request: ResponsesRequest, conversation: list[Item], tools: list[Fun
         tool["function"].pop("type", None)
     return chat_body(
         messages, model=request.model, max_tokens=request.max_output_tokens, temperature=request.temperature,
-        top_p=request.top_p, user=request.user, tools=chat_tools,
+        top_p=request.top_p, user=request.user, service_tier=request.service_tier, tools=chat_tools,
         tool_choice=_chat_tool_choice(choice) if tools else None,
         parallel_tool_calls=request.parallel_tool_calls if tools else None,
         response_format=_response_format(request),

@@ -36,8 +36,9 @@ class City(pydantic.BaseModel):
 
 def test_responses_on_the_builtin_engine(client):
     first = client.responses.create(model=SMOLLM, input="What is the capital of France?", temperature=0,
-                                    max_output_tokens=24, instructions="Answer in one short sentence.")
-    assert "Paris" in first.output_text and first.usage.input_tokens > 0
+                                    max_output_tokens=24, instructions="Answer in one short sentence.",
+                                    service_tier="flex")
+    assert "Paris" in first.output_text and first.usage.input_tokens > 0 and first.service_tier == "flex"
 
     second = client.responses.create(model=SMOLLM, input="And of Italy?", previous_response_id=first.id,
                                      temperature=0, max_output_tokens=24,

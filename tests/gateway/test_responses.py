@@ -33,7 +33,7 @@ def test_create_with_a_string_input_and_instructions(client, fake_stats):
     assert response.service_tier == "flex" and response.instructions == "Be brief."
     sent = fake_stats()["last_body"]
     assert sent["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello there"}]
-    assert sent["max_tokens"] == 20
+    assert sent["max_tokens"] == 20 and sent["service_tier"] == "flex"
 
 
 def test_a_stored_response_is_found_at_once_and_deleted(client):
