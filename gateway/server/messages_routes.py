@@ -4,7 +4,7 @@ routes answer is Anthropic's error object, the same statuses as the OpenAI route
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator
+from typing import Any
 
 import msgspec
 from litestar import Request, Response, post
@@ -14,7 +14,7 @@ from gateway.auth import owner
 from http_plumbing.disconnect import CancelledOnDisconnect
 from gateway.errors import EXCEPTION_HANDLERS
 from gateway.messages.service import MessagesService
-from gateway.streaming import EventStream
+from gateway.streaming import EventStream, after_first
 from wire.anthropic import AnthropicErrorDetail, AnthropicError, TokenCount
 
 JSON = "application/json"
@@ -41,15 +41,6 @@ def anthropic_error(request: Request, exc: Exception) -> Response:
 ANTHROPIC_ERRORS: dict[Any, Any] = {kind: anthropic_error for kind in EXCEPTION_HANDLERS}
 
 
-async def _then(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    try:
-        yield first
-        async for events in rest:
-            yield events
-    finally:
-        await rest.aclose()
-
-
 @post("/v1/messages", status_code=200, exception_handlers=ANTHROPIC_ERRORS)
 async def create_message(request: Request, state: State) -> Response:
     service: MessagesService = state.messages
@@ -57,7 +48,7 @@ async def create_message(request: Request, state: State) -> Response:
     if prepared.request.stream:
         events = service.stream(prepared).__aiter__()
         first = await anext(events)  # the engine's stream has started: failures before it are this status
-        return EventStream(_then(first, events), media_type="text/event-stream", headers={"cache-control": "no-cache"})
+        return EventStream(after_first(first, events), media_type="text/event-stream", headers={"cache-control": "no-cache"})
     answer = None
     async with CancelledOnDisconnect(request.receive):  # a client that leaves cancels the engine's work
         answer = await service.create(prepared)

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, AsyncIterator, Literal
+from typing import Annotated, Literal
 
 import msgspec
 from litestar import Request, Response, delete, get, post
@@ -15,20 +15,11 @@ from gateway.auth import owner
 from http_plumbing.disconnect import CancelledOnDisconnect
 from gateway.domain_errors import Invalid
 from gateway.responses.service import ResponsesService
-from gateway.streaming import EventStream
+from gateway.streaming import EventStream, after_first
 from wire.responses import DeletedResponse, InputItemList
 from wire.responses import Response as ResponseBody
 
 JSON = "application/json"
-
-
-async def _then(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    try:
-        yield first
-        async for events in rest:
-            yield events
-    finally:
-        await rest.aclose()
 
 
 @post("/v1/responses", status_code=200)
@@ -42,7 +33,7 @@ async def create_response(request: Request, state: State) -> Response:
     if prepared.request.stream:
         events = service.stream(prepared).__aiter__()
         first = await anext(events)  # the engine's stream has started: failures before it are this status
-        return EventStream(_then(first, events), media_type="text/event-stream", headers={"cache-control": "no-cache"})
+        return EventStream(after_first(first, events), media_type="text/event-stream", headers={"cache-control": "no-cache"})
     answer = None
     async with CancelledOnDisconnect(request.receive):  # a client that leaves cancels the engine's work
         answer = await service.create(prepared)
