@@ -204,6 +204,10 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     kv_full: float = 0.95  # an engine whose KV cache is this full would preempt to fit more: it pays for it
     # Prefix memory per engine that does not report its KV capacity, in tokens.
     default_capacity_tokens: int = 65_536
+    # Admission on engines that do not order work by criteria (vLLM, SGLang, any upstream): throughput work is
+    # held back, this long at most, while latency-critical requests are on its engine and the engine reports a
+    # queue (its /metrics). 0: never held.
+    throughput_hold_s: Annotated[float, msgspec.Meta(ge=0)] = 1.0
 
     def __post_init__(self) -> None:
         for name in ("queue_tokens_per_request", "throughput_queue_weight", "balance_abs_threshold",

@@ -94,6 +94,7 @@ class EngineRecord(EngineView, kw_only=True):
     token: str | None = None  # a registered engine's proof of identity for heartbeats (never listed)
     endpoints: frozenset[Endpoint] = frozenset()  # where its URL leads (endpoints_of), for registered ones
     requests: RequestRate = msgspec.field(default_factory=RequestRate)  # requests sent to it (the dashboard's req/s)
+    latency_in_flight: int = 0  # of in_flight, latency-critical requests on an engine without criteria (admission)
 
     def healthy(self, now: float, heartbeat_timeout_s: float) -> bool:
         return self.breaker.allows() and not self.expired(now, heartbeat_timeout_s)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any, AsyncIterator, Callable, NamedTuple
 
@@ -21,11 +22,29 @@ from gateway.metrics import GatewayMetrics, RouteMetrics, carries_token
 from gateway.outcomes import Outcomes, Reported, read_usage
 from gateway.prompt_prefix import prompt_prefix
 from gateway.registry import EngineConflict, EngineRecord, EngineRegistry, endpoints_of
-from gateway.scheduler import Placement, Scheduler, Work
+from gateway.scheduler import THROUGHPUT_LEVEL, Placement, Scheduler, Work
+from wire.sampling import affinity_key, tier_criteria
 
 OpenAIRequest = ChatCompletionRequest | CompletionRequest
 REQUEST_SCHEMAS: dict[str, type[OpenAIRequest]] = {"chat/completions": ChatCompletionRequest, "completions": CompletionRequest}
 ENGINE_HEADER = "x-parrot-engine"  # on every proxied response: the engine it came from (its id in GET /v1/engines)
+_HOLD_POLL_S = 0.02  # how often held throughput work looks again (admission)
+
+
+def placement_of(body: dict[str, Any]) -> Placement:
+    """A plain request's placement from its OpenAI fields: ``service_tier`` "flex" is throughput work (any
+    other tier latency work, as a plain request is), ``prompt_cache_key`` its affinity key."""
+    return Placement(latency=tier_criteria(body) != "throughput", affinity=affinity_key(body))
+
+
+def with_service_tier(answer: bytes, body: dict[str, Any]) -> bytes:
+    """An answer to a request that named a ``service_tier`` echoes it, as OpenAI's do (an engine's own member
+    of that name stays); others are returned as they are, not read."""
+    tier = body.get("service_tier")
+    if not isinstance(tier, str) or not answer.startswith(b"{") or b'"service_tier"' in answer:
+        return answer
+    rest = answer[1:].lstrip()
+    return b'{"service_tier":' + msgspec.json.encode(tier) + (b"," if not rest.startswith(b"}") else b"") + rest
 
 
 class Answer(NamedTuple):
@@ -40,6 +59,7 @@ class OpenedStream(msgspec.Struct):
     rest: AsyncIterator[bytes]
     started: float
     measured: RouteMetrics  # the model's metrics on the engine it runs on
+    latency: bool = False  # latency-critical work, counted in its engine's latency_in_flight while it streams
 
 
 class Gateway:
@@ -181,8 +201,29 @@ class Gateway:
         if hints and has_capability(record.engine, HintedEngine):
             body = body | hints
         elif has_capability(record.engine, PrioritizedEngine) and "priority" not in body:
-            body = body | {"priority": record.engine.priority_of(placement.latency)}  # type: ignore[attr-defined]
+            body = body | {"priority": record.engine.priority_of(placement.level)}  # type: ignore[attr-defined]
         return body
+
+    # ------------------------------------------------------------ admission
+
+    def _holds_criteria(self, record: EngineRecord) -> bool:
+        """Whether the gateway applies criteria itself on ``record``: an engine that takes scheduling hints
+        (the builtin one) orders its own queue by them."""
+        return not has_capability(record.engine, HintedEngine)
+
+    async def _admitted(self, record: EngineRecord, placement: Placement) -> None:
+        """Throughput work waits while latency-critical requests of this gateway are on ``record``'s engine
+        and it reports a queue ([scheduler] throughput_hold_s at most; 0: never): on an engine that does not
+        order work by criteria, what it admits now would queue ahead of, or batch beside, the urgent work."""
+        hold_s = self.config.scheduler.throughput_hold_s
+        if placement.level != THROUGHPUT_LEVEL or hold_s <= 0 or not self._holds_criteria(record):
+            return
+        deadline = time.monotonic() + hold_s
+        while record.latency_in_flight > 0 and record.stats.waiting > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(_HOLD_POLL_S)
+
+    def _counts_latency(self, record: EngineRecord, placement: Placement) -> bool:
+        return placement.latency and self._holds_criteria(record)
 
     # ------------------------------------------------------------ non-streaming
 
@@ -204,8 +245,11 @@ class Gateway:
         attempts = self._attempts(route, model, body, placement)
         while (attempt := await attempts.next()) is not None:
             record, sent = attempt
+            await self._admitted(record, placement)
             sent = self._for_engine(route, record, sent, hints, placement)
             measured = self.metrics.on(model, record.engine.name)
+            urgent = self._counts_latency(record, placement)
+            record.latency_in_flight += urgent
             record.in_flight += 1
             measured.requests_running.inc()
             record.requests.add()
@@ -219,6 +263,7 @@ class Gateway:
                 raise
             finally:
                 record.in_flight -= 1
+                record.latency_in_flight -= urgent
                 measured.requests_running.dec()
             record.breaker.succeeded()
             measured.queue_time.observe(dispatched - started)
@@ -237,6 +282,7 @@ class Gateway:
         attempts = self._attempts(route, model, body, placement)
         while (attempt := await attempts.next()) is not None:
             record, sent = attempt
+            await self._admitted(record, placement)
             dispatched = time.perf_counter()
             rest = record.engine.stream(route, self._for_engine(route, record, sent, hints, placement)).__aiter__()
             try:
@@ -250,9 +296,12 @@ class Gateway:
             measured = self.metrics.on(model, record.engine.name)
             measured.queue_time.observe(dispatched - started)
             record.in_flight += 1
+            urgent = self._counts_latency(record, placement)
+            record.latency_in_flight += urgent
             measured.requests_running.inc()
             record.requests.add()
-            return OpenedStream(record=record, first=first, rest=rest, started=started, measured=measured)
+            return OpenedStream(record=record, first=first, rest=rest, started=started, measured=measured,
+                                latency=urgent)
         raise self.outcomes.no_engine(model, attempts.last_error)
 
     async def sse_events(self, model: str, opened: OpenedStream) -> AsyncIterator[bytes]:
@@ -287,6 +336,7 @@ class Gateway:
         finally:
             await opened.rest.aclose()  # closes the engine's stream, also when the client went away
             opened.record.in_flight -= 1
+            opened.record.latency_in_flight -= opened.latency
             measured.requests_running.dec()
             measured.e2e_latency.observe(time.perf_counter() - opened.started)
         if not done:

@@ -104,8 +104,11 @@ class PrioritizedEngine(Engine, Protocol):
     """Orders its queue by a request's ``priority`` field (vLLM ``--scheduling-policy priority``, SGLang
     ``--enable-priority-scheduling``): the gateway sends Parrot's criteria as that number."""
 
-    def priority_of(self, latency: bool) -> int:
-        """The ``priority`` this engine reads as "sooner" for latency-critical work, "later" for throughput."""
+    def priority_of(self, level: int) -> int:
+        """The ``priority`` this engine reads for work of urgency ``level``: 0 latency-critical (served first),
+        1 a task group someone waits on, 2 throughput (served last). A vLLM server run with the default
+        ``fcfs`` policy refuses any ``priority`` but 0 (400), so only a server configured with priority
+        scheduling has this capability."""
         ...
 
 

@@ -238,5 +238,5 @@ class PrioritizedUpstreamEngine(UpstreamEngine):
         super().__init__(*args, **kwargs)
         self._lower_first = lower_first
 
-    def priority_of(self, latency: bool) -> int:
-        return int(latency != self._lower_first)  # lower first: latency 0, throughput 1
+    def priority_of(self, level: int) -> int:
+        return level if self._lower_first else -level  # lower first: latency 0, throughput 2; else 0, -2

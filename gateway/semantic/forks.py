@@ -97,7 +97,7 @@ class Forks:
             split = await self.split(step, records)
             if split is None:
                 return
-            plan = self.place(step.body["model"], split, "", records, call.placement())
+            plan = self.place(step.body["model"], split, "", records, call.placement(step.body))
             key = self.prefixes.key(plan.record.id, split.prefix)
             if not session.holdings.pin(key, tokens_in(len(split.prefix.encode()))):
                 return  # its key holds its quota of prefixes ahead already: filled when the call runs
@@ -125,7 +125,7 @@ class Forks:
         if split is None:
             return None
         values = {name: value for name, value in known.items() if isinstance(value, str)}
-        plan = self.place(model, split, split.rest_with(values), records, call.placement())
+        plan = self.place(model, split, split.rest_with(values), records, call.placement(step.body))
         return Handoff(plan, fork_parts(split, values, pending), list(pending.values()))
 
     async def _acquire(self, plan: Plan, session: Session) -> tuple[PrefixEntry, bool]:

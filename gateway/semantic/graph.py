@@ -24,6 +24,7 @@ from gateway.scheduler import Placement
 from gateway.semantic.handoff import PendingOutput
 from gateway.semantic.holdings import Holdings
 from gateway.semantic.schema import CallNode, CallState
+from wire.sampling import affinity_key
 
 if TYPE_CHECKING:
     from gateway.semantic.call_spec import CallSpec
@@ -187,9 +188,11 @@ class Call:
         consumer waits for the last of them, so they must finish together, not one after another."""
         return {"priority": self.priority, "criteria": "latency" if self.latency_critical else "throughput"}
 
-    def placement(self) -> Placement:
-        """How the global scheduler should place this call's requests (engine_hints: the engine's part)."""
-        return Placement(latency=self.latency_critical, group=self.group)
+    def placement(self, body: dict[str, Any] | None = None) -> Placement:
+        """How the global scheduler should place this call's requests (engine_hints: the engine's part); with
+        the affinity key (``prompt_cache_key``) of ``body``, the request one of its steps sends."""
+        return Placement(latency=self.latency_critical, group=self.group, urgent=self.latency,
+                         affinity=affinity_key(body) if body is not None else None)
 
     @property
     def latency_critical(self) -> bool:

@@ -73,7 +73,7 @@ class Runner:
     async def _run(self, step: Step, values: dict[str, str], call: Call) -> Answer:
         """Runs ``step`` with ``values``, placed by the global scheduler."""
         started = time.perf_counter()
-        hints, placement = call.engine_hints(), call.placement()  # as the call stands when the step starts
+        hints, placement = call.engine_hints(), call.placement(step.body)  # as the call stands when the step starts
         records = self.forks.engines(step.body["model"])
         split = await self.forks.split(step, records) if records and self.forks.forkable(step) else None
         if split is not None:

@@ -21,7 +21,7 @@ from http_plumbing.disconnect import CancelledOnDisconnect
 from gateway.auth import owner
 from gateway.errors import APIError, body_error
 from gateway.quotas import Quotas
-from gateway.service import ENGINE_HEADER, REQUEST_SCHEMAS, Gateway, OpenAIRequest
+from gateway.service import ENGINE_HEADER, REQUEST_SCHEMAS, Gateway, OpenAIRequest, placement_of, with_service_tier
 from gateway.streaming import send_events
 
 
@@ -81,16 +81,17 @@ async def _respond(route: Route, data: OpenAIRequest, body: dict, scope: Scope, 
     elif not data.stream:
         answer = None
         async with CancelledOnDisconnect(receive):  # a client that leaves cancels the engine's work
-            answer = await gateway.create(route, data.model, body)
+            answer = await gateway.create(route, data.model, body, placement=placement_of(body))
         if answer is None:
             return
-        await send(_start(b"application/json", (b"content-length", str(len(answer.body)).encode()),
+        content = with_service_tier(answer.body, body)
+        await send(_start(b"application/json", (b"content-length", str(len(content)).encode()),
                           (_ENGINE, answer.engine_id.encode())))
-        await send({"type": "http.response.body", "body": answer.body})
+        await send({"type": "http.response.body", "body": content})
     else:
         opened = None
         async with CancelledOnDisconnect(receive):  # a client that leaves during a long prefill, too
-            opened = await gateway.open_stream(route, data.model, body)
+            opened = await gateway.open_stream(route, data.model, body, placement=placement_of(body))
         if opened is None:
             return
         await send(_start(b"text/event-stream", (b"cache-control", b"no-cache"),
