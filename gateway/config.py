@@ -54,6 +54,9 @@ class UpstreamConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # "higher_first", or "lower_first" with --schedule-low-priority-values-first) server is sent each
     # request's criteria as its `priority`: latency-critical work first. "off": no priority field.
     priority_scheduling: Literal["off", "lower_first", "higher_first"] = "off"
+    # A vLLM or SGLang server with prefix caching: a semantic call waiting for its inputs has its prompt, up to
+    # its first pending variable, prefilled there ahead (one prefill-only request) and then runs there.
+    prefill_ahead: bool = False
 
     def served_model(self) -> str:
         return self.upstream_model or self.model

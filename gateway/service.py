@@ -13,7 +13,7 @@ from engines.seam import Engine, EngineError, HintedEngine, PrioritizedEngine, R
 from engines.seam.connect import connect, has_capability
 from wire.openai import COMPLETIONS_DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest, prompt_count
 from wire.sse import SSE_DONE, sse_event
-from engines.seam.upstream import PrioritizedUpstreamEngine, UpstreamEngine
+from engines.seam.upstream import upstream_class
 from gateway.attempts import Attempts
 from gateway.config import GatewayConfig
 from gateway.domain_errors import Conflict, Invalid, model_not_found
@@ -79,11 +79,11 @@ class Gateway:
             name = upstream.name or f"upstream-{i}"
             options: dict[str, Any] = dict(upstream_model=upstream.served_model(), api_key_env=upstream.api_key_env,
                                            transport=self.transport)
-            if upstream.priority_scheduling == "off":
-                engine = UpstreamEngine(name, upstream.base_url, self.client, **options)
-            else:  # vLLM / SGLang with priority scheduling: criteria become their `priority`
-                engine = PrioritizedUpstreamEngine(name, upstream.base_url, self.client,
-                                                   lower_first=upstream.priority_scheduling == "lower_first", **options)
+            prioritized = upstream.priority_scheduling != "off"  # vLLM / SGLang: criteria become their `priority`
+            if prioritized:
+                options["lower_first"] = upstream.priority_scheduling == "lower_first"
+            engine_class = upstream_class(prioritized=prioritized, prefill=upstream.prefill_ahead)
+            engine = engine_class(name, upstream.base_url, self.client, **options)
             self.registry.add(engine, [upstream.model], url=upstream.base_url)
 
     async def register_remote(self, name: str, url: str, models: list[str], capabilities: list[str],

@@ -167,6 +167,7 @@ class Call:
         self.span_context = None  # its tracing span's, once it ran traced (gateway/tracing.py)
         self.finished: float | None = None
         self.engine_id: str | None = None  # set by the runner once the scheduler placed it
+        self.warmed_on: str | None = None  # the engine its prompt was prefilled on ahead of its inputs (prefill.py)
         self.error: str | None = None
 
     def node(self) -> CallNode:

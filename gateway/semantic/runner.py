@@ -1,7 +1,8 @@
 """Runs calls on engines (graph.py's ``CallRunner``): a call's steps in order, each forked from its shared
 prefix on an engine with contexts (forks.py), else run as a plain request with its values substituted
-(plain.py). A waiting call is warmed (its prefix filled ahead), and one whose inputs are generating on one
-builtin engine is sent ahead there (handoff.py). Each step's answer goes to the call's reply, if it has one.
+(plain.py). A waiting call is warmed (its prefix filled ahead as a context, or prefilled on an upstream that
+takes prefill-only requests: prefill.py), and one whose inputs are generating on one builtin engine is sent
+ahead there (handoff.py). Each step's answer goes to the call's reply, if it has one.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from gateway.semantic.gateway_port import GatewayPort
 from gateway.semantic.graph import Call
 from gateway.semantic.handoff import unless_withdrawn
 from gateway.semantic.plain import run_plain
+from gateway.semantic.prefill import Prefills
 from gateway.semantic.prefix import PrefixCache
 from gateway.semantic.streaming import TextSink
 from gateway.tracing import Tracing
@@ -31,12 +33,21 @@ class Runner:
     def __init__(self, gateway: GatewayPort, prefixes: PrefixCache, config: SemanticConfig, tracing: Tracing):
         self.gateway = gateway
         self.forks = Forks(gateway, prefixes, config.min_prefix_chars)
+        self.prefills = Prefills(gateway, config.min_prefix_chars)
         self.config = config
         self.tracing = tracing
 
     async def warm(self, call: Call) -> None:
-        if call.spec.warm:
-            await self.forks.warm(call.spec.steps[0], call)
+        """Its first step's prompt, up to its first pending input, made ready on the engine it will run on: the
+        constant prefix filled as a context on an engine with contexts (forks.py), else prefilled on an engine
+        that takes prefill-only requests (prefill.py), whose prefix cache keeps it."""
+        if not call.spec.warm:
+            return
+        first = call.spec.steps[0]
+        if self.forks.engines(first.body["model"]):
+            await self.forks.warm(first, call)
+        else:
+            await self.prefills.warm(first, call)
 
     async def run(self, call: Call, values: dict[str, str]) -> dict[str, str]:
         with self.tracing.call(call):
@@ -78,6 +89,8 @@ class Runner:
         split = await self.forks.split(step, records) if records and self.forks.forkable(step) else None
         if split is not None:
             return await self._fork(step, call, split, split.rest_with(values), records, hints, placement, started)
+        if call.warmed_on is not None and call.spec is not None and step is call.spec.steps[0]:
+            placement = placement._replace(held_by=frozenset({call.warmed_on}))  # where its prefix was prefilled
         answer = await run_plain(self.gateway, step, values, hints, placement, _sink(call))
         call.engine_id = answer.engine_id
         return answer
