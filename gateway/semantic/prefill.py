@@ -34,8 +34,6 @@ class Prefills:
     def __init__(self, gateway: GatewayPort, min_prefix_chars: int):
         self.gateway = gateway
         self.min_prefix_chars = min_prefix_chars
-        self.sent = 0  # prefill-only requests sent
-        self.skipped_busy = 0  # calls not warmed: their engine was queueing work
 
     def engines(self, model: str) -> list[EngineRecord]:
         """The healthy engines of ``model`` that take prefill-only requests."""
@@ -56,14 +54,15 @@ class Prefills:
         record = self.gateway.place(Work(prefix, tokens, placement), records)
         if record is None:
             return
+        model = step.body["model"]
         if record.stats.waiting > 0:
-            self.skipped_busy += 1
+            self.gateway.outcomes.prefilled(model, record.engine.name, skipped=True)
             return
         if has_capability(record.engine, PrioritizedEngine):
             body["priority"] = record.engine.priority_of(placement.level)  # type: ignore[attr-defined]
         call.warmed_on = record.id
         try:
-            self.sent += 1
+            self.gateway.outcomes.prefilled(model, record.engine.name)
             await record.engine.prefill(step.route, body)  # type: ignore[attr-defined]
         except EngineError as exc:
             logger.debug("prefill ahead of call %s on %r failed: %s", call.id, record.engine.name, exc)
