@@ -103,6 +103,10 @@ class SemanticConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # when they are produced there, their text put into its prompt (gateway/semantic/handoff.py); off: it
     # waits for their text at the gateway. Either way the prompt is the one a plain request sends.
     token_handoff: bool = True
+    # A call run as a plain request is streamed from its engine even when its client does not stream, so that
+    # its first token is timed (its graph node's first_token: queue + prefill apart from decode; the per-call
+    # breakdown of benchmarks/breakdown.py). Costs the gateway a parse per streamed event.
+    stream_steps: bool = False
     max_prefixes_per_engine: int = 32  # idle shared-prefix contexts kept per engine; beyond, one-off ones go first
     default_session_max_variables: int = 10_000  # a key's default session forgets its oldest finished ones beyond
     # A session no request touched and no call ran in for this long is closed as DELETE closes it

@@ -51,6 +51,7 @@ class Answer(NamedTuple):
     body: bytes
     engine_id: str  # where it ran (the x-parrot-engine header)
     reported: Reported | None = None  # the body as ``create`` read it for the metrics (None: unreadable)
+    dispatched: float = 0.0  # when it was sent to the engine that answered it (Unix seconds)
 
 
 class OpenedStream(msgspec.Struct):
@@ -60,6 +61,7 @@ class OpenedStream(msgspec.Struct):
     started: float
     measured: RouteMetrics  # the model's metrics on the engine it runs on
     latency: bool = False  # latency-critical work, counted in its engine's latency_in_flight while it streams
+    dispatched: float = 0.0  # when it was sent to its engine (Unix seconds)
 
 
 class Gateway:
@@ -253,7 +255,7 @@ class Gateway:
             record.in_flight += 1
             measured.requests_running.inc()
             record.requests.add()
-            dispatched = time.perf_counter()
+            dispatched, dispatched_at = time.perf_counter(), time.time()
             try:
                 response = await record.engine.create(route, sent)
             except EngineError as exc:
@@ -269,7 +271,7 @@ class Gateway:
             measured.queue_time.observe(dispatched - started)
             reported = read(response)
             self.outcomes.succeeded(model, record.engine.name, reported, started)
-            return Answer(response, record.id, reported)
+            return Answer(response, record.id, reported, dispatched_at)
         raise self.outcomes.no_engine(model, attempts.last_error)
 
     # ------------------------------------------------------------ streaming
@@ -283,7 +285,7 @@ class Gateway:
         while (attempt := await attempts.next()) is not None:
             record, sent = attempt
             await self._admitted(record, placement)
-            dispatched = time.perf_counter()
+            dispatched, dispatched_at = time.perf_counter(), time.time()
             rest = record.engine.stream(route, self._for_engine(route, record, sent, hints, placement)).__aiter__()
             try:
                 first = await anext(rest, None)
@@ -301,7 +303,7 @@ class Gateway:
             measured.requests_running.inc()
             record.requests.add()
             return OpenedStream(record=record, first=first, rest=rest, started=started, measured=measured,
-                                latency=urgent)
+                                latency=urgent, dispatched=dispatched_at)
         raise self.outcomes.no_engine(model, attempts.last_error)
 
     async def sse_events(self, model: str, opened: OpenedStream) -> AsyncIterator[bytes]:

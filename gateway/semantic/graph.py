@@ -130,6 +130,30 @@ class Variable:
         return f"{self.name!r} ({self.id})" if self.name else self.id
 
 
+class CallTimings:
+    """Where a call's time went, as Unix seconds (None: did not happen, or is not known): its prompt warmed
+    ahead, its (first) request sent to its engine, its first token back (when its text was streamed from the
+    engine), its (last) answer back. With the call's submitted / started / finished and its producers'
+    finished, a benchmark splits its time into waiting for inputs, the gap after them, the gateway's own,
+    queue and prefill, and decode (benchmarks/breakdown.py)."""
+
+    __slots__ = ("warmed", "dispatched", "first_token", "answered")
+
+    def __init__(self) -> None:
+        self.warmed: float | None = None
+        self.dispatched: float | None = None
+        self.first_token: float | None = None
+        self.answered: float | None = None
+
+    def dispatch(self, at: float | None = None) -> None:
+        if self.dispatched is None:
+            self.dispatched = at or time.time()
+
+    def token(self) -> None:
+        if self.first_token is None:
+            self.first_token = time.time()
+
+
 class CallRunner(Protocol):
     """What runs a call's requests on engines (runner.py's ``Runner``)."""
 
@@ -168,6 +192,7 @@ class Call:
         self.finished: float | None = None
         self.engine_id: str | None = None  # set by the runner once the scheduler placed it
         self.warmed_on: str | None = None  # the engine its prompt was prefilled on ahead of its inputs (prefill.py)
+        self.timings = CallTimings()
         self.error: str | None = None
 
     def node(self) -> CallNode:
@@ -176,7 +201,8 @@ class Call:
                         inputs={name: v.id for name, v in self.inputs.items()},
                         outputs={name: v.id for name, v in self.outputs.items()},
                         submitted=self.submitted, handed=self.handed, started=self.started, finished=self.finished,
-                        error=self.error)
+                        error=self.error, warmed=self.timings.warmed, dispatched=self.timings.dispatched,
+                        first_token=self.timings.first_token, answered=self.timings.answered)
 
     @property
     def priority(self) -> int:

@@ -13,6 +13,7 @@ the plain request's either way.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from engines.seam import EngineError, PrefillEngine, PrioritizedEngine, Route
@@ -64,6 +65,7 @@ class Prefills:
         try:
             self.gateway.outcomes.prefilled(model, record.engine.name)
             await record.engine.prefill(step.route, body)  # type: ignore[attr-defined]
+            call.timings.warmed = time.time()
         except EngineError as exc:
             logger.debug("prefill ahead of call %s on %r failed: %s", call.id, record.engine.name, exc)
 

@@ -91,8 +91,10 @@ class Runner:
             return await self._fork(step, call, split, split.rest_with(values), records, hints, placement, started)
         if call.warmed_on is not None and call.spec is not None and step is call.spec.steps[0]:
             placement = placement._replace(held_by=frozenset({call.warmed_on}))  # where its prefix was prefilled
-        answer = await run_plain(self.gateway, step, values, hints, placement, _sink(call))
+        answer = await run_plain(self.gateway, step, values, hints, placement, _sink(call), call.timings,
+                                 stream=self.config.stream_steps)
         call.engine_id = answer.engine_id
+        call.timings.answered = time.time()
         return answer
 
     async def _fork(self, step: Step, call: Call, split: PromptSplit, rest: str, records: list[EngineRecord],
@@ -105,9 +107,11 @@ class Runner:
         while True:
             plan = self.forks.place(model, split, rest, records, placement)
             call.engine_id = plan.record.id
+            call.timings.dispatch()
             try:
                 generation = await self.forks.generate(plan, rest, step.body, bounded, call.session, sink,
-                                                       call.outputs[step.output], generating=True)
+                                                       call.outputs[step.output], generating=True,
+                                                       timings=call.timings)
                 break
             except EngineError as exc:
                 tried.add(plan.record.id)
@@ -116,6 +120,7 @@ class Runner:
                         or (sink is not None and sink.started)):
                     self.gateway.outcomes.failed(model, exc)
                     raise
+        call.timings.answered = time.time()
         return self._answered(step, plan, generation, started)
 
     async def _run_ahead(self, step: Step, handoff: Handoff, call: Call) -> Answer | None:
@@ -127,10 +132,11 @@ class Runner:
         timeout_s = self.config.input_timeout_s
         call.engine_id = plan.record.id
         bounded = call.engine_hints() | self.gateway.token_defaults(step.route, step.body, plan.engine)
+        call.timings.dispatch()
         try:
             done, withdrawn = await unless_withdrawn(
                 self.forks.generate(plan, handoff.parts, step.body, bounded, call.session, sink, output,
-                                    generating=False),
+                                    generating=False, timings=call.timings),
                 handoff.pending, beside=_running_once_bound(call, timeout_s))
         except EngineError as exc:
             if (exc.status_code == 424 or retryable(exc)) and not (sink is not None and sink.started):
@@ -149,6 +155,7 @@ class Runner:
             return None
         if call.started is None:
             call.mark_running()
+        call.timings.answered = time.time()
         return self._answered(step, plan, done, started)
 
     def _answered(self, step: Step, plan: Plan, generation: Generation, started: float) -> Answer:
