@@ -107,6 +107,14 @@ class SemanticConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # its first token is timed (its graph node's first_token: queue + prefill apart from decode; the per-call
     # breakdown of benchmarks/breakdown.py). Costs the gateway a parse per streamed event.
     stream_steps: bool = False
+    # Prefill ahead on upstreams (prefill.py): as the producer of a waiting call's first pending input streams
+    # its text, the call's prefilled prompt is extended with it each time this many more characters came, so
+    # that when the input is bound most of it is cached too. 0: off. On, calls run as plain requests stream
+    # from their engines (as stream_steps).
+    prefill_extend_chars: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # Prefill ahead skips an engine reporting more requests than this waiting in its queue (saturated: a
+    # prefill would delay the work ahead of it for a prefix the call computes anyway), or its KV cache full.
+    prefill_max_waiting: Annotated[int, msgspec.Meta(ge=0)] = 8
     max_prefixes_per_engine: int = 32  # idle shared-prefix contexts kept per engine; beyond, one-off ones go first
     default_session_max_variables: int = 10_000  # a key's default session forgets its oldest finished ones beyond
     # A session no request touched and no call ran in for this long is closed as DELETE closes it

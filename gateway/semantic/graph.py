@@ -55,6 +55,8 @@ class Variable:
         self.producer: Call | None = None
         self.size = 0  # UTF-8 bytes of its value, counted in its session's bytes
         self.pending: PendingOutput | None = None  # while its producer generates it on an engine (handoff.py)
+        self.partial = ""  # what its producer streamed of it so far, until it is bound (prefill.py extends with it)
+        self._grew = asyncio.Event()  # set (and replaced) each time partial grows, and when it is bound or fails
         self._ready = asyncio.Event()
         self._announced = asyncio.Event()  # ready, or pending on an engine
         if value is not None:
@@ -72,12 +74,32 @@ class Variable:
         self.pending = None
         self._ready.set()
         self._announced.set()
+        self._grown()
+
+    def extend(self, text: str) -> None:
+        """Its producer streamed ``text`` more of it from its engine (it is not bound until the producer ends)."""
+        self.partial += text
+        self._grown()
+
+    def _grown(self) -> None:
+        if self.ready:
+            self.partial = ""
+        self._grew.set()
+        self._grew = asyncio.Event()
+
+    async def grown(self, chars: int, timeout_s: float) -> None:
+        """Returns once ``partial`` holds at least ``chars`` characters, or the variable is ready (bound or failed);
+        TimeoutError after ``timeout_s``."""
+        async with asyncio.timeout(timeout_s):
+            while len(self.partial) < chars and not self.ready:
+                await self._grew.wait()
 
     def fail(self, error: str) -> None:
         self.error = error
         self.withdraw()
         self._ready.set()
         self._announced.set()
+        self._grown()
 
     def publish(self, pending: PendingOutput, *, generating: bool) -> None:
         """Its producer sent its generation to an engine under ``pending``'s name; ``generating``: the

@@ -4,21 +4,25 @@ The upstream counterpart of a context fill (forks.py's ``warm``): while a call w
 step's prompt up to the first input that is still pending (the inputs already bound substituted, as the plain
 request will have them) is sent to the engine the global scheduler picks for the call, as one prefill-only
 request; that engine's prefix cache keeps it. The call is then placed there (its placement names the engine as
-holding its prefix), so when its inputs land only the rest of its prompt is computed. An engine already queueing
-work (its stats) is not warmed: the prefill would wait in line with everything else and delay the work ahead of
-it, for a prefix the call computes anyway. What the engine computed is its own to keep or evict; the answer is
-the plain request's either way.
+holding its prefix), so when its inputs land only the rest of its prompt is computed. A saturated engine is not
+warmed (more than ``[semantic] prefill_max_waiting`` requests in its queue, or its KV cache full; its stats asked
+for then, not the last health check's): the prefill would wait in line with everything else and delay the work
+ahead of it, for a prefix the call computes anyway, or evict what others hold. With
+``[semantic] prefill_extend_chars``, as the producer of that first pending input streams its text, the prefilled
+prompt is extended with it, so that when the input is bound most of it is cached too. What the engine computed
+is its own to keep or evict; the answer is the plain request's either way.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from engines.seam import EngineError, PrefillEngine, PrioritizedEngine, Route
 from engines.seam.connect import has_capability
 from gateway.prompt_prefix import prompt_prefix
+from gateway.config import SemanticConfig
 from gateway.registry import EngineRecord
 from gateway.scheduler import Work
 from gateway.semantic import template
@@ -32,9 +36,13 @@ _RENDERING = ("model", "tools", "chat_template", "chat_template_kwargs")  # what
 
 
 class Prefills:
-    def __init__(self, gateway: GatewayPort, min_prefix_chars: int):
+    def __init__(self, gateway: GatewayPort, config: SemanticConfig, kv_full: float = 0.95):
         self.gateway = gateway
-        self.min_prefix_chars = min_prefix_chars
+        self.min_prefix_chars = config.min_prefix_chars
+        self.extend_chars = config.prefill_extend_chars
+        self.input_timeout_s = config.input_timeout_s
+        self.max_waiting = config.prefill_max_waiting
+        self.kv_full = kv_full
 
     def engines(self, model: str) -> list[EngineRecord]:
         """The healthy engines of ``model`` that take prefill-only requests."""
@@ -47,16 +55,17 @@ class Prefills:
         if not records:
             return
         values = {name: v.value for name, v in call.inputs.items() if v.value is not None}
-        body = prefix_body(step.route, step.body, values)
-        if body is None or _prefix_chars(step.route, body) < self.min_prefix_chars:
+        cut = prefix_body(step.route, step.body, values)
+        if cut is None or _prefix_chars(step.route, cut.body) < self.min_prefix_chars:
             return
+        body = cut.body
         placement = call.placement(step.body)
         prefix, tokens = prompt_prefix(step.route, body)
         record = self.gateway.place(Work(prefix, tokens, placement), records)
         if record is None:
             return
         model = step.body["model"]
-        if record.stats.waiting > 0:
+        if await _saturated(record, self.max_waiting, self.kv_full):
             self.gateway.outcomes.prefilled(model, record.engine.name, skipped=True)
             return
         if has_capability(record.engine, PrioritizedEngine):
@@ -66,21 +75,72 @@ class Prefills:
             self.gateway.outcomes.prefilled(model, record.engine.name)
             await record.engine.prefill(step.route, body)  # type: ignore[attr-defined]
             call.timings.warmed = time.time()
+            if self.extend_chars:
+                await self._extend(step, call, record, cut, body.get("priority"))
         except EngineError as exc:
             logger.debug("prefill ahead of call %s on %r failed: %s", call.id, record.engine.name, exc)
 
+    async def _extend(self, step: Step, call: Call, record: EngineRecord, cut: Cut, priority: int | None) -> None:
+        """As the producer of the input the prefix was cut at streams it, the prefix prefilled again with what came
+        (every ``extend_chars`` more), until that input is bound; skipped while the engine queues work."""
+        variable = call.inputs[cut.pending]
+        model = step.body["model"]
+        deadline = time.monotonic() + self.input_timeout_s
+        sent = 0
+        while not variable.ready:
+            try:
+                await variable.grown(sent + self.extend_chars, max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                return  # the call's own wait for its inputs reports it
+            partial = variable.partial
+            if variable.ready or len(partial) < sent + self.extend_chars:
+                return
+            sent = len(partial)
+            if await _saturated(record, self.max_waiting, self.kv_full):
+                self.gateway.outcomes.prefilled(model, record.engine.name, skipped=True)
+                continue
+            body = prefix_body(step.route, step.body, cut.values, partial={cut.pending: partial})
+            if body is None:
+                return
+            if priority is not None:
+                body.body["priority"] = priority
+            self.gateway.outcomes.prefilled(model, record.engine.name)
+            await record.engine.prefill(step.route, body.body)  # type: ignore[attr-defined]
+            call.timings.warmed = time.time()
 
-def prefix_body(route: Route, body: dict[str, Any], values: dict[str, str]) -> dict[str, Any] | None:
+
+async def _saturated(record: EngineRecord, max_waiting: int, kv_full: float) -> bool:
+    """Whether the engine reports more than ``max_waiting`` requests waiting in its queue, or its KV cache at
+    ``kv_full``, asked now (a health check's reading may be seconds old); its last reading when it cannot say.
+    A few waiting requests are no saturation: requests that just arrived wait for the engine's next step."""
+    try:
+        record.stats = await record.engine.stats()
+    except EngineError:
+        pass
+    return record.stats.waiting > max_waiting or record.stats.kv_use() >= kv_full
+
+
+class Cut(NamedTuple):
+    """A request cut at its first pending input: the body to prefill, that input's name, the values before it."""
+
+    body: dict[str, Any]
+    pending: str
+    values: dict[str, str]
+
+
+def prefix_body(route: Route, body: dict[str, Any], values: dict[str, str],
+                partial: dict[str, str] | None = None) -> Cut | None:
     """``body`` cut where its first placeholder without a value in ``values`` starts, the others before it
-    substituted: a completions prompt, or the chat messages before that one and that one's text up to it.
-    None when nothing is pending (the request itself runs) or the prompt is not one such a cut keeps exact
-    (several prompts, messages with parts other than text before the cut)."""
+    substituted: a completions prompt, or the chat messages before that one and that one's text up to it; with
+    ``partial`` (that placeholder's name -> the start of its value), that start appended at the cut. None when
+    nothing is pending (the request itself runs) or the prompt is not one such a cut keeps exact (several
+    prompts, messages with parts other than text before the cut)."""
     if route == "completions":
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             return None
-        cut = _cut(prompt, values)
-        return None if cut is None else {"model": body["model"], "prompt": cut}
+        cut = _cut(prompt, values, partial)
+        return None if cut is None else Cut({"model": body["model"], "prompt": cut[0]}, cut[1], values)
     messages: list[dict[str, Any]] = []
     for message in body.get("messages") or ():
         content = message.get("content")
@@ -89,23 +149,25 @@ def prefix_body(route: Route, body: dict[str, Any], values: dict[str, str]) -> d
                 return None  # the cut would fall inside parts: not warmed
             messages.append(message)
             continue
-        cut = _cut(content, values)
+        cut = _cut(content, values, partial)
         if cut is None:
             messages.append({**message, "content": template.substitute(content, values)})
             continue
-        if cut:
-            messages.append({**message, "content": cut})
+        if cut[0]:
+            messages.append({**message, "content": cut[0]})
         if not messages:
             return None
-        return {key: body[key] for key in _RENDERING if key in body} | {"messages": messages}
+        return Cut({key: body[key] for key in _RENDERING if key in body} | {"messages": messages}, cut[1], values)
     return None
 
 
-def _cut(text: str, values: dict[str, str]) -> str | None:
-    """``text`` up to its first input placeholder without a value (those before it substituted); None if none."""
+def _cut(text: str, values: dict[str, str], partial: dict[str, str] | None) -> tuple[str, str] | None:
+    """``text`` up to its first input placeholder without a value (those before it substituted, the start of
+    its value from ``partial`` after it), and that placeholder's name; None if there is none."""
     for match in PLACEHOLDER.finditer(text):
-        if match.group(1) != "output" and match.group(2) not in values:
-            return template.substitute(text[:match.start()], values)
+        name = match.group(2)
+        if match.group(1) != "output" and name not in values:
+            return template.substitute(text[:match.start()], values) + (partial or {}).get(name, ""), name
     return None
 
 

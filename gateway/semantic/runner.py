@@ -30,10 +30,11 @@ from gateway.tracing import Tracing
 
 
 class Runner:
-    def __init__(self, gateway: GatewayPort, prefixes: PrefixCache, config: SemanticConfig, tracing: Tracing):
+    def __init__(self, gateway: GatewayPort, prefixes: PrefixCache, config: SemanticConfig, tracing: Tracing,
+                 kv_full: float = 0.95):
         self.gateway = gateway
         self.forks = Forks(gateway, prefixes, config.min_prefix_chars)
-        self.prefills = Prefills(gateway, config.min_prefix_chars)
+        self.prefills = Prefills(gateway, config, kv_full)
         self.config = config
         self.tracing = tracing
 
@@ -92,7 +93,8 @@ class Runner:
         if call.warmed_on is not None and call.spec is not None and step is call.spec.steps[0]:
             placement = placement._replace(held_by=frozenset({call.warmed_on}))  # where its prefix was prefilled
         answer = await run_plain(self.gateway, step, values, hints, placement, _sink(call), call.timings,
-                                 stream=self.config.stream_steps)
+                                 stream=self.config.stream_steps or self.config.prefill_extend_chars > 0,
+                                 output=call.outputs[step.output])
         call.engine_id = answer.engine_id
         call.timings.answered = time.time()
         return answer

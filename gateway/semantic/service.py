@@ -66,7 +66,7 @@ class SemanticService:
                                      finished_calls_kept=config.finished_calls_kept)
         self.prefixes = PrefixCache(config.max_prefixes_per_engine)
         gateway.registry.on_removed(self.prefixes.forget_engine)  # its contexts went with it
-        self.runner = Runner(gateway, self.prefixes, config, self.tracing)
+        self.runner = Runner(gateway, self.prefixes, config, self.tracing, gateway.config.scheduler.kv_full)
 
     # ------------------------------------------------------------ binding
 

@@ -17,7 +17,7 @@ import pytest
 from benchmarks.workloads import chain, map_reduce, multi_agent, shared_prompt
 from benchmarks.workloads.text import document
 from gateway.server.app import create_app
-from gateway.config import BuiltinConfig, GatewayConfig, UpstreamConfig
+from gateway.config import BuiltinConfig, GatewayConfig, SemanticConfig, UpstreamConfig
 from tests.support.models import SMOLLM
 
 pytestmark = pytest.mark.timeout(600)
@@ -39,17 +39,19 @@ APPS = {
 def gateways(smollm_gateway, serve_module) -> Iterator[dict[str, str]]:
     """The builtin engine behind the gateway it registered with, and the same engine as a plain OpenAI
     upstream of a second gateway (no context capability: values substituted into the request), and of a third
-    that prefills waiting calls there ahead of their inputs (``prefill_ahead``, gateway/semantic/prefill.py)."""
+    that prefills waiting calls there ahead of their inputs (``prefill_ahead``, gateway/semantic/prefill.py),
+    extending the prefill as their producers stream."""
     os.environ[ENGINE_KEY_ENV] = smollm_gateway["secret"]
 
-    def upstream(**options: Any) -> str:
+    def upstream(semantic: SemanticConfig = SemanticConfig(), **options: Any) -> str:
         return serve_module(create_app(GatewayConfig(
-            builtin=BuiltinConfig(enabled=False),
+            builtin=BuiltinConfig(enabled=False), semantic=semantic,
             upstreams=[UpstreamConfig(model=SMOLLM, base_url=f"{smollm_gateway['engine']}/v1",
                                       api_key_env=ENGINE_KEY_ENV, **options)])))
 
+    # Prefilled ahead and extended as producers stream (which they then do from the engine).
     yield {"builtin": smollm_gateway["gateway"], "upstream": upstream(),
-           "upstream_prefill": upstream(prefill_ahead=True)}
+           "upstream_prefill": upstream(SemanticConfig(prefill_extend_chars=48), prefill_ahead=True)}
     os.environ.pop(ENGINE_KEY_ENV, None)
 
 

@@ -36,6 +36,8 @@ class FakeVLLM:
         self.bodies: list[dict[str, Any]] = []
         self.arrived: dict[str, float] = {}  # a request's last message -> when it arrived (monotonic)
         self.delays: dict[str, float] = {}  # a request's last message -> how long it takes to answer
+        self.texts: dict[str, list[str]] = {}  # a request's last message -> its answer's pieces (else its name)
+        self.piece_delay_s = 0.0  # between a streamed answer's pieces
         self.app = asgi_app(self.handle)
 
     async def handle(self, scope, receive, send) -> None:
@@ -51,11 +53,27 @@ class FakeVLLM:
             last = body["messages"][-1]["content"] if "messages" in body else body.get("prompt")
             self.arrived[str(last)] = time.monotonic()
             await asyncio.sleep(self.delays.get(str(last), 0.0))
+            pieces = self.texts.get(str(last), [self.name])
+            if body.get("stream"):
+                await self._stream(send, pieces)
+                return
             answer = {"id": "c", "object": "chat.completion", "created": 0, "model": "m",
                       "choices": [{"index": 0, "finish_reason": "stop",
-                                   "message": {"role": "assistant", "content": self.name}}],
+                                   "message": {"role": "assistant", "content": "".join(pieces)}}],
                       "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
             await self._send(send, json.dumps(answer).encode())
+
+    async def _stream(self, send, pieces: list[str]) -> None:
+        """A chat completion streamed as vLLM streams it: a chunk per piece, the usage, [DONE]."""
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for i, piece in enumerate(pieces):
+            chunk = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m", "choices": [
+                {"index": 0, "delta": {"content": piece}, "finish_reason": "stop" if i == len(pieces) - 1 else None}]}
+            await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(), "more_body": True})
+            await asyncio.sleep(self.piece_delay_s)
+        usage = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m", "choices": [],
+                 "usage": {"prompt_tokens": 1, "completion_tokens": len(pieces), "total_tokens": 1 + len(pieces)}}
+        await send({"type": "http.response.body", "body": f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode()})
 
     @staticmethod
     async def _send(send, body: bytes, content_type: bytes = b"application/json") -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.config import BuiltinConfig, GatewayConfig, RoutingConfig, UpstreamConfig
+from gateway.config import BuiltinConfig, GatewayConfig, RoutingConfig, SemanticConfig, UpstreamConfig
 from gateway.semantic.prefill import prefix_body
 from gateway.server.app import create_app
 from tests.gateway.test_upstream_fleet import FakeVLLM
@@ -27,15 +27,18 @@ def test_a_prefix_body_is_the_request_cut_at_its_first_pending_input():
             "messages": [{"role": "system", "content": "Use {{style}}."},
                          {"role": "user", "content": "About {{city}}: {{question}} {{style}}"},
                          {"role": "user", "content": "later"}]}
-    assert prefix_body("chat/completions", chat, {"style": "prose", "city": "Oslo"}) == {
-        "model": "m", "tools": chat["tools"], "messages": [{"role": "system", "content": "Use prose."},
-                                                           {"role": "user", "content": "About Oslo: "}]}
-    assert prefix_body("chat/completions", chat, {"style": "prose"})["messages"][-1] == {  # type: ignore[index]
+    cut = prefix_body("chat/completions", chat, {"style": "prose", "city": "Oslo"})
+    assert cut is not None and cut.pending == "question"
+    assert cut.body == {"model": "m", "tools": chat["tools"], "messages": [
+        {"role": "system", "content": "Use prose."}, {"role": "user", "content": "About Oslo: "}]}
+    extended = prefix_body("chat/completions", chat, cut.values, partial={"question": "How many tra"})
+    assert extended is not None and extended.body["messages"][-1]["content"] == "About Oslo: How many tra"
+    assert prefix_body("chat/completions", chat, {"style": "prose"}).body["messages"][-1] == {  # type: ignore[union-attr]
         "role": "user", "content": "About "}
-    assert prefix_body("chat/completions", chat, {})["messages"] == [  # type: ignore[index]
+    assert prefix_body("chat/completions", chat, {}).body["messages"] == [  # type: ignore[union-attr]
         {"role": "system", "content": "Use "}]
     assert prefix_body("chat/completions", chat, {"style": "a", "city": "b", "question": "c"}) is None  # nothing pending
-    assert prefix_body("completions", {"model": "m", "prompt": "Notes on {{a}} and {{b}}"}, {"a": "x"}) == {
+    assert prefix_body("completions", {"model": "m", "prompt": "Notes on {{a}} and {{b}}"}, {"a": "x"}).body == {  # type: ignore[union-attr]
         "model": "m", "prompt": "Notes on x and "}
     parts = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "{{q}}"}]}]}
     assert prefix_body("chat/completions", parts, {}) is None
@@ -90,21 +93,48 @@ def test_a_waiting_call_is_prefilled_on_the_engine_it_then_runs_on(http, serve, 
     assert all("continue_final_message" not in b for b in runs)
 
 
-def test_an_engine_that_queues_work_is_not_prefilled_nor_one_without_the_capability(http, serve, start_gateway,
-                                                                                       wait_until):
-    busy = FakeVLLM("busy", waiting=5)
-    gateway = start_gateway([UpstreamConfig(model=SMOLLM, base_url=f"{serve(busy.app)}/v1", prefill_ahead=True)],
-                            routing=RoutingConfig(health_check_interval_s=0.1))
-    wait_until(lambda: http.get(f"{gateway}/v1/engines").json()[0]["stats"]["waiting"] == 5)
+def test_a_saturated_engine_is_not_prefilled_nor_one_without_the_capability(http, serve, start_gateway):
+    busy = FakeVLLM("busy", waiting=9)  # over [semantic] prefill_max_waiting, 8
+    gateway = start_gateway([UpstreamConfig(model=SMOLLM, base_url=f"{serve(busy.app)}/v1", prefill_ahead=True)])
     var, output = waiting_call(http, gateway, SYSTEM)
     assert answered(http, gateway, var, "When do trains run?", output) == "busy"
     assert [b["max_tokens"] for b in busy.bodies] == [16]  # the call alone: no prefill
+    busy.waiting, busy.kv = 0, 0.97  # its KV cache full: the same
+    var, output = waiting_call(http, gateway, SYSTEM)
+    assert answered(http, gateway, var, "When do trains run?", output) == "busy"
+    assert [b["max_tokens"] for b in busy.bodies] == [16, 16]
+    busy.kv = 0.5  # a few waiting requests (just arrived) are no saturation: prefilled
+    busy.waiting = 3
+    var, output = waiting_call(http, gateway, SYSTEM)
+    assert answered(http, gateway, var, "When do trains run?", output) == "busy"
+    assert [b["max_tokens"] for b in busy.bodies] == [16, 16, 1, 16]
 
     plain = FakeVLLM("plain")
     gateway = start_gateway([UpstreamConfig(model=SMOLLM, base_url=f"{serve(plain.app)}/v1")])
     var, output = waiting_call(http, gateway, SYSTEM)
     assert answered(http, gateway, var, "When do trains run?", output) == "plain"
     assert [b["max_tokens"] for b in plain.bodies] == [16]
+
+
+def test_as_a_producer_streams_the_warmed_prefix_is_extended_with_its_text(http, serve, start_gateway):
+    server = FakeVLLM("vllm")
+    server.texts["Write the notes."] = [f"note {i}; " for i in range(12)]  # 96 characters, a piece at a time
+    server.piece_delay_s = 0.05
+    gateway = start_gateway([UpstreamConfig(model=SMOLLM, base_url=f"{serve(server.app)}/v1", prefill_ahead=True)],
+                            semantic=SemanticConfig(prefill_extend_chars=30))
+    answer = http.post(f"{gateway}/v1/chat/completions", json={
+        "model": SMOLLM, "max_tokens": 16, "messages": [
+            {"role": "system", "content": SYSTEM}, {"role": "user", "content": "Notes: {{notes}} Now summarise."}],
+        "parrot": {"vars": {"notes": {"call": {"model": SMOLLM, "max_tokens": 32, "messages": [
+            {"role": "user", "content": "Write the notes."}]}}}}})
+    assert answer.status_code == 200, answer.text
+    final = "Notes: " + "".join(f"note {i}; " for i in range(12)) + " Now summarise."
+    prefills = [b["messages"][1]["content"] for b in server.bodies if b.get("max_tokens") == 1]
+    assert prefills[0] == "Notes: "  # before the producer's first token
+    assert len(prefills) >= 3  # then extended as its text came, every 30 characters or more
+    assert all(final.startswith(text) for text in prefills)
+    assert [len(text) for text in prefills] == sorted(len(text) for text in prefills)
+    assert server.bodies[-1]["messages"][1]["content"] == final and server.bodies[-1]["max_tokens"] == 16
 
 
 ENGINE_KEY_ENV = "PARROT_PREFILL_ENGINE_KEY"
