@@ -29,6 +29,7 @@ OpenAIRequest = ChatCompletionRequest | CompletionRequest
 REQUEST_SCHEMAS: dict[str, type[OpenAIRequest]] = {"chat/completions": ChatCompletionRequest, "completions": CompletionRequest}
 ENGINE_HEADER = "x-parrot-engine"  # on every proxied response: the engine it came from (its id in GET /v1/engines)
 _HOLD_POLL_S = 0.02  # how often held throughput work looks again (admission)
+_FRESH_S = 0.25  # how old an engine's stats may be for admission (older: asked of the engine then)
 
 
 def placement_of(body: dict[str, Any]) -> Placement:
@@ -216,12 +217,14 @@ class Gateway:
     async def _admitted(self, record: EngineRecord, placement: Placement) -> None:
         """Throughput work waits while latency-critical requests of this gateway are on ``record``'s engine
         and it reports a queue ([scheduler] throughput_hold_s at most; 0: never): on an engine that does not
-        order work by criteria, what it admits now would queue ahead of, or batch beside, the urgent work."""
+        order work by criteria, what it admits now would queue ahead of, or batch beside, the urgent work. Its
+        queue as read in the last quarter second (asked of the engine, one request for all the waiting)."""
         hold_s = self.config.scheduler.throughput_hold_s
         if placement.level != THROUGHPUT_LEVEL or hold_s <= 0 or not self._holds_criteria(record):
             return
         deadline = time.monotonic() + hold_s
-        while record.latency_in_flight > 0 and record.stats.waiting > 0 and time.monotonic() < deadline:
+        while (record.latency_in_flight > 0 and (await record.fresh_stats(_FRESH_S)).waiting > 0
+               and time.monotonic() < deadline):
             await asyncio.sleep(_HOLD_POLL_S)
 
     def _counts_latency(self, record: EngineRecord, placement: Placement) -> bool:

@@ -32,6 +32,7 @@ from gateway.semantic.graph import Call
 from wire.placeholders import PLACEHOLDER
 
 logger = logging.getLogger(__name__)
+_FRESH_S = 0.25  # how old an engine's stats may be for deciding whether it is saturated
 _RENDERING = ("model", "tools", "chat_template", "chat_template_kwargs")  # what shapes a chat prompt beside messages
 
 
@@ -113,11 +114,8 @@ async def _saturated(record: EngineRecord, max_waiting: int, kv_full: float) -> 
     """Whether the engine reports more than ``max_waiting`` requests waiting in its queue, or its KV cache at
     ``kv_full``, asked now (a health check's reading may be seconds old); its last reading when it cannot say.
     A few waiting requests are no saturation: requests that just arrived wait for the engine's next step."""
-    try:
-        record.stats = await record.engine.stats()
-    except EngineError:
-        pass
-    return record.stats.waiting > max_waiting or record.stats.kv_use() >= kv_full
+    stats = await record.fresh_stats(_FRESH_S)
+    return stats.waiting > max_waiting or stats.kv_use() >= kv_full
 
 
 class Cut(NamedTuple):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from typing import Any
 
 import httpx
@@ -100,11 +101,13 @@ def test_a_saturated_engine_is_not_prefilled_nor_one_without_the_capability(http
     assert answered(http, gateway, var, "When do trains run?", output) == "busy"
     assert [b["max_tokens"] for b in busy.bodies] == [16]  # the call alone: no prefill
     busy.waiting, busy.kv = 0, 0.97  # its KV cache full: the same
+    time.sleep(0.3)  # past the quarter second a reading of its stats is trusted
     var, output = waiting_call(http, gateway, SYSTEM)
     assert answered(http, gateway, var, "When do trains run?", output) == "busy"
     assert [b["max_tokens"] for b in busy.bodies] == [16, 16]
     busy.kv = 0.5  # a few waiting requests (just arrived) are no saturation: prefilled
     busy.waiting = 3
+    time.sleep(0.3)
     var, output = waiting_call(http, gateway, SYSTEM)
     assert answered(http, gateway, var, "When do trains run?", output) == "busy"
     assert [b["max_tokens"] for b in busy.bodies] == [16, 16, 1, 16]
