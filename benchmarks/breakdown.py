@@ -17,7 +17,7 @@ The engine's own split of a request's time into queue and prefill is not in an O
 histograms have it per engine (``vllm:request_queue_time_seconds``, ``…prefill_time…``, ``…decode_time…``):
 ``engine_phases`` reads their sums, and the difference of two reads is that of the requests in between.
 
-    python -m benchmarks.breakdown --url http://127.0.0.1:8000/v1 --app chain [--engine-metrics URL]
+    python -m benchmarks.breakdown --url http://127.0.0.1:8000/v1 --app chain [--engine-metrics URL] [--set chunks=4]
 
 runs the app once through the gateway (its default session) and prints the table, the totals, and the engines'
 phases over the run when given their /metrics URLs.
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import re
 import time
 from typing import Any, NamedTuple
@@ -108,14 +109,17 @@ async def default_session_graph(client: httpx.AsyncClient) -> dict[str, Any]:
     return (await client.get(f"/sessions/{default['id']}/graph")).json()
 
 
-async def run(url: str, app: str, model: str, engine_metrics: list[str]) -> str:
+async def run(url: str, app: str, model: str, engine_metrics: list[str], settings: dict[str, str]) -> str:
     from benchmarks.workloads import WORKLOADS
 
     module = WORKLOADS[app]
+    defaults = module.Config()
+    config = dataclasses.replace(defaults, **{key: type(getattr(defaults, key))(value) if not isinstance(
+        getattr(defaults, key), bool) else value.lower() in ("1", "true", "yes") for key, value in settings.items()})
     async with httpx.AsyncClient(base_url=url, timeout=900) as client:
         before = [engine_phases((await client.get(m)).text) for m in engine_metrics]
         since = time.time()
-        await module.run_parrot(client, model, module.Config())
+        await module.run_parrot(client, model, config)
         found = rows(await default_session_graph(client), since)
         after = [engine_phases((await client.get(m)).text) for m in engine_metrics]
     report = [table(found)]
@@ -130,8 +134,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
     parser.add_argument("--app", default="chain", help="a workload of benchmarks/workloads (run once)")
     parser.add_argument("--engine-metrics", nargs="*", default=[], help="engines' /metrics URLs (their phases)")
+    parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
+                        help="the app's Config fields (e.g. chunks=4 step_tokens=32)")
     args = parser.parse_args(argv)
-    print(asyncio.run(run(args.url, args.app, args.model, args.engine_metrics)))
+    settings = dict(item.split("=", 1) for item in args.set)
+    print(asyncio.run(run(args.url, args.app, args.model, args.engine_metrics, settings)))
 
 
 if __name__ == "__main__":

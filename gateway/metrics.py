@@ -90,7 +90,7 @@ class GatewayMetrics:
         self.prefills = Counter("parrot:prefill_ahead", "Prefill-only requests that warmed an upstream's prefix cache "
                                 "with a waiting call's prompt.", per_engine, registry=r)
         self.prefill_skips = Counter("parrot:prefill_ahead_skipped", "Waiting calls not prefilled ahead: their "
-                                     "engine reported a queue.", per_engine, registry=r)
+                                     "engine was saturated (its queue, or its KV cache full).", per_engine, registry=r)
         self.prefix_hit_tokens = Gauge("parrot:prefix_cache_hit_tokens", "Prompt tokens served from a cached "
                                        "prefix, summed over engines (as reported on heartbeat).", registry=r)
         self.shared_prefix_fork_tokens = Gauge("parrot:shared_prefix_fork_tokens", "Prompt tokens forked from "
