@@ -38,6 +38,12 @@ def placement_of(body: dict[str, Any]) -> Placement:
     return Placement(latency=tier_criteria(body) != "throughput", affinity=affinity_key(body))
 
 
+def hints_of(placement: Placement) -> dict[str, Any] | None:
+    """A plain request's scheduling hints for an engine that takes them (the builtin one orders and batches by
+    criteria): throughput work says so; latency work is what a plain request is to it anyway."""
+    return None if placement.latency else {"criteria": "throughput"}
+
+
 def with_service_tier(answer: bytes, body: dict[str, Any]) -> bytes:
     """An answer to a request that named a ``service_tier`` echoes it, as OpenAI's do (an engine's own member
     of that name stays); others are returned as they are, not read."""

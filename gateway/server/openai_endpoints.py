@@ -21,7 +21,8 @@ from http_plumbing.disconnect import CancelledOnDisconnect
 from gateway.auth import owner
 from gateway.errors import APIError, body_error
 from gateway.quotas import Quotas
-from gateway.service import ENGINE_HEADER, REQUEST_SCHEMAS, Gateway, OpenAIRequest, placement_of, with_service_tier
+from gateway.service import (ENGINE_HEADER, REQUEST_SCHEMAS, Gateway, OpenAIRequest, hints_of, placement_of,
+                             with_service_tier)
 from gateway.streaming import send_events
 
 
@@ -81,7 +82,8 @@ async def _respond(route: Route, data: OpenAIRequest, body: dict, scope: Scope, 
     elif not data.stream:
         answer = None
         async with CancelledOnDisconnect(receive):  # a client that leaves cancels the engine's work
-            answer = await gateway.create(route, data.model, body, placement=placement_of(body))
+            placement = placement_of(body)
+            answer = await gateway.create(route, data.model, body, hints_of(placement), placement)
         if answer is None:
             return
         content = with_service_tier(answer.body, body)
@@ -91,7 +93,8 @@ async def _respond(route: Route, data: OpenAIRequest, body: dict, scope: Scope, 
     else:
         opened = None
         async with CancelledOnDisconnect(receive):  # a client that leaves during a long prefill, too
-            opened = await gateway.open_stream(route, data.model, body, placement=placement_of(body))
+            placement = placement_of(body)
+            opened = await gateway.open_stream(route, data.model, body, hints_of(placement), placement)
         if opened is None:
             return
         await send(_start(b"text/event-stream", (b"cache-control", b"no-cache"),

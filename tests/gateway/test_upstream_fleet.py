@@ -14,6 +14,7 @@ import pytest
 
 from engines.seam.prometheus_stats import stats_from_metrics
 from gateway.config import RoutingConfig, SchedulerConfig, UpstreamConfig
+from gateway.service import hints_of, placement_of, with_service_tier
 from tests.support.servers import asgi_app, read_asgi_body
 
 VLLM_METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -204,3 +205,17 @@ def test_throughput_work_waits_while_latency_work_queues_on_the_same_engine(http
         "model": "m", "service_tier": "flex", "messages": [{"role": "user", "content": "more batch work"}]})
     urgent.join()
     assert server.arrived["more batch work"] - server.arrived["urgent again"] < 1.0
+
+
+def test_a_plain_requests_openai_fields_become_its_placement_and_hints():
+    flex = placement_of({"service_tier": "flex", "prompt_cache_key": "k1"})
+    assert (flex.latency, flex.level, flex.affinity) == (False, 2, "k1")
+    assert hints_of(flex) == {"criteria": "throughput"}  # for an engine that takes hints (the builtin one)
+    for body in ({}, {"service_tier": "default"}, {"service_tier": "priority"}, {"service_tier": 7},
+                 {"prompt_cache_key": ""}):
+        placement = placement_of(body)
+        assert (placement.latency, placement.affinity, hints_of(placement)) == (True, None, None)
+    assert with_service_tier(b'{"id":"x"}', {"service_tier": "flex"}) == b'{"service_tier":"flex","id":"x"}'
+    assert with_service_tier(b'{}', {"service_tier": "flex"}) == b'{"service_tier":"flex"}'
+    assert with_service_tier(b'{"service_tier":"default"}', {"service_tier": "flex"}) == b'{"service_tier":"default"}'
+    assert with_service_tier(b'{"id":"x"}', {}) == b'{"id":"x"}'
