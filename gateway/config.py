@@ -107,10 +107,10 @@ class SemanticConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # its first token is timed (its graph node's first_token: queue + prefill apart from decode; the per-call
     # breakdown of benchmarks/breakdown.py). Costs the gateway a parse per streamed event.
     stream_steps: bool = False
-    # Prefill ahead on upstreams (prefill.py): as the producer of a waiting call's first pending input streams
-    # its text, the call's prefilled prompt is extended with it each time this many more characters came, so
-    # that when the input is bound most of it is cached too. 0: off. On, calls run as plain requests stream
-    # from their engines (as stream_steps).
+    # Prefill ahead on upstreams (prefill.py): a waiting call's prefilled prompt is extended as its inputs come
+    # (the text the producer of the first pending one streams, each value bound), each time it grew by this many
+    # characters, so that when the last input is bound most of it is cached too. 0: off. On, calls run as plain
+    # requests stream from their engines (as stream_steps).
     prefill_extend_chars: Annotated[int, msgspec.Meta(ge=0)] = 0
     # Prefill ahead skips an engine reporting more requests than this waiting in its queue (saturated: a
     # prefill would delay the work ahead of it for a prefix the call computes anyway), or its KV cache full.

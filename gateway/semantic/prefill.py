@@ -8,8 +8,9 @@ holding its prefix), so when its inputs land only the rest of its prompt is comp
 warmed (more than ``[semantic] prefill_max_waiting`` requests in its queue, or its KV cache full; its stats asked
 for then, not the last health check's): the prefill would wait in line with everything else and delay the work
 ahead of it, for a prefix the call computes anyway, or evict what others hold. With
-``[semantic] prefill_extend_chars``, as the producer of that first pending input streams its text, the prefilled
-prompt is extended with it, so that when the input is bound most of it is cached too. What the engine computed
+``[semantic] prefill_extend_chars``, the prefilled prompt is extended as the inputs come: with the text the
+producer of the first pending input streams, and with each value bound (the cut moves on to the next pending
+input), so that when the last input is bound most of the prompt is cached too. What the engine computed
 is its own to keep or evict; the answer is the plain request's either way.
 """
 
@@ -77,37 +78,45 @@ class Prefills:
             await record.engine.prefill(step.route, body)  # type: ignore[attr-defined]
             call.timings.warmed = time.time()
             if self.extend_chars:
-                await self._extend(step, call, record, cut, body.get("priority"))
+                await self._extend(step, call, record, _prefix_chars(step.route, body), body.get("priority"))
         except EngineError as exc:
             logger.debug("prefill ahead of call %s on %r failed: %s", call.id, record.engine.name, exc)
 
-    async def _extend(self, step: Step, call: Call, record: EngineRecord, cut: Cut, priority: int | None) -> None:
-        """As the producer of the input the prefix was cut at streams it, the prefix prefilled again with what came
-        (every ``extend_chars`` more), until that input is bound; skipped while the engine queues work."""
-        variable = call.inputs[cut.pending]
+    async def _extend(self, step: Step, call: Call, record: EngineRecord, sent: int, priority: int | None) -> None:
+        """The prefilled prompt extended as the call's inputs come, until the last is bound: with the text their
+        producers stream (the first pending input's), and with each value bound (the cut moves on to the next
+        pending input); prefilled again each time it grew by ``extend_chars`` or more (``sent``: the characters
+        prefilled so far), unless the engine is saturated then."""
         model = step.body["model"]
         deadline = time.monotonic() + self.input_timeout_s
-        sent = 0
-        while not variable.ready:
-            try:
-                await variable.grown(sent + self.extend_chars, max(0.0, deadline - time.monotonic()))
+        while True:
+            values = {name: v.value for name, v in call.inputs.items() if v.value is not None}
+            cut = prefix_body(step.route, step.body, values)
+            if cut is None:
+                return  # every input is bound: the call runs
+            variable = call.inputs[cut.pending]
+            if variable.error is not None:
+                return  # it failed: the call fails with it
+            partial = variable.partial
+            if partial:
+                cut = prefix_body(step.route, step.body, values, partial={cut.pending: partial}) or cut
+            size = _prefix_chars(step.route, cut.body)
+            if size >= sent + self.extend_chars:
+                sent = size
+                if await _saturated(record, self.max_waiting, self.kv_full):
+                    self.gateway.outcomes.prefilled(model, record.engine.name, skipped=True)
+                else:
+                    if priority is not None:
+                        cut.body["priority"] = priority
+                    self.gateway.outcomes.prefilled(model, record.engine.name)
+                    await record.engine.prefill(step.route, cut.body)  # type: ignore[attr-defined]
+                    call.timings.warmed = time.time()
+                continue
+            try:  # until its producer streamed enough more, or it is bound (or failed)
+                await variable.grown(len(partial) + sent + self.extend_chars - size,
+                                     max(0.0, deadline - time.monotonic()))
             except TimeoutError:
                 return  # the call's own wait for its inputs reports it
-            partial = variable.partial
-            if variable.ready or len(partial) < sent + self.extend_chars:
-                return
-            sent = len(partial)
-            if await _saturated(record, self.max_waiting, self.kv_full):
-                self.gateway.outcomes.prefilled(model, record.engine.name, skipped=True)
-                continue
-            body = prefix_body(step.route, step.body, cut.values, partial={cut.pending: partial})
-            if body is None:
-                return
-            if priority is not None:
-                body.body["priority"] = priority
-            self.gateway.outcomes.prefilled(model, record.engine.name)
-            await record.engine.prefill(step.route, body.body)  # type: ignore[attr-defined]
-            call.timings.warmed = time.time()
 
 
 async def _saturated(record: EngineRecord, max_waiting: int, kv_full: float) -> bool:

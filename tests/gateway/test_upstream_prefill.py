@@ -140,6 +140,28 @@ def test_as_a_producer_streams_the_warmed_prefix_is_extended_with_its_text(http,
     assert server.bodies[-1]["messages"][1]["content"] == final and server.bodies[-1]["max_tokens"] == 16
 
 
+def test_as_inputs_are_bound_the_prefill_moves_on_to_the_next_pending_one(http, serve, start_gateway):
+    server = FakeVLLM("vllm")
+    server.texts = {"Note A.": ["the first note, at length"], "Note B.": ["the second note"]}
+    server.delays["Note B."] = 1.0  # bound well after the first
+    gateway = start_gateway([UpstreamConfig(model=SMOLLM, base_url=f"{serve(server.app)}/v1", prefill_ahead=True)],
+                            semantic=SemanticConfig(prefill_extend_chars=10))
+
+    def note(text: str) -> dict[str, Any]:
+        return {"call": {"model": SMOLLM, "max_tokens": 8, "messages": [{"role": "user", "content": text}]}}
+
+    answer = http.post(f"{gateway}/v1/chat/completions", json={
+        "model": SMOLLM, "max_tokens": 16, "messages": [
+            {"role": "system", "content": SYSTEM}, {"role": "user", "content": "First: {{a}}. Second: {{b}}. Merge."}],
+        "parrot": {"vars": {"a": note("Note A."), "b": note("Note B.")}}})
+    assert answer.status_code == 200, answer.text
+    prefills = [b["messages"][1]["content"] for b in server.bodies if b.get("max_tokens") == 1]
+    assert prefills[0] == "First: "
+    assert "First: the first note, at length. Second: " in prefills  # a bound: cut at b, with a's value
+    assert server.bodies[-1]["messages"][1]["content"] == ("First: the first note, at length. Second: the second "
+                                                         "note. Merge.")
+
+
 ENGINE_KEY_ENV = "PARROT_PREFILL_ENGINE_KEY"
 
 
