@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any, AsyncIterator, Callable, NamedTuple
 
@@ -42,6 +43,17 @@ def hints_of(placement: Placement) -> dict[str, Any] | None:
     """A plain request's scheduling hints for an engine that takes them (the builtin one orders and batches by
     criteria): throughput work says so; latency work is what a plain request is to it anyway."""
     return None if placement.latency else {"criteria": "throughput"}
+
+
+async def events_with_service_tier(events: AsyncIterator[bytes], body: dict[str, Any]) -> AsyncIterator[bytes]:
+    """A stream's SSE events, each chunk naming the request's ``service_tier`` as OpenAI's do (events that name
+    one already, and error objects, as they are)."""
+    tier = b'data: {"service_tier":' + msgspec.json.encode(body["service_tier"]) + b","
+    async with contextlib.aclosing(events):  # closed with this one: the engine's stream and its accounting
+        async for batch in events:
+            if b'"service_tier"' not in batch and b'data: {"error"' not in batch:
+                batch = batch.replace(b"data: {", tier)
+            yield batch
 
 
 def with_service_tier(answer: bytes, body: dict[str, Any]) -> bytes:

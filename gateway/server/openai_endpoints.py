@@ -21,8 +21,8 @@ from http_plumbing.disconnect import CancelledOnDisconnect
 from gateway.auth import owner
 from gateway.errors import APIError, body_error
 from gateway.quotas import Quotas
-from gateway.service import (ENGINE_HEADER, REQUEST_SCHEMAS, Gateway, OpenAIRequest, hints_of, placement_of,
-                             with_service_tier)
+from gateway.service import (ENGINE_HEADER, REQUEST_SCHEMAS, Gateway, OpenAIRequest, events_with_service_tier,
+                             hints_of, placement_of, with_service_tier)
 from gateway.streaming import send_events
 
 
@@ -99,7 +99,10 @@ async def _respond(route: Route, data: OpenAIRequest, body: dict, scope: Scope, 
             return
         await send(_start(b"text/event-stream", (b"cache-control", b"no-cache"),
                           (_ENGINE, opened.record.id.encode())))
-        await send_events(gateway.sse_events(data.model, opened), send, receive)
+        events = gateway.sse_events(data.model, opened)
+        if isinstance(body.get("service_tier"), str):
+            events = events_with_service_tier(events, body)
+        await send_events(events, send, receive)
 
 
 def parse(raw: bytes, schema: type[OpenAIRequest]) -> tuple[OpenAIRequest, dict]:

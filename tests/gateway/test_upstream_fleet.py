@@ -149,6 +149,11 @@ def test_service_tier_sets_the_criteria_and_is_echoed(http, serve, start_gateway
         assert server.bodies[-1]["priority"] == priority
         assert server.bodies[-1]["service_tier"] == tier  # forwarded: an OpenAI upstream reads it itself
     assert "service_tier" not in chat(http, gateway).json()  # not named: not echoed
+    with http.stream("POST", f"{gateway}/v1/chat/completions", json={
+            "model": "m", "service_tier": "flex", "stream": True, "messages": [{"role": "user", "content": "Hi"}]}) as streamed:
+        chunks = [json.loads(line[6:]) for line in streamed.iter_lines() if line.startswith("data: {")]
+    assert chunks and all(chunk["service_tier"] == "flex" for chunk in chunks)
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == "vllm"
     semantic = http.post(f"{gateway}/v1/chat/completions", json={
         "model": "m", "service_tier": "flex", "messages": [{"role": "user", "content": "Summarise {{doc}}"}],
         "parrot": {"vars": {"doc": {"value": "a long report"}}}})
