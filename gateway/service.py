@@ -135,6 +135,14 @@ class Gateway:
         """The engine the global scheduler picks for ``work`` among ``records``."""
         return self.scheduler.place(work, records)
 
+    def best(self, work: Work, records: list[EngineRecord]) -> EngineRecord | None:
+        """``place``'s pick, not yet remembered as placed there (``placed``, once it went)."""
+        return self.scheduler.best(work, records)
+
+    def placed(self, work: Work, record: EngineRecord) -> None:
+        """``work`` went to ``record``'s engine: it holds the work's prefix from now on."""
+        self.scheduler.placed(work, record)
+
     @property
     def retries(self) -> int:
         """How many more engines a failed request may be tried on ([routing] num_retries)."""

@@ -63,7 +63,8 @@ class Prefills:
         body = cut.body
         placement = call.placement(step.body)
         prefix, tokens = prompt_prefix(step.route, body)
-        record = self.gateway.place(Work(prefix, tokens, placement), records)
+        work = Work(prefix, tokens, placement)
+        record = self.gateway.best(work, records)
         if record is None:
             return
         model = step.body["model"]
@@ -76,6 +77,7 @@ class Prefills:
         try:
             self.gateway.outcomes.prefilled(model, record.engine.name)
             await record.engine.prefill(step.route, body)  # type: ignore[attr-defined]
+            self.gateway.placed(work, record)  # its prefix is there now (not when skipped or failed)
             call.timings.warmed = time.time()
             if self.extend_chars:
                 await self._extend(step, call, record, _prefix_chars(step.route, body), body.get("priority"))
