@@ -12,7 +12,7 @@ import msgspec
 
 from engines.seam import Engine, EngineError, HintedEngine, PrioritizedEngine, Route
 from engines.seam.connect import connect, has_capability
-from wire.openai import COMPLETIONS_DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest, prompt_count
+from wire.openai import COMPLETIONS_DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest, prompt_count, served_tier
 from wire.sse import SSE_DONE, sse_event
 from engines.seam.upstream import upstream_class
 from gateway.attempts import Attempts
@@ -48,7 +48,7 @@ def hints_of(placement: Placement) -> dict[str, Any] | None:
 async def events_with_service_tier(events: AsyncIterator[bytes], body: dict[str, Any]) -> AsyncIterator[bytes]:
     """A stream's SSE events, each chunk naming the request's ``service_tier`` as OpenAI's do (events that name
     one already, and error objects, as they are)."""
-    tier = b'data: {"service_tier":' + msgspec.json.encode(body["service_tier"]) + b","
+    tier = b'data: {"service_tier":' + msgspec.json.encode(served_tier(body["service_tier"])) + b","
     async with contextlib.aclosing(events):  # closed with this one: the engine's stream and its accounting
         async for batch in events:
             if b'"service_tier"' not in batch and b'data: {"error"' not in batch:
@@ -63,7 +63,7 @@ def with_service_tier(answer: bytes, body: dict[str, Any]) -> bytes:
     if not isinstance(tier, str) or not answer.startswith(b"{") or b'"service_tier"' in answer:
         return answer
     rest = answer[1:].lstrip()
-    return b'{"service_tier":' + msgspec.json.encode(tier) + (b"," if not rest.startswith(b"}") else b"") + rest
+    return b'{"service_tier":' + msgspec.json.encode(served_tier(tier)) + (b"," if not rest.startswith(b"}") else b"") + rest
 
 
 class Answer(NamedTuple):

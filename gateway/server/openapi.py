@@ -14,6 +14,7 @@ from typing import Any, Iterator
 
 import msgspec
 from litestar import Litestar
+from litestar._openapi.plugin import OpenAPIPlugin  # fenced: tests/test_private_api_fences.py
 from litestar.handlers import ASGIRouteHandler
 from litestar.openapi.spec import (
     OpenAPI,
@@ -103,8 +104,24 @@ _SSE_DESCRIPTION = ("With `stream: true`: server-sent events, each `data: ` and 
                     "`{object}`), the last `data: [DONE]`.")
 
 
+# Documents already made, by the app's routes and whether client keys guard them (all they depend on).
+_MADE: dict[tuple[tuple[str, ...], bool], OpenAPI] = {}
+
+
 def document(app: Litestar, config: GatewayConfig) -> Litestar:
-    """Corrects ``app``'s OpenAPI document in place (litestar serves that same object) and returns ``app``."""
+    """``app`` with its OpenAPI document corrected, and returns ``app``. Made once per process for each kind of
+    app and shared: building it was most of create_app's time, which a test suite pays hundreds of times."""
+    kind = (tuple(route.path for route in app.routes), bool(config.auth.api_keys))
+    made = _MADE.get(kind)
+    if made is None:
+        _MADE[kind] = _corrected(app, config)
+    else:  # litestar's plugin serves what it holds here; only built when it holds nothing
+        app.plugins.get(OpenAPIPlugin)._openapi = made
+    return app
+
+
+def _corrected(app: Litestar, config: GatewayConfig) -> OpenAPI:
+    """``app``'s OpenAPI document corrected in place (litestar serves that same object)."""
     spec = app.openapi_schema
     schemas = _add_schemas(app)
     _add_openai_routes(spec, schemas)
@@ -131,7 +148,7 @@ def document(app: Litestar, config: GatewayConfig) -> Litestar:
             operation.responses["200"].content = {JSON: _ref("HealthReport")}
             operation.responses["503"] = OpenAPIResponse(description="degraded: the same report",
                                                          content={JSON: _ref("HealthReport")})
-    return app
+    return spec
 
 
 def _operations(spec: OpenAPI) -> Iterator[tuple[str, str, Operation]]:
