@@ -3,12 +3,13 @@ model over the paged KV cache and samples the sequences that are due a token."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
 from engines.builtin.attention import AttentionMetadata, DecodeMetadata, PrefillMetadata, SharedPrefixMetadata
-from engines.builtin.model import LlamaForCausalLM, head_dim_of
+from engines.builtin.model import CausalLM, head_dim_of
 from engines.builtin.greedy_head import GreedyHead
 from engines.builtin.sampler import SampleResult, Sampler, score_tokens
 from engines.builtin.context import Context
@@ -16,6 +17,8 @@ from engines.builtin.types import TokenScore
 from kernels import native as native_module
 from kernels import cpu_attention, dispatch
 from kernels.native import PreparedDecode
+
+log = logging.getLogger(__name__)
 
 # The Triton and C++ shared-prefix kernels always beat paged decode; the torch CPU path only once the prefix it
 # spares re-reading is long: ahead at 400 shared tokens, behind at 200 (python -m benchmarks.engine_decode --forks;
@@ -64,7 +67,7 @@ def kv_block_bytes(hf_config, block_size: int, dtype: torch.dtype) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, seed: int, device: str = "cpu",
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, seed: int, device: str = "cpu",
                  *, compile: bool = False):
         self.device = torch.device(device)
         self.model = model.to(self.device)
@@ -89,6 +92,10 @@ class ModelRunner:
         self.last_hidden = self.model.last_hidden
         # An all-greedy step's few tokens from the head's int8 screen (the same tokens as its logits' argmax).
         self.greedy_head = GreedyHead.of(self.model) if self.device.type == "cpu" else None
+        if compile and (model.architecture.needs_general_attention or model.architecture.experts):
+            log.warning("--compile does not cover %s's windowed or soft-capped attention or experts yet: running eagerly",
+                        model.architecture.model_type)
+            compile = False
         if compile:
             # Imported only here: importing torch._inductor breaks Triton kernels run later through the
             # interpreter in the same process (tests on CPU), and an eager engine never needs it.
