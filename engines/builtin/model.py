@@ -245,13 +245,13 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 class MLP(nn.Module):
-    def __init__(self, config, arch: Architecture, intermediate_size: int | None = None):
+    def __init__(self, config, activation_name: str = "silu", intermediate_size: int | None = None):
         super().__init__()
         size = intermediate_size or config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * size, bias=False)
         self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
-        self.activation_name = arch.activation  # the C++ gated kernel computes SiLU only (cpu_linear.py)
-        self.act = activation(arch.activation)
+        self.activation_name = activation_name  # the C++ gated kernel computes SiLU only (cpu_linear.py)
+        self.act = activation(activation_name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -283,7 +283,7 @@ class MixtureOfExperts(nn.Module):
         self.experts = ExpertWeights(experts.num_experts, config.hidden_size, experts.intermediate_size)
         self.act = activation(arch.activation)
         if experts.shared_intermediate_size:
-            self.shared_expert = MLP(config, arch, experts.shared_intermediate_size)
+            self.shared_expert = MLP(config, arch.activation, experts.shared_intermediate_size)
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
         else:
             self.shared_expert = self.shared_expert_gate = None
@@ -337,7 +337,7 @@ class DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps) if arch.sandwich_norms else None
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps) if arch.sandwich_norms else None
         sparse = arch.experts is not None and layer_index in arch.experts.sparse_layers
-        self.mlp = MixtureOfExperts(config, arch) if sparse else MLP(config, arch)
+        self.mlp = MixtureOfExperts(config, arch) if sparse else MLP(config, arch.activation)
 
     def forward(self, x, rope, attend: Attend, rows: torch.Tensor | None = None) -> torch.Tensor:
         """Every token's output, or only `rows`' (the last layer's, where only some tokens' logits are wanted)."""
