@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
         weights, chosen = torch.softmax(torch.randn(tokens, EXPERTS), -1).topk(TOP_K, dim=-1)
         inputs = (x, chosen, weights, gate_up, down, F.silu)
         torch.testing.assert_close(grouped_experts(*inputs), looped_experts(*inputs), rtol=1e-4, atol=1e-5)
-        repeats = max(1, 64 // tokens)
+        repeats = max(1, 16 // tokens)
         ratios, grouped_times, looped_times = [], [], []
         with torch.inference_mode():
             for round_index in range(args.rounds):

@@ -9,11 +9,12 @@ import asyncio
 import shutil
 
 import pytest
+import torch
 
 from engines.builtin.config import EngineConfig
 from engines.builtin.core import EngineCore
 from tests.engines.builtin.test_core_generation import GREEDY, assert_all_blocks_free, collect, hf_greedy, random_prompts
-from tests.support.models import TINY_FAMILIES, tiny_family_model
+from tests.support.models import TINY_FAMILIES, tiny_family_config, tiny_family_model
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -61,3 +62,81 @@ async def test_forks_of_a_shared_prefix_match_transformers(family):
         assert_all_blocks_free(engine)
     finally:
         engine.shutdown()
+
+
+# Through transformers' GGUF reader, which every family's GGUF goes through the same way (loader.py); Gemma 2 is the
+# one whose weights it changes (the norms' 1 + w) and whose tensor names differ most. Qwen3 passes too (add it
+# here), but each GGUF costs over a minute of parsing on a busy 2-core host.
+GGUF_ARCHITECTURES = {"gemma2": "GEMMA2", "qwen3": "QWEN3"}
+GGUF_TESTED = ("gemma2",)
+
+
+def write_family_gguf(path, family: str) -> None:
+    """A tiny random ``family`` model as an F32 GGUF, named as llama.cpp's converter names it (Gemma's norms stored as
+    the 1 + w they scale by), with a byte-level BPE vocabulary of its own."""
+    import gguf
+    import numpy as np
+    import torch
+    import transformers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = list(bytes_to_unicode().values()) + ["Ġt", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    config = tiny_family_config(family)
+    # llama.cpp's Gemma 2 has no output tensor (the head is the embedding); transformers reads Qwen3's head_dim
+    # from no GGUF key (its default, 128, is every Qwen3's).
+    config.vocab_size, config.tie_word_embeddings = len(vocab), family.startswith("gemma")
+    if family == "qwen3":
+        config.head_dim = 128
+    torch.manual_seed(0)
+    model = getattr(transformers, type(config).__name__.replace("Config", "ForCausalLM"))(config)
+    arch = getattr(gguf.MODEL_ARCH, GGUF_ARCHITECTURES[family])
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(256)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(10000.0)
+    if getattr(config, "sliding_window", None):
+        writer.add_sliding_window(config.sliding_window)
+    writer.add_vocab_size(len(vocab))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(vocab)
+    writer.add_token_merges(["Ġ t"])
+    writer.add_token_types([1] * (len(vocab) - 3) + [3] * 3)
+    writer.add_bos_token_id(len(vocab) - 3)
+    writer.add_eos_token_id(len(vocab) - 1)
+    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        value = tensor.float().numpy()
+        if family.startswith("gemma") and name.endswith("norm.weight"):
+            value = value + 1
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), value.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.slow  # transformers parses each GGUF twice here (reference and engine), tens of seconds each
+@pytest.mark.parametrize("family_name", GGUF_TESTED)
+def test_a_gguf_of_the_family_matches_transformers_reading_it(family_name, tmp_path, monkeypatch):
+    pytest.importorskip("gguf")
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("PARROT_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / f"tiny-{family_name}.gguf"
+    write_family_gguf(path, family_name)
+    hf_model = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32,
+                                                    attn_implementation="eager").eval()
+    engine = EngineCore(EngineConfig(model=str(path), max_num_batched_tokens=24))
+    prompts = random_prompts((9, 37), seed=4, vocab_size=hf_model.config.vocab_size)
+    for prompt, output in zip(prompts, engine.generate_batch(prompts, GREEDY)):
+        assert hf_greedy(hf_model, prompt).accepts(output), f"prompt of {len(prompt)} tokens"
+    engine.shutdown()
