@@ -140,3 +140,31 @@ def test_a_gguf_of_the_family_matches_transformers_reading_it(family_name, tmp_p
     for prompt, output in zip(prompts, engine.generate_batch(prompts, GREEDY)):
         assert hf_greedy(hf_model, prompt).accepts(output), f"prompt of {len(prompt)} tokens"
     engine.shutdown()
+
+
+def test_grouped_experts_equal_the_per_expert_loop_with_idle_experts():
+    import torch.nn.functional as F
+
+    from engines.builtin.model import grouped_experts, looped_experts
+
+    generator = torch.Generator().manual_seed(0)
+    gate_up, down = torch.randn(6, 2 * 16, 24, generator=generator), torch.randn(6, 24, 16, generator=generator)
+    x = torch.randn(5, 24, generator=generator)
+    chosen = torch.tensor([[0, 3], [3, 0], [5, 3], [0, 5], [3, 5]])  # experts 1, 2 and 4 get no token
+    weights = torch.rand(5, 2, generator=generator)
+    torch.testing.assert_close(grouped_experts(x, chosen, weights, gate_up, down, F.silu),
+                               looped_experts(x, chosen, weights, gate_up, down, F.silu))
+
+
+def test_an_architecture_the_engine_cannot_run_is_refused_by_name(tmp_path):
+    from transformers import GPT2Config
+
+    from engines.builtin.errors import UnsupportedArchitecture
+    from engines.builtin.loader import ModelSource, load_checkpoint
+    from engines.builtin.model import architecture_of
+
+    with pytest.raises(UnsupportedArchitecture, match=r"model_type 'gpt2'.*it runs llama, .*gemma2"):
+        architecture_of(GPT2Config())
+    (tmp_path / "config.json").write_text('{"model_type": "mamba", "architectures": ["MambaForCausalLM"]}')
+    with pytest.raises(UnsupportedArchitecture, match="MambaForCausalLM"):  # before looking for weights (none here)
+        load_checkpoint(ModelSource(str(tmp_path)))
