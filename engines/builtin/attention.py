@@ -16,7 +16,8 @@ sequences share leading KV blocks (forks of one context, prefix-cache hits) carr
 and then go through the shared-prefix kernel, which reads each shared prefix's KV once for its
 group.
 
-Layers with a sliding window or soft-capped scores (Gemma 2 and 3, Mistral, Phi-3) run ``windowed_attention``,
+Layers with soft-capped scores (Gemma 2), and in steps where some sequence is longer than its window layers with a
+sliding window (Gemma 2 and 3, Mistral, Phi-3), run ``windowed_attention``,
 a torch path over the same metadata: each sequence's visible keys gathered once per step and window (a
 ``WindowPlan``), then masked, capped attention in one batched call per layer. The kernels above attend to the
 whole context without a cap, so they serve only layers that need neither.
@@ -65,6 +66,7 @@ class AttentionMetadata:
     kv_write: PreparedKvWrite | None = None  # the C++ kernel's writes at slot_mapping, made once for all layers
     native: PreparedDecode | None = None  # the C++ kernel over all the step's rows, made once for all layers
     num_decodes: int = 0
+    longest_context: int = 0  # the longest sequence's tokens, this step's included: whether a window cuts any
     decode: DecodeMetadata | None = None
     shared_prefix: SharedPrefixMetadata | None = None  # set instead of decode when groups pay
     prefill: PrefillMetadata | None = None
@@ -85,7 +87,7 @@ def paged_attention(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     if meta.kv_write is None or not meta.kv_write(k, v, k_cache, v_cache):
         dispatch.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    if window is not None or softcap is not None:
+    if softcap is not None or (window is not None and meta.longest_context > window):
         return windowed_attention(q, k_cache, v_cache, meta, scale, window, softcap)
     if meta.native is not None:
         return meta.native(q, k_cache, v_cache, scale)

@@ -66,10 +66,10 @@ class Architecture:
     o_bias: bool
     experts: Experts | None
 
-    @property
-    def needs_general_attention(self) -> bool:
-        """Whether some layer's attention is windowed or soft-capped: the torch path that takes both."""
-        return self.attention_softcap is not None or any(w is not None for w in self.layer_windows)
+    def needs_general_attention(self, max_len: int) -> bool:
+        """Whether some layer's attention is soft-capped, or windowed more narrowly than ``max_len`` tokens (a
+        window as long as the context is none): the torch path that takes both."""
+        return self.attention_softcap is not None or any(w is not None and w < max_len for w in self.layer_windows)
 
 
 def architecture_of(config) -> Architecture:
@@ -144,6 +144,7 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config, max_len: int):
         super().__init__()
+        self.max_len = max_len
         self.kinds = sorted(set(architecture_of(config).layer_rope))
         for kind in self.kinds:
             cos, sin = rope_table(config, kind, max_len)

@@ -92,7 +92,7 @@ class ModelRunner:
         self.last_hidden = self.model.last_hidden
         # An all-greedy step's few tokens from the head's int8 screen (the same tokens as its logits' argmax).
         self.greedy_head = GreedyHead.of(self.model) if self.device.type == "cpu" else None
-        if compile and (model.architecture.needs_general_attention or model.architecture.experts):
+        if compile and (model.architecture.needs_general_attention(model.model.rotary.max_len) or model.architecture.experts):
             log.warning("--compile does not cover %s's windowed or soft-capped attention or experts yet: running eagerly",
                         model.architecture.model_type)
             compile = False
@@ -172,7 +172,8 @@ class ModelRunner:
             if ctx.score_top_k is not None and end > start:
                 score_rows += range(row, row + end - start)
                 scored.append((ctx, start, end))
-        meta = AttentionMetadata(slot_mapping=self._tensor(slots, torch.long), num_decodes=len(decodes))
+        meta = AttentionMetadata(slot_mapping=self._tensor(slots, torch.long), num_decodes=len(decodes),
+                                 longest_context=max(ctx.num_computed_tokens + n for ctx, n in batch.entries))
         if self.native_kernels:
             meta.kv_write = self.native_kernels.prepare_kv_write(meta.slot_mapping)
         if decodes and self._worth_sharing(batch.prefix_groups, len(decodes)):
