@@ -122,6 +122,9 @@ def converted_gguf(source: ModelSource) -> Path | None:
 def cached_source(source: ModelSource) -> ModelSource:
     """``source`` itself, or for a GGUF its converted cache when it can have one."""
     if source.gguf_file:
+        refusal = checkpoint_refusal(str(Path(source.directory, source.gguf_file)))
+        if refusal:  # before transformers parses all of it, which would fail with its own words
+            raise UnsupportedArchitecture(refusal)
         converted = converted_gguf(source)
         if converted is not None:
             return ModelSource(str(converted))

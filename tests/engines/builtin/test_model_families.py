@@ -168,3 +168,21 @@ def test_an_architecture_the_engine_cannot_run_is_refused_by_name(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "mamba", "architectures": ["MambaForCausalLM"]}')
     with pytest.raises(UnsupportedArchitecture, match="MambaForCausalLM"):  # before looking for weights (none here)
         load_checkpoint(ModelSource(str(tmp_path)))
+
+
+def test_a_gguf_of_an_architecture_the_engine_cannot_run_is_refused_from_its_header(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    from engines.builtin.errors import UnsupportedArchitecture
+    from engines.builtin.families import checkpoint_refusal
+    from engines.builtin.loader import ModelSource, load_checkpoint
+
+    path = tmp_path / "tiny-mamba.gguf"
+    writer = gguf.GGUFWriter(str(path), "mamba")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert "a GGUF of architecture 'mamba'; it runs llama, " in checkpoint_refusal(str(path))
+    with pytest.raises(UnsupportedArchitecture, match="'mamba'"):  # before transformers parses it
+        load_checkpoint(ModelSource(str(path)))
