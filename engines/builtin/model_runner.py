@@ -93,8 +93,8 @@ class ModelRunner:
         # An all-greedy step's few tokens from the head's int8 screen (the same tokens as its logits' argmax).
         self.greedy_head = GreedyHead.of(self.model) if self.device.type == "cpu" else None
         if compile and (model.architecture.needs_general_attention(model.model.rotary.max_len) or model.architecture.experts):
-            log.warning("--compile does not cover %s's windowed or soft-capped attention or experts yet: running eagerly",
-                        model.architecture.model_type)
+            log.warning("--compile: %s's soft-capped or windowed attention or routed experts are not in the compiled "
+                        "graph yet; running eagerly", model.architecture.model_type)
             compile = False
         if compile:
             # Imported only here: importing torch._inductor breaks Triton kernels run later through the

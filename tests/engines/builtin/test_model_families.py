@@ -186,3 +186,18 @@ def test_a_gguf_of_an_architecture_the_engine_cannot_run_is_refused_from_its_hea
     assert "a GGUF of architecture 'mamba'; it runs llama, " in checkpoint_refusal(str(path))
     with pytest.raises(UnsupportedArchitecture, match="'mamba'"):  # before transformers parses it
         load_checkpoint(ModelSource(str(path)))
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantizing_a_mixture_of_experts_leaves_its_router_and_shared_gate(scheme):
+    from torch import nn
+
+    from engines.builtin.loader import build_model
+    from engines.builtin.quantization import quantize_linears
+
+    hf_model = tiny_family_model("qwen2_moe")
+    model = build_model(hf_model.config, hf_model.state_dict(), "float32", 64)
+    quantize_linears(model, scheme)
+    moe = model.model.layers[0].mlp
+    assert type(moe.gate) is nn.Linear and type(moe.shared_expert_gate) is nn.Linear
+    assert type(moe.shared_expert.down_proj) is not nn.Linear and type(model.model.layers[0].self_attn.qkv_proj) is not nn.Linear
