@@ -115,6 +115,16 @@ class SemanticConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_inline_depth: Annotated[int, msgspec.Meta(ge=0)] = 8
 
 
+class ResponsesConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """POST /v1/responses' store (gateway/responses/store.py): in memory, per API key."""
+
+    max_stored: Annotated[int, msgspec.Meta(ge=1)] = 10_000  # responses kept per key; its oldest go first beyond
+    max_stored_bytes: Annotated[int, msgspec.Meta(ge=1)] = 256 * 1024 * 1024  # per key, conversations included
+    max_response_bytes: Annotated[int, msgspec.Meta(ge=1)] = 16 * 1024 * 1024  # one stored conversation; beyond: 413
+    ttl_s: Annotated[float, msgspec.Meta(gt=0)] = 86_400.0  # a stored response nobody read or continued this long goes
+    max_input_items: Annotated[int, msgspec.Meta(ge=1)] = 4096  # items in one request's input
+
+
 class DashboardConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The live view at /dashboard."""
 
@@ -238,6 +248,7 @@ class GatewayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
     dashboard: DashboardConfig = msgspec.field(default_factory=DashboardConfig)
+    responses: ResponsesConfig = msgspec.field(default_factory=ResponsesConfig)
     upstreams: list[UpstreamConfig] = []
 
     def builtin_enabled(self) -> bool:

@@ -154,7 +154,21 @@ class Quotas:
         if not self.enabled:
             yield None
             return
-        admission = self.admit(owner, estimate_tokens)
+        with self.holding(self.admit(owner, estimate_tokens)) as admission:
+            yield admission
+
+    def admitted_later(self, owner: str, estimate_tokens: int = 0) -> Admission | None:
+        """An admission now (a 429 now when over quota) for work that runs later under ``holding``
+        (a background response); None when no quota is configured."""
+        return self.admit(owner, estimate_tokens) if self.enabled else None
+
+    @contextlib.contextmanager
+    def holding(self, admission: Admission | None) -> Iterator[Admission | None]:
+        """The block runs as ``admission``'s request: usage decoded meanwhile is charged to its key, and
+        its seat is released at the end."""
+        if admission is None:
+            yield None
+            return
         metered = _current.set(admission if admission._usage.tokens is not None else None)
         try:
             yield admission
