@@ -73,3 +73,46 @@ def test_the_syntax_follows_the_chat_template():
     llama = ('{% if tools %}{"name": function name, "parameters": dictionary}{% endif %}{{ message.tool_calls }}'
              "<|eot_id|>")
     assert (tool_call_syntax(qwen), tool_call_syntax(mistral), tool_call_syntax(llama)) == (HERMES, MISTRAL, LLAMA3_JSON)
+
+
+MISTRAL_TEMPLATE = (
+    "{%- if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' %}[INST]{{ message.content }}[/INST]"
+    "{%- elif message.tool_calls %}[TOOL_CALLS]{{ message.tool_calls | tojson }}</s>"
+    "{%- else %}{{ message.content }}</s>{%- endif %}{%- endfor %}"
+)
+
+
+def test_a_mistral_template_gets_tool_calls_in_mistral_syntax_through_the_chat_api(tiny_model_dir, tmp_path, serve):
+    """The tiny Llama with a Mistral-style template: the tools grammar makes it write [TOOL_CALLS][...], and the
+    answer is OpenAI tool_calls, whole and streamed."""
+    import shutil
+
+    import openai
+
+    from engines.builtin.config import EngineConfig
+    from engines.builtin.core import EngineCore
+    from engines.builtin.server.app import create_app
+
+    model_dir = tmp_path / "tiny-mistral-template"
+    shutil.copytree(tiny_model_dir, model_dir)
+    (model_dir / "chat_template.jinja").write_text(MISTRAL_TEMPLATE)
+    core = EngineCore(EngineConfig(model=str(model_dir), num_blocks=64))
+    core.start()
+    try:
+        client = openai.OpenAI(base_url=serve(create_app(llm=core, model_name="tiny")) + "/v1", api_key="unused",
+                               max_retries=0)
+        request = dict(model="tiny", messages=[{"role": "user", "content": "Weather in Paris?"}], max_tokens=40,
+                       temperature=0, tools=[{"type": "function", "function": {"name": "get_time"}}],
+                       tool_choice="required")
+        reply = client.chat.completions.create(**request)
+        (call,) = reply.choices[0].message.tool_calls
+        assert (call.function.name, call.function.arguments, reply.choices[0].message.content) == ("get_time", "{}", None)
+        streamed = [chunk.choices[0].delta for chunk in client.chat.completions.create(**request, stream=True)
+                    if chunk.choices]
+        assert [d.tool_calls[0].function.name for d in streamed if d.tool_calls and d.tool_calls[0].function.name] \
+            == ["get_time"]
+        assert not any(d.content for d in streamed)
+    finally:
+        core.shutdown()
