@@ -12,6 +12,7 @@ from pathlib import Path
 
 SUPPORTED_MODEL_TYPES = (
     "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "qwen2_moe", "qwen3_moe",
+    "gemma3",  # Gemma 3's multimodal checkpoints (4B and up): their language model alone (loader.language_model_of)
 )
 
 # llama.cpp's names for them in a GGUF's general.architecture (it writes Mistral's as "llama"), as transformers
@@ -30,8 +31,7 @@ def unsupported_reason(model_type: str | None, architectures: list[str] | None =
     if model_type in SUPPORTED_MODEL_TYPES:
         return None
     named = f"{', '.join(architectures)} (model_type {model_type!r})" if architectures else f"model_type {model_type!r}"
-    hint = " (Gemma 3's multimodal checkpoint: serve its text model, Gemma3ForCausalLM)" if model_type == "gemma3" else ""
-    return _refusal(f"{named}{hint}", SUPPORTED_MODEL_TYPES)
+    return _refusal(named, SUPPORTED_MODEL_TYPES)
 
 
 def _refusal(named: str, runs) -> str:

@@ -158,7 +158,30 @@ def load_checkpoint(source: ModelSource) -> tuple[object, dict[str, torch.Tensor
     state: dict[str, torch.Tensor] = {}
     for file in tqdm(files, desc="loading safetensors", disable=len(files) < 2):
         state.update(load_file(file))
-    return AutoConfig.from_pretrained(source.directory), state
+    config = AutoConfig.from_pretrained(source.directory)
+    if config.model_type in MULTIMODAL_WRAPPERS:
+        return language_model_of(config, state)
+    return config, state
+
+
+# Multimodal checkpoints whose language model the engine serves alone (text in, text out), by the prefixes their
+# language model's weights carry (the Hub's and transformers 5's layouts).
+MULTIMODAL_WRAPPERS = {"gemma3": ("language_model.model.", "model.language_model.")}
+
+
+def language_model_of(config, state: dict[str, torch.Tensor]) -> tuple[object, dict[str, torch.Tensor]]:
+    """The text config and the language model's weights under a plain causal LM's names; the vision tower dropped."""
+    prefixes = MULTIMODAL_WRAPPERS[config.model_type]
+    text_config = config.text_config
+    text_config.tie_word_embeddings = getattr(config, "tie_word_embeddings", text_config.tie_word_embeddings)
+    language = {}
+    for name, tensor in state.items():
+        for prefix in prefixes:
+            if name.startswith(prefix):
+                language["model." + name.removeprefix(prefix)] = tensor
+        if name.endswith("lm_head.weight"):
+            language["lm_head.weight"] = tensor
+    return text_config, language
 
 
 def fuse_state_dict(hf_state: dict[str, torch.Tensor], model: CausalLM) -> dict[str, torch.Tensor]:

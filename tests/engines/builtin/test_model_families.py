@@ -201,3 +201,25 @@ def test_quantizing_a_mixture_of_experts_leaves_its_router_and_shared_gate(schem
     moe = model.model.layers[0].mlp
     assert type(moe.gate) is nn.Linear and type(moe.shared_expert_gate) is nn.Linear
     assert type(moe.shared_expert.down_proj) is not nn.Linear and type(model.model.layers[0].self_attn.qkv_proj) is not nn.Linear
+
+
+def test_a_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path, smollm2_tokenizer_dir):
+    """Gemma 3 from 4B up ships as Gemma3ForConditionalGeneration: the engine serves its language model on text,
+    as transformers' multimodal model generates from text alone."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=tiny_family_config("gemma3").to_dict(), vision_config=vision.to_dict(),
+                          mm_tokens_per_image=4, boi_token_index=49000, eoi_token_index=49001,
+                          image_token_index=49002)
+    torch.manual_seed(0)
+    Gemma3ForConditionalGeneration(config).save_pretrained(tmp_path)
+    for item in smollm2_tokenizer_dir.iterdir():
+        shutil.copy(item, tmp_path)
+    hf_model = Gemma3ForConditionalGeneration.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    engine = EngineCore(EngineConfig(model=str(tmp_path), max_num_batched_tokens=24))
+    prompts = random_prompts((9, 37), seed=5, vocab_size=49000)  # clear of the image tokens' ids
+    for prompt, output in zip(prompts, engine.generate_batch(prompts, GREEDY)):
+        assert hf_greedy(hf_model, prompt).accepts(output), f"prompt of {len(prompt)} tokens"
+    engine.shutdown()
