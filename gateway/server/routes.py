@@ -43,12 +43,13 @@ async def get_model(model_id: FromPath[str], state: State) -> ModelCard:
 # ---------------------------------------------------------------- operations
 
 
-class HealthReport(msgspec.Struct):
+class HealthReport(msgspec.Struct, omit_defaults=True):
     status: str  # "ok": every model served has a healthy engine; else "degraded"
     engines: int
     healthy_engines: int
     models_without_engine: list[str]  # served (or being started) with no healthy engine now
     engine_restarts: int  # exits of the engine processes the gateway started (each restarted)
+    engine_errors: list[str] = []  # why an engine it started refused to serve (not restarted), e.g. its model's architecture
 
 
 def _readiness(state: State) -> HealthReport:
@@ -59,7 +60,8 @@ def _readiness(state: State) -> HealthReport:
     supervisor = state.supervisor
     return HealthReport(status="ok" if models and not without else "degraded", engines=len(registry.records()),
                         healthy_engines=len(set().union(*healthy_by_model.values())),
-                        models_without_engine=without, engine_restarts=supervisor.exits if supervisor else 0)
+                        models_without_engine=without, engine_restarts=supervisor.exits if supervisor else 0,
+                        engine_errors=supervisor.refusals if supervisor else [])
 
 
 def _readiness_response(state: State) -> Response:
