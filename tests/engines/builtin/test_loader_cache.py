@@ -15,15 +15,15 @@ import torch
 from engines.builtin import loader
 from engines.builtin.loader import ModelSource, load_checkpoint, load_tokenizer
 from tests.support.markers import marks_users
+from tests.support.gguf_files import add_byte_level_tokenizer, byte_level_vocab
 
 
 def write_tiny_gguf(path: Path, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2) -> None:
     """A 2-layer Llama GGUF with random F32 tensors and a byte-level BPE vocabulary."""
     import gguf
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     rng = np.random.default_rng(0)
-    vocab = list(bytes_to_unicode().values()) + ["Ġt", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = byte_level_vocab()
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(layers)
     writer.add_context_length(256)
@@ -33,13 +33,7 @@ def write_tiny_gguf(path: Path, hidden: int = 64, layers: int = 2, heads: int = 
     writer.add_head_count_kv(kv_heads)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_freq_base(10000.0)
-    writer.add_vocab_size(len(vocab))
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(vocab)
-    writer.add_token_merges(["Ġ t"])
-    writer.add_token_types([1] * (len(vocab) - 3) + [3] * 3)
-    writer.add_bos_token_id(len(vocab) - 3)
-    writer.add_eos_token_id(len(vocab) - 1)
+    add_byte_level_tokenizer(writer, vocab)
     head_dim = hidden // heads
     shapes = {"token_embd.weight": (len(vocab), hidden), "output_norm.weight": (hidden,)}
     for i in range(layers):

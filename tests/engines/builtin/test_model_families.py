@@ -15,6 +15,7 @@ from engines.builtin.config import EngineConfig
 from engines.builtin.core import EngineCore
 from tests.engines.builtin.test_core_generation import GREEDY, assert_all_blocks_free, collect, hf_greedy, random_prompts
 from tests.support.models import TINY_FAMILIES, tiny_family_config, tiny_family_model
+from tests.support.gguf_files import add_byte_level_tokenizer, byte_level_vocab
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -78,9 +79,8 @@ def write_family_gguf(path, family: str) -> None:
     import numpy as np
     import torch
     import transformers
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    vocab = list(bytes_to_unicode().values()) + ["Ġt", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = byte_level_vocab()
     config = tiny_family_config(family)
     # llama.cpp's Gemma 2 has no output tensor (the head is the embedding); transformers reads Qwen3's head_dim
     # from no GGUF key (its default, 128, is every Qwen3's).
@@ -103,13 +103,7 @@ def write_family_gguf(path, family: str) -> None:
     writer.add_rope_freq_base(10000.0)
     if getattr(config, "sliding_window", None):
         writer.add_sliding_window(config.sliding_window)
-    writer.add_vocab_size(len(vocab))
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(vocab)
-    writer.add_token_merges(["Ġ t"])
-    writer.add_token_types([1] * (len(vocab) - 3) + [3] * 3)
-    writer.add_bos_token_id(len(vocab) - 3)
-    writer.add_eos_token_id(len(vocab) - 1)
+    add_byte_level_tokenizer(writer, vocab)
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
