@@ -27,6 +27,7 @@ from gateway.domain_errors import (
     QuotaExceeded,
     RateLimited,
     TooLarge,
+    Unavailable,
     model_not_found,
 )
 from wire.openai import ErrorBody
@@ -54,7 +55,7 @@ def handle_api_error(_: Request, exc: APIError) -> Response:
 # The one table of the gateway's domain errors: their HTTP status.
 DOMAIN_STATUS: dict[type[DomainError], int] = {
     Invalid: 400, NotFound: 404, Conflict: 409, TooLarge: 413, QuotaExceeded: 429, RateLimited: 429,
-    DependencyFailed: 424, NotReady: 504,
+    DependencyFailed: 424, NotReady: 504, Unavailable: 503,
 }
 
 
