@@ -61,7 +61,3 @@ class NotReady(DomainError):
 def model_not_found(model: str) -> NotFound:
     return NotFound(f"The model `{model}` does not exist or is not served here.", param="model",
                     code="model_not_found", error_type="invalid_request_error")
-
-
-class Unavailable(DomainError):
-    """Something the gateway needs (its state store) is unavailable now: retry after ``retry_after_s``."""

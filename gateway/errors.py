@@ -27,9 +27,9 @@ from gateway.domain_errors import (
     QuotaExceeded,
     RateLimited,
     TooLarge,
-    Unavailable,
     model_not_found,
 )
+from gateway.state.store import StoreUnavailable
 from wire.openai import ErrorBody
 from wire.errors import InvalidRequest
 
@@ -55,7 +55,7 @@ def handle_api_error(_: Request, exc: APIError) -> Response:
 # The one table of the gateway's domain errors: their HTTP status.
 DOMAIN_STATUS: dict[type[DomainError], int] = {
     Invalid: 400, NotFound: 404, Conflict: 409, TooLarge: 413, QuotaExceeded: 429, RateLimited: 429,
-    DependencyFailed: 424, NotReady: 504, Unavailable: 503,
+    DependencyFailed: 424, NotReady: 504,
 }
 
 
@@ -75,6 +75,12 @@ def handle_domain_error(_: Request, exc: DomainError) -> Response:
     if isinstance(exc, QuotaExceeded):
         headers["x-should-retry"] = "false"  # the openai SDK retries a 429 unless told not to
     return error_response(domain_status(exc), domain_error_body(exc), headers or None)
+
+
+def handle_store_unavailable(_: Request, exc: StoreUnavailable) -> Response:
+    """The state store is away: a 503 the client may retry (nothing it asked for was acknowledged)."""
+    return error_response(503, ErrorBody(message=exc.message, type="api_error", code=exc.code),
+                          {"retry-after": str(exc.retry_after_s)})
 
 
 def handle_invalid_request(_: Request, exc: InvalidRequest) -> Response:
@@ -116,5 +122,6 @@ EXCEPTION_HANDLERS = {
     APIError: handle_api_error,
     DomainError: handle_domain_error,
     InvalidRequest: handle_invalid_request,
+    StoreUnavailable: handle_store_unavailable,
     msgspec.ValidationError: handle_validation,
 }

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, ContextManager
+from typing import Annotated, AsyncContextManager
 
 from litestar import Request, delete, get, post, put
 from litestar.datastructures import State
@@ -33,14 +33,14 @@ def semantic(state: State) -> SemanticService:
     return state.semantic
 
 
-def admitted(request: Request) -> ContextManager[object]:
+def admitted(request: Request) -> AsyncContextManager[object]:
     """A request that makes work, admitted under its key's rate and concurrency quotas (else a 429)."""
     return request.app.state.quotas.admitted(owner(request))
 
 
 @post("/v1/sessions", status_code=201)
 async def create_session(request: Request, state: State) -> SessionView:
-    with admitted(request):
+    async with admitted(request):
         session = semantic(state).sessions.create(owner(request))
     return SessionView(id=session.id, created=session.created)
 
@@ -76,7 +76,7 @@ async def list_session_vars(session_id: FromPath[str], request: Request, state: 
 
 @post("/v1/vars", status_code=201)
 async def create_var(data: JSONBody[VarCreate], request: Request, state: State) -> VarView:
-    with admitted(request):
+    async with admitted(request):
         session = semantic(state).sessions.resolve(data.session_id, owner(request))
         return view(session.new_variable(data.name, data.value))
 
@@ -102,7 +102,7 @@ async def set_var(var_id: FromPath[str], data: JSONBody[VarSet], request: Reques
                        code="variable_already_bound")
     if (data.value is None) == (data.error is None):
         raise APIError(400, "give exactly one of 'value' and 'error'", param="value")
-    with admitted(request):
+    async with admitted(request):
         if data.value is not None:
             variable.set(data.value)
         else:
@@ -112,7 +112,7 @@ async def set_var(var_id: FromPath[str], data: JSONBody[VarSet], request: Reques
 
 @post("/v1/semantic_calls", status_code=202)
 async def submit_semantic_call(data: JSONBody[SemanticCall], request: Request, state: State) -> SemanticCallView:
-    with admitted(request):
+    async with admitted(request):
         session, call = semantic(state).submit_call(data, owner(request))
     return SemanticCallView(id=call.id, session_id=session.id,
                             outputs={n: OutputView(id=v.id, name=v.name) for n, v in call.outputs.items()})

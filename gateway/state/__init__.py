@@ -1,11 +1,11 @@
-"""The gateway's state seam (store.py) and the store a configuration names."""
+"""The gateway's state seam (store.py) and the store a configuration names. It imports nothing of the gateway
+(the core imports it)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from gateway.config import StateConfig
 from gateway.state.memory import MemoryStore
 from gateway.state.store import StateStore, StoreUnavailable, redacted
 
@@ -24,7 +24,7 @@ def data_dir() -> Path:
     return Path(base) / "parrot"
 
 
-def open_store(config: StateConfig) -> StateStore:
+def open_store(config: "StateConfig") -> StateStore:  # gateway.config's
     """The store ``config`` names (not started yet)."""
     url = config.url
     if url is None and config.path is None:
@@ -40,7 +40,7 @@ def open_store(config: StateConfig) -> StateStore:
     return RedisStore(url, timeout_s=config.timeout_s)
 
 
-def describe(config: StateConfig) -> str:
+def describe(config: "StateConfig") -> str:
     """Where the state lives, for the startup line (no password)."""
     if config.url:
         return redacted(config.url)

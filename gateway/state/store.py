@@ -13,16 +13,19 @@ from __future__ import annotations
 
 from typing import Callable, Protocol
 
-from gateway.domain_errors import Unavailable
-
 Listener = Callable[[bytes], None]
 
 
-class StoreUnavailable(Unavailable):
-    """The state store did not answer (down, unreachable, or slower than ``[state] timeout_s``)."""
+class StoreUnavailable(Exception):
+    """The state store did not answer (down, unreachable, or slower than ``[state] timeout_s``): the gateway
+    answers 503 with a retry-after (gateway/errors.py); nothing was acknowledged."""
+
+    code = "state_unavailable"
+    retry_after_s = 1
 
     def __init__(self, message: str = "the gateway's state store is unavailable; retry shortly") -> None:
-        super().__init__(message, code="state_unavailable", retry_after_s=1)
+        super().__init__(message)
+        self.message = message
 
 
 class StateStore(Protocol):
