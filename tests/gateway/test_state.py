@@ -12,7 +12,7 @@ from gateway.state import MemoryStore, StoreUnavailable, open_store
 from gateway.state.sqlite import SQLiteStore
 
 
-@pytest.fixture(params=["memory", "sqlite", "redis"])
+@pytest.fixture(params=["memory", "sqlite", pytest.param("redis", marks=pytest.mark.subprocess)])
 async def store(request, tmp_path: Path):
     if request.param == "memory":
         made = MemoryStore()
@@ -79,6 +79,7 @@ async def test_a_bucket_holds_exactly_under_concurrent_takers(store):
     assert sum(ok for ok, _ in results) == 10
 
 
+@pytest.mark.subprocess
 async def test_a_redis_store_that_is_down_raises_unavailable(tmp_path):
     from gateway.state.redis_store import RedisStore
     from tests.support.servers import free_port
