@@ -88,7 +88,10 @@ def create_app(config: GatewayConfig | None = None) -> Litestar:
             gateway.add_upstreams()
             app.state.gateway = gateway
             app.state.quotas = quotas = Quotas(config.quotas, store, seat_ttl_s=config.state.seat_ttl_s)
-            app.state.semantic = SemanticService(gateway, config.semantic, limits_of=quotas.limits, tracing=tracing)
+            app.state.semantic = SemanticService(gateway, config.semantic, limits_of=quotas.limits, tracing=tracing,
+                                                 store=store)
+            app.state.semantic.start()
+            closing.push_async_callback(app.state.semantic.aclose)
             sessions = app.state.semantic.sessions
             gateway.metrics.mirror(registry.records, sessions.all, sessions.holdings)
             app.state.admin_owners = admin_owners(config.auth)

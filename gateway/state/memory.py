@@ -45,6 +45,10 @@ class MemoryStore:
         record = self._live(key)
         return dict(record) if record else {}
 
+    async def read_field(self, key: str, field: str) -> bytes | None:
+        record = self._live(key)
+        return record.get(field) if record else None
+
     def _write(self, key: str, fields: dict[str, bytes], ttl_s: float | None) -> dict[str, bytes]:
         record = self._live(key)
         if record is None:

@@ -141,6 +141,10 @@ class RedisStore:
         return {field.decode(): value for field, value in (await self._redis.hgetall(self._key(key))).items()}
 
     @_unavailable
+    async def read_field(self, key: str, field: str) -> bytes | None:
+        return await self._redis.hget(self._key(key), field)
+
+    @_unavailable
     async def write(self, key: str, fields: dict[str, bytes], ttl_s: float | None = None) -> None:
         if ttl_s is None:
             await self._redis.hset(self._key(key), mapping=fields)

@@ -81,6 +81,16 @@ class SQLiteStore:
         except sqlite3.Error as exc:
             raise StoreUnavailable(f"the gateway's state store (SQLite) failed: {exc}") from None
 
+    async def read_field(self, key: str, field: str) -> bytes | None:
+        try:
+            db = self._conn()
+            if self._expired(db, key):
+                return None
+            row = db.execute("SELECT value FROM fields WHERE key = ? AND field = ?", (key, field)).fetchone()
+            return bytes(row[0]) if row is not None else None
+        except sqlite3.Error as exc:
+            raise StoreUnavailable(f"the gateway's state store (SQLite) failed: {exc}") from None
+
     def _set_ttl(self, db: sqlite3.Connection, key: str, ttl_s: float | None) -> None:
         if ttl_s is not None:
             db.execute("INSERT INTO expiry (key, at) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET at = excluded.at",

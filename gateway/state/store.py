@@ -44,6 +44,8 @@ class StateStore(Protocol):
     async def read(self, key: str) -> dict[str, bytes]:
         """Every field of the record (empty: no such record, or expired)."""
 
+    async def read_field(self, key: str, field: str) -> bytes | None: ...
+
     async def write(self, key: str, fields: dict[str, bytes], ttl_s: float | None = None) -> None:
         """Sets these fields (others kept); ``ttl_s``: the record expires that long from now (None: keeps its TTL,
         or none)."""

@@ -35,6 +35,7 @@ async def test_records_keep_their_fields_and_expire(store):
     await store.write("r", {"a": b"1", "b": b"2"})
     await store.write("r", {"b": b"3"})
     assert await store.read("r") == {"a": b"1", "b": b"3"}
+    assert await store.read_field("r", "b") == b"3" and await store.read_field("r", "z") is None
     assert await store.write_new("r", "a", b"9") == b"1"
     assert await store.write_new("r", "c", b"4") == b"4"
     await store.remove_fields("r", ["a"])
