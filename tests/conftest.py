@@ -26,10 +26,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Gateways the tests start keep their state in memory unless a test names a store: the many gateways of one test
 # process must not share the default SQLite file (gateway processes through PARROT_STATE, in-process ones here).
+# PARROT_TEST_STATE runs the in-process ones on another store: "sqlite" (a file per test process) or a redis:// URL.
 os.environ.setdefault("PARROT_STATE", "memory://")
 import gateway.state  # noqa: E402
 
-gateway.state.UNCONFIGURED_URL = "memory://"
+_test_state = os.environ.get("PARROT_TEST_STATE", "memory://")
+if _test_state == "sqlite":
+    import tempfile
+
+    os.environ["PARROT_DATA_DIR"] = tempfile.mkdtemp(prefix="parrot-test-state-")
+gateway.state.UNCONFIGURED_URL = None if _test_state == "sqlite" else _test_state
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by markers

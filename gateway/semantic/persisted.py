@@ -83,9 +83,12 @@ class Writer:
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._closed = False
         self.failures = 0
 
     def put(self, write: Callable[[], Awaitable[None]]) -> None:
+        if self._closed:  # the gateway is shutting down: its sessions closing are not news to the store
+            return
         self._queued += 1
         self._queue.append((self._queued, write))
         self._wake.set()
@@ -107,6 +110,7 @@ class Writer:
         await waiter
 
     async def aclose(self, timeout_s: float = 5.0) -> None:
+        self._closed = True
         if self._task is not None:
             try:
                 await asyncio.wait_for(self.flush(), timeout_s)
@@ -150,7 +154,9 @@ class Mirror:
     def __init__(self, store: StateStore, ttl_s: float) -> None:
         self.store = store
         self.shared = store.shared
-        self.ttl_s = ttl_s + 60.0  # the sweep closes idle sessions at ttl_s; the store's TTL is the backstop
+        # A shared store's TTL is the sessions' idle expiry (each replica only lets go of its copy); this process's
+        # own store is swept as the sessions in memory are, its TTL only a backstop for a restart.
+        self.ttl_s = ttl_s if store.shared else ttl_s + 60.0
         self.writer = Writer()
         self._refreshed: dict[str, float] = {}  # session id -> when its TTLs were last refreshed
         self._announced: collections.OrderedDict[str, None] = collections.OrderedDict()  # recent, not held here

@@ -212,6 +212,7 @@ class SessionStore:
         local = self._sessions.get(session_id)
         if local is not None and not mirror.shared:
             return
+        await mirror.flush()  # this process's own changes are in what is read
         read = await mirror.read_session(session_id)
         local = self._sessions.get(session_id)  # the read awaited
         if read is None:
@@ -232,6 +233,7 @@ class SessionStore:
         variable = self._variables.get(var_id)
         if variable is not None and (variable.ready or not mirror.shared):
             return  # a value is never bound twice
+        await mirror.flush()
         if variable is not None:
             record = await mirror.read_variable(variable.session.id, var_id)
             if record is not None:
