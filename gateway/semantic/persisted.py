@@ -23,7 +23,7 @@ import collections
 import logging
 import secrets
 import time
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import TYPE_CHECKING, Callable
 
 import msgspec
 
@@ -73,11 +73,15 @@ def lost_producer(record: VarRecord) -> str:
 
 
 class Writer:
-    """Writes in the order they were queued, one at a time, by one task. While the store is away a write is
-    retried (every half second) until it is back: nothing queued is dropped, and ``flush`` fails meanwhile."""
+    """Writes in the order they were queued, by one task: whatever is queued when it turns is applied as one batch
+    (one round trip; one transaction on SQLite). While the store is away a batch is retried every half second
+    until it is back: nothing queued is dropped, and ``flush`` fails meanwhile."""
 
-    def __init__(self) -> None:
-        self._queue: collections.deque[tuple[int, Callable[[], Awaitable[None]]]] = collections.deque()
+    _BATCH = 512
+
+    def __init__(self, store: StateStore) -> None:
+        self._store = store
+        self._queue: collections.deque[tuple[int, tuple]] = collections.deque()
         self._queued = 0  # sequence number of the last write queued
         self._written = 0  # ... and of the last one written
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
@@ -86,11 +90,12 @@ class Writer:
         self._closed = False
         self.failures = 0
 
-    def put(self, write: Callable[[], Awaitable[None]]) -> None:
+    def put(self, *ops: tuple) -> None:
         if self._closed:  # the gateway is shutting down: its sessions closing are not news to the store
             return
-        self._queued += 1
-        self._queue.append((self._queued, write))
+        for op in ops:
+            self._queued += 1
+            self._queue.append((self._queued, op))
         self._wake.set()
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run(), name="state-writer")
@@ -125,9 +130,9 @@ class Writer:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            seq, write = self._queue[0]
+            batch = [self._queue[i] for i in range(min(len(self._queue), self._BATCH))]
             try:
-                await write()
+                await self._store.apply([op for _, op in batch])
             except StoreUnavailable as exc:
                 self.failures += 1
                 waiters, self._waiters = self._waiters, []
@@ -136,10 +141,11 @@ class Writer:
                         waiter.set_exception(StoreUnavailable(exc.message))
                 await asyncio.sleep(0.5)
                 continue
-            except Exception:  # a bug, not the store: the write is dropped, the rest go on
-                log.exception("a state write failed")
-            self._queue.popleft()
-            self._written = seq
+            except Exception:  # a bug, not the store: the batch is dropped, the rest go on
+                log.exception("state writes failed")
+            for _ in batch:
+                self._queue.popleft()
+            seq = self._written = batch[-1][0]
             if self._waiters:
                 done = [w for w in self._waiters if w[0] <= seq]
                 self._waiters = [w for w in self._waiters if w[0] > seq]
@@ -157,7 +163,7 @@ class Mirror:
         # A shared store's TTL is the sessions' idle expiry (each replica only lets go of its copy); this process's
         # own store is swept as the sessions in memory are, its TTL only a backstop for a restart.
         self.ttl_s = ttl_s if store.shared else ttl_s + 60.0
-        self.writer = Writer()
+        self.writer = Writer(store)
         self._refreshed: dict[str, float] = {}  # session id -> when its TTLs were last refreshed
         self._announced: collections.OrderedDict[str, None] = collections.OrderedDict()  # recent, not held here
         self.on_variable: Callable[[str], None] = lambda var_id: None
@@ -216,53 +222,28 @@ class Mirror:
 
     def created(self, session: Session) -> None:
         record = _encode(SessionRecord(owner=session.owner, default=session.default, created=session.created))
-        key, ttl = session_key(session.id), self.ttl_s
-        self.writer.put(lambda: self.store.write(key, {"_meta": record}, ttl_s=ttl))
+        self.writer.put(("write", session_key(session.id), {"_meta": record}, self.ttl_s))
         self._refreshed[session.id] = time.monotonic()
 
     def changed(self, session: Session, variable: Variable) -> None:
         record = _encode(VarRecord(name=variable.name, value=variable.value, error=variable.error,
                                    producer=variable.producer_id,
                                    replica=REPLICA if variable.producer is not None else None))
-        key, field, index, ttl = session_key(session.id), f"v:{variable.id}", var_key(variable.id), self.ttl_s
-        session_id, var_id, ready = session.id.encode(), variable.id.encode(), variable.ready
-
-        async def write() -> None:
-            await self.store.write(key, {field: record}, ttl_s=ttl)
-            await self.store.write(index, {"s": session_id}, ttl_s=ttl)
-            if ready:
-                await self.store.publish("vars", var_id)
-
-        self.writer.put(write)
+        ops = [("write", session_key(session.id), {f"v:{variable.id}": record}, self.ttl_s),
+               ("write", var_key(variable.id), {"s": session.id.encode()}, self.ttl_s)]
+        if variable.ready:
+            ops.append(("publish", "vars", variable.id.encode()))
+        self.writer.put(*ops)
 
     def forgotten(self, session: Session, var_ids: list[str]) -> None:
-        key, fields = session_key(session.id), [f"v:{v}" for v in var_ids]
-        indexes = [var_key(v) for v in var_ids]
-
-        async def write() -> None:
-            await self.store.remove_fields(key, fields)
-            await self.store.remove(indexes)
-
-        self.writer.put(write)
+        self.writer.put(("remove_fields", session_key(session.id), [f"v:{v}" for v in var_ids]),
+                        ("remove", [var_key(v) for v in var_ids]))
 
     def deleted(self, session: Session, var_ids: list[str]) -> None:
-        keys = [session_key(session.id), *(var_key(v) for v in var_ids)]
         if session.default:
-            owner_key = f"default:{session.owner}"
-            session_id = session.id.encode()
-
-            async def forget_default() -> None:
-                if await self.store.read_field(owner_key, "s") == session_id:
-                    await self.store.remove([owner_key])
-
-            self.writer.put(forget_default)
-        closed = session.id.encode()
-
-        async def write() -> None:
-            await self.store.remove(keys)
-            await self.store.publish("closed", closed)
-
-        self.writer.put(write)
+            self.writer.put(("remove_if", f"default:{session.owner}", "s", session.id.encode()))
+        self.writer.put(("remove", [session_key(session.id), *(var_key(v) for v in var_ids)]),
+                        ("publish", "closed", session.id.encode()))
         self._refreshed.pop(session.id, None)
 
     def touched(self, session: Session) -> None:
@@ -274,13 +255,7 @@ class Mirror:
         keys = [session_key(session.id), *(var_key(v) for v in session.variables)]
         if session.default:
             keys.append(f"default:{session.owner}")
-        ttl = self.ttl_s
-
-        async def write() -> None:
-            for key in keys:
-                await self.store.expire(key, ttl)
-
-        self.writer.put(write)
+        self.writer.put(*(("expire", key, self.ttl_s) for key in keys))
 
     def evicted(self, session_id: str) -> None:
         self._refreshed.pop(session_id, None)
@@ -296,6 +271,10 @@ class Mirror:
         if meta is None:
             return None
         return _session_record(meta), {f[2:]: _var_record(v) for f, v in fields.items() if f.startswith("v:")}
+
+    async def read_meta(self, session_id: str) -> SessionRecord | None:
+        raw = await self.store.read_field(session_key(session_id), "_meta")
+        return _session_record(raw) if raw is not None else None
 
     async def read_variable(self, session_id: str, var_id: str) -> VarRecord | None:
         raw = await self.store.read_field(session_key(session_id), f"v:{var_id}")

@@ -130,7 +130,7 @@ async def set_var(var_id: FromPath[str], data: JSONBody[VarSet], request: Reques
 async def submit_semantic_call(data: JSONBody[SemanticCall], request: Request, state: State) -> SemanticCallView:
     sessions = semantic(state).sessions
     async with admitted(request):
-        await sessions.prepare(data.session_id, owner(request))
+        await sessions.prepare(data.session_id, owner(request), [r.id for r in data.inputs.values() if r.id])
         session, call = semantic(state).submit_call(data, owner(request))
         await sessions.flushed()
     return SemanticCallView(id=call.id, session_id=session.id,

@@ -146,7 +146,7 @@ class SemanticService:
         if stream and not ext.wait:
             raise InvalidRequest("stream cannot be combined with parrot.wait=false: the answer is the queued "
                                  "call's variable id; read its value with GET /v1/vars/{id}", "parrot.wait")
-        await self.sessions.prepare(ext.session_id, owner)
+        await self.sessions.prepare(ext.session_id, owner, _named_ids(raw_extension))
         session = self.sessions.resolve(ext.session_id, owner)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}  # runs whole, server-side
@@ -374,6 +374,20 @@ def _checked(gateway: Gateway, schema: type, raw: Any, param: str) -> Any:
         exc.param = _within(param, exc.param)
         raise
     return data
+
+
+def _named_ids(extension: Any) -> set[str]:
+    """The variable ids an extension names (``{"id": ...}`` in its vars, its inline calls' and its output)."""
+    found, stack = set(), [extension]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if isinstance(item.get("id"), str):
+                found.add(item["id"])
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return found
 
 
 def _placeholders(route: Route, body: dict[str, Any]) -> set[str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Callable
+from typing import Callable, Iterable
 
 from gateway.config import QuotaLimits
 from gateway.domain_errors import NotFound, QuotaExceeded
@@ -177,31 +177,66 @@ class SessionStore:
         if self.mirror is not None:
             await self.mirror.flush()
 
-    async def prepare(self, session_id: str | None, owner: str) -> None:
-        """Before ``resolve``: the named session (or the key's default one) brought in from the store."""
+    async def prepare(self, session_id: str | None, owner: str, var_ids: Iterable[str] = ()) -> None:
+        """Before ``resolve``: the named session (or the key's default one) held here, with the variables
+        ``var_ids`` of it that a request names, as the store has them (not the whole session: a default one may
+        hold thousands)."""
         mirror = self.mirror
         if mirror is None:
             return
-        if session_id is not None:
-            await self.fetch(session_id)
+        if session_id is None:
+            session_id = await self._default(owner)
+        else:
+            await self._hold(session_id)
+        session = self._sessions.get(session_id)
+        if session is None:
+            return  # resolve answers the 404
+        for var_id in var_ids:
+            variable = session.variables.get(var_id)
+            if variable is None or (mirror.shared and not variable.ready and variable.producer is None):
+                record = await mirror.read_variable(session_id, var_id)
+                if record is not None:
+                    await self._merge(session, var_id, record)
+
+    async def _hold(self, session_id: str) -> None:
+        """The session held here if the store has it (a shared store's is checked again: it may be gone)."""
+        mirror = self.mirror
+        assert mirror is not None
+        local = self._sessions.get(session_id)
+        if local is not None and not mirror.shared:
             return
+        await mirror.flush()  # this process's own changes are in what is read
+        meta = await mirror.read_meta(session_id)
+        local = self._sessions.get(session_id)  # the read awaited
+        if meta is None:
+            if local is not None and mirror.shared and not local.calls:
+                self._drop(local)  # deleted, or expired, elsewhere
+            return
+        if local is None:
+            self.create(meta.owner, default=meta.default, session_id=session_id, created=meta.created)
+
+    async def _default(self, owner: str) -> str:
+        """The key's default session, held here: the one the store records, else a new one (recorded)."""
+        mirror = self.mirror
+        assert mirror is not None
         known = self._defaults.get(owner)
         if known is not None and known in self._sessions:
             if mirror.shared:
-                await self.fetch(known)  # may have been deleted elsewhere
+                await self._hold(known)  # may have been deleted elsewhere
             if known in self._sessions:
-                return
+                return known
         candidate = new_id("sess")
         recorded = await mirror.default_session(owner, candidate)
         if recorded != candidate:
-            await self.fetch(recorded)
+            await self._hold(recorded)
             if recorded in self._sessions:
                 self._defaults[owner] = recorded
-                return
+                return recorded
             await mirror.forget_default(owner)  # it had expired
             await mirror.default_session(owner, candidate)
         self._defaults[owner] = self.create(owner, default=True, session_id=candidate, loaded=False).id
         await self.flushed()  # its record is there before another replica follows the pointer to it
+        return candidate
 
     async def fetch(self, session_id: str) -> None:
         """Brings the session in from the store when it is not held here; from a shared store (another replica
@@ -241,7 +276,7 @@ class SessionStore:
             return
         session_id = await mirror.session_of(var_id)
         if session_id is not None:
-            await self.fetch(session_id)
+            await self.prepare(session_id, "", [var_id])
 
     async def _merge(self, session: Session, var_id: str, record: VarRecord) -> None:
         """A variable's record from the store, held here: made if new, bound if it was bound elsewhere."""

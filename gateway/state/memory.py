@@ -86,6 +86,9 @@ class MemoryStore:
         if self._live(key) is not None:
             self._expiry[key] = self._clock() + ttl_s
 
+    async def apply(self, ops: list[tuple]) -> None:
+        await apply_one_by_one(self, ops)
+
     # ---------------------------------------------------------------- counters
 
     def take_now(self, key: str, capacity: float, per_s: float, cost: float, need: float) -> tuple[bool, float]:
@@ -156,3 +159,24 @@ class MemoryStore:
 
     def subscribe(self, channel: str, listener: Listener) -> None:
         self._listeners.setdefault(channel, []).append(listener)
+
+
+async def apply_one_by_one(store, ops: list[tuple]) -> None:
+    """``StateStore.apply`` as the single operations, in order."""
+    for op in ops:
+        kind = op[0]
+        if kind == "write":
+            await store.write(op[1], op[2], ttl_s=op[3])
+        elif kind == "remove_fields":
+            await store.remove_fields(op[1], op[2])
+        elif kind == "remove":
+            await store.remove(op[1])
+        elif kind == "expire":
+            await store.expire(op[1], op[2])
+        elif kind == "publish":
+            await store.publish(op[1], op[2])
+        elif kind == "remove_if":
+            if await store.read_field(op[1], op[2]) == op[3]:
+                await store.remove([op[1]])
+        else:
+            raise ValueError(f"unknown state operation {kind!r}")

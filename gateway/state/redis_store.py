@@ -54,6 +54,11 @@ redis.call('EXPIRE', KEYS[1], ARGV[2])
 return 1
 """
 
+_REMOVE_IF = """
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
 _UNSEAT = """
 local n = redis.call('DECR', KEYS[1])
 if n <= 0 then redis.call('DEL', KEYS[1]) end
@@ -100,6 +105,7 @@ class RedisStore:
         self._seat = self._redis.register_script(_SEAT)
         self._unseat = self._redis.register_script(_UNSEAT)
         self._write_new = self._redis.register_script(_WRITE_NEW)
+        self._remove_if = self._redis.register_script(_REMOVE_IF)
         self._listeners: dict[str, list[Listener]] = {}
         self._pubsub: Any = None
         self._reader: asyncio.Task[None] | None = None
@@ -172,6 +178,32 @@ class RedisStore:
     @_unavailable
     async def expire(self, key: str, ttl_s: float) -> None:
         await self._redis.pexpire(self._key(key), max(1, int(ttl_s * 1000)))
+
+    @_unavailable
+    async def apply(self, ops: list[tuple]) -> None:
+        """One pipeline (one round trip), not a transaction: each write is atomic, in order."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for op in ops:
+                kind = op[0]
+                if kind == "write":
+                    pipe.hset(self._key(op[1]), mapping=op[2])
+                    if op[3] is not None:
+                        pipe.pexpire(self._key(op[1]), max(1, int(op[3] * 1000)))
+                elif kind == "remove_fields":
+                    if op[2]:
+                        pipe.hdel(self._key(op[1]), *op[2])
+                elif kind == "remove":
+                    if op[1]:
+                        pipe.delete(*(self._key(k) for k in op[1]))
+                elif kind == "expire":
+                    pipe.pexpire(self._key(op[1]), max(1, int(op[2] * 1000)))
+                elif kind == "publish":
+                    pipe.publish(self._key(op[1]), op[2])
+                elif kind == "remove_if":
+                    await self._remove_if(keys=[self._key(op[1])], args=[op[2], op[3]], client=pipe)
+                else:
+                    raise ValueError(f"unknown state operation {kind!r}")
+            await pipe.execute()
 
     # ---------------------------------------------------------------- counters
 

@@ -152,6 +152,42 @@ class SQLiteStore:
         except sqlite3.Error as exc:
             raise StoreUnavailable(f"the gateway's state store (SQLite) failed: {exc}") from None
 
+    async def apply(self, ops: list[tuple]) -> None:
+        """In one transaction (one commit for the batch); wake-ups after it."""
+        try:
+            db = self._conn()
+            published = []
+            with db:
+                db.execute("BEGIN IMMEDIATE")
+                for op in ops:
+                    kind = op[0]
+                    if kind == "write":
+                        self._expired(db, op[1])
+                        db.executemany("INSERT OR REPLACE INTO fields (key, field, value) VALUES (?, ?, ?)",
+                                       [(op[1], field, value) for field, value in op[2].items()])
+                        self._set_ttl(db, op[1], op[3])
+                    elif kind == "remove_fields":
+                        db.executemany("DELETE FROM fields WHERE key = ? AND field = ?", [(op[1], f) for f in op[2]])
+                    elif kind == "remove":
+                        db.executemany("DELETE FROM fields WHERE key = ?", [(k,) for k in op[1]])
+                        db.executemany("DELETE FROM expiry WHERE key = ?", [(k,) for k in op[1]])
+                    elif kind == "expire":
+                        if db.execute("SELECT 1 FROM fields WHERE key = ? LIMIT 1", (op[1],)).fetchone() is not None:
+                            self._set_ttl(db, op[1], op[2])
+                    elif kind == "publish":
+                        published.append((op[1], op[2]))
+                    elif kind == "remove_if":
+                        row = db.execute("SELECT value FROM fields WHERE key = ? AND field = ?", (op[1], op[2])).fetchone()
+                        if row is not None and bytes(row[0]) == op[3]:
+                            db.execute("DELETE FROM fields WHERE key = ?", (op[1],))
+                            db.execute("DELETE FROM expiry WHERE key = ?", (op[1],))
+                    else:
+                        raise ValueError(f"unknown state operation {kind!r}")
+        except sqlite3.Error as exc:
+            raise StoreUnavailable(f"the gateway's state store (SQLite) failed: {exc}") from None
+        for channel, message in published:
+            await self._local.publish(channel, message)
+
     def forget_full(self) -> int:
         """Expired records deleted (a TTL is otherwise enforced when the record is read) and idle counters dropped."""
         forgotten = self._local.forget_full()

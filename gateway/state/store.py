@@ -15,6 +15,12 @@ from typing import Callable, Protocol
 
 Listener = Callable[[bytes], None]
 
+# A write among several applied in order in one round trip (``StateStore.apply``):
+#   ("write", key, {field: value}, ttl_s | None)   ("remove_fields", key, [field, ...])   ("remove", [key, ...])
+#   ("expire", key, ttl_s)   ("publish", channel, message)   ("remove_if", key, field, value): the record goes if
+#   its field holds that value
+Op = tuple
+
 
 class StoreUnavailable(Exception):
     """The state store did not answer (down, unreachable, or slower than ``[state] timeout_s``): the gateway
@@ -57,6 +63,9 @@ class StateStore(Protocol):
     async def remove(self, keys: list[str]) -> None: ...
     async def expire(self, key: str, ttl_s: float) -> None:
         """The record (if any) expires ``ttl_s`` from now."""
+
+    async def apply(self, ops: list[Op]) -> None:
+        """The writes ``ops`` (see ``Op``), in order, in one round trip; each is atomic, not the batch."""
 
     # ---- counters
     async def take(self, key: str, capacity: float, per_s: float, cost: float, need: float) -> tuple[bool, float]:

@@ -103,3 +103,19 @@ def test_the_store_is_named_by_file_env_or_flag(tmp_path: Path):
     assert isinstance(open_store(StateConfig(path=str(tmp_path / "x.db"))), SQLiteStore)
     with pytest.raises(Exception):
         load_config(env={"PARROT_STATE": "mysql://h"})
+
+
+async def test_a_batch_of_writes_is_applied_in_order(store):
+    got = asyncio.Queue()
+    store.subscribe("batch", got.put_nowait)
+    if hasattr(store, "_subscribed"):
+        await asyncio.sleep(0.2)
+    await store.write("pointer", {"s": b"one"})
+    await store.apply([("write", "a", {"x": b"1", "y": b"2"}, 60.0), ("remove_fields", "a", ["y"]),
+                       ("write", "b", {"x": b"1"}, None), ("remove", ["b"]), ("expire", "a", 30.0),
+                       ("remove_if", "pointer", "s", b"two"), ("publish", "batch", b"done")])
+    assert await store.read("a") == {"x": b"1"} and await store.read("b") == {}
+    assert await store.read("pointer") == {"s": b"one"}
+    await store.apply([("remove_if", "pointer", "s", b"one")])
+    assert await store.read("pointer") == {}
+    assert await asyncio.wait_for(got.get(), 5) == b"done"
