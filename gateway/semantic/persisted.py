@@ -208,6 +208,12 @@ class Mirror:
             return False  # this process owns the store: an earlier one is gone
         return bool(await self.store.read_field(f"replica:{replica}", "alive"))
 
+    @property
+    def listening(self) -> bool:
+        """The store's wake-ups reach this process now (a shared store's subscription is up)."""
+        subscribed = getattr(self.store, "subscribed", None)
+        return True if subscribed is None else subscribed
+
     def _variable_announced(self, var_id: str) -> None:
         self._announced[var_id] = None
         if len(self._announced) > 4096:

@@ -203,8 +203,8 @@ class SessionStore:
         mirror = self.mirror
         assert mirror is not None
         local = self._sessions.get(session_id)
-        if local is not None and not mirror.shared:
-            return
+        if local is not None and (not mirror.shared or mirror.listening):
+            return  # a deletion elsewhere would have been announced ("closed"), and this copy dropped
         await mirror.flush()  # this process's own changes are in what is read
         meta = await mirror.read_meta(session_id)
         local = self._sessions.get(session_id)  # the read awaited
@@ -222,7 +222,7 @@ class SessionStore:
         known = self._defaults.get(owner)
         if known is not None and known in self._sessions:
             if mirror.shared:
-                await self._hold(known)  # may have been deleted elsewhere
+                await self._hold(known)  # may have been deleted elsewhere (while wake-ups were away)
             if known in self._sessions:
                 return known
         candidate = new_id("sess")

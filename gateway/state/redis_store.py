@@ -112,6 +112,11 @@ class RedisStore:
         self._subscribed = asyncio.Event()
         self._reconnected: list[Callable[[], None]] = []
 
+    @property
+    def subscribed(self) -> bool:
+        """The subscriber connection is up: wake-ups published now reach this process."""
+        return self._subscribed.is_set()
+
     def _key(self, key: str) -> str:
         return self.prefix + key
 
