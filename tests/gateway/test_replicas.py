@@ -131,6 +131,21 @@ def test_a_variable_produced_on_one_replica_wakes_a_waiter_on_the_other(fake_url
         assert produced["ready"] and "then now" in produced["value"] and 0.9 < took < 5, (produced, took)
 
 
+def test_a_call_lost_with_its_replica_fails_its_output_on_the_other(fake_url, redis_server):
+    """Not taken over (yet): the call is not run again, but a waiter on another replica learns that its
+    producer is gone when the dead replica's heartbeat expires, instead of waiting for its input timeout."""
+    with replicas(fake_url, redis_server.url) as (a, b):
+        session = post(a.url, "/v1/sessions", {})["id"]
+        output = post(a.url, "/v1/chat/completions", chat(
+            fake={"delay_s": 120}, parrot={"session_id": session, "wait": False}))["parrot"]["output"]["id"]
+        assert not get(b.url, f"/v1/vars/{output}").json()["ready"]
+        a.kill()  # kill -9 mid-call
+        started = time.monotonic()
+        lost = get(b.url, f"/v1/vars/{output}", wait="true", timeout=40).json()
+        assert lost["ready"] and "lost" in lost["error"], lost
+        assert time.monotonic() - started < 25
+
+
 def test_the_store_going_away_gives_503s_and_the_gateway_recovers_when_it_is_back(fake_url, tmp_path):
     from tests.support.redis_server import RedisServer
 
