@@ -89,6 +89,7 @@ class Writer:
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self.failures = 0
+        self.observe: Callable[[float], None] = lambda seconds: None  # each batch's round trip (metrics)
 
     def put(self, *ops: tuple) -> None:
         if self._closed:  # the gateway is shutting down: its sessions closing are not news to the store
@@ -131,8 +132,10 @@ class Writer:
                 await self._wake.wait()
                 continue
             batch = [self._queue[i] for i in range(min(len(self._queue), self._BATCH))]
+            started = time.perf_counter()
             try:
                 await self._store.apply([op for _, op in batch])
+                self.observe(time.perf_counter() - started)
             except StoreUnavailable as exc:
                 self.failures += 1
                 waiters, self._waiters = self._waiters, []

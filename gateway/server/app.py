@@ -91,6 +91,11 @@ def create_app(config: GatewayConfig | None = None) -> Litestar:
             app.state.semantic = SemanticService(gateway, config.semantic, limits_of=quotas.limits, tracing=tracing,
                                                  store=store)
             app.state.semantic.start()
+            writer = app.state.semantic.mirror.writer if app.state.semantic.mirror is not None else None
+            if writer is not None:
+                writer.observe = gateway.metrics.state_write_latency.observe
+            gateway.metrics.mirror_store(lambda: getattr(store, "errors", 0) + (writer.failures if writer else 0),
+                                         lambda: writer.pending if writer else 0)
             closing.push_async_callback(app.state.semantic.aclose)
             sessions = app.state.semantic.sessions
             gateway.metrics.mirror(registry.records, sessions.all, sessions.holdings)

@@ -163,6 +163,9 @@ def test_the_store_going_away_gives_503s_and_the_gateway_recovers_when_it_is_bac
             assert chat_refused.status_code == 503, chat_refused.text  # its rate quota cannot be counted
             ready = httpx.get(f"{a.url}/health/ready", timeout=30)
             assert ready.status_code == 503 and not ready.json()["state_store_ok"]
+            errors = next(line for line in httpx.get(f"{a.url}/metrics", timeout=10).text.splitlines()
+                          if line.startswith("parrot:state_errors_total"))
+            assert float(errors.split()[-1]) >= 2, errors
             server.start()  # the same port, empty: a new server
             deadline = time.monotonic() + 20
             while httpx.get(f"{a.url}/health/ready", timeout=30).status_code != 200:
