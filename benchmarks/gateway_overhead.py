@@ -147,7 +147,7 @@ def main() -> None:
     parser.add_argument("--compare-url", help="another gateway's base URL (ending in /v1) to measure the same way")
     parser.add_argument("--compare-model", default="fake", help="model name to ask the compared gateway for")
     parser.add_argument("--states", help="comma-separated state stores, one gateway each: memory, sqlite, redis "
-                                         "(default: one gateway, on the default store)")
+                                         "(default: one gateway, in memory)")
     parser.add_argument("--redis-url", help="the Redis for --states redis (default: a redis-server started here)")
     parser.add_argument("--quota-rpm", type=int, help="a requests-per-minute quota on every key: admission counted "
                                                      "in each gateway's store")
@@ -165,7 +165,7 @@ def main() -> None:
     gateways: dict[str, int] = {}
     env = {"PARROT_QUOTA_REQUESTS_PER_MINUTE": str(args.quota_rpm)} if args.quota_rpm else {}
     for state in (args.states.split(",") if args.states else [None]):
-        where = []
+        where = ["--state", "memory://"]  # as the gateway kept everything before it had a store
         if state == "memory":
             where = ["--state", "memory://"]
         elif state == "sqlite":

@@ -9,6 +9,8 @@ bucket is a minute's state, not worth a disk write per request.
 
 from __future__ import annotations
 
+import fcntl
+import os
 import sqlite3
 import time
 from pathlib import Path
@@ -32,10 +34,22 @@ class SQLiteStore:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._db: sqlite3.Connection | None = None
+        self._lock: int | None = None
         self._local = MemoryStore()  # counters and wake-ups
 
     async def start(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        # One gateway per file: a second would take the first's running calls for lost ones. The lock goes with
+        # the process, however it ends.
+        lock = os.open(f"{self.path}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(lock)
+            raise RuntimeError(f"another gateway process uses the state file {self.path}: give this one a file of "
+                               "its own ([state] path, --state PATH), or share a Redis between them "
+                               "(--state redis://…)") from None
+        self._lock = lock
         db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         db.execute("PRAGMA journal_mode=WAL")
         db.execute("PRAGMA synchronous=NORMAL")
@@ -47,6 +61,9 @@ class SQLiteStore:
         if self._db is not None:
             self._db.close()
             self._db = None
+        if self._lock is not None:
+            os.close(self._lock)  # and the lock with it
+            self._lock = None
 
     def _conn(self) -> sqlite3.Connection:
         if self._db is None:

@@ -119,3 +119,14 @@ async def test_a_batch_of_writes_is_applied_in_order(store):
     await store.apply([("remove_if", "pointer", "s", b"one")])
     assert await store.read("pointer") == {}
     assert await asyncio.wait_for(got.get(), 5) == b"done"
+
+
+async def test_one_gateway_per_sqlite_file(tmp_path: Path):
+    first = SQLiteStore(tmp_path / "state.sqlite3")
+    await first.start()
+    second = SQLiteStore(tmp_path / "state.sqlite3")
+    with pytest.raises(RuntimeError, match="another gateway process uses the state file"):
+        await second.start()
+    await first.aclose()
+    await second.start()  # once the first let go
+    await second.aclose()
