@@ -31,11 +31,23 @@ os.environ.setdefault("PARROT_STATE", "memory://")
 import gateway.state  # noqa: E402
 
 _test_state = os.environ.get("PARROT_TEST_STATE", "memory://")
-if _test_state == "sqlite":
+gateway.state.UNCONFIGURED_URL = None if _test_state == "sqlite" else _test_state
+if _test_state == "sqlite":  # each in-process gateway a file of its own (one gateway per file)
     import tempfile
 
-    os.environ["PARROT_DATA_DIR"] = tempfile.mkdtemp(prefix="parrot-test-state-")
-gateway.state.UNCONFIGURED_URL = None if _test_state == "sqlite" else _test_state
+    import msgspec
+
+    import gateway.server.app
+
+    _directory = tempfile.mkdtemp(prefix="parrot-test-state-")
+    _open_store = gateway.state.open_store
+
+    def _own_file(config):
+        if config.url is None and config.path is None:
+            config = msgspec.structs.replace(config, path=tempfile.mktemp(suffix=".sqlite3", dir=_directory))
+        return _open_store(config)
+
+    gateway.server.app.open_store = _own_file
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by markers
