@@ -2,7 +2,8 @@
 answers it gives, which the tests' steerable fake (tests/support/fake_upstream.py) gives too.
 
 It echoes the last user message (or prompt) as "echo: ...", or, with the extra body field ``"fake": {"words": N}``
-(which a gateway forwards untouched like any unknown field), N words; with tools it calls the first one.
+(which a gateway forwards untouched like any unknown field), N words, or with ``{"text": T}`` T; with tools it
+calls the first one.
 
 Run alone: python -m benchmarks.fake_upstream --port 9000
 """
@@ -24,6 +25,8 @@ def _words(body: dict[str, Any]) -> list[str]:
     fake = body.get("fake") or {}
     if "words" in fake:
         return [f"w{i}" for i in range(int(fake["words"]))]
+    if "text" in fake:  # exactly this text (as words: streamed one by one)
+        return str(fake["text"]).split(" ")
     if "messages" in body:
         last = body["messages"][-1].get("content") or ""
         if isinstance(last, list):

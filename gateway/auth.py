@@ -28,11 +28,16 @@ def presented_key(connection: ASGIConnection) -> str:
     return credential.strip() if scheme.lower() == "bearer" else ""
 
 
+def client_key(connection: ASGIConnection) -> str:
+    """A client's key: ``Authorization: Bearer KEY``, else Anthropic's ``x-api-key: KEY`` ("" without either)."""
+    return presented_key(connection) or connection.headers.get("x-api-key", "").strip()
+
+
 def owner(connection: ASGIConnection) -> str:
     """Sessions belong to the bearer key that made them, on an open gateway (no configured keys) too:
     there the key authenticates nobody, but clients that present different keys (the openai SDK always
     sends one) expect not to see each other's sessions. Requests without a key share one owner."""
-    return owner_of(presented_key(connection))
+    return owner_of(client_key(connection))
 
 
 def admin_owners(config: AuthConfig) -> frozenset[str]:
@@ -57,12 +62,11 @@ def api_key_guard(config: AuthConfig) -> Guard | None:
     def guard(connection: ASGIConnection, handler: BaseRouteHandler) -> None:
         if handler.opt.get("exclude_from_auth"):
             return
-        header = connection.headers.get("authorization", "")
-        scheme, _, key = header.partition(" ")
-        if scheme.lower() != "bearer" or not key:
-            raise APIError(401, "You didn't provide an API key. Pass it as 'Authorization: Bearer KEY'.",
-                           code="invalid_api_key")
-        if key.strip() not in api_keys:
+        key = client_key(connection)
+        if not key:
+            raise APIError(401, "You didn't provide an API key. Pass it as 'Authorization: Bearer KEY' "
+                                "(or 'x-api-key: KEY').", code="invalid_api_key")
+        if key not in api_keys:
             raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
 
     return guard

@@ -54,6 +54,9 @@ class UpstreamConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # "higher_first", or "lower_first" with --schedule-low-priority-values-first) server is sent each
     # request's criteria as its `priority`: latency-critical work first. "off": no priority field.
     priority_scheduling: Literal["off", "lower_first", "higher_first"] = "off"
+    # A vLLM or SGLang server with prefix caching: a semantic call waiting for its inputs has its prompt, up to
+    # its first pending variable, prefilled there ahead (one prefill-only request) and then runs there.
+    prefill_ahead: bool = False
 
     def served_model(self) -> str:
         return self.upstream_model or self.model
@@ -100,6 +103,18 @@ class SemanticConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # when they are produced there, their text put into its prompt (gateway/semantic/handoff.py); off: it
     # waits for their text at the gateway. Either way the prompt is the one a plain request sends.
     token_handoff: bool = True
+    # A call run as a plain request is streamed from its engine even when its client does not stream, so that
+    # its first token is timed (its graph node's first_token: queue + prefill apart from decode; the per-call
+    # breakdown of benchmarks/breakdown.py). Costs the gateway a parse per streamed event.
+    stream_steps: bool = False
+    # Prefill ahead on upstreams (prefill.py): a waiting call's prefilled prompt is extended as its inputs come
+    # (the text the producer of the first pending one streams, each value bound), each time it grew by this many
+    # characters, so that when the last input is bound most of it is cached too. 0: off. On, calls run as plain
+    # requests stream from their engines (as stream_steps).
+    prefill_extend_chars: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # Prefill ahead skips an engine reporting more requests than this waiting in its queue (saturated: a
+    # prefill would delay the work ahead of it for a prefix the call computes anyway), or its KV cache full.
+    prefill_max_waiting: Annotated[int, msgspec.Meta(ge=0)] = 8
     max_prefixes_per_engine: int = 32  # idle shared-prefix contexts kept per engine; beyond, one-off ones go first
     default_session_max_variables: int = 10_000  # a key's default session forgets its oldest finished ones beyond
     # A session no request touched and no call ran in for this long is closed as DELETE closes it
@@ -113,6 +128,16 @@ class SemanticConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # How deep inline calls may nest (a call inside a call's vars is depth 2): each level is a chain step
     # the request queues at once, so depth is bounded apart from the count.
     max_inline_depth: Annotated[int, msgspec.Meta(ge=0)] = 8
+
+
+class ResponsesConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """POST /v1/responses' store (gateway/responses/store.py): in memory, per API key."""
+
+    max_stored: Annotated[int, msgspec.Meta(ge=1)] = 10_000  # responses kept per key; its oldest go first beyond
+    max_stored_bytes: Annotated[int, msgspec.Meta(ge=1)] = 256 * 1024 * 1024  # per key, conversations included
+    max_response_bytes: Annotated[int, msgspec.Meta(ge=1)] = 16 * 1024 * 1024  # one stored conversation; beyond: 413
+    ttl_s: Annotated[float, msgspec.Meta(gt=0)] = 86_400.0  # a stored response nobody read or continued this long goes
+    max_input_items: Annotated[int, msgspec.Meta(ge=1)] = 4096  # items in one request's input
 
 
 class DashboardConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -225,6 +250,10 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     kv_full: float = 0.95  # an engine whose KV cache is this full would preempt to fit more: it pays for it
     # Prefix memory per engine that does not report its KV capacity, in tokens.
     default_capacity_tokens: int = 65_536
+    # Admission on engines that do not order work by criteria (vLLM, SGLang, any upstream): throughput work is
+    # held back, this long at most, while latency-critical requests are on its engine and the engine reports a
+    # queue (its /metrics). 0: never held.
+    throughput_hold_s: Annotated[float, msgspec.Meta(ge=0)] = 1.0
 
     def __post_init__(self) -> None:
         for name in ("queue_tokens_per_request", "throughput_queue_weight", "balance_abs_threshold",
@@ -260,6 +289,7 @@ class GatewayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
     state: StateConfig = msgspec.field(default_factory=StateConfig)
     dashboard: DashboardConfig = msgspec.field(default_factory=DashboardConfig)
+    responses: ResponsesConfig = msgspec.field(default_factory=ResponsesConfig)
     upstreams: list[UpstreamConfig] = []
 
     def builtin_enabled(self) -> bool:

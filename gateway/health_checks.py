@@ -22,7 +22,7 @@ async def _passes(record: EngineRecord, timeout_s: float) -> bool:
         async with asyncio.timeout(timeout_s):
             if not await record.engine.health():
                 return False
-            record.stats = await record.engine.stats()
+            record.report(await record.engine.stats())
             return True
     except Exception:  # a timeout, or an answer that is no model list: failed either way
         return False

@@ -87,6 +87,10 @@ class GatewayMetrics:
                                     per_engine, buckets=_LATENCY_BUCKETS, registry=r)
         self.forks = Counter("parrot:forks", "Requests run as a fork of a shared prefix pinned on the engine.",
                              per_engine, registry=r)
+        self.prefills = Counter("parrot:prefill_ahead", "Prefill-only requests that warmed an upstream's prefix cache "
+                                "with a waiting call's prompt.", per_engine, registry=r)
+        self.prefill_skips = Counter("parrot:prefill_ahead_skipped", "Waiting calls not prefilled ahead: their "
+                                     "engine was saturated (its queue, or its KV cache full).", per_engine, registry=r)
         self.prefix_hit_tokens = Gauge("parrot:prefix_cache_hit_tokens", "Prompt tokens served from a cached "
                                        "prefix, summed over engines (as reported on heartbeat).", registry=r)
         self.shared_prefix_fork_tokens = Gauge("parrot:shared_prefix_fork_tokens", "Prompt tokens forked from "
@@ -161,7 +165,7 @@ class RouteMetrics:
     """One model's children on one engine."""
 
     __slots__ = ("requests_running", "prompt_tokens", "generation_tokens", "e2e_latency", "ttft", "itl",
-                 "queue_time", "forks")
+                 "queue_time", "forks", "prefills", "prefill_skips")
 
     def __init__(self, metrics: GatewayMetrics, model: str, engine: str):
         for name in self.__slots__:

@@ -53,6 +53,11 @@ class Outcomes:
         """A request ran as a fork of a shared prefix on ``engine`` (its name)."""
         self.metrics.on(model, engine).forks.inc()
 
+    def prefilled(self, model: str, engine: str, *, skipped: bool = False) -> None:
+        """A waiting call's prompt was prefilled ahead on ``engine`` (or not: ``skipped``, the engine queueing)."""
+        measured = self.metrics.on(model, engine)
+        (measured.prefill_skips if skipped else measured.prefills).inc()
+
     def no_engine(self, model: str, last_error: EngineError | None) -> EngineError:
         """The error of a request no engine answered, counted."""
         if last_error is not None:

@@ -59,6 +59,11 @@ class Admission:
         if self.metered:
             self._quotas.charge_soon(self._owner, self._limits, tokens)
 
+    def release_soon(self) -> None:
+        """``release`` from code that cannot await (a task's done callback): in the background."""
+        if not self._released:
+            self._quotas.in_background(self.release())
+
     async def release(self) -> None:
         if self._released:
             return
@@ -149,15 +154,18 @@ class Quotas:
         except StoreUnavailable:
             log.warning("%d tokens could not be charged: the state store is unavailable", tokens)
 
+    def in_background(self, work) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._charges.add(task)
+        task.add_done_callback(self._charges.discard)
+
     def charge_soon(self, owner: str, limits: QuotaLimits, tokens: int) -> None:
         if isinstance(self._counters, MemoryStore):  # this process's: charged at once
             per_minute = limits.tokens_per_minute
             assert per_minute is not None
             self._counters.take_now(f"tpm:{owner}", per_minute, per_minute / 60, tokens, float("-inf"))
             return
-        task = asyncio.get_running_loop().create_task(self.charge(owner, limits, tokens))
-        self._charges.add(task)
-        task.add_done_callback(self._charges.discard)
+        self.in_background(self.charge(owner, limits, tokens))
 
     @contextlib.asynccontextmanager
     async def admitted(self, owner: str, estimate_tokens: int = 0) -> AsyncIterator[Admission | None]:
@@ -166,7 +174,21 @@ class Quotas:
         if not self.enabled:
             yield None
             return
-        admission = await self.admit(owner, estimate_tokens)
+        async with self.holding(await self.admit(owner, estimate_tokens)) as admission:
+            yield admission
+
+    async def admitted_later(self, owner: str, estimate_tokens: int = 0) -> Admission | None:
+        """An admission now (a 429 now when over quota) for work that runs later under ``holding``
+        (a background response); None when no quota is configured."""
+        return await self.admit(owner, estimate_tokens) if self.enabled else None
+
+    @contextlib.asynccontextmanager
+    async def holding(self, admission: Admission | None) -> AsyncIterator[Admission | None]:
+        """The block runs as ``admission``'s request: usage decoded meanwhile is charged to its key, and
+        its seat is released at the end."""
+        if admission is None:
+            yield None
+            return
         metered = _current.set(admission if admission.metered else None)
         try:
             yield admission

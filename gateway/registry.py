@@ -7,7 +7,7 @@ import ipaddress
 import secrets
 import socket
 import time
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import httpx
 import msgspec
@@ -94,6 +94,28 @@ class EngineRecord(EngineView, kw_only=True):
     token: str | None = None  # a registered engine's proof of identity for heartbeats (never listed)
     endpoints: frozenset[Endpoint] = frozenset()  # where its URL leads (endpoints_of), for registered ones
     requests: RequestRate = msgspec.field(default_factory=RequestRate)  # requests sent to it (the dashboard's req/s)
+    latency_in_flight: int = 0  # of in_flight, latency-critical requests on an engine without criteria (admission)
+    stats_at: float = 0.0  # when ``stats`` was read (time.monotonic(): a heartbeat, a health check, a refresh)
+    refreshing: Any = None  # the task asking the engine for its stats now, if one is (fresh_stats)
+
+    def report(self, stats: EngineStats) -> None:
+        self.stats, self.stats_at = stats, time.monotonic()
+
+    async def fresh_stats(self, max_age_s: float) -> EngineStats:
+        """Its stats, read no longer than ``max_age_s`` ago: asked of the engine when older (one request at a time,
+        however many wait for it); the last reading when the engine cannot say."""
+        if time.monotonic() - self.stats_at <= max_age_s:
+            return self.stats
+        if self.refreshing is None or self.refreshing.done():
+            self.refreshing = asyncio.ensure_future(self._refresh())
+        await asyncio.shield(self.refreshing)
+        return self.stats
+
+    async def _refresh(self) -> None:
+        try:
+            self.report(await self.engine.stats())
+        except Exception:  # unreachable or unreadable: its last reading stands, until the next try
+            self.stats_at = time.monotonic()
 
     def healthy(self, now: float, heartbeat_timeout_s: float) -> bool:
         return self.breaker.allows() and not self.expired(now, heartbeat_timeout_s)
@@ -219,7 +241,7 @@ class EngineRegistry:
         if record is None or record.last_heartbeat is None:  # static upstreams don't heartbeat
             return False
         record.last_heartbeat = time.monotonic()
-        record.stats = stats
+        record.report(stats)
         return True
 
     def candidates(self, model: str) -> Iterator[EngineRecord]:

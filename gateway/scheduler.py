@@ -19,6 +19,10 @@ queue less: it packs onto engines that hold its prefix, where it batches. An eng
 loaded one (``balance_abs_threshold`` requests and ``balance_ratio`` times) is passed over whatever it
 holds. A task group's members share the engine the first of them went to when it scores as well as any (so
 they batch and finish together); without a shared prefix they spread like any work. Ties go round-robin.
+
+An affinity key (OpenAI's ``prompt_cache_key``) pins work to the engine its key's first request went to, while
+that engine is among the healthy ones offered and not overloaded (past the balance thresholds, or its KV cache
+nearly full); otherwise the work is scored as any, and the key moves to where it went.
 """
 
 from __future__ import annotations
@@ -32,7 +36,10 @@ from gateway.prompt_prefix import TOKENS_PER_CHUNK
 
 View = TypeVar("View", bound=EngineView)
 _PASSED_OVER = 1e18  # added to the score of an engine past the balance thresholds: ranked, but last
-_MAX_GROUPS = 100_000  # task groups remembered (the oldest forgotten first)
+_MAX_GROUPS = 100_000  # task groups (and affinity keys) remembered (the oldest forgotten first)
+# How urgent work is, as one number (Placement.level): what an engine that orders its queue by a request's
+# ``priority`` (vLLM, SGLang) is sent, through its PrioritizedEngine capability.
+LATENCY_LEVEL, URGENT_GROUP_LEVEL, THROUGHPUT_LEVEL = 0, 1, 2
 
 
 class Placement(NamedTuple):
@@ -40,7 +47,19 @@ class Placement(NamedTuple):
 
     latency: bool = True  # latency-critical (wants a seat now) or throughput (may wait for a big batch)
     group: str | None = None  # its task group: calls one consumer waits for, all of them
-    held_by: frozenset[str] = frozenset()  # engines known to hold its whole prefix (a pinned context)
+    held_by: frozenset[str] = frozenset()  # engines known to hold its whole prefix (a pinned context, a warmed one)
+    # A member of a task group that someone waits on (its consumer is latency-critical): batched with its peers,
+    # but ahead of throughput work.
+    urgent: bool = False
+    affinity: str | None = None  # an affinity key (OpenAI's prompt_cache_key): same key, same engine
+
+    @property
+    def level(self) -> int:
+        """LATENCY_LEVEL (someone waits on it alone), URGENT_GROUP_LEVEL (a task group someone waits on) or
+        THROUGHPUT_LEVEL: lower is sooner."""
+        if self.latency:
+            return LATENCY_LEVEL
+        return URGENT_GROUP_LEVEL if self.urgent else THROUGHPUT_LEVEL
 
 
 class Work(NamedTuple):
@@ -62,6 +81,7 @@ class Scheduler:
         self._again: dict[str, OrderedDict[int, None]] = {}
         self._holders: dict[int, set[str]] = {}  # prefix chunk → the engines holding it
         self._groups: OrderedDict[str, str] = OrderedDict()  # task group → the engine its first member went to
+        self._affinity: OrderedDict[str, str] = OrderedDict()  # affinity key → the engine its work went to last
         self._turn = 0  # round-robin among equal scores
 
     def place(self, work: Work, views: Sequence[View]) -> View | None:
@@ -81,10 +101,27 @@ class Scheduler:
         if self.config.policy == "least_loaded":
             scores = [view.load() for view in views]
         else:
+            pinned = self._pinned(work.placement.affinity, views)
+            if pinned is not None:
+                return pinned
             scores = self._scores(work, views, self.held_tokens(work))
         low = min(scores)
         ties = [i for i, score in enumerate(scores) if score == low]
         return views[ties[self._turn % len(ties)]]
+
+    def _pinned(self, key: str | None, views: Sequence[View]) -> View | None:
+        """The engine ``key``'s work went to, when it is among ``views`` and not overloaded."""
+        engine = self._affinity.get(key) if key is not None else None
+        if engine is None:
+            return None
+        pinned = next((view for view in views if view.id == engine), None)
+        if pinned is None or pinned.stats.kv_use() >= self.config.kv_full:
+            return None
+        floor = min(view.load() for view in views)
+        load = pinned.load()
+        if load - floor > self.config.balance_abs_threshold and load > floor * self.config.balance_ratio:
+            return None
+        return pinned
 
     def _scores(self, work: Work, views: Sequence[View], held: dict[str, int]) -> list[float]:
         config = self.config
@@ -136,6 +173,12 @@ class Scheduler:
             self._groups[group] = view.id
             if len(self._groups) > _MAX_GROUPS:
                 self._groups.popitem(last=False)
+        key = work.placement.affinity
+        if key is not None:
+            self._affinity[key] = view.id
+            self._affinity.move_to_end(key)
+            if len(self._affinity) > _MAX_GROUPS:
+                self._affinity.popitem(last=False)
 
     def forget(self, engine_id: str) -> None:
         """An engine gone: nothing is held there any more."""
@@ -144,6 +187,8 @@ class Scheduler:
                 self._drop(engine_id, chunk)
         for group in [g for g, engine in self._groups.items() if engine == engine_id]:
             del self._groups[group]
+        for key in [k for k, engine in self._affinity.items() if engine == engine_id]:
+            del self._affinity[key]
 
     def held_prefix_tokens(self, engine_id: str) -> int:
         """The prompt-prefix tokens the scheduler counts on that engine holding."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from typing import Any, AsyncIterator, Callable, NamedTuple
 
@@ -10,9 +12,9 @@ import msgspec
 
 from engines.seam import Engine, EngineError, HintedEngine, PrioritizedEngine, Route
 from engines.seam.connect import connect, has_capability
-from wire.openai import COMPLETIONS_DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest, prompt_count
+from wire.openai import COMPLETIONS_DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest, prompt_count, served_tier
 from wire.sse import SSE_DONE, sse_event
-from engines.seam.upstream import PrioritizedUpstreamEngine, UpstreamEngine
+from engines.seam.upstream import upstream_class
 from gateway.attempts import Attempts
 from gateway.config import GatewayConfig
 from gateway.domain_errors import Conflict, Invalid, model_not_found
@@ -21,17 +23,54 @@ from gateway.metrics import GatewayMetrics, RouteMetrics, carries_token
 from gateway.outcomes import Outcomes, Reported, read_usage
 from gateway.prompt_prefix import prompt_prefix
 from gateway.registry import EngineConflict, EngineRecord, EngineRegistry, endpoints_of
-from gateway.scheduler import Placement, Scheduler, Work
+from gateway.scheduler import THROUGHPUT_LEVEL, Placement, Scheduler, Work
+from wire.sampling import affinity_key, tier_criteria
 
 OpenAIRequest = ChatCompletionRequest | CompletionRequest
 REQUEST_SCHEMAS: dict[str, type[OpenAIRequest]] = {"chat/completions": ChatCompletionRequest, "completions": CompletionRequest}
 ENGINE_HEADER = "x-parrot-engine"  # on every proxied response: the engine it came from (its id in GET /v1/engines)
+_HOLD_POLL_S = 0.02  # how often held throughput work looks again (admission)
+_FRESH_S = 0.25  # how old an engine's stats may be for admission (older: asked of the engine then)
+
+
+def placement_of(body: dict[str, Any]) -> Placement:
+    """A plain request's placement from its OpenAI fields: ``service_tier`` "flex" is throughput work (any
+    other tier latency work, as a plain request is), ``prompt_cache_key`` its affinity key."""
+    return Placement(latency=tier_criteria(body) != "throughput", affinity=affinity_key(body))
+
+
+def hints_of(placement: Placement) -> dict[str, Any] | None:
+    """A plain request's scheduling hints for an engine that takes them (the builtin one orders and batches by
+    criteria): throughput work says so; latency work is what a plain request is to it anyway."""
+    return None if placement.latency else {"criteria": "throughput"}
+
+
+async def events_with_service_tier(events: AsyncIterator[bytes], body: dict[str, Any]) -> AsyncIterator[bytes]:
+    """A stream's SSE events, each chunk naming the request's ``service_tier`` as OpenAI's do (events that name
+    one already, and error objects, as they are)."""
+    tier = b'data: {"service_tier":' + msgspec.json.encode(served_tier(body["service_tier"])) + b","
+    async with contextlib.aclosing(events):  # closed with this one: the engine's stream and its accounting
+        async for batch in events:
+            if b'"service_tier"' not in batch and b'data: {"error"' not in batch:
+                batch = batch.replace(b"data: {", tier)
+            yield batch
+
+
+def with_service_tier(answer: bytes, body: dict[str, Any]) -> bytes:
+    """An answer to a request that named a ``service_tier`` echoes it, as OpenAI's do (an engine's own member
+    of that name stays); others are returned as they are, not read."""
+    tier = body.get("service_tier")
+    if not isinstance(tier, str) or not answer.startswith(b"{") or b'"service_tier"' in answer:
+        return answer
+    rest = answer[1:].lstrip()
+    return b'{"service_tier":' + msgspec.json.encode(served_tier(tier)) + (b"," if not rest.startswith(b"}") else b"") + rest
 
 
 class Answer(NamedTuple):
     body: bytes
     engine_id: str  # where it ran (the x-parrot-engine header)
     reported: Reported | None = None  # the body as ``create`` read it for the metrics (None: unreadable)
+    dispatched: float = 0.0  # when it was sent to the engine that answered it (Unix seconds)
 
 
 class OpenedStream(msgspec.Struct):
@@ -40,6 +79,8 @@ class OpenedStream(msgspec.Struct):
     rest: AsyncIterator[bytes]
     started: float
     measured: RouteMetrics  # the model's metrics on the engine it runs on
+    latency: bool = False  # latency-critical work, counted in its engine's latency_in_flight while it streams
+    dispatched: float = 0.0  # when it was sent to its engine (Unix seconds)
 
 
 class Gateway:
@@ -59,11 +100,11 @@ class Gateway:
             name = upstream.name or f"upstream-{i}"
             options: dict[str, Any] = dict(upstream_model=upstream.served_model(), api_key_env=upstream.api_key_env,
                                            transport=self.transport)
-            if upstream.priority_scheduling == "off":
-                engine = UpstreamEngine(name, upstream.base_url, self.client, **options)
-            else:  # vLLM / SGLang with priority scheduling: criteria become their `priority`
-                engine = PrioritizedUpstreamEngine(name, upstream.base_url, self.client,
-                                                   lower_first=upstream.priority_scheduling == "lower_first", **options)
+            prioritized = upstream.priority_scheduling != "off"  # vLLM / SGLang: criteria become their `priority`
+            if prioritized:
+                options["lower_first"] = upstream.priority_scheduling == "lower_first"
+            engine_class = upstream_class(prioritized=prioritized, prefill=upstream.prefill_ahead)
+            engine = engine_class(name, upstream.base_url, self.client, **options)
             self.registry.add(engine, [upstream.model], url=upstream.base_url)
 
     async def register_remote(self, name: str, url: str, models: list[str], capabilities: list[str],
@@ -93,6 +134,14 @@ class Gateway:
     def place(self, work: Work, records: list[EngineRecord]) -> EngineRecord | None:
         """The engine the global scheduler picks for ``work`` among ``records``."""
         return self.scheduler.place(work, records)
+
+    def best(self, work: Work, records: list[EngineRecord]) -> EngineRecord | None:
+        """``place``'s pick, not yet remembered as placed there (``placed``, once it went)."""
+        return self.scheduler.best(work, records)
+
+    def placed(self, work: Work, record: EngineRecord) -> None:
+        """``work`` went to ``record``'s engine: it holds the work's prefix from now on."""
+        self.scheduler.placed(work, record)
 
     @property
     def retries(self) -> int:
@@ -181,8 +230,31 @@ class Gateway:
         if hints and has_capability(record.engine, HintedEngine):
             body = body | hints
         elif has_capability(record.engine, PrioritizedEngine) and "priority" not in body:
-            body = body | {"priority": record.engine.priority_of(placement.latency)}  # type: ignore[attr-defined]
+            body = body | {"priority": record.engine.priority_of(placement.level)}  # type: ignore[attr-defined]
         return body
+
+    # ------------------------------------------------------------ admission
+
+    def _holds_criteria(self, record: EngineRecord) -> bool:
+        """Whether the gateway applies criteria itself on ``record``: an engine that takes scheduling hints
+        (the builtin one) orders its own queue by them."""
+        return not has_capability(record.engine, HintedEngine)
+
+    async def _admitted(self, record: EngineRecord, placement: Placement) -> None:
+        """Throughput work waits while latency-critical requests of this gateway are on ``record``'s engine
+        and it reports a queue ([scheduler] throughput_hold_s at most; 0: never): on an engine that does not
+        order work by criteria, what it admits now would queue ahead of, or batch beside, the urgent work. Its
+        queue as read in the last quarter second (asked of the engine, one request for all the waiting)."""
+        hold_s = self.config.scheduler.throughput_hold_s
+        if placement.level != THROUGHPUT_LEVEL or hold_s <= 0 or not self._holds_criteria(record):
+            return
+        deadline = time.monotonic() + hold_s
+        while (record.latency_in_flight > 0 and (await record.fresh_stats(_FRESH_S)).waiting > 0
+               and time.monotonic() < deadline):
+            await asyncio.sleep(_HOLD_POLL_S)
+
+    def _counts_latency(self, record: EngineRecord, placement: Placement) -> bool:
+        return placement.latency and self._holds_criteria(record)
 
     # ------------------------------------------------------------ non-streaming
 
@@ -204,12 +276,15 @@ class Gateway:
         attempts = self._attempts(route, model, body, placement)
         while (attempt := await attempts.next()) is not None:
             record, sent = attempt
+            await self._admitted(record, placement)
             sent = self._for_engine(route, record, sent, hints, placement)
             measured = self.metrics.on(model, record.engine.name)
+            urgent = self._counts_latency(record, placement)
+            record.latency_in_flight += urgent
             record.in_flight += 1
             measured.requests_running.inc()
             record.requests.add()
-            dispatched = time.perf_counter()
+            dispatched, dispatched_at = time.perf_counter(), time.time()
             try:
                 response = await record.engine.create(route, sent)
             except EngineError as exc:
@@ -219,12 +294,13 @@ class Gateway:
                 raise
             finally:
                 record.in_flight -= 1
+                record.latency_in_flight -= urgent
                 measured.requests_running.dec()
             record.breaker.succeeded()
             measured.queue_time.observe(dispatched - started)
             reported = read(response)
             self.outcomes.succeeded(model, record.engine.name, reported, started)
-            return Answer(response, record.id, reported)
+            return Answer(response, record.id, reported, dispatched_at)
         raise self.outcomes.no_engine(model, attempts.last_error)
 
     # ------------------------------------------------------------ streaming
@@ -237,7 +313,8 @@ class Gateway:
         attempts = self._attempts(route, model, body, placement)
         while (attempt := await attempts.next()) is not None:
             record, sent = attempt
-            dispatched = time.perf_counter()
+            await self._admitted(record, placement)
+            dispatched, dispatched_at = time.perf_counter(), time.time()
             rest = record.engine.stream(route, self._for_engine(route, record, sent, hints, placement)).__aiter__()
             try:
                 first = await anext(rest, None)
@@ -250,9 +327,12 @@ class Gateway:
             measured = self.metrics.on(model, record.engine.name)
             measured.queue_time.observe(dispatched - started)
             record.in_flight += 1
+            urgent = self._counts_latency(record, placement)
+            record.latency_in_flight += urgent
             measured.requests_running.inc()
             record.requests.add()
-            return OpenedStream(record=record, first=first, rest=rest, started=started, measured=measured)
+            return OpenedStream(record=record, first=first, rest=rest, started=started, measured=measured,
+                                latency=urgent, dispatched=dispatched_at)
         raise self.outcomes.no_engine(model, attempts.last_error)
 
     async def sse_events(self, model: str, opened: OpenedStream) -> AsyncIterator[bytes]:
@@ -287,6 +367,7 @@ class Gateway:
         finally:
             await opened.rest.aclose()  # closes the engine's stream, also when the client went away
             opened.record.in_flight -= 1
+            opened.record.latency_in_flight -= opened.latency
             measured.requests_running.dec()
             measured.e2e_latency.observe(time.perf_counter() - opened.started)
         if not done:

@@ -66,3 +66,14 @@ class EventStream(Stream):
             media_type=self.media_type or media_type,
             status_code=self.status_code or status_code,
         )
+
+
+async def after_first(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """``first`` (read ahead, so that failures before it were still the request's status), then ``rest``,
+    which is closed with this iterator."""
+    try:
+        yield first
+        async for events in rest:
+            yield events
+    finally:
+        await rest.aclose()

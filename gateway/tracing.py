@@ -39,6 +39,7 @@ class TracedCall(Protocol):
     its own span's context for the calls that read its outputs."""
 
     span_context: Any
+    timings: Any  # graph.CallTimings: its moments, each an event of its span
 
     @property
     def id(self) -> str: ...
@@ -149,6 +150,10 @@ class Tracing:
         with self.tracer.start_as_current_span(f"parrot call {call.id}", links=links, attributes=attributes) as span:
             call.span_context = span.get_span_context()
             yield
+            for moment in ("warmed", "dispatched", "first_token", "answered"):  # where its time went
+                at = getattr(call.timings, moment)
+                if at is not None:
+                    span.add_event(moment, timestamp=int(at * 1e9))
 
     def shutdown(self) -> None:
         """Flushes and stops the provider this gateway made (one set by the process is the process's)."""

@@ -158,21 +158,24 @@ def kernels():
 
 
 @pytest.fixture(scope="session")
-def smollm2_gguf() -> str:
-    from engines.builtin.config import default_model_path
+@marks_users("model")
+def smollm2_source():
+    """SmolLM2 where the engine reads it from: the GGUF converted once into an HF directory under ~/.cache/parrot
+    (tests/engines/builtin/test_loader_cache.py checks it holds the GGUF's own weights and tokenizer). transformers
+    loads that in seconds, where parsing the GGUF again takes tens in every pytest worker."""
+    from engines.builtin.loader import ModelSource, cached_source
 
-    return default_model_path()
+    return cached_source(ModelSource(None))
 
 
 @pytest.fixture(scope="session")
-@marks_users("model")  # reads SmolLM2's GGUF
-def smollm2_tokenizer_dir(tmp_path_factory, smollm2_gguf) -> Path:
-    """SmolLM2's tokenizer (and chat template) saved as plain HF files: loads in a blink."""
+@marks_users("model")
+def smollm2_tokenizer_dir(tmp_path_factory, smollm2_source) -> Path:
+    """SmolLM2's tokenizer (and chat template) alone, as plain HF files, to copy beside tiny random weights."""
     from transformers import AutoTokenizer
 
     directory = tmp_path_factory.mktemp("smollm2-tokenizer")
-    path = Path(smollm2_gguf)
-    AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(directory)
+    AutoTokenizer.from_pretrained(smollm2_source.directory, **smollm2_source.hf_kwargs()).save_pretrained(directory)
     return directory
 
 

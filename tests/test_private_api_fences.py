@@ -107,3 +107,20 @@ def test_transformers_rope_table():
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     assert {"linear", "dynamic", "yarn", "llama3"} <= set(ROPE_INIT_FUNCTIONS)
+
+
+def test_litestar_openapi_plugin_serves_the_document_it_holds():
+    """gateway/server/openapi.py hands each new app the document made for the first one through
+    ``OpenAPIPlugin._openapi``; a litestar that dropped it would build each one again (correct, but slow), and one
+    that renamed the plugin's module fails the import."""
+    from litestar import Litestar, get
+    from litestar._openapi.plugin import OpenAPIPlugin
+
+    @get("/")
+    async def root() -> str:
+        return ""
+
+    held = Litestar([root]).openapi_schema  # another app's
+    plugin = Litestar([root]).plugins.get(OpenAPIPlugin)
+    plugin._openapi = held
+    assert plugin.provide_openapi() is held

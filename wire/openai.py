@@ -146,6 +146,7 @@ class ChatCompletionRequest(RequestFields, kw_only=True, omit_defaults=True):
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    service_tier: str | None = None  # echoed by the builtin engine (``served_tier``); upstreams answer their own
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -281,6 +282,12 @@ class ChatChoice(Struct):
     message: ResponseMessage
     finish_reason: str | None = None
     logprobs: ChoiceLogprobs | None = None
+    stop_reason: str | None = None  # as vLLM answers: the stop string that ended the choice (None: another end)
+
+
+def served_tier(asked: str | None) -> str:
+    """The service tier an answer reports: the one asked for, ``auto`` (or none) being the default one."""
+    return asked if asked not in (None, "auto") else "default"
 
 
 class ChatCompletion(Struct):
@@ -290,6 +297,7 @@ class ChatCompletion(Struct):
     id: str = field(default_factory=lambda: new_id("chatcmpl"))
     object: str = "chat.completion"
     created: int = field(default_factory=now)
+    service_tier: str | None = None
 
 
 class ToolCallDelta(Struct, omit_defaults=True):
@@ -310,6 +318,7 @@ class ChatChunkChoice(Struct):
     delta: ChatDelta
     finish_reason: str | None = None
     logprobs: ChoiceLogprobs | None = None
+    stop_reason: str | None = None
 
 
 class ChatCompletionChunk(Struct):
@@ -318,6 +327,7 @@ class ChatCompletionChunk(Struct):
     id: str = ""
     object: str = "chat.completion.chunk"
     created: int = 0
+    service_tier: str | None = None
     usage: Usage | None = None
 
 

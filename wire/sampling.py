@@ -11,6 +11,9 @@ from msgspec import Meta, Struct
 from wire.errors import InvalidRequest
 
 Criteria = Literal["latency", "throughput"]  # what a request's sender needs: fast tokens, or big batches
+# OpenAI's ``service_tier`` read as criteria: "flex" (slower, cheaper) is throughput work, "priority" latency
+# work; "default", "auto" and any other value leave the criteria as they would be without it.
+SERVICE_TIER_CRITERIA: dict[str, Criteria] = {"flex": "throughput", "priority": "latency"}
 Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]  # a 64-bit integer, as vLLM takes it
@@ -74,3 +77,15 @@ def sampling_of(body: dict[str, Any]) -> dict[str, Any]:
     if limit is not None:
         sampling["max_tokens"] = limit
     return sampling
+
+
+def tier_criteria(body: dict[str, Any]) -> Criteria | None:
+    """The criteria a request body's ``service_tier`` asks for; None: none (or a tier that names none)."""
+    tier = body.get("service_tier")
+    return SERVICE_TIER_CRITERIA.get(tier) if isinstance(tier, str) else None
+
+
+def affinity_key(body: dict[str, Any]) -> str | None:
+    """A request body's ``prompt_cache_key`` (OpenAI's): requests with the same key are placed together."""
+    key = body.get("prompt_cache_key")
+    return key if isinstance(key, str) and key else None

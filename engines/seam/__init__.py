@@ -2,13 +2,14 @@
 engine's torch-free command line (engines/builtin/server/cli.py), which gateway/supervisor.py reads to start one.
 
 interface.py     ``Engine`` (create / stream / health / stats / aclose) and the optional capabilities
-                 ``ContextEngine`` (contexts + prompt split), ``HintedEngine`` (scheduling fields) and
-                 ``PrioritizedEngine`` (criteria as vLLM's / SGLang's ``priority``)
+                 ``ContextEngine`` (contexts + prompt split), ``HintedEngine`` (scheduling fields),
+                 ``PrioritizedEngine`` (criteria as vLLM's / SGLang's ``priority``) and ``PrefillEngine``
+                 (prefill-only requests that warm a server's prefix cache)
 contexts.py      what the context capability answers: FillResult, Generation (GenerationChunk), PromptSplit;
                  ForkPart (a fork's text as pieces: text, or an earlier generation's output by name)
 errors.py        ``EngineError`` and its kinds, each with the HTTP status it becomes
-upstream.py      ``UpstreamEngine``: any OpenAI-compatible server over HTTP (``PrioritizedUpstreamEngine``:
-                 one with priority scheduling)
+upstream.py      ``UpstreamEngine``: any OpenAI-compatible server over HTTP; ``upstream_class``: the one with
+                 the capabilities its configuration gives it (priority scheduling, prefill ahead)
 prometheus_stats.py  a vLLM or SGLang server's load and KV capacity from its /metrics
 builtin_client.py  ``BuiltinEngineClient``: the builtin engine's HTTP API, with both capabilities
 connect.py       announced capabilities -> the engine object; an object's capabilities -> names
@@ -29,11 +30,12 @@ from engines.seam.interface import (
     Engine,
     EngineStats,
     HintedEngine,
+    PrefillEngine,
     PrioritizedEngine,
     Route,
 )
 
 __all__ = ["ContextEngine", "Count", "Engine", "EngineError", "EngineOverloaded", "EngineRefusedGateway", "EngineRejected", "EngineStats",
-           "EngineTimeout", "EngineUnavailable", "FillResult", "ForkPart", "Generation", "GenerationChunk", "HintedEngine", "PrioritizedEngine",
+           "EngineTimeout", "EngineUnavailable", "FillResult", "ForkPart", "Generation", "GenerationChunk", "HintedEngine", "PrefillEngine", "PrioritizedEngine",
            "PromptSplit", "Route",
            "Segment"]

@@ -13,9 +13,10 @@ error objects at one boundary.
 
 Capabilities: ``ContextEngine`` (named KV contexts the gateway fills once and forks per request, and the
 prompt split that finds the constant prefix worth sharing), ``HintedEngine`` (takes Parrot's
-scheduling fields) and ``PrioritizedEngine`` (a vLLM or SGLang server with priority scheduling: takes
-criteria as its own ``priority`` number). The builtin engine's client (builtin_client.py) has both; any other
-OpenAI-compatible server gets plain requests.
+scheduling fields), ``PrioritizedEngine`` (a vLLM or SGLang server with priority scheduling: takes
+criteria as its own ``priority`` number) and ``PrefillEngine`` (a server with prefix caching that takes
+prefill-only requests: waiting calls' prompts are warmed there). The builtin engine's client (builtin_client.py)
+has the first two; any other OpenAI-compatible server gets plain requests, and the last two when configured.
 """
 
 from __future__ import annotations
@@ -104,8 +105,25 @@ class PrioritizedEngine(Engine, Protocol):
     """Orders its queue by a request's ``priority`` field (vLLM ``--scheduling-policy priority``, SGLang
     ``--enable-priority-scheduling``): the gateway sends Parrot's criteria as that number."""
 
-    def priority_of(self, latency: bool) -> int:
-        """The ``priority`` this engine reads as "sooner" for latency-critical work, "later" for throughput."""
+    def priority_of(self, level: int) -> int:
+        """The ``priority`` this engine reads for work of urgency ``level``: 0 latency-critical (served first),
+        1 a task group someone waits on, 2 throughput (served last). A vLLM server run with the default
+        ``fcfs`` policy refuses any ``priority`` but 0 (400), so only a server configured with priority
+        scheduling has this capability."""
+        ...
+
+
+@runtime_checkable
+class PrefillEngine(Engine, Protocol):
+    """Keeps the prompt prefixes it computed (vLLM's automatic prefix caching, SGLang's radix cache) and takes a
+    prefill-only request: the gateway warms it with a waiting call's prompt up to its first pending variable, so
+    that when the call's inputs land its prompt is mostly cached there (the upstream counterpart of a context
+    fill, without contexts: the engine's cache, not the gateway, decides how long the prefix stays)."""
+
+    async def prefill(self, route: Route, body: dict[str, Any]) -> int:
+        """Computes the prompt of ``body`` (an OpenAI request body whose prompt is a prefix of one to come: a
+        completions prompt, or chat messages whose last one is cut short), generating at most one token;
+        returns the prompt tokens the engine reported (0 if it did not)."""
         ...
 
 

@@ -230,6 +230,24 @@ class UpstreamEngine:
         """The shared client belongs to the app; nothing of our own to close."""
 
 
+class PrefillUpstreamEngine(UpstreamEngine):
+    """A vLLM or SGLang server with prefix caching (interface.PrefillEngine): a prefill-only request computes a
+    prompt's prefix there, and its cache keeps it for the request that follows."""
+
+    async def prefill(self, route: Route, body: dict[str, Any]) -> int:
+        sent = {**body, "max_tokens": 1, "temperature": 0, "stream": False}
+        if route == "chat/completions":
+            # vLLM's and SGLang's chat fields: the last message is rendered open, as the longer one it begins
+            # will be (no end-of-turn token, no assistant header), so the whole prompt is a prefix to keep.
+            sent |= {"add_generation_prompt": False, "continue_final_message": True}
+        answer = await self.create(route, sent)
+        try:
+            usage = msgspec.json.decode(answer).get("usage") or {}
+            return int(usage.get("prompt_tokens") or 0)
+        except (msgspec.DecodeError, AttributeError, TypeError, ValueError):
+            return 0
+
+
 class PrioritizedUpstreamEngine(UpstreamEngine):
     """A vLLM or SGLang server run with priority scheduling (interface.PrioritizedEngine). vLLM serves lower
     ``priority`` values first; SGLang higher ones, unless started with ``--schedule-low-priority-values-first``."""
@@ -238,5 +256,17 @@ class PrioritizedUpstreamEngine(UpstreamEngine):
         super().__init__(*args, **kwargs)
         self._lower_first = lower_first
 
-    def priority_of(self, latency: bool) -> int:
-        return int(latency != self._lower_first)  # lower first: latency 0, throughput 1
+    def priority_of(self, level: int) -> int:
+        return level if self._lower_first else -level  # lower first: latency 0, throughput 2; else 0, -2
+
+
+class PrioritizedPrefillUpstreamEngine(PrefillUpstreamEngine, PrioritizedUpstreamEngine):
+    """Both: priority scheduling and prefill ahead."""
+
+
+def upstream_class(*, prioritized: bool, prefill: bool) -> type[UpstreamEngine]:
+    """The engine class of an upstream with the capabilities its configuration gives it (a capability is its
+    class's: connect.has_capability)."""
+    if prioritized:
+        return PrioritizedPrefillUpstreamEngine if prefill else PrioritizedUpstreamEngine
+    return PrefillUpstreamEngine if prefill else UpstreamEngine

@@ -11,6 +11,7 @@ held for the call until it ends, so no other prefix evicts it meanwhile.
 from __future__ import annotations
 
 import asyncio
+import time
 from contextlib import aclosing
 from typing import Any, AsyncIterator, Callable, NamedTuple
 
@@ -21,7 +22,7 @@ from gateway.registry import EngineRecord
 from gateway.scheduler import Placement, Work
 from gateway.semantic.call_spec import Step
 from gateway.semantic.gateway_port import GatewayPort
-from gateway.semantic.graph import Call, Session, Variable, new_id
+from gateway.semantic.graph import Call, CallTimings, Session, Variable, new_id
 from gateway.semantic.handoff import PendingOutput, announced_inputs, fork_parts
 from gateway.semantic.prefix import PrefixCache, PrefixEntry
 from gateway.semantic.streaming import TextSink
@@ -97,7 +98,7 @@ class Forks:
             split = await self.split(step, records)
             if split is None:
                 return
-            plan = self.place(step.body["model"], split, "", records, call.placement())
+            plan = self.place(step.body["model"], split, "", records, call.placement(step.body))
             key = self.prefixes.key(plan.record.id, split.prefix)
             if not session.holdings.pin(key, tokens_in(len(split.prefix.encode()))):
                 return  # its key holds its quota of prefixes ahead already: filled when the call runs
@@ -105,6 +106,7 @@ class Forks:
             entry, _ = await self._acquire(plan, session)
             _until_done(lambda: self.prefixes.release_soon(entry))
             await plan.engine.fill(text=plan.split.prefix, context_id=entry.context_id, if_absent=True)
+            call.timings.warmed = time.time()
         except EngineError:
             pass
 
@@ -125,7 +127,7 @@ class Forks:
         if split is None:
             return None
         values = {name: value for name, value in known.items() if isinstance(value, str)}
-        plan = self.place(model, split, split.rest_with(values), records, call.placement())
+        plan = self.place(model, split, split.rest_with(values), records, call.placement(step.body))
         return Handoff(plan, fork_parts(split, values, pending), list(pending.values()))
 
     async def _acquire(self, plan: Plan, session: Session) -> tuple[PrefixEntry, bool]:
@@ -136,9 +138,11 @@ class Forks:
         return entry, hit
 
     async def generate(self, plan: Plan, rest: str | list[ForkPart], body: dict[str, Any], hints: dict[str, Any],
-                       session: Session, sink: TextSink | None, output: Variable, *, generating: bool) -> Generation:
+                       session: Session, sink: TextSink | None, output: Variable, *, generating: bool,
+                       timings: CallTimings | None = None) -> Generation:
         """The fork's generation. ``output``: the variable it produces, published under its output id while
-        it is generated (``generating``: at once; else once the call's inputs are bound)."""
+        it is generated (``generating``: at once; else once the call's inputs are bound). ``timings``: the
+        call's, told when its first token came (when it streams)."""
         record = plan.record
         entry, hit = await self._acquire(plan, session)
         record.in_flight += 1
@@ -155,7 +159,7 @@ class Forks:
                 sink.engine_id = record.id
                 generation = await _gathered(plan.engine.stream_in_context(
                     entry.context_id, sampling, fork_with=rest, context_text=plan.split.prefix,
-                    output_id=pending.output_id), sink)
+                    output_id=pending.output_id), sink, timings)
         except BaseException:
             output.withdraw()
             raise
@@ -184,13 +188,16 @@ def _until_done(release: Callable[[], None]) -> None:
     task.add_done_callback(lambda _: release())
 
 
-async def _gathered(chunks: AsyncIterator[GenerationChunk], sink: TextSink) -> Generation:
+async def _gathered(chunks: AsyncIterator[GenerationChunk], sink: TextSink,
+                    timings: CallTimings | None = None) -> Generation:
     """A generation streamed from a context: its text handed to ``sink`` as it comes, and the whole."""
     texts: list[str] = []
     token_ids: list[int] = []
     last = None
     async with aclosing(chunks):
         async for last in chunks:
+            if timings is not None and last.token_ids:
+                timings.token()
             sink.put(last.text)
             texts.append(last.text)
             token_ids += last.token_ids

@@ -24,6 +24,12 @@ class GatewayPort(Protocol):
     def place(self, work: Work, records: list[EngineRecord]) -> EngineRecord | None:
         """The global scheduler's engine for ``work`` among ``records``."""
 
+    def best(self, work: Work, records: list[EngineRecord]) -> EngineRecord | None:
+        """``place``'s pick, not yet remembered as placed there."""
+
+    def placed(self, work: Work, record: EngineRecord) -> None:
+        """``work`` went to ``record``'s engine (what ``best`` picked): it holds the work's prefix from now on."""
+
     def token_defaults(self, route: Route, body: dict[str, Any], engine: Engine) -> dict[str, Any]:
         """The fields that bound a body without max_tokens on ``engine``, as for a plain request."""
 

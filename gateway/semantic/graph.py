@@ -24,6 +24,7 @@ from gateway.scheduler import Placement
 from gateway.semantic.handoff import PendingOutput
 from gateway.semantic.holdings import Holdings
 from gateway.semantic.schema import CallNode, CallState
+from wire.sampling import affinity_key
 
 if TYPE_CHECKING:
     from gateway.semantic.call_spec import CallSpec
@@ -55,6 +56,8 @@ class Variable:
         self.remote_producer: str | None = None  # its producer's id when another replica (or a lost process) runs it
         self.size = 0  # UTF-8 bytes of its value, counted in its session's bytes
         self.pending: PendingOutput | None = None  # while its producer generates it on an engine (handoff.py)
+        self.partial = ""  # what its producer streamed of it so far, until it is bound (prefill.py extends with it)
+        self._grew = asyncio.Event()  # set (and replaced) each time partial grows, and when it is bound or fails
         self._ready = asyncio.Event()
         self._announced = asyncio.Event()  # ready, or pending on an engine
         if value is not None:
@@ -72,13 +75,33 @@ class Variable:
         self.pending = None
         self._ready.set()
         self._announced.set()
+        self._grown()
         self.session.changed(self)
+
+    def extend(self, text: str) -> None:
+        """Its producer streamed ``text`` more of it from its engine (it is not bound until the producer ends)."""
+        self.partial += text
+        self._grown()
+
+    def _grown(self) -> None:
+        if self.ready:
+            self.partial = ""
+        self._grew.set()
+        self._grew = asyncio.Event()
+
+    async def grown(self, chars: int, timeout_s: float) -> None:
+        """Returns once ``partial`` holds at least ``chars`` characters, or the variable is ready (bound or failed);
+        TimeoutError after ``timeout_s``."""
+        async with asyncio.timeout(timeout_s):
+            while len(self.partial) < chars and not self.ready:
+                await self._grew.wait()
 
     def fail(self, error: str) -> None:
         self.error = error
         self.withdraw()
         self._ready.set()
         self._announced.set()
+        self._grown()
         self.session.changed(self)
 
     def settled_elsewhere(self, value: str | None, error: str | None) -> None:
@@ -92,6 +115,7 @@ class Variable:
         self.value, self.error = value, error
         self._ready.set()
         self._announced.set()
+        self._grown()
 
     @property
     def producer_id(self) -> str | None:
@@ -148,6 +172,30 @@ class Variable:
         return f"{self.name!r} ({self.id})" if self.name else self.id
 
 
+class CallTimings:
+    """Where a call's time went, as Unix seconds (None: did not happen, or is not known): its prompt warmed
+    ahead, its (first) request sent to its engine, its first token back (when its text was streamed from the
+    engine), its (last) answer back. With the call's submitted / started / finished and its producers'
+    finished, a benchmark splits its time into waiting for inputs, the gap after them, the gateway's own,
+    queue and prefill, and decode (benchmarks/breakdown.py)."""
+
+    __slots__ = ("warmed", "dispatched", "first_token", "answered")
+
+    def __init__(self) -> None:
+        self.warmed: float | None = None
+        self.dispatched: float | None = None
+        self.first_token: float | None = None
+        self.answered: float | None = None
+
+    def dispatch(self, at: float | None = None) -> None:
+        if self.dispatched is None:
+            self.dispatched = at or time.time()
+
+    def token(self) -> None:
+        if self.first_token is None:
+            self.first_token = time.time()
+
+
 class CallRunner(Protocol):
     """What runs a call's requests on engines (runner.py's ``Runner``)."""
 
@@ -185,6 +233,8 @@ class Call:
         self.span_context = None  # its tracing span's, once it ran traced (gateway/tracing.py)
         self.finished: float | None = None
         self.engine_id: str | None = None  # set by the runner once the scheduler placed it
+        self.warmed_on: str | None = None  # the engine its prompt was prefilled on ahead of its inputs (prefill.py)
+        self.timings = CallTimings()
         self.error: str | None = None
 
     def node(self) -> CallNode:
@@ -193,7 +243,8 @@ class Call:
                         inputs={name: v.id for name, v in self.inputs.items()},
                         outputs={name: v.id for name, v in self.outputs.items()},
                         submitted=self.submitted, handed=self.handed, started=self.started, finished=self.finished,
-                        error=self.error)
+                        error=self.error, warmed=self.timings.warmed, dispatched=self.timings.dispatched,
+                        first_token=self.timings.first_token, answered=self.timings.answered)
 
     @property
     def priority(self) -> int:
@@ -206,9 +257,11 @@ class Call:
         consumer waits for the last of them, so they must finish together, not one after another."""
         return {"priority": self.priority, "criteria": "latency" if self.latency_critical else "throughput"}
 
-    def placement(self) -> Placement:
-        """How the global scheduler should place this call's requests (engine_hints: the engine's part)."""
-        return Placement(latency=self.latency_critical, group=self.group)
+    def placement(self, body: dict[str, Any] | None = None) -> Placement:
+        """How the global scheduler should place this call's requests (engine_hints: the engine's part); with
+        the affinity key (``prompt_cache_key``) of ``body``, the request one of its steps sends."""
+        return Placement(latency=self.latency_critical, group=self.group, urgent=self.latency,
+                         affinity=affinity_key(body) if body is not None else None)
 
     @property
     def latency_critical(self) -> bool:

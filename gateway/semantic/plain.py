@@ -14,6 +14,7 @@ from gateway.semantic import template
 from gateway.semantic.answer import Answer, read_answer, usage_of
 from gateway.semantic.call_spec import Step
 from gateway.semantic.gateway_port import GatewayPort
+from gateway.semantic.graph import CallTimings, Variable
 from gateway.semantic.streaming import TextSink
 from wire.openai import Usage
 from wire.placeholders import map_texts
@@ -22,22 +23,37 @@ _WHOLE_ONLY = ("tools", "logprobs", "echo")  # answers a semantic stream gets wh
 
 
 async def run_plain(gateway: GatewayPort, step: Step, values: dict[str, str], hints: dict[str, Any],
-                    placement: Placement, sink: TextSink | None) -> Answer:
+                    placement: Placement, sink: TextSink | None, timings: CallTimings | None = None,
+                    stream: bool = False, output: Variable | None = None) -> Answer:
+    """``timings``: the call's, told when the request was sent and its first token came; ``stream``: streamed
+    from the engine even with no sink, so that its first token is timed and ``output`` (the variable the step
+    binds) is extended with its text as it comes, for consumers prefilled ahead (prefill.py)."""
     route, body = step.route, _substituted(step.route, step.body, values)
     model = body["model"]
-    if sink is None or (body.get("n") or 1) != 1 or any(body.get(k) for k in _WHOLE_ONLY):
+    if (sink is None and not stream) or (body.get("n") or 1) != 1 or any(body.get(k) for k in _WHOLE_ONLY):
         answer = await gateway.create(route, model, body, hints=hints, placement=placement, read=read_answer)
         if sink is not None:
             sink.engine_id = answer.engine_id
+        if timings is not None:
+            timings.dispatch(answer.dispatched)
         return Answer.passed_through(route, answer)
     opened = await gateway.open_stream(route, model, body | {"stream": True, "stream_options": {
         "include_usage": True}}, hints=hints, placement=placement)
-    sink.engine_id = opened.record.id
+    if timings is not None:
+        timings.dispatch(opened.dispatched)
+    if sink is not None:
+        sink.engine_id = opened.record.id
     whole = _Gathered(route)
     async for events in gateway.sse_events(model, opened):
         for event in events.split(b"\n\n"):
             if event.startswith(b"data: {"):
-                sink.put(whole.add(msgspec.json.decode(event[6:])))
+                text = whole.add(msgspec.json.decode(event[6:]))
+                if text and timings is not None:
+                    timings.token()
+                if text and output is not None:
+                    output.extend(text)
+                if sink is not None:
+                    sink.put(text)
     return Answer.generated(route, model, whole.text(), whole.finish_reason, whole.usage(), opened.record.id)
 
 

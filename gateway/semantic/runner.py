@@ -1,7 +1,8 @@
 """Runs calls on engines (graph.py's ``CallRunner``): a call's steps in order, each forked from its shared
 prefix on an engine with contexts (forks.py), else run as a plain request with its values substituted
-(plain.py). A waiting call is warmed (its prefix filled ahead), and one whose inputs are generating on one
-builtin engine is sent ahead there (handoff.py). Each step's answer goes to the call's reply, if it has one.
+(plain.py). A waiting call is warmed (its prefix filled ahead as a context, or prefilled on an upstream that
+takes prefill-only requests: prefill.py), and one whose inputs are generating on one builtin engine is sent
+ahead there (handoff.py). Each step's answer goes to the call's reply, if it has one.
 """
 
 from __future__ import annotations
@@ -22,21 +23,32 @@ from gateway.semantic.gateway_port import GatewayPort
 from gateway.semantic.graph import Call
 from gateway.semantic.handoff import unless_withdrawn
 from gateway.semantic.plain import run_plain
+from gateway.semantic.prefill import Prefills
 from gateway.semantic.prefix import PrefixCache
 from gateway.semantic.streaming import TextSink
 from gateway.tracing import Tracing
 
 
 class Runner:
-    def __init__(self, gateway: GatewayPort, prefixes: PrefixCache, config: SemanticConfig, tracing: Tracing):
+    def __init__(self, gateway: GatewayPort, prefixes: PrefixCache, config: SemanticConfig, tracing: Tracing,
+                 kv_full: float = 0.95):
         self.gateway = gateway
         self.forks = Forks(gateway, prefixes, config.min_prefix_chars)
+        self.prefills = Prefills(gateway, config, kv_full)
         self.config = config
         self.tracing = tracing
 
     async def warm(self, call: Call) -> None:
-        if call.spec.warm:
-            await self.forks.warm(call.spec.steps[0], call)
+        """Its first step's prompt, up to its first pending input, made ready on the engine it will run on: the
+        constant prefix filled as a context on an engine with contexts (forks.py), else prefilled on an engine
+        that takes prefill-only requests (prefill.py), whose prefix cache keeps it."""
+        if not call.spec.warm:
+            return
+        first = call.spec.steps[0]
+        if self.forks.engines(first.body["model"]):
+            await self.forks.warm(first, call)
+        else:
+            await self.prefills.warm(first, call)
 
     async def run(self, call: Call, values: dict[str, str]) -> dict[str, str]:
         with self.tracing.call(call):
@@ -73,13 +85,18 @@ class Runner:
     async def _run(self, step: Step, values: dict[str, str], call: Call) -> Answer:
         """Runs ``step`` with ``values``, placed by the global scheduler."""
         started = time.perf_counter()
-        hints, placement = call.engine_hints(), call.placement()  # as the call stands when the step starts
+        hints, placement = call.engine_hints(), call.placement(step.body)  # as the call stands when the step starts
         records = self.forks.engines(step.body["model"])
         split = await self.forks.split(step, records) if records and self.forks.forkable(step) else None
         if split is not None:
             return await self._fork(step, call, split, split.rest_with(values), records, hints, placement, started)
-        answer = await run_plain(self.gateway, step, values, hints, placement, _sink(call))
+        if call.warmed_on is not None and call.spec is not None and step is call.spec.steps[0]:
+            placement = placement._replace(held_by=frozenset({call.warmed_on}))  # where its prefix was prefilled
+        answer = await run_plain(self.gateway, step, values, hints, placement, _sink(call), call.timings,
+                                 stream=self.config.stream_steps or self.config.prefill_extend_chars > 0,
+                                 output=call.outputs[step.output])
         call.engine_id = answer.engine_id
+        call.timings.answered = time.time()
         return answer
 
     async def _fork(self, step: Step, call: Call, split: PromptSplit, rest: str, records: list[EngineRecord],
@@ -92,9 +109,11 @@ class Runner:
         while True:
             plan = self.forks.place(model, split, rest, records, placement)
             call.engine_id = plan.record.id
+            call.timings.dispatch()
             try:
                 generation = await self.forks.generate(plan, rest, step.body, bounded, call.session, sink,
-                                                       call.outputs[step.output], generating=True)
+                                                       call.outputs[step.output], generating=True,
+                                                       timings=call.timings)
                 break
             except EngineError as exc:
                 tried.add(plan.record.id)
@@ -103,6 +122,7 @@ class Runner:
                         or (sink is not None and sink.started)):
                     self.gateway.outcomes.failed(model, exc)
                     raise
+        call.timings.answered = time.time()
         return self._answered(step, plan, generation, started)
 
     async def _run_ahead(self, step: Step, handoff: Handoff, call: Call) -> Answer | None:
@@ -114,10 +134,11 @@ class Runner:
         timeout_s = self.config.input_timeout_s
         call.engine_id = plan.record.id
         bounded = call.engine_hints() | self.gateway.token_defaults(step.route, step.body, plan.engine)
+        call.timings.dispatch()
         try:
             done, withdrawn = await unless_withdrawn(
                 self.forks.generate(plan, handoff.parts, step.body, bounded, call.session, sink, output,
-                                    generating=False),
+                                    generating=False, timings=call.timings),
                 handoff.pending, beside=_running_once_bound(call, timeout_s))
         except EngineError as exc:
             if (exc.status_code == 424 or retryable(exc)) and not (sink is not None and sink.started):
@@ -136,6 +157,7 @@ class Runner:
             return None
         if call.started is None:
             call.mark_running()
+        call.timings.answered = time.time()
         return self._answered(step, plan, done, started)
 
     def _answered(self, step: Step, plan: Plan, generation: Generation, started: float) -> Answer:

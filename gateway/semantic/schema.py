@@ -163,6 +163,13 @@ class CallNode(msgspec.Struct, kw_only=True):
     started: float | None = None  # its inputs were ready: it went to an engine (or, handed, runs there)
     finished: float | None = None
     error: str | None = None
+    # Where its time went (graph.CallTimings): prompt warmed ahead (a context filled, or prefilled on an
+    # upstream), first request sent to its engine, first token back (its text streamed from the engine), last
+    # answer back.
+    warmed: float | None = None
+    dispatched: float | None = None
+    first_token: float | None = None
+    answered: float | None = None
 
 
 class VariableEdge(msgspec.Struct, kw_only=True):

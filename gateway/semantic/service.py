@@ -42,7 +42,8 @@ from gateway.semantic.schema import (
     VarRef,
     VarView,
 )
-from gateway.service import ENGINE_HEADER, REQUEST_SCHEMAS, Gateway
+from gateway.service import ENGINE_HEADER, REQUEST_SCHEMAS, Gateway, with_service_tier
+from wire.sampling import tier_criteria
 from gateway.streaming import EventStream
 from gateway.tracing import Tracing
 
@@ -70,7 +71,7 @@ class SemanticService:
                                      finished_calls_kept=config.finished_calls_kept)
         self.prefixes = PrefixCache(config.max_prefixes_per_engine)
         gateway.registry.on_removed(self.prefixes.forget_engine)  # its contexts went with it
-        self.runner = Runner(gateway, self.prefixes, config, self.tracing)
+        self.runner = Runner(gateway, self.prefixes, config, self.tracing, gateway.config.scheduler.kv_full)
         self.mirror = Mirror(store, config.session_idle_ttl_s) if store is not None and (
             store.shared or store.durable) else None
         if self.mirror is not None:
@@ -151,7 +152,8 @@ class SemanticService:
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}  # runs whole, server-side
         reply = Reply(TextSink() if stream else None)
-        latency = ext.criteria == "latency" or (ext.criteria is None and ext.wait)
+        criteria = ext.criteria or tier_criteria(body)  # the extension's, else the one service_tier names
+        latency = criteria == "latency" or (criteria is None and ext.wait)
         inline = InlineCalls(self, route, session)
         with session.undo_on_error() as made:
             inputs = self._bind(session, _placeholders(route, body), ext.vars, "parrot.vars", inline)
@@ -177,7 +179,8 @@ class SemanticService:
         where = {ENGINE_HEADER: answer.engine_id}
         if stream:  # ended without text: its one chunk
             return _as_stream(route, answer.as_dict() | {"parrot": result}, include_usage, where)
-        return Response(answer.encoded(msgspec.json.encode(result)), media_type=JSON, headers=where)
+        return Response(with_service_tier(answer.encoded(msgspec.json.encode(result)), body), media_type=JSON,
+                        headers=where)
 
     def _extension_call(self, route: Route, body: dict[str, Any], session: Session, inputs: dict[str, Variable],
                         output: Variable, latency: bool, reply: Reply | None) -> Call:
@@ -344,7 +347,8 @@ class InlineCalls:
         inputs = service._bind(self.session, _placeholders(self.route, body), ext.vars, f"{param}.parrot.vars", nested)
         output = self.session.new_variable(name)
         self.outputs[path] = output
-        service._extension_call(self.route, body, self.session, inputs, output, ext.criteria == "latency", reply=None)
+        latency = (ext.criteria or tier_criteria(body)) == "latency"
+        service._extension_call(self.route, body, self.session, inputs, output, latency, reply=None)
         return output
 
     def _declare(self, param: str) -> None:

@@ -28,6 +28,9 @@ from gateway.quotas import Quotas
 from gateway.state import describe, open_store
 from gateway.server.openapi import document
 from gateway.registry import EngineRegistry
+from gateway.messages.service import MessagesService
+from gateway.responses.service import ResponsesService
+from gateway.responses.store import ResponseStore
 from gateway.server.routes import ROUTES
 from gateway.semantic.service import SemanticService
 from gateway.service import Gateway
@@ -54,8 +57,10 @@ def _http_client(config: GatewayConfig) -> tuple[httpx.AsyncClient, httpx.AsyncB
     return client, transport
 
 
-async def _sweep(semantic: SemanticService, quotas: Quotas, session_idle_ttl_s: float) -> None:
-    """Closes idle sessions and forgets the rate state of idle keys, every TTL / 4 (at least once a minute)."""
+async def _sweep(semantic: SemanticService, quotas: Quotas, session_idle_ttl_s: float,
+                 responses: ResponseStore) -> None:
+    """Closes idle sessions, forgets the rate state of idle keys and expired stored responses, every TTL / 4
+    (at least once a minute)."""
     while True:
         await asyncio.sleep(min(max(session_idle_ttl_s / 4, 0.05), 60.0))
         try:
@@ -63,6 +68,7 @@ async def _sweep(semantic: SemanticService, quotas: Quotas, session_idle_ttl_s: 
         except Exception:  # an engine failing to free a context must not stop expiry for good
             log.exception("closing idle sessions failed")
         quotas.forget_idle()
+        responses.sweep()
 
 
 def create_app(config: GatewayConfig | None = None) -> Litestar:
@@ -88,6 +94,8 @@ def create_app(config: GatewayConfig | None = None) -> Litestar:
             gateway.add_upstreams()
             app.state.gateway = gateway
             app.state.quotas = quotas = Quotas(config.quotas, store, seat_ttl_s=config.state.seat_ttl_s)
+            app.state.responses = ResponsesService(gateway, quotas, config.responses)
+            app.state.messages = MessagesService(gateway, quotas)
             app.state.semantic = SemanticService(gateway, config.semantic, limits_of=quotas.limits, tracing=tracing,
                                                  store=store)
             app.state.semantic.start()
@@ -105,7 +113,8 @@ def create_app(config: GatewayConfig | None = None) -> Litestar:
             app.state.supervisor = EngineSupervisors(config, registry) if config.builtin_enabled() else None
             if app.state.supervisor is not None:
                 app.state.supervisor.start()
-            sweeper = asyncio.create_task(_sweep(app.state.semantic, quotas, config.semantic.session_idle_ttl_s))
+            sweeper = asyncio.create_task(_sweep(app.state.semantic, quotas, config.semantic.session_idle_ttl_s,
+                                             app.state.responses.store))
             try:
                 yield
             finally:

@@ -21,7 +21,8 @@ from http_plumbing.disconnect import CancelledOnDisconnect
 from gateway.auth import owner
 from gateway.errors import APIError, body_error
 from gateway.quotas import Quotas
-from gateway.service import ENGINE_HEADER, REQUEST_SCHEMAS, Gateway, OpenAIRequest
+from gateway.service import (ENGINE_HEADER, REQUEST_SCHEMAS, Gateway, OpenAIRequest, events_with_service_tier,
+                             hints_of, placement_of, with_service_tier)
 from gateway.streaming import send_events
 
 
@@ -81,21 +82,27 @@ async def _respond(route: Route, data: OpenAIRequest, body: dict, scope: Scope, 
     elif not data.stream:
         answer = None
         async with CancelledOnDisconnect(receive):  # a client that leaves cancels the engine's work
-            answer = await gateway.create(route, data.model, body)
+            placement = placement_of(body)
+            answer = await gateway.create(route, data.model, body, hints_of(placement), placement)
         if answer is None:
             return
-        await send(_start(b"application/json", (b"content-length", str(len(answer.body)).encode()),
+        content = with_service_tier(answer.body, body)
+        await send(_start(b"application/json", (b"content-length", str(len(content)).encode()),
                           (_ENGINE, answer.engine_id.encode())))
-        await send({"type": "http.response.body", "body": answer.body})
+        await send({"type": "http.response.body", "body": content})
     else:
         opened = None
         async with CancelledOnDisconnect(receive):  # a client that leaves during a long prefill, too
-            opened = await gateway.open_stream(route, data.model, body)
+            placement = placement_of(body)
+            opened = await gateway.open_stream(route, data.model, body, hints_of(placement), placement)
         if opened is None:
             return
         await send(_start(b"text/event-stream", (b"cache-control", b"no-cache"),
                           (_ENGINE, opened.record.id.encode())))
-        await send_events(gateway.sse_events(data.model, opened), send, receive)
+        events = gateway.sse_events(data.model, opened)
+        if isinstance(body.get("service_tier"), str):
+            events = events_with_service_tier(events, body)
+        await send_events(events, send, receive)
 
 
 def parse(raw: bytes, schema: type[OpenAIRequest]) -> tuple[OpenAIRequest, dict]:

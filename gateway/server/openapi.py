@@ -14,6 +14,7 @@ from typing import Any, Iterator
 
 import msgspec
 from litestar import Litestar
+from litestar._openapi.plugin import OpenAPIPlugin  # fenced: tests/test_private_api_fences.py
 from litestar.handlers import ASGIRouteHandler
 from litestar.openapi.spec import (
     OpenAPI,
@@ -36,6 +37,8 @@ from wire.openai import (
     CompletionRequest,
     ErrorResponse,
 )
+from wire.anthropic import AnthropicError, AnthropicMessage, CountTokensRequest, MessagesRequest, TokenCount
+from wire.responses import Response, ResponsesRequest
 from gateway.config import GatewayConfig
 from gateway.server.routes import HealthReport
 from gateway.semantic.schema import Accepted, ParrotExtension
@@ -79,7 +82,16 @@ ROUTE_ERRORS: dict[str, tuple[int, ...]] = {
     "GET /v1/vars/{var_id}": (404, 504),
     "PUT /v1/vars/{var_id}": (404, 409, 429),
     "POST /v1/semantic_calls": (404, 409, 429),
+    "POST /v1/responses": (404, 429, *_ENGINE_FAILURES),
+    "GET /v1/responses/{response_id}": (404,),
+    "DELETE /v1/responses/{response_id}": (404,),
+    "POST /v1/responses/{response_id}/cancel": (400, 404),
+    "GET /v1/responses/{response_id}/input_items": (404,),
+    "POST /v1/messages": (404, 429, *_ENGINE_FAILURES),
+    "POST /v1/messages/count_tokens": (404, 429, *_ENGINE_FAILURES),
 }
+# Routes that answer Anthropic's error object (its `error.type` by status) rather than OpenAI's.
+_ANTHROPIC_ROUTES = "/v1/messages"
 # Engines' own routes (registration, heartbeats, deregistration) take engine credentials, not client keys.
 _ENGINE_ROUTES = "/v1/engines"
 _ENGINE_ROUTE_ERRORS = (401, 403, 404, 409)
@@ -92,8 +104,24 @@ _SSE_DESCRIPTION = ("With `stream: true`: server-sent events, each `data: ` and 
                     "`{object}`), the last `data: [DONE]`.")
 
 
+# Documents already made, by the app's routes and whether client keys guard them (all they depend on).
+_MADE: dict[tuple[tuple[str, ...], bool], OpenAPI] = {}
+
+
 def document(app: Litestar, config: GatewayConfig) -> Litestar:
-    """Corrects ``app``'s OpenAPI document in place (litestar serves that same object) and returns ``app``."""
+    """``app`` with its OpenAPI document corrected, and returns ``app``. Made once per process for each kind of
+    app and shared: building it was most of create_app's time, which a test suite pays hundreds of times."""
+    kind = (tuple(route.path for route in app.routes), bool(config.auth.api_keys))
+    made = _MADE.get(kind)
+    if made is None:
+        _MADE[kind] = _corrected(app, config)
+    else:  # litestar's plugin serves what it holds here; only built when it holds nothing
+        app.plugins.get(OpenAPIPlugin)._openapi = made
+    return app
+
+
+def _corrected(app: Litestar, config: GatewayConfig) -> OpenAPI:
+    """``app``'s OpenAPI document corrected in place (litestar serves that same object)."""
     spec = app.openapi_schema
     schemas = _add_schemas(app)
     _add_openai_routes(spec, schemas)
@@ -101,15 +129,18 @@ def document(app: Litestar, config: GatewayConfig) -> Litestar:
     spec.components.security_schemes = {
         "engineCredential": SecurityScheme(type="http", scheme="bearer", description=(
             "engines only: the registration secret to register, then the token registration answered")),
-        **({"apiKey": SecurityScheme(type="http", scheme="bearer")} if guarded else {}),
+        **({"apiKey": SecurityScheme(type="http", scheme="bearer"),  # a client key, either way (gateway/auth.py)
+            "xApiKey": SecurityScheme(type="apiKey", name="x-api-key", security_scheme_in="header")}
+           if guarded else {}),
     }
     for path, method, operation in _operations(spec):
         key = f"{method.upper()} {path}"
         if key in guarded:
-            operation.security = [{"apiKey": []}]
+            operation.security = [{"apiKey": []}, {"xApiKey": []}]
         elif _is_engine_route(path, method):
             operation.security = [{"engineCredential": []}]
-        _document_errors(operation, _statuses(path, method, operation, key in guarded))
+        _document_errors(operation, _statuses(path, method, operation, key in guarded),
+                         "AnthropicError" if path.startswith(_ANTHROPIC_ROUTES) else "ErrorResponse")
         if path == _PROMETHEUS:
             operation.responses["200"].content = {"text/plain": OpenAPIMediaType(schema=Schema(
                 type=OpenAPIType.STRING, description="Prometheus text exposition format 0.0.4"))}
@@ -117,7 +148,7 @@ def document(app: Litestar, config: GatewayConfig) -> Litestar:
             operation.responses["200"].content = {JSON: _ref("HealthReport")}
             operation.responses["503"] = OpenAPIResponse(description="degraded: the same report",
                                                          content={JSON: _ref("HealthReport")})
-    return app
+    return spec
 
 
 def _operations(spec: OpenAPI) -> Iterator[tuple[str, str, Operation]]:
@@ -148,15 +179,15 @@ def _is_engine_route(path: str, method: str) -> bool:
     return path.startswith(_ENGINE_ROUTES) and method != "get"
 
 
-def _document_errors(operation: Operation, statuses: set[int]) -> None:
+def _document_errors(operation: Operation, statuses: set[int], error: str) -> None:
     """Litestar's own 4xx entries describe a shape the gateway never sends: replaced by the error object."""
     responses = {code: r for code, r in (operation.responses or {}).items() if code.isdigit() and int(code) < 400}
-    responses.update((str(status), _error_response(status)) for status in sorted(statuses))
+    responses.update((str(status), _error_response(status, error)) for status in sorted(statuses))
     operation.responses = responses
 
 
-def _error_response(status: int) -> OpenAPIResponse:
-    content = {JSON: OpenAPIMediaType(schema=Reference(ref=_COMPONENTS.format(name="ErrorResponse")))}
+def _error_response(status: int, error: str) -> OpenAPIResponse:
+    content = {JSON: OpenAPIMediaType(schema=Reference(ref=_COMPONENTS.format(name=error)))}
     headers = None
     if status == 429:
         headers = {"Retry-After": OpenAPIHeader(schema=Schema(type=OpenAPIType.INTEGER),
@@ -186,7 +217,8 @@ def _add_schemas(app: Litestar) -> dict[str, Any]:
     the health report (a raw Response to litestar), and those of the typed handlers, whose litestar
     rendering loses what msgspec enforces (``forbid_unknown_fields`` is ``additionalProperties: false``)."""
     types = [ChatCompletionRequest, CompletionRequest, ChatCompletion, Completion, Accepted, ErrorResponse,
-             ParrotExtension, HealthReport, *_handler_structs(app)]
+             ParrotExtension, HealthReport, ResponsesRequest, Response, MessagesRequest, CountTokensRequest,
+             AnthropicMessage, TokenCount, AnthropicError, *_handler_structs(app)]
     _, components = msgspec.json.schema_components(types, ref_template=_COMPONENTS)
     extension = {"anyOf": [{"$ref": _COMPONENTS.format(name="ParrotExtension")}, {"type": "null"}]}
     for request in ("ChatCompletionRequest", "CompletionRequest"):  # decoded as a dict, then as this
@@ -237,6 +269,37 @@ def _add_openai_routes(spec: OpenAPI, schemas: dict[str, Any]) -> None:
             },
         )
         spec.paths[path] = PathItem(post=operation)
+    _add_translated_routes(spec, schemas)
+
+
+# The POSTs of the other APIs (typed handlers that decode their own bodies, so that errors name the item at
+# fault): their request body and their answer, whole or streamed.
+_TRANSLATED_ROUTES = {
+    "/v1/responses": ("ResponsesRequest", "Response", "Creates a model response (OpenAI Responses API)",
+                      "Responses API events, each named by its `event:` line (`response.created` ... "
+                      "`response.completed`)", {"input": "What is the capital of France?", "max_output_tokens": 16}),
+    "/v1/messages": ("MessagesRequest", "AnthropicMessage", "Creates a message (Anthropic Messages API)",
+                     "Anthropic's events, each named by its `event:` line (`message_start` ... `message_stop`)",
+                     {"max_tokens": 16, "messages": [{"role": "user", "content": "What is the capital of France?"}]}),
+    "/v1/messages/count_tokens": ("CountTokensRequest", "TokenCount",
+                                  "Counts a message's input tokens (Anthropic Messages API)", None,
+                                  {"messages": [{"role": "user", "content": "What is the capital of France?"}]}),
+}
+
+
+def _add_translated_routes(spec: OpenAPI, schemas: dict[str, Any]) -> None:
+    for path, (request, response, summary, events, example) in _TRANSLATED_ROUTES.items():
+        assert request in schemas and response in schemas
+        operation = spec.paths[path].post
+        operation.summary = summary
+        operation.request_body = RequestBody(required=True, content={JSON: OpenAPIMediaType(
+            schema=Reference(ref=_COMPONENTS.format(name=request)), example={"model": EXAMPLE_MODEL, **example})})
+        content = {JSON: _ref(response)}
+        if events is not None:
+            content["text/event-stream"] = OpenAPIMediaType(schema=Schema(
+                type=OpenAPIType.OBJECT, required=["data"], description=f"With `stream: true`: {events}.",
+                properties={"data": Schema(type=OpenAPIType.STRING), "event": Schema(type=OpenAPIType.STRING)}))
+        operation.responses = {"200": OpenAPIResponse(description="the answer, or its stream", content=content)}
 
 
 def _sse_event(chunk: str) -> Schema:

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from benchmarks import machine_limits
 from benchmarks.machine_limits import STORED_BITS, MachineLimits, ModelCost, best_of, compute_dtype, measure
 from engines.builtin.cpu_linear import cpu_has_fast_bf16
 from engines.builtin.core import on_a_passing_thread
@@ -31,11 +32,13 @@ def test_the_cost_counts_every_weight_the_model_reads():
     assert cost.prefill_flops_per_token(1000) == 2 * decoder + attention
 
 
-@pytest.mark.slow  # measures the machine
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in Linux's /proc")
-def test_measuring_leaves_the_calling_thread_as_it_was():
+def test_measuring_leaves_the_calling_thread_as_it_was(monkeypatch):
     """Neither the caller's torch thread count nor OpenMP workers of its own: an idle set of them beside the
-    engine's step thread slows every step (machine_limits.measure)."""
+    engine's step thread slows every step (machine_limits.measure). Small sizes: the threads are the point here,
+    not the figures."""
+    monkeypatch.setattr(machine_limits, "STREAM_BYTES", 1 << 24)
+    monkeypatch.setattr(machine_limits, "GEMM_SIZE", 256)
 
     def thread_count() -> int:
         return len(os.listdir("/proc/self/task"))

@@ -17,7 +17,7 @@ import pytest
 from benchmarks.workloads import chain, map_reduce, multi_agent, shared_prompt
 from benchmarks.workloads.text import document
 from gateway.server.app import create_app
-from gateway.config import BuiltinConfig, GatewayConfig, UpstreamConfig
+from gateway.config import BuiltinConfig, GatewayConfig, SemanticConfig, UpstreamConfig
 from tests.support.models import SMOLLM
 
 pytestmark = pytest.mark.timeout(600)
@@ -38,12 +38,16 @@ APPS = {
 @pytest.fixture(scope="module")
 def gateways(smollm_gateway, serve_module) -> Iterator[dict[str, str]]:
     """The builtin engine behind the gateway it registered with, and the same engine as a plain OpenAI
-    upstream of a second gateway (no context capability: values substituted into the request)."""
+    upstream of a second gateway (no context capability: values substituted into the request) that prefills
+    waiting calls there ahead of their inputs (``prefill_ahead``, gateway/semantic/prefill.py), extending the
+    prefill as their producers stream. Its answers equal the plain requests' with the prefills, so without them
+    too: a prefill only warms the engine's cache (one gateway for both keeps this module's time down)."""
     os.environ[ENGINE_KEY_ENV] = smollm_gateway["secret"]
+
     upstream = serve_module(create_app(GatewayConfig(
-        builtin=BuiltinConfig(enabled=False),
+        builtin=BuiltinConfig(enabled=False), semantic=SemanticConfig(prefill_extend_chars=48),
         upstreams=[UpstreamConfig(model=SMOLLM, base_url=f"{smollm_gateway['engine']}/v1",
-                                  api_key_env=ENGINE_KEY_ENV)])))
+                                  api_key_env=ENGINE_KEY_ENV, prefill_ahead=True)])))
     yield {"builtin": smollm_gateway["gateway"], "upstream": upstream}
     os.environ.pop(ENGINE_KEY_ENV, None)
 
@@ -75,6 +79,29 @@ def test_an_app_answers_the_same_through_the_extension_as_with_plain_requests(ga
         assert sorted(through_parrot.prompt_tokens) == sorted(plain.prompt_tokens)
     else:  # the final call's
         assert through_parrot.prompt_tokens[-1] == plain.prompt_tokens[-1]
+
+
+def prefills(gateway: str) -> float:
+    """The gateway's parrot:prefill_ahead_total, all engines together."""
+    text = httpx.get(f"{gateway}/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("parrot:prefill_ahead_total"))
+
+
+@pytest.mark.parametrize("name", ["chain", "map_reduce"])
+def test_an_app_prefilled_ahead_on_an_upstream_answers_as_with_plain_requests(gateways, name):
+    """Through an upstream that takes prefill-only requests, each waiting call's prompt up to its pending input
+    (a chain step's summary so far, the reduce's notes) is computed on the engine ahead and then hit: the
+    outputs and the final prompt's token count are still the plain app's."""
+    gateway = gateways["upstream"]
+    app, cfg = APPS[name]
+    plain = run(app, gateway, "baseline", cfg)
+    sent = prefills(gateway)
+    through_parrot = run(app, gateway, "parrot", cfg)
+    assert prefills(gateway) > sent  # some of its calls were prefilled ahead
+    assert through_parrot.parts == plain.parts
+    assert through_parrot.output == plain.output
+    assert through_parrot.prompt_tokens[-1] == plain.prompt_tokens[-1]
 
 
 def chat(http: httpx.Client, content: str, **extra: Any) -> dict[str, Any]:

@@ -157,8 +157,9 @@ def test_an_engine_killed_mid_request_is_replaced_for_the_client(parrot_fleet, w
     assert any('"error"' in line for line in rest[-3:]), rest[-3:]
     wait_until(lambda: engine_id not in {e["id"] for e in parrot_fleet.engines()}, timeout_s=10)
 
-    # Non-streamed: killed while it runs, the request is placed on another engine and answered.
-    wait_until(lambda: len(healthy(parrot_fleet)) == 3, timeout_s=180)  # the killed one is back (restarted)
+    # Non-streamed: killed while it runs, the request is placed on another engine and answered. The two engines
+    # left are enough (the killed one's restart is test_supervision.py's).
+    assert len(healthy(parrot_fleet)) >= 2
 
     async def killed_mid_request() -> httpx.Response:
         async with httpx.AsyncClient(base_url=parrot_fleet.url, timeout=120) as client:
@@ -177,4 +178,4 @@ def test_an_engine_killed_mid_request_is_replaced_for_the_client(parrot_fleet, w
     answered = asyncio.run(killed_mid_request())
     assert answered.status_code == 200, answered.text
     assert answered.json()["usage"]["completion_tokens"] == 400
-    assert parrot_fleet.http.get("/health").json()["engines"] >= 2  # the gateway kept serving
+    assert parrot_fleet.chat(SYSTEM, "Still there?").status_code == 200  # the gateway kept serving

@@ -219,6 +219,10 @@ def test_a_two_call_dag_makes_one_span_per_call_under_its_submitting_request(spa
     assert first_call.context.trace_id == found["requests"]["dag-first"].context.trace_id
     assert [link.context.span_id for link in second_call.links] == [first_call.context.span_id]  # its producer
     assert first_call.end_time <= second_call.start_time  # the consumer ran once its input was bound
+    for call in (first_call, second_call):  # where its time went, as events of its span
+        moments = {event.name: event.timestamp for event in call.events}
+        assert {"dispatched", "answered"} <= moments.keys()
+        assert call.start_time <= moments["dispatched"] <= moments["answered"] <= call.end_time
     assert found["requests"]["dag-second"].name == "POST /v1/chat/completions"
 
 

@@ -16,12 +16,18 @@ def test_a_keyed_gateway_documents_its_401s_as_they_are_answered(start_gateway, 
                          for method, op in item.items()
                          if path not in PUBLIC and not (path.startswith("/v1/engines") and method != "get")]
     assert {("/v1/chat/completions", "post"), ("/v1/vars/{var_id}", "get")} <= {(p, m) for p, m, _ in client_operations}
+    assert document["components"]["securitySchemes"]["xApiKey"] == {"type": "apiKey", "name": "x-api-key",
+                                                                     "in": "header"}
     for path, method, operation in client_operations:
-        assert operation["security"] == [{"apiKey": []}], (method, path)
+        assert operation["security"] == [{"apiKey": []}, {"xApiKey": []}], (method, path)
+        error = "AnthropicError" if path.startswith("/v1/messages") else "ErrorResponse"  # each API's own shape
         assert operation["responses"]["401"]["content"]["application/json"]["schema"] == {
-            "$ref": "#/components/schemas/ErrorResponse"}, (method, path)
+            "$ref": f"#/components/schemas/{error}"}, (method, path)
     answer = http.get(f"{url}/v1/models")
     assert answer.status_code == 401 and answer.json()["error"]["code"] == "invalid_api_key"
+    assert http.get(f"{url}/v1/models", headers={"x-api-key": "sk-test"}).status_code == 200
+    answer = http.post(f"{url}/v1/messages", json={})
+    assert answer.status_code == 401 and answer.json()["error"]["type"] == "authentication_error"
     assert "401" not in document["paths"]["/metrics"]["get"]["responses"]
     assert http.get(f"{url}/metrics").status_code == 200
 

@@ -152,3 +152,23 @@ def test_one_off_prompts_do_not_push_a_shared_prompt_out_of_the_mirror():
         scheduler.placed(work(f"a one-off document {i}. " * 40), engines[0])
     assert scheduler.held_prefix_tokens("e0") == 30 * TOKENS_PER_CHUNK
     assert scheduler.held_tokens(work(SYSTEM_A))["e0"] >= 6 * TOKENS_PER_CHUNK
+
+
+def test_an_affinity_key_keeps_its_engine_until_that_engine_is_overloaded():
+    scheduler, engines = Scheduler(), views()
+    first = place(scheduler, work(f"unrelated prompt {0}. " * 30, affinity="user-7"), engines)
+    first.in_flight += 3  # busier than the others, still within the balance thresholds: the key stays
+    assert {place(scheduler, work(f"unrelated prompt {i}. " * 30, affinity="user-7"), engines).id
+            for i in range(1, 4)} == {first.id}
+    first.in_flight += 20  # overloaded: the key moves, and stays where it went
+    moved = place(scheduler, work("another prompt. " * 30, affinity="user-7"), engines)
+    assert moved.id != first.id
+    assert place(scheduler, work("yet another prompt. " * 30, affinity="user-7"), engines).id == moved.id
+    scheduler.forget(moved.id)  # gone: the key is placed as any work
+    assert place(scheduler, work("a last prompt. " * 30, affinity="user-7"), [first]).id == first.id
+
+
+def test_placement_levels_order_latency_before_urgent_groups_before_throughput():
+    assert Placement().level == 0
+    assert Placement(latency=False, urgent=True, group="g").level == 1
+    assert Placement(latency=False).level == 2

@@ -1,15 +1,20 @@
 """A fleet of vLLM-style upstreams: the gateway reads each one's load from its own /metrics and places work by
-it, and sends criteria as the `priority` of a server run with priority scheduling."""
+it, sends criteria as the `priority` of a server run with priority scheduling, holds throughput work back while
+latency-critical work queues, and reads OpenAI's `service_tier` and `prompt_cache_key`."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
+import time
 from typing import Any
 
 import pytest
 
 from engines.seam.prometheus_stats import stats_from_metrics
-from gateway.config import RoutingConfig, UpstreamConfig
+from gateway.config import RoutingConfig, SchedulerConfig, UpstreamConfig
+from gateway.service import hints_of, placement_of, with_service_tier
 from tests.support.servers import asgi_app, read_asgi_body
 
 VLLM_METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -30,6 +35,10 @@ class FakeVLLM:
     def __init__(self, name: str, running: int = 0, waiting: int = 0, kv: float = 0.0):
         self.name, self.running, self.waiting, self.kv = name, running, waiting, kv
         self.bodies: list[dict[str, Any]] = []
+        self.arrived: dict[str, float] = {}  # a request's last message -> when it arrived (monotonic)
+        self.delays: dict[str, float] = {}  # a request's last message -> how long it takes to answer
+        self.texts: dict[str, list[str]] = {}  # a request's last message -> its answer's pieces (else its name)
+        self.piece_delay_s = 0.0  # between a streamed answer's pieces
         self.app = asgi_app(self.handle)
 
     async def handle(self, scope, receive, send) -> None:
@@ -40,12 +49,32 @@ class FakeVLLM:
         elif path == "/v1/models":
             await self._send(send, json.dumps({"object": "list", "data": [{"id": "m", "object": "model"}]}).encode())
         else:
-            self.bodies.append(json.loads(await read_asgi_body(receive)))
+            body = json.loads(await read_asgi_body(receive))
+            self.bodies.append(body)
+            last = body["messages"][-1]["content"] if "messages" in body else body.get("prompt")
+            self.arrived[str(last)] = time.monotonic()
+            await asyncio.sleep(self.delays.get(str(last), 0.0))
+            pieces = self.texts.get(str(last), [self.name])
+            if body.get("stream"):
+                await self._stream(send, pieces)
+                return
             answer = {"id": "c", "object": "chat.completion", "created": 0, "model": "m",
                       "choices": [{"index": 0, "finish_reason": "stop",
-                                   "message": {"role": "assistant", "content": self.name}}],
+                                   "message": {"role": "assistant", "content": "".join(pieces)}}],
                       "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
             await self._send(send, json.dumps(answer).encode())
+
+    async def _stream(self, send, pieces: list[str]) -> None:
+        """A chat completion streamed as vLLM streams it: a chunk per piece, the usage, [DONE]."""
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        for i, piece in enumerate(pieces):
+            chunk = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m", "choices": [
+                {"index": 0, "delta": {"content": piece}, "finish_reason": "stop" if i == len(pieces) - 1 else None}]}
+            await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(), "more_body": True})
+            await asyncio.sleep(self.piece_delay_s)
+        usage = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m", "choices": [],
+                 "usage": {"prompt_tokens": 1, "completion_tokens": len(pieces), "total_tokens": 1 + len(pieces)}}
+        await send({"type": "http.response.body", "body": f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode()})
 
     @staticmethod
     async def _send(send, body: bytes, content_type: bytes = b"application/json") -> None:
@@ -98,10 +127,100 @@ def test_criteria_travel_as_the_priority_of_a_server_with_priority_scheduling(ht
         "model": "m", "messages": [{"role": "user", "content": "Summarise {{doc}}"}],
         "parrot": {"criteria": "throughput", "vars": {"doc": {"value": "a long report"}}}})
     assert throughput.status_code == 200, throughput.text
-    assert server.bodies[-1]["priority"] == 1  # a semantic call marked throughput: after latency work
+    assert server.bodies[-1]["priority"] == 2  # a semantic call marked throughput: after latency work
     assert server.bodies[-1]["messages"][0]["content"] == "Summarise a long report"
 
     plain = FakeVLLM("plain")
     gateway = start_gateway([UpstreamConfig(model="m", base_url=f"{serve(plain.app)}/v1")])
     assert chat(http, gateway).status_code == 200
     assert "priority" not in plain.bodies[-1]  # a server without priority scheduling would refuse the field
+
+
+def test_service_tier_sets_the_criteria_and_is_echoed(http, serve, start_gateway):
+    server = FakeVLLM("vllm")
+    gateway = start_gateway([UpstreamConfig(model="m", base_url=f"{serve(server.app)}/v1",
+                                            priority_scheduling="lower_first")])
+    for tier, priority in (("flex", 2), ("default", 0), ("priority", 0)):
+        answer = http.post(f"{gateway}/v1/chat/completions", json={
+            "model": "m", "service_tier": tier, "messages": [{"role": "user", "content": "Hi"}]})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["service_tier"] == tier
+        assert answer.json()["choices"][0]["message"]["content"] == "vllm"
+        assert server.bodies[-1]["priority"] == priority
+        assert server.bodies[-1]["service_tier"] == tier  # forwarded: an OpenAI upstream reads it itself
+    assert "service_tier" not in chat(http, gateway).json()  # not named: not echoed
+    with http.stream("POST", f"{gateway}/v1/chat/completions", json={
+            "model": "m", "service_tier": "flex", "stream": True, "messages": [{"role": "user", "content": "Hi"}]}) as streamed:
+        chunks = [json.loads(line[6:]) for line in streamed.iter_lines() if line.startswith("data: {")]
+    assert chunks and all(chunk["service_tier"] == "flex" for chunk in chunks)
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == "vllm"
+    semantic = http.post(f"{gateway}/v1/chat/completions", json={
+        "model": "m", "service_tier": "flex", "messages": [{"role": "user", "content": "Summarise {{doc}}"}],
+        "parrot": {"vars": {"doc": {"value": "a long report"}}}})
+    assert semantic.status_code == 200, semantic.text
+    assert server.bodies[-1]["priority"] == 2  # flex: a semantic call someone waits on, yet throughput work
+    assert semantic.json()["service_tier"] == "flex" and "parrot" in semantic.json()
+
+
+def test_a_prompt_cache_key_keeps_its_engine_while_that_engine_is_not_overloaded(http, serve, start_gateway,
+                                                                                 wait_until):
+    servers = [FakeVLLM("a"), FakeVLLM("b"), FakeVLLM("c")]
+    upstreams = [UpstreamConfig(model="m", base_url=f"{serve(server.app)}/v1", name=server.name)
+                 for server in servers]
+    gateway = start_gateway(upstreams, routing=RoutingConfig(health_check_interval_s=0.1))
+
+    def keyed(key: str, content: str) -> str:
+        answer = http.post(f"{gateway}/v1/chat/completions", json={
+            "model": "m", "prompt_cache_key": key, "messages": [{"role": "user", "content": content}]})
+        assert answer.status_code == 200, answer.text
+        return answer.json()["choices"][0]["message"]["content"]
+
+    for key in ("alice", "bob", "carol"):
+        first = keyed(key, f"{key}'s first question")
+        assert {keyed(key, f"{key}'s question {i}") for i in range(4)} == {first}  # unkeyed, these would spread
+    home = {server.name: server for server in servers}[keyed("alice", "again")]
+    home.waiting = 40  # overloaded: alice's requests go elsewhere, and stay there
+    wait_until(lambda: {e["name"]: e["load"] for e in http.get(f"{gateway}/v1/engines").json()}[home.name] == 40)
+    moved = keyed("alice", "moved")
+    assert moved != home.name
+    assert keyed("alice", "after the move") == moved
+
+
+def test_throughput_work_waits_while_latency_work_queues_on_the_same_engine(http, serve, start_gateway, wait_until):
+    """The engine's queue as read then (its /metrics asked by admission itself: no health checks here)."""
+    server = FakeVLLM("vllm", waiting=3)
+    server.delays["urgent"] = 1.5
+    gateway = start_gateway([UpstreamConfig(model="m", base_url=f"{serve(server.app)}/v1", name="vllm")],
+                            routing=RoutingConfig(health_check_interval_s=0),
+                            scheduler=SchedulerConfig(throughput_hold_s=10.0))
+    urgent = threading.Thread(target=chat, args=(http, gateway, "urgent"))
+    urgent.start()
+    wait_until(lambda: "urgent" in server.arrived)
+    flex = http.post(f"{gateway}/v1/chat/completions", json={
+        "model": "m", "service_tier": "flex", "messages": [{"role": "user", "content": "batch work"}]})
+    urgent.join()
+    assert flex.status_code == 200
+    assert server.arrived["batch work"] - server.arrived["urgent"] >= 1.4  # held until the urgent one ended
+    server.waiting = 0  # no queue: throughput work goes at once beside latency work
+    server.delays["urgent again"] = 1.5
+    urgent = threading.Thread(target=chat, args=(http, gateway, "urgent again"))
+    urgent.start()
+    wait_until(lambda: "urgent again" in server.arrived)
+    http.post(f"{gateway}/v1/chat/completions", json={
+        "model": "m", "service_tier": "flex", "messages": [{"role": "user", "content": "more batch work"}]})
+    urgent.join()
+    assert server.arrived["more batch work"] - server.arrived["urgent again"] < 1.0
+
+
+def test_a_plain_requests_openai_fields_become_its_placement_and_hints():
+    flex = placement_of({"service_tier": "flex", "prompt_cache_key": "k1"})
+    assert (flex.latency, flex.level, flex.affinity) == (False, 2, "k1")
+    assert hints_of(flex) == {"criteria": "throughput"}  # for an engine that takes hints (the builtin one)
+    for body in ({}, {"service_tier": "default"}, {"service_tier": "priority"}, {"service_tier": 7},
+                 {"prompt_cache_key": ""}):
+        placement = placement_of(body)
+        assert (placement.latency, placement.affinity, hints_of(placement)) == (True, None, None)
+    assert with_service_tier(b'{"id":"x"}', {"service_tier": "flex"}) == b'{"service_tier":"flex","id":"x"}'
+    assert with_service_tier(b'{}', {"service_tier": "flex"}) == b'{"service_tier":"flex"}'
+    assert with_service_tier(b'{"service_tier":"default"}', {"service_tier": "flex"}) == b'{"service_tier":"default"}'
+    assert with_service_tier(b'{"id":"x"}', {}) == b'{"id":"x"}'

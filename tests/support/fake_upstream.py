@@ -4,6 +4,7 @@ answers it gives) that tests can also steer and watch.
 Behaviour is steered per request by the extra body field ``"fake": {...}`` (which the gateway forwards untouched
 like any unknown field):
   words         number of content words to produce (default: echo the prompt)
+  text          the answer's exact text instead
   delay_s       sleep before answering (timeouts)
   chunk_delay_s sleep between streamed chunks
   status        answer with this HTTP status and an OpenAI error body

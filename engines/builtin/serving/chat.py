@@ -25,6 +25,7 @@ from wire.openai import (
     encoder,
     new_id,
     now,
+    served_tier,
 )
 from engines.builtin.serving.errors import EngineBadRequest
 from engines.builtin.serving.choices import Piece, PromptJob, UsageCount, usage
@@ -45,17 +46,20 @@ class ChatCompletions(ModelServing):
                 message = ResponseMessage(content=content, tool_calls=calls or None)
                 finish_reason = _tool_finish_reason(finish_reason, calls)
             logprobs = self.logprobs.chat(r.events) if request.logprobs else None
-            choices.append(ChatChoice(index=i, message=message, finish_reason=finish_reason, logprobs=logprobs))
-        return ChatCompletion(model=self.model_name, choices=choices, usage=usage([job], results))
+            choices.append(ChatChoice(index=i, message=message, finish_reason=finish_reason, logprobs=logprobs,
+                                      stop_reason=r.stop_reason))
+        return ChatCompletion(model=self.model_name, choices=choices, usage=usage([job], results),
+                              service_tier=served_tier(request.service_tier))
 
     async def stream(self, request: ChatCompletionRequest) -> AsyncIterator[bytes]:
         """The response's chunks, encoded (SSE framing is the caller's)."""
         job = self._job(request)
-        chunk_id, created = new_id("chatcmpl"), now()
+        chunk_id, created, tier = new_id("chatcmpl"), now(), served_tier(request.service_tier)
 
         def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:
             return encoder.encode(
-                ChatCompletionChunk(model=self.model_name, choices=choices, id=chunk_id, created=created, usage=usage)
+                ChatCompletionChunk(model=self.model_name, choices=choices, id=chunk_id, created=created, usage=usage,
+                                    service_tier=tier)
             )
 
         for index in job.indices:
@@ -70,7 +74,7 @@ class ChatCompletions(ModelServing):
                 delta, finish_reason = _tool_delta(readers[index], piece)
                 if delta.content is None and delta.tool_calls is None and finish_reason is None and logprobs is None:
                     continue  # text held back until it is known to be (part of) a call
-            yield chunk([ChatChunkChoice(index, delta, finish_reason, logprobs)])
+            yield chunk([ChatChunkChoice(index, delta, finish_reason, logprobs, piece.stop_reason)])
         if request.stream_options is not None and request.stream_options.include_usage:
             yield chunk([], count.usage())
 

@@ -21,6 +21,7 @@ class Piece:
     token_ids: list[int]
     events: list[TokenEvent]  # the same tokens with their logprobs
     finish_reason: str | None = None
+    stop_reason: str | None = None  # the stop string that ended the choice
 
 
 async def decode_events(
@@ -40,7 +41,7 @@ async def decode_events(
             elif finish is not None:
                 text += detok.finish()
             if text or finish is not None:
-                yield Piece(text, [e.token_id for e in pending], pending, finish)
+                yield Piece(text, [e.token_id for e in pending], pending, finish, detok.stop_reason)
                 pending = []
             if finish is not None:
                 return
@@ -55,12 +56,14 @@ class ChoiceResult:
     token_ids: list[int] = field(default_factory=list)
     events: list[TokenEvent] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: str | None = None
 
     def add(self, piece: Piece) -> None:
         self.text += piece.text
         self.token_ids += piece.token_ids
         self.events += piece.events
         self.finish_reason = piece.finish_reason or self.finish_reason
+        self.stop_reason = piece.stop_reason or self.stop_reason
 
 
 @dataclass

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,11 +20,12 @@ def engine():
 
 
 @pytest.fixture(scope="module")
-def hf_model(smollm2_gguf):
+def hf_model(smollm2_source):
+    """transformers' own model of the GGUF's weights (as de-quantized into the converted cache)."""
     from transformers import AutoModelForCausalLM
 
-    path = Path(smollm2_gguf)
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(smollm2_source.directory, dtype=torch.float32,
+                                                **smollm2_source.hf_kwargs()).eval()
 
 
 pytestmark = pytest.mark.model

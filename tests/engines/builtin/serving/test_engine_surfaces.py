@@ -279,3 +279,31 @@ async def test_a_fork_without_max_tokens_stops_at_its_max_tokens_limit(engine):
     finally:
         await engine.contexts.free(parent.context_id)
     assert len(generation.token_ids) == 4 and generation.finish_reason == "length"
+
+
+async def test_the_service_tier_asked_is_echoed_and_the_usage_counts_cached_prompt_tokens(engine):
+    body = chat_body(max_tokens=2, service_tier="flex", stream_options={"include_usage": True})
+    created = await create(engine, "chat/completions", {k: v for k, v in body.items() if k != "stream_options"})
+    assert created["service_tier"] == "flex"
+    assert (await create(engine, "chat/completions", chat_body(max_tokens=2)))["service_tier"] == "default"
+    chunks = [json.loads(c) for c in await _payloads(stream(engine, "chat/completions", {**body, "stream": True}))]
+    assert {c["service_tier"] for c in chunks} == {"flex"}
+    assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the same prompt a third time
+
+
+async def test_the_stop_string_that_ended_a_choice_is_its_stop_reason(engine):
+    body = chat_body(max_tokens=12, ignore_eos=True)
+    text = (await create(engine, "chat/completions", body))["choices"][0]["message"]["content"]
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    assert stop.strip(), text
+
+    stopped = (await create(engine, "chat/completions", {**body, "stop": [stop]}))["choices"][0]
+    assert stopped["finish_reason"] == "stop" and stopped["stop_reason"] == stop
+    assert stopped["message"]["content"] == text[:text.index(stop)]
+    assert (await create(engine, "chat/completions", body))["choices"][0]["stop_reason"] is None
+    chunks = [json.loads(c) for c in await _payloads(stream(engine, "chat/completions", {**body, "stop": [stop],
+                                                                                         "stream": True}))]
+    assert [c["choices"][0]["stop_reason"] for c in chunks if c["choices"][0]["finish_reason"]] == [stop]
+    async with asyncio.timeout(10):  # the sequences a stop string ended are aborted between steps: gone before
+        while (stats := await engine.stats()).running or stats.waiting:  # this test's loop closes
+            await asyncio.sleep(0.01)

@@ -1,0 +1,54 @@
+"""Other APIs' requests (Responses, Anthropic Messages) run as chat completions: the translated body checked
+as a chat request is (its limits, its model), its errors named as the client's API names the field, and a
+stream's chunks read out of the gateway's SSE events."""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Mapping
+
+import msgspec
+
+from gateway.domain_errors import DomainError, Invalid
+from gateway.service import Gateway, OpenedStream
+from gateway.translation.chat import Chunk, ChunkReader
+from wire.errors import InvalidRequest
+from wire.openai import ChatCompletionRequest
+
+ROUTE = "chat/completions"
+
+
+def _renamed(exc: InvalidRequest | DomainError, names: Mapping[str, str], fallback: str) -> Exception:
+    param = exc.param
+    if param is None:
+        return exc
+    head, dot, rest = param.partition(".")
+    name = names.get(head.partition("[")[0])
+    exc.param = fallback if name is None else name + (dot + rest if dot and name != fallback else "")
+    return exc
+
+
+def check_chat(gateway: Gateway, chat: dict[str, Any], names: Mapping[str, str], fallback: str
+               ) -> ChatCompletionRequest:
+    """``chat`` checked as ``POST /v1/chat/completions`` checks a body (types, limits, the model served);
+    an error's ``param`` renamed by ``names`` (chat field -> the client's), else ``fallback``."""
+    try:
+        checked = msgspec.convert(chat, ChatCompletionRequest)
+        gateway.check(checked)
+    except (InvalidRequest, Invalid) as exc:
+        raise _renamed(exc, names, fallback) from None
+    except msgspec.ValidationError as exc:
+        raise Invalid(f"{fallback}: {exc}", param=fallback) from None
+    return checked
+
+
+async def chunks(gateway: Gateway, model: str, opened: OpenedStream) -> AsyncIterator[Chunk]:
+    """The stream's chunks (an engine failing mid-stream: a chunk with ``error``); the engine's stream is
+    closed when this is."""
+    reader = ChunkReader()
+    events = gateway.sse_events(model, opened)
+    try:
+        async for data in events:
+            for chunk in reader.feed(data):
+                yield chunk
+    finally:
+        await events.aclose()

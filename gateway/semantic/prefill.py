@@ -1,0 +1,192 @@
+"""Prefill ahead on engines without contexts (engines/seam ``PrefillEngine``: vLLM, SGLang with prefix caching).
+
+The upstream counterpart of a context fill (forks.py's ``warm``): while a call waits for its inputs, its first
+step's prompt up to the first input that is still pending (the inputs already bound substituted, as the plain
+request will have them) is sent to the engine the global scheduler picks for the call, as one prefill-only
+request; that engine's prefix cache keeps it. The call is then placed there (its placement names the engine as
+holding its prefix), so when its inputs land only the rest of its prompt is computed. A saturated engine is not
+warmed (more than ``[semantic] prefill_max_waiting`` requests in its queue, or its KV cache full; its stats asked
+for then, not the last health check's): the prefill would wait in line with everything else and delay the work
+ahead of it, for a prefix the call computes anyway, or evict what others hold. With
+``[semantic] prefill_extend_chars``, the prefilled prompt is extended as the inputs come: with the text the
+producer of the first pending input streams, and with each value bound (the cut moves on to the next pending
+input), so that when the last input is bound most of the prompt is cached too. What the engine computed
+is its own to keep or evict; the answer is the plain request's either way.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, NamedTuple
+
+from engines.seam import EngineError, PrefillEngine, PrioritizedEngine, Route
+from engines.seam.connect import has_capability
+from gateway.prompt_prefix import prompt_prefix
+from gateway.config import SemanticConfig
+from gateway.registry import EngineRecord
+from gateway.scheduler import Work
+from gateway.semantic import template
+from gateway.semantic.call_spec import Step
+from gateway.semantic.gateway_port import GatewayPort
+from gateway.semantic.graph import Call
+from wire.placeholders import PLACEHOLDER
+
+logger = logging.getLogger(__name__)
+_FRESH_S = 0.25  # how old an engine's stats may be for deciding whether it is saturated
+_RENDERING = ("model", "tools", "chat_template", "chat_template_kwargs")  # what shapes a chat prompt beside messages
+
+
+class Prefills:
+    def __init__(self, gateway: GatewayPort, config: SemanticConfig, kv_full: float = 0.95):
+        self.gateway = gateway
+        self.min_prefix_chars = config.min_prefix_chars
+        self.extend_chars = config.prefill_extend_chars
+        self.input_timeout_s = config.input_timeout_s
+        self.max_waiting = config.prefill_max_waiting
+        self.kv_full = kv_full
+
+    def engines(self, model: str) -> list[EngineRecord]:
+        """The healthy engines of ``model`` that take prefill-only requests."""
+        return [r for r in self.gateway.engines_for(model) if has_capability(r.engine, PrefillEngine)]
+
+    async def warm(self, step: Step, call: Call) -> None:
+        """Prefills ``step``'s prompt up to its first pending input on the engine the call will run on, and
+        remembers that engine on the call (``warmed_on``). Errors are left for the run itself to meet."""
+        records = self.engines(step.body["model"])
+        if not records:
+            return
+        values = {name: v.value for name, v in call.inputs.items() if v.value is not None}
+        cut = prefix_body(step.route, step.body, values)
+        if cut is None or _prefix_chars(step.route, cut.body) < self.min_prefix_chars:
+            return
+        body = cut.body
+        placement = call.placement(step.body)
+        prefix, tokens = prompt_prefix(step.route, body)
+        work = Work(prefix, tokens, placement)
+        record = self.gateway.best(work, records)
+        if record is None:
+            return
+        model = step.body["model"]
+        if await _saturated(record, self.max_waiting, self.kv_full):
+            self.gateway.outcomes.prefilled(model, record.engine.name, skipped=True)
+            return
+        if has_capability(record.engine, PrioritizedEngine):
+            body["priority"] = record.engine.priority_of(placement.level)  # type: ignore[attr-defined]
+        call.warmed_on = record.id
+        try:
+            self.gateway.outcomes.prefilled(model, record.engine.name)
+            await record.engine.prefill(step.route, body)  # type: ignore[attr-defined]
+            self.gateway.placed(work, record)  # its prefix is there now (not when skipped or failed)
+            call.timings.warmed = time.time()
+            if self.extend_chars:
+                await self._extend(step, call, record, _prefix_chars(step.route, body), body.get("priority"))
+        except EngineError as exc:
+            logger.debug("prefill ahead of call %s on %r failed: %s", call.id, record.engine.name, exc)
+
+    async def _extend(self, step: Step, call: Call, record: EngineRecord, sent: int, priority: int | None) -> None:
+        """The prefilled prompt extended as the call's inputs come, until the last is bound: with the text their
+        producers stream (the first pending input's), and with each value bound (the cut moves on to the next
+        pending input); prefilled again each time it grew by ``extend_chars`` or more (``sent``: the characters
+        prefilled so far), unless the engine is saturated then."""
+        model = step.body["model"]
+        deadline = time.monotonic() + self.input_timeout_s
+        while True:
+            values = {name: v.value for name, v in call.inputs.items() if v.value is not None}
+            cut = prefix_body(step.route, step.body, values)
+            if cut is None:
+                return  # every input is bound: the call runs
+            variable = call.inputs[cut.pending]
+            if variable.error is not None:
+                return  # it failed: the call fails with it
+            partial = variable.partial
+            if partial:
+                cut = prefix_body(step.route, step.body, values, partial={cut.pending: partial}) or cut
+            size = _prefix_chars(step.route, cut.body)
+            if size >= sent + self.extend_chars:
+                sent = size
+                if await _saturated(record, self.max_waiting, self.kv_full):
+                    self.gateway.outcomes.prefilled(model, record.engine.name, skipped=True)
+                else:
+                    if priority is not None:
+                        cut.body["priority"] = priority
+                    self.gateway.outcomes.prefilled(model, record.engine.name)
+                    await record.engine.prefill(step.route, cut.body)  # type: ignore[attr-defined]
+                    call.timings.warmed = time.time()
+                continue
+            try:  # until its producer streamed enough more, or it is bound (or failed)
+                await variable.grown(len(partial) + sent + self.extend_chars - size,
+                                     max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                return  # the call's own wait for its inputs reports it
+
+
+async def _saturated(record: EngineRecord, max_waiting: int, kv_full: float) -> bool:
+    """Whether the engine reports more than ``max_waiting`` requests waiting in its queue, or its KV cache at
+    ``kv_full``, asked now (a health check's reading may be seconds old); its last reading when it cannot say.
+    A few waiting requests are no saturation: requests that just arrived wait for the engine's next step."""
+    stats = await record.fresh_stats(_FRESH_S)
+    return stats.waiting > max_waiting or stats.kv_use() >= kv_full
+
+
+class Cut(NamedTuple):
+    """A request cut at its first pending input: the body to prefill, that input's name, the values before it."""
+
+    body: dict[str, Any]
+    pending: str
+    values: dict[str, str]
+
+
+def prefix_body(route: Route, body: dict[str, Any], values: dict[str, str],
+                partial: dict[str, str] | None = None) -> Cut | None:
+    """``body`` cut where its first placeholder without a value in ``values`` starts, the others before it
+    substituted: a completions prompt, or the chat messages before that one and that one's text up to it; with
+    ``partial`` (that placeholder's name -> the start of its value), that start appended at the cut. None when
+    nothing is pending (the request itself runs) or the prompt is not one such a cut keeps exact (several
+    prompts, messages with parts other than text before the cut)."""
+    if route == "completions":
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            return None
+        cut = _cut(prompt, values, partial)
+        return None if cut is None else Cut({"model": body["model"], "prompt": cut[0]}, cut[1], values)
+    messages: list[dict[str, Any]] = []
+    for message in body.get("messages") or ():
+        content = message.get("content")
+        if not isinstance(content, str):
+            if any(PLACEHOLDER.search(text) for text in _texts(content)):
+                return None  # the cut would fall inside parts: not warmed
+            messages.append(message)
+            continue
+        cut = _cut(content, values, partial)
+        if cut is None:
+            messages.append({**message, "content": template.substitute(content, values)})
+            continue
+        if cut[0]:
+            messages.append({**message, "content": cut[0]})
+        if not messages:
+            return None
+        return Cut({key: body[key] for key in _RENDERING if key in body} | {"messages": messages}, cut[1], values)
+    return None
+
+
+def _cut(text: str, values: dict[str, str], partial: dict[str, str] | None) -> tuple[str, str] | None:
+    """``text`` up to its first input placeholder without a value (those before it substituted, the start of
+    its value from ``partial`` after it), and that placeholder's name; None if there is none."""
+    for match in PLACEHOLDER.finditer(text):
+        name = match.group(2)
+        if match.group(1) != "output" and name not in values:
+            return template.substitute(text[:match.start()], values) + (partial or {}).get(name, ""), name
+    return None
+
+
+def _texts(content: Any) -> list[str]:
+    if isinstance(content, list):
+        return [part.get("text") or "" for part in content if isinstance(part, dict)]
+    return []
+
+
+def _prefix_chars(route: Route, body: dict[str, Any]) -> int:
+    if route == "completions":
+        return len(body["prompt"])
+    return sum(len(m["content"]) if isinstance(m.get("content"), str) else 0 for m in body["messages"])

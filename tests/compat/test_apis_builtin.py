@@ -1,0 +1,87 @@
+"""The Responses and Messages APIs through the openai and anthropic SDKs, on a real gateway in front of a real
+builtin engine process on SmolLM2-135M: real tokens, grammars for structured output and tool calls, the engine's
+prefix cache in the usage's cached tokens."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import openai
+import pydantic
+import pytest
+
+from tests.support.models import SMOLLM
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.", "strict": True,
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                          "additionalProperties": False}}
+
+
+@pytest.fixture(scope="module")
+def gateway_url(smollm_gateway) -> str:
+    return smollm_gateway["gateway"]
+
+
+@pytest.fixture(scope="module")
+def client(gateway_url) -> openai.OpenAI:
+    with openai.OpenAI(base_url=f"{gateway_url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        yield client
+
+
+class City(pydantic.BaseModel):
+    city: str
+    country: str
+
+
+def test_responses_on_the_builtin_engine(client):
+    first = client.responses.create(model=SMOLLM, input="What is the capital of France?", temperature=0,
+                                    max_output_tokens=24, instructions="Answer in one short sentence.",
+                                    service_tier="flex")
+    assert "Paris" in first.output_text and first.usage.input_tokens > 0 and first.service_tier == "flex"
+
+    second = client.responses.create(model=SMOLLM, input="And of Italy?", previous_response_id=first.id,
+                                     temperature=0, max_output_tokens=24,
+                                     instructions="Answer in one short sentence.")  # not carried over: sent again
+    assert second.output_text.strip()
+    # The conversation's first turn is in the engine's prefix cache (whole 16-token blocks): the usage says so.
+    assert second.usage.input_tokens > first.usage.input_tokens
+    assert second.usage.input_tokens_details.cached_tokens > 0
+
+    parsed = client.responses.parse(model=SMOLLM, input="Name a city and its country.", text_format=City,
+                                    temperature=0, max_output_tokens=48)
+    assert isinstance(parsed.output_parsed, City)
+
+    with client.responses.stream(model=SMOLLM, input="What is the weather in Paris?", tools=[WEATHER],
+                                 tool_choice="required", temperature=0, max_output_tokens=48) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    call = final.output[0]
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert set(json.loads(call.arguments)) == {"city"}
+    assert "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta") == call.arguments
+
+
+def test_messages_on_the_builtin_engine(gateway_url):
+    with anthropic.Anthropic(base_url=gateway_url, api_key="unused", max_retries=0, timeout=120) as client:
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        message = client.messages.create(model=SMOLLM, max_tokens=24, messages=question,
+                                         system="Answer in one short sentence.", extra_body={"temperature": 0})
+        assert "Paris" in message.content[0].text
+        count = client.messages.count_tokens(model=SMOLLM, messages=question, system="Answer in one short sentence.")
+        assert count.input_tokens == message.usage.input_tokens + message.usage.cache_read_input_tokens
+
+        words = message.content[0].text.split()
+        stop = words[len(words) // 2]  # greedy: the same answer again stops there
+        stopped = client.messages.create(model=SMOLLM, max_tokens=24, messages=question, stop_sequences=[stop],
+                                         system="Answer in one short sentence.", extra_body={"temperature": 0})
+        assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == stop
+
+        tool = {"name": "get_weather", "description": WEATHER["description"], "input_schema": WEATHER["parameters"]}
+        with client.messages.stream(model=SMOLLM, max_tokens=48, tools=[tool], tool_choice={"type": "any"},
+                                    messages=[{"role": "user", "content": "What is the weather in Paris?"}]) as stream:
+            events = list(stream)
+            final = stream.get_final_message()
+        use = final.content[-1]
+        assert final.stop_reason == "tool_use" and use.type == "tool_use" and set(use.input) == {"city"}
+        assert any(e.type == "content_block_delta" and e.delta.type == "input_json_delta" for e in events)
