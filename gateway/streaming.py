@@ -9,7 +9,10 @@ cancels that task if the client leaves, which closes the engine's stream at once
 from __future__ import annotations
 
 import itertools
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import msgspec
+from litestar import Response
 
 from litestar.response import Stream
 from litestar.response.streaming import ASGIStreamingResponse
@@ -77,3 +80,17 @@ async def after_first(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator
             yield events
     finally:
         await rest.aclose()
+
+
+async def streamed_or_whole(receive: Receive, events: AsyncIterator[bytes] | None,
+                            whole: Callable[[], Awaitable[Any]]) -> Response:
+    """A translated API's answer: ``events`` as a stream once its first event is read (failures before it are the
+    request's status), else ``whole()`` encoded as JSON, the engine's work cancelled if the client leaves first."""
+    if events is not None:
+        events = events.__aiter__()
+        first = await anext(events)
+        return EventStream(after_first(first, events), media_type="text/event-stream", headers={"cache-control": "no-cache"})
+    answer = None
+    async with CancelledOnDisconnect(receive):
+        answer = await whole()
+    return Response(msgspec.json.encode(answer) if answer is not None else b"", media_type="application/json")

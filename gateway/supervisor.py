@@ -22,6 +22,7 @@ import time
 # it will serve before it registers. Through the seam this would make engines.seam depend on engines.builtin.
 from engines.builtin.server.cli import SECRET_ENV, build_parser, engine_config
 from engines.builtin.config import served_model_name
+from engines.builtin.families import EXIT_UNSUPPORTED_MODEL, checkpoint_refusal
 from gateway.config import GatewayConfig, secret_env_vars
 from gateway.registry import EngineRegistry, url_key
 
@@ -70,6 +71,8 @@ class EngineSupervisor:
         self._env = {k: v for k, v in os.environ.items() if k not in hidden} | {SECRET_ENV: self.secret}
         self.process: asyncio.subprocess.Process | None = None
         self.exits = 0  # how often the engine process ended (each time restarted)
+        self.refusal: str | None = None  # why the engine refused its model: it is not started again
+        self._model_path = args.model
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -95,6 +98,11 @@ class EngineSupervisor:
             self.exits += 1
             for record in self._registry.remove_url(self.url):  # it cannot serve: no more routing there
                 await record.engine.aclose()
+            if returncode == EXIT_UNSUPPORTED_MODEL:  # no restart runs that model: say so once, and stop
+                self.refusal = checkpoint_refusal(self._model_path) or (
+                    f"the builtin engine cannot run the model {self._model_path} (its log says why)")
+                log.error("%s; not restarting it", self.refusal)
+                return
             if time.monotonic() - started >= self._builtin.restart_backoff_max_s:
                 backoff = self._builtin.restart_backoff_s  # it had run stably: a fresh failure
             log.warning("the builtin engine exited (%s); restarting it in %.0fs", returncode, backoff)
@@ -143,6 +151,10 @@ class EngineSupervisors:
     @property
     def exits(self) -> int:
         return sum(supervisor.exits for supervisor in self.each)
+
+    @property
+    def refusals(self) -> list[str]:
+        return sorted({supervisor.refusal for supervisor in self.each if supervisor.refusal})
 
     def pid_at(self, url: str | None) -> int | None:
         return next((pid for s in self.each if (pid := s.pid_at(url)) is not None), None)

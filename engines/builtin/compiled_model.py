@@ -35,7 +35,7 @@ import torch._inductor.config as inductor_config
 from torch import nn
 
 from engines.builtin.attention import AttentionMetadata, paged_attention
-from engines.builtin.model import LlamaForCausalLM, rows_to_finish
+from engines.builtin.model import CausalLM, rows_to_finish
 from kernels import native
 
 # Live compiled forwards by a number of their own (never reused, unlike id()), for the op to find its
@@ -87,7 +87,7 @@ class _Decoder(nn.Module):
     parrot_native::attention where the step's attention is the C++ kernel's (native/torch_ops.cpp; the
     forward's caches and each step's tables handed to it beforehand), else parrot::paged_attention above."""
 
-    def __init__(self, model: LlamaForCausalLM, forward_id: int, native_attention: bool):
+    def __init__(self, model: CausalLM, forward_id: int, native_attention: bool):
         super().__init__()
         self.model = model
         self.forward_id = forward_id
@@ -106,7 +106,7 @@ class CompiledForward:
     """Called as the model's last_hidden is: (input_ids, positions, meta, logit_rows) -> the last layer's hidden states
     of the logit rows (the head is the caller's: model.logits, or the greedy head's screen)."""
 
-    def __init__(self, model: LlamaForCausalLM, native_attention: bool = False):
+    def __init__(self, model: CausalLM, native_attention: bool = False):
         """native_attention: every step's attention is the C++ kernel's (its PreparedKvWrite and PreparedDecode
         set on the step's metadata), and torch_ops' attention operator is loaded: the graph calls that instead of
         reaching Python for each layer (the time each layer's call spent there)."""

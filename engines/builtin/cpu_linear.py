@@ -91,7 +91,8 @@ def prepare_cpu_linears(model: nn.Module) -> None:
 
 
 def _kernel_takes(mlp: MLP) -> bool:
-    """Whether both of the MLP's projections are plain bias-free linears the kernel takes."""
+    """Whether both of the MLP's projections are plain bias-free linears the kernel takes, gated by SiLU (the only
+    activation the gated kernel computes; Gemma's GELU MLPs keep a plain gate-and-up linear)."""
     gate_up, down = mlp.gate_up_proj, mlp.down_proj
-    return (type(gate_up) is nn.Linear and type(down) is nn.Linear and gate_up.bias is None and down.bias is None
+    return (mlp.activation_name == "silu" and type(gate_up) is nn.Linear and type(down) is nn.Linear and gate_up.bias is None and down.bias is None
             and native_linear.fits_gated(gate_up.weight) and native_linear.fits(down.weight))

@@ -15,3 +15,7 @@ class PromptTooLong(ValueError):
 
 class ContextBusy(RuntimeError):
     """A fill or generation is already running on that context."""
+
+
+class UnsupportedArchitecture(ValueError):
+    """The checkpoint's architecture is not one the engine's model implements (named in the message)."""

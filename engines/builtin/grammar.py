@@ -1,8 +1,8 @@
 """Structured output, compiled: ``response_format`` and ``tools`` as llguidance grammars, and the
 compiler that turns a grammar into a per-context matcher (grammar_mask.py applies it each step).
 
-Tool calls are emitted as Hermes-style text (tool_prompt.py) and read back into OpenAI ``tool_calls``
-(tool_calls.py).
+Tool calls are emitted in the model family's syntax (tool_prompt.ToolCallSyntax: Hermes-style text unless the
+chat template teaches another) and read back into OpenAI ``tool_calls`` (tool_calls.py).
 """
 
 from __future__ import annotations
@@ -17,15 +17,22 @@ from typing import Any, Sequence
 from wire.openai import ResponseFormat, Tool
 from wire.errors import InvalidRequest
 from engines.builtin.grammar_mask import GrammarMatcher
-from engines.builtin.tool_prompt import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from engines.builtin.tool_prompt import HERMES, ToolCallSyntax
 
 log = logging.getLogger(__name__)
 
 # Compact JSON: a small model given free whitespace can pad with newlines until max_tokens.
 # The separators match json.dumps, so arguments read back look like what an app would write.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-# Any text that is not a tool call: llguidance lexemes take intersection (&) and negation (~).
-NOT_A_CALL = r"/[\s\S]*/ & ~(/\s*" + TOOL_CALL_OPEN + r"[\s\S]*/)"
+
+
+REGEX_METACHARACTERS = set("\\.^$|?*+()[]{}/")
+
+
+def not_a_call(syntax: ToolCallSyntax) -> str:
+    """Any text that is not a tool call in ``syntax``: llguidance lexemes take intersection (&) and negation (~)."""
+    marker = "".join("\\" + ch if ch in REGEX_METACHARACTERS else ch for ch in syntax.marker)
+    return r"/[\s\S]*/ & ~(/\s*" + marker + r"[\s\S]*/)"
 
 
 # ---------------------------------------------------------------- requests -> grammars
@@ -45,6 +52,7 @@ def output_grammar(
     tools: Sequence[Tool] | None,
     tool_choice: str | dict[str, Any] | None,
     parallel_tool_calls: bool | None,
+    syntax: ToolCallSyntax = HERMES,
 ) -> OutputGrammar:
     """The grammar for a chat request; raises ``InvalidRequest`` for schemas llguidance rejects."""
     choice = tool_choice if tool_choice is not None else "auto"
@@ -53,14 +61,14 @@ def output_grammar(
         if answer is not None:  # checked alone, so that a bad schema is named as such
             _check(response_format_grammar(response_format), "response_format")
         # Several calls only when asked for outright: small models otherwise repeat a call until max_tokens.
-        grammar = tools_grammar(tools, choice, parallel_tool_calls is True, answer)
+        grammar = tools_grammar(tools, choice, parallel_tool_calls is True, answer, syntax)
         _check_tools(grammar, tools)
         return OutputGrammar(grammar, tool_calls=True)
     grammar = response_format_grammar(response_format)
     if grammar is None and tools:  # "none": a model that has seen calls in the conversation may write one anyway
         from llguidance import LLMatcher
 
-        return OutputGrammar(LLMatcher.grammar_from_lark(f"start: TEXT\nTEXT: {NOT_A_CALL}"))
+        return OutputGrammar(LLMatcher.grammar_from_lark(f"start: TEXT\nTEXT: {not_a_call(syntax)}"))
     if grammar is not None:
         _check(grammar, "response_format")
     return OutputGrammar(grammar)
@@ -117,23 +125,24 @@ def closed(schema: Any) -> Any:
 
 
 def tools_grammar(tools: Sequence[Tool], tool_choice: str | dict[str, Any], parallel: bool,
-                  answer: dict[str, Any] | None = None) -> str:
+                  answer: dict[str, Any] | None = None, syntax: ToolCallSyntax = HERMES) -> str:
     """Lark: one or more tool calls ("required", a named function), or for "auto" either
     tool calls or an answer: JSON following ``answer`` (a response_format's schema) if given,
     else text that is not a call."""
     from llguidance import LLMatcher
 
     tools = _chosen_tools(tools, tool_choice)
-    bodies = [_call_schema(tool) for tool in tools]
+    bodies = [_call_schema(tool, syntax.arguments_key) for tool in tools]
     body = dict(bodies[0]) if len(bodies) == 1 else {"anyOf": bodies}
     # Options apply to a whole %json schema, so only at its top level.
     body["x-guidance"] = {**JSON_STYLE, "lenient": not all(tool.function.strict for tool in tools)}
     rules = [
         "start: calls" + (" | answer" if tool_choice == "auto" else ""),
-        'calls: call ("\\n" call)*' if parallel else "calls: call",
-        f'call: "{TOOL_CALL_OPEN}" %json {json.dumps(body)} "{TOOL_CALL_CLOSE}"',
+        "calls: " + _literals(syntax.start, "call", f'({_literals(syntax.separator)} call)*' if parallel else "",
+                              syntax.end),
+        "call: " + _literals(syntax.open, f"%json {json.dumps(body)}", syntax.close),
         f"answer: %json {json.dumps(answer)}" if answer is not None else "answer: TEXT",
-        f"TEXT: {NOT_A_CALL}",
+        f"TEXT: {not_a_call(syntax)}",
     ]
     return LLMatcher.grammar_from_lark("\n".join(rules))
 
@@ -148,14 +157,20 @@ def _chosen_tools(tools: Sequence[Tool], tool_choice: str | dict[str, Any]) -> l
     return chosen
 
 
-def _call_schema(tool: Tool) -> dict[str, Any]:
+def _literals(*parts: str) -> str:
+    """A Lark sequence of ``parts``: the syntax's texts as string literals (the empty ones left out), rules as they are."""
+    rules = {"call"}
+    return " ".join(part if part in rules or part.startswith(("(", "%json")) else json.dumps(part) for part in parts if part)
+
+
+def _call_schema(tool: Tool, arguments_key: str = "arguments") -> dict[str, Any]:
     fn = tool.function
     return {
         "type": "object",
         # No parameters: an empty parameter list, as OpenAI reads it (not "any object").
         "properties": {"name": {"const": fn.name},
-                       "arguments": closed(fn.parameters or {"type": "object", "properties": {}})},
-        "required": ["name", "arguments"],
+                       arguments_key: closed(fn.parameters or {"type": "object", "properties": {}})},
+        "required": ["name", arguments_key],
         "additionalProperties": False,
     }
 

@@ -17,7 +17,7 @@ import torch
 
 from engines.builtin.context import Context
 from engines.builtin.cpu_linear import NativeLinear
-from engines.builtin.model import LlamaForCausalLM
+from engines.builtin.model import CausalLM
 from engines.builtin.sampler import takes_argmax
 from kernels import native
 
@@ -38,7 +38,7 @@ class GreedyHead:
         self.max_rows = min(SCREENED_ROWS.get(head.packed.dtype, 0), native.MAX_SCREENED_ROWS)
 
     @classmethod
-    def of(cls, model: LlamaForCausalLM) -> GreedyHead | None:
+    def of(cls, model: CausalLM) -> GreedyHead | None:
         """The model's greedy head where its head is on the native kernel (unquantized, bias-free), else None."""
         head, kernels = model.lm_head, native.library()
         if kernels is None or type(head) is not NativeLinear or head.bias is not None:

@@ -14,6 +14,7 @@ starting together never see a half-written cache.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import os
 import shutil
@@ -25,7 +26,9 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from engines.builtin.config import default_model_path
-from engines.builtin.model import LlamaForCausalLM, RotaryEmbedding
+from engines.builtin.errors import UnsupportedArchitecture
+from engines.builtin.families import checkpoint_refusal
+from engines.builtin.model import CausalLM, RotaryEmbedding
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +122,9 @@ def converted_gguf(source: ModelSource) -> Path | None:
 def cached_source(source: ModelSource) -> ModelSource:
     """``source`` itself, or for a GGUF its converted cache when it can have one."""
     if source.gguf_file:
+        refusal = checkpoint_refusal(str(Path(source.directory, source.gguf_file)))
+        if refusal:  # before transformers parses all of it, which would fail with its own words
+            raise UnsupportedArchitecture(refusal)
         converted = converted_gguf(source)
         if converted is not None:
             return ModelSource(str(converted))
@@ -143,34 +149,80 @@ def load_checkpoint(source: ModelSource) -> tuple[object, dict[str, torch.Tensor
         return hf_model.config, hf_model.state_dict()
     from transformers import AutoConfig
 
+    refusal = checkpoint_refusal(source.directory)
+    if refusal:  # before its weights are read, and before transformers' AutoConfig, which knows fewer names
+        raise UnsupportedArchitecture(refusal)
     files = sorted(Path(source.directory).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {source.directory}")
     state: dict[str, torch.Tensor] = {}
     for file in tqdm(files, desc="loading safetensors", disable=len(files) < 2):
         state.update(load_file(file))
-    return AutoConfig.from_pretrained(source.directory), state
+    config = AutoConfig.from_pretrained(source.directory)
+    if config.model_type in MULTIMODAL_WRAPPERS:
+        return language_model_of(config, state)
+    return config, state
 
 
-def fuse_state_dict(hf_state: dict[str, torch.Tensor], model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
-    """Maps HF names onto ours, concatenating the parts of each fused projection."""
+# Multimodal checkpoints whose language model the engine serves alone (text in, text out), by the prefixes their
+# language model's weights carry (the Hub's and transformers 5's layouts).
+MULTIMODAL_WRAPPERS = {"gemma3": ("language_model.model.", "model.language_model.")}
+
+
+def language_model_of(config, state: dict[str, torch.Tensor]) -> tuple[object, dict[str, torch.Tensor]]:
+    """The text config and the language model's weights under a plain causal LM's names; the vision tower dropped."""
+    prefixes = MULTIMODAL_WRAPPERS[config.model_type]
+    text_config = config.text_config
+    text_config.tie_word_embeddings = getattr(config, "tie_word_embeddings", text_config.tie_word_embeddings)
+    language = {}
+    for name, tensor in state.items():
+        for prefix in prefixes:
+            if name.startswith(prefix):
+                language["model." + name.removeprefix(prefix)] = tensor
+        if name.endswith("lm_head.weight"):
+            language["lm_head.weight"] = tensor
+    return text_config, language
+
+
+def fuse_state_dict(hf_state: dict[str, torch.Tensor], model: CausalLM) -> dict[str, torch.Tensor]:
+    """Maps HF names onto ours: the parts of each fused projection concatenated (unless the checkpoint stores it
+    fused, as Phi-3's), each expert's projections stacked, Gemma's norm weights w stored as the (1 + w) they scale by."""
     state = {}
     for name in model.state_dict():
-        for fused, parts in model.packed_modules.items():
-            if f".{fused}." in name:
-                state[name] = torch.cat([hf_state[name.replace(fused, part)] for part in parts])
-                break
+        if name in hf_state:
+            state[name] = hf_state[name]
+        elif ".experts." in name:
+            state[name] = stacked_experts(hf_state, name)
         else:
-            if name in hf_state:
-                state[name] = hf_state[name]
+            for fused, parts in model.packed_modules.items():
+                if f".{fused}." in name:
+                    state[name] = torch.cat([hf_state[name.replace(fused, part)] for part in parts])
+                    break
     if "lm_head.weight" not in state:  # tied checkpoints often omit the head
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    offset = model.architecture.norm_offset
+    if offset:
+        for name in state:
+            if name.endswith("norm.weight"):
+                state[name] = state[name].float() + offset
     return state
 
 
-def build_model(config, hf_state: dict[str, torch.Tensor], dtype: str, max_len: int) -> LlamaForCausalLM:
+def stacked_experts(hf_state: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """``...mlp.experts.gate_up_proj`` or ``down_proj`` [experts, out, in] from a checkpoint's per-expert linears."""
+    prefix, projection = name.rsplit(".", 1)
+    parts = ("gate_proj", "up_proj") if projection == "gate_up_proj" else (projection,)
+    stacked = []
+    for expert in itertools.count():
+        if f"{prefix}.{expert}.{parts[0]}.weight" not in hf_state:
+            break
+        stacked.append(torch.cat([hf_state[f"{prefix}.{expert}.{part}.weight"] for part in parts]))
+    return torch.stack(stacked)
+
+
+def build_model(config, hf_state: dict[str, torch.Tensor], dtype: str, max_len: int) -> CausalLM:
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, max_len)
+        model = CausalLM(config, max_len)
     state = fuse_state_dict(hf_state, model)
     model.load_state_dict(state, strict=True, assign=True)
     if getattr(config, "tie_word_embeddings", False):

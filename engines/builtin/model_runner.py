@@ -3,12 +3,13 @@ model over the paged KV cache and samples the sequences that are due a token."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
 from engines.builtin.attention import AttentionMetadata, DecodeMetadata, PrefillMetadata, SharedPrefixMetadata
-from engines.builtin.model import LlamaForCausalLM, head_dim_of
+from engines.builtin.model import CausalLM, head_dim_of
 from engines.builtin.greedy_head import GreedyHead
 from engines.builtin.sampler import SampleResult, Sampler, score_tokens
 from engines.builtin.context import Context
@@ -16,6 +17,8 @@ from engines.builtin.types import TokenScore
 from kernels import native as native_module
 from kernels import cpu_attention, dispatch
 from kernels.native import PreparedDecode
+
+log = logging.getLogger(__name__)
 
 # The Triton and C++ shared-prefix kernels always beat paged decode; the torch CPU path only once the prefix it
 # spares re-reading is long: ahead at 400 shared tokens, behind at 200 (python -m benchmarks.engine_decode --forks;
@@ -64,7 +67,7 @@ def kv_block_bytes(hf_config, block_size: int, dtype: torch.dtype) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, seed: int, device: str = "cpu",
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, seed: int, device: str = "cpu",
                  *, compile: bool = False):
         self.device = torch.device(device)
         self.model = model.to(self.device)
@@ -89,6 +92,10 @@ class ModelRunner:
         self.last_hidden = self.model.last_hidden
         # An all-greedy step's few tokens from the head's int8 screen (the same tokens as its logits' argmax).
         self.greedy_head = GreedyHead.of(self.model) if self.device.type == "cpu" else None
+        if compile and (model.architecture.needs_general_attention(model.model.rotary.max_len) or model.architecture.experts):
+            log.warning("--compile: %s's soft-capped or windowed attention or routed experts are not in the compiled "
+                        "graph yet; running eagerly", model.architecture.model_type)
+            compile = False
         if compile:
             # Imported only here: importing torch._inductor breaks Triton kernels run later through the
             # interpreter in the same process (tests on CPU), and an eager engine never needs it.
@@ -165,7 +172,8 @@ class ModelRunner:
             if ctx.score_top_k is not None and end > start:
                 score_rows += range(row, row + end - start)
                 scored.append((ctx, start, end))
-        meta = AttentionMetadata(slot_mapping=self._tensor(slots, torch.long), num_decodes=len(decodes))
+        meta = AttentionMetadata(slot_mapping=self._tensor(slots, torch.long), num_decodes=len(decodes),
+                                 longest_context=max(ctx.num_computed_tokens + n for ctx, n in batch.entries))
         if self.native_kernels:
             meta.kv_write = self.native_kernels.prepare_kv_write(meta.slot_mapping)
         if decodes and self._worth_sharing(batch.prefix_groups, len(decodes)):

@@ -185,11 +185,15 @@ def untraceable_linears(module: nn.Module) -> list[str]:
 
 def quantize_linears(model: nn.Module, scheme: str, head: str = "lm_head") -> None:
     """Replaces every nn.Linear under ``model`` by its ``scheme`` counterpart (CPU only); the
-    top-level linear named ``head`` gets the scheme's head format."""
+    top-level linear named ``head`` gets the scheme's head format. A mixture of experts' router and shared-expert
+    gate stay as they are: a few rows (torch's int4 packing takes none under 16), and rounding there changes which
+    experts a token goes to rather than by how much."""
+    from engines.builtin.model import MixtureOfExperts
+
     if scheme not in LINEARS:
         raise ValueError(f"unknown quantization {scheme!r}; choose one of {', '.join(SCHEMES)}")
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-               if isinstance(child, nn.Linear)]
+               if isinstance(child, nn.Linear) and not isinstance(parent, MixtureOfExperts)]
     for parent, name, linear in targets:
         kind = HEAD_LINEARS if parent is model and name == head else LINEARS
         setattr(parent, name, kind[scheme](linear))

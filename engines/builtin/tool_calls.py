@@ -1,5 +1,7 @@
 """Tool calls out of the output: the tools grammar's text read back into OpenAI ``tool_calls``,
-incrementally, so streaming and non-streaming responses come from the same code."""
+incrementally, so streaming and non-streaming responses come from the same code. The text is in the model
+family's own syntax (tool_prompt.ToolCallSyntax: Hermes' ``<tool_call>`` JSON, as Qwen's, Mistral's
+``[TOOL_CALLS]`` list, Llama 3.1's bare JSON with ``parameters``)."""
 
 from __future__ import annotations
 
@@ -8,12 +10,19 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from engines.builtin.tool_prompt import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from engines.builtin.tool_prompt import HERMES, ToolCallSyntax
 from wire.openai import FunctionCall, ToolCall, ToolCallDelta
 
 
-_CALL_HEAD = re.compile(r'\s*' + re.escape(TOOL_CALL_OPEN) + r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
-_CALL_TAIL = re.compile(r"\s*\}\s*" + re.escape(TOOL_CALL_CLOSE))
+def call_head(before: str, syntax: ToolCallSyntax) -> re.Pattern[str]:
+    """A call's start up to its arguments' value: ``before`` (the syntax's start, or its separator), the call's
+    opening, and the JSON's name member; group 1 is the name as JSON string content."""
+    return re.compile(r"\s*" + re.escape(before.strip()) + r"\s*" + re.escape(syntax.open)
+                      + r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"' + re.escape(syntax.arguments_key) + r'"\s*:\s*')
+
+
+def call_tail(syntax: ToolCallSyntax) -> re.Pattern[str]:
+    return re.compile(r"\s*\}\s*" + re.escape(syntax.close))
 
 
 def new_call_id() -> str:
@@ -60,6 +69,7 @@ class ToolCallReader:
     """Reads a tools-grammar output as it streams: either plain content, or tool calls as OpenAI
     deltas (first id, type and name with empty arguments, then argument fragments)."""
 
+    syntax: ToolCallSyntax = HERMES
     calls: list[ToolCall] = field(default_factory=list)
     _buffer: str = ""
     _mode: str | None = None  # None until the first character: "content" or "calls"
@@ -69,8 +79,9 @@ class ToolCallReader:
         """Adds output text; returns the content and the tool-call deltas it releases."""
         self._buffer += text
         start = self._buffer.lstrip()
-        if self._mode is None and start and not TOOL_CALL_OPEN.startswith(start):  # else: too early to tell
-            self._mode = "calls" if start.startswith(TOOL_CALL_OPEN) else "content"
+        marker = self.syntax.marker
+        if self._mode is None and start and not marker.startswith(start):  # else: too early to tell
+            self._mode = "calls" if start.startswith(marker) else "content"
         if self._mode == "content":
             content, self._buffer = self._buffer, ""
             return content, []
@@ -84,14 +95,14 @@ class ToolCallReader:
         max_tokens) is dropped: the model's call syntax is never a client's content."""
         leftover, self._buffer = self._buffer, ""
         stripped = leftover.strip()
-        if not stripped or self._arguments is not None or self._mode == "calls" or TOOL_CALL_OPEN.startswith(stripped):
+        if not stripped or self._arguments is not None or self._mode == "calls" or self.syntax.marker.startswith(stripped):
             return ""
         return leftover
 
     def _step(self, deltas: list[ToolCallDelta]) -> bool:
         """Consumes what it can of the buffer; returns whether to try again."""
         if self._arguments is None:
-            head = _CALL_HEAD.match(self._buffer)
+            head = call_head(self.syntax.separator if self.calls else self.syntax.start, self.syntax).match(self._buffer)
             if head is None:
                 return False
             self._buffer = self._buffer[head.end() :]
@@ -110,7 +121,7 @@ class ToolCallReader:
                 self.calls[-1].function.arguments += fragment
                 deltas.append(ToolCallDelta(len(self.calls) - 1, function={"arguments": fragment}))
             return self._arguments.done
-        tail = _CALL_TAIL.match(self._buffer)
+        tail = call_tail(self.syntax).match(self._buffer)
         if tail is None:
             return False
         self._buffer = self._buffer[tail.end() :]
@@ -118,9 +129,9 @@ class ToolCallReader:
         return True
 
 
-def read_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+def read_tool_calls(text: str, syntax: ToolCallSyntax = HERMES) -> tuple[str | None, list[ToolCall]]:
     """A whole tools-grammar output as (content, tool calls)."""
-    reader = ToolCallReader()
+    reader = ToolCallReader(syntax)
     content, _ = reader.feed(text)
     content += reader.finish()
     return (content if content or not reader.calls else None), reader.calls

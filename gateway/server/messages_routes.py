@@ -11,10 +11,9 @@ from litestar import Request, Response, post
 from litestar.datastructures import State
 
 from gateway.auth import owner
-from http_plumbing.disconnect import CancelledOnDisconnect
 from gateway.errors import EXCEPTION_HANDLERS
 from gateway.messages.service import MessagesService
-from gateway.streaming import EventStream, after_first
+from gateway.streaming import streamed_or_whole
 from wire.anthropic import AnthropicErrorDetail, AnthropicError, TokenCount
 
 JSON = "application/json"
@@ -45,14 +44,8 @@ ANTHROPIC_ERRORS: dict[Any, Any] = {kind: anthropic_error for kind in EXCEPTION_
 async def create_message(request: Request, state: State) -> Response:
     service: MessagesService = state.messages
     prepared = service.prepare(await request.body(), owner(request))
-    if prepared.request.stream:
-        events = service.stream(prepared).__aiter__()
-        first = await anext(events)  # the engine's stream has started: failures before it are this status
-        return EventStream(after_first(first, events), media_type="text/event-stream", headers={"cache-control": "no-cache"})
-    answer = None
-    async with CancelledOnDisconnect(request.receive):  # a client that leaves cancels the engine's work
-        answer = await service.create(prepared)
-    return Response(msgspec.json.encode(answer) if answer is not None else b"", media_type=JSON)
+    return await streamed_or_whole(request.receive, service.stream(prepared) if prepared.request.stream else None,
+                                   lambda: service.create(prepared))
 
 
 @post("/v1/messages/count_tokens", status_code=200, exception_handlers=ANTHROPIC_ERRORS)

@@ -6,16 +6,14 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-import msgspec
 from litestar import Request, Response, delete, get, post
 from litestar.datastructures import State
 from litestar.params import FromPath, FromQuery, QueryParameter
 
 from gateway.auth import owner
-from http_plumbing.disconnect import CancelledOnDisconnect
 from gateway.domain_errors import Invalid
 from gateway.responses.service import ResponsesService
-from gateway.streaming import EventStream, after_first
+from gateway.streaming import streamed_or_whole
 from wire.responses import DeletedResponse, InputItemList
 from wire.responses import Response as ResponseBody
 
@@ -30,14 +28,8 @@ async def create_response(request: Request, state: State) -> Response:
         if prepared.request.stream:
             raise Invalid("a background response is not streamed here: poll GET /v1/responses/{id}", param="stream")
         return Response(await service.start_background(prepared), media_type=JSON)
-    if prepared.request.stream:
-        events = service.stream(prepared).__aiter__()
-        first = await anext(events)  # the engine's stream has started: failures before it are this status
-        return EventStream(after_first(first, events), media_type="text/event-stream", headers={"cache-control": "no-cache"})
-    answer = None
-    async with CancelledOnDisconnect(request.receive):  # a client that leaves cancels the engine's work
-        answer = await service.create(prepared)
-    return Response(msgspec.json.encode(answer) if answer is not None else b"", media_type=JSON)
+    return await streamed_or_whole(request.receive, service.stream(prepared) if prepared.request.stream else None,
+                                   lambda: service.create(prepared))
 
 
 @get("/v1/responses/{response_id:str}")

@@ -45,16 +45,17 @@ async def get_model(model_id: FromPath[str], state: State) -> ModelCard:
 # ---------------------------------------------------------------- operations
 
 
-class HealthReport(msgspec.Struct):
+class HealthReport(msgspec.Struct, omit_defaults=True):
     status: str  # "ok": every model served has a healthy engine; else "degraded"
     engines: int
     healthy_engines: int
     models_without_engine: list[str]  # served (or being started) with no healthy engine now
     engine_restarts: int  # exits of the engine processes the gateway started (each restarted)
-    state_store: str = "memory"  # where sessions, variables and quota counters live: memory, sqlite or redis
-    state_store_ok: bool = True  # it answered a ping just now (else the gateway answers 503s that need it)
-    state_store_ms: float | None = None  # that ping's round trip
-    state_writes_pending: int = 0  # changes not yet written to it (kept, and written once it is back)
+    state_store: str  # where sessions, variables and quota counters live: memory, sqlite or redis
+    state_store_ok: bool  # it answered a ping just now (else the gateway answers 503s that need it)
+    state_writes_pending: int  # changes not yet written to it (kept, and written once it is back)
+    engine_errors: list[str] = []  # why an engine it started refused to serve (not restarted), e.g. its model's architecture
+    state_store_ms: float | None = None  # that ping's round trip (none when it failed)
 
 
 async def _readiness(state: State) -> HealthReport:
@@ -72,6 +73,7 @@ async def _readiness(state: State) -> HealthReport:
     return HealthReport(status="ok" if models and not without and ok else "degraded", engines=len(registry.records()),
                         healthy_engines=len(set().union(*healthy_by_model.values())),
                         models_without_engine=without, engine_restarts=supervisor.exits if supervisor else 0,
+                        engine_errors=supervisor.refusals if supervisor else [],
                         state_store=store.kind, state_store_ok=ok, state_store_ms=took,
                         state_writes_pending=mirror.writer.pending if mirror is not None else 0)
 

@@ -12,14 +12,14 @@ from benchmarks import machine_limits
 from benchmarks.machine_limits import STORED_BITS, MachineLimits, ModelCost, best_of, compute_dtype, measure
 from engines.builtin.cpu_linear import cpu_has_fast_bf16
 from engines.builtin.core import on_a_passing_thread
-from engines.builtin.model import LlamaForCausalLM
+from engines.builtin.model import CausalLM
 from tests.support.models import tiny_llama_config
 
 
 def test_the_cost_counts_every_weight_the_model_reads():
     config = tiny_llama_config()
     with torch.device("meta"):  # shapes alone
-        model = LlamaForCausalLM(config, max_len=64)
+        model = CausalLM(config, max_len=64)
     decoder = sum(module.weight.numel() for module in model.model.layers.modules() if isinstance(module, nn.Linear))
     cost = ModelCost.of(config)
     assert cost.decoder_weights == decoder

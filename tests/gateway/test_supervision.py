@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -154,3 +155,36 @@ def test_a_killed_engine_is_reaped_taken_out_and_restarted(parrot_serve, wait_un
     gateway.process.send_signal(signal.SIGTERM)
     gateway.process.wait(timeout=30)
     wait_until(lambda: gone(new_pid), timeout_s=15)
+
+
+@pytest.mark.timeout(240)
+def test_an_engine_refusing_its_model_is_not_restarted_and_health_says_why(tmp_path, wait_until):
+    """A checkpoint of an architecture the engine does not run: the engine process exits at once naming it, the
+    gateway does not start it again (no crash loop) and /health reports the refusal."""
+    model_dir = tmp_path / "tiny-gpt2"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text('{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}')
+    gateway = ParrotServe(model_dir)
+    try:
+        wait_until(lambda: gateway.status("/health/live") == 200, timeout_s=60)
+        # The engine's imports alone take a while on a busy 2-core host.
+        wait_until(lambda: gateway.http.get("/health").json().get("engine_errors"), timeout_s=150)
+        report = gateway.http.get("/health").json()
+        assert report["status"] == "degraded" and report["models_without_engine"] == [gateway.model]
+        assert "GPT2LMHeadModel" in report["engine_errors"][0] and "qwen3" in report["engine_errors"][0]
+        restarts = report["engine_restarts"]
+        assert restarts == 1
+        time.sleep(2.5)  # past the first restart backoff (1 s): still not started again
+        assert gateway.http.get("/health").json()["engine_restarts"] == restarts
+    finally:
+        gateway.close()
+
+
+def test_the_engine_process_refuses_an_unsupported_architecture_at_once(tmp_path):
+    from engines.builtin.families import EXIT_UNSUPPORTED_MODEL
+
+    (tmp_path / "config.json").write_text('{"model_type": "mamba", "architectures": ["MambaForCausalLM"]}')
+    done = subprocess.run([sys.executable, "-m", "engines.builtin.server.cli", "--model", str(tmp_path), "--port", "0"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == EXIT_UNSUPPORTED_MODEL
+    assert "cannot run MambaForCausalLM (model_type 'mamba')" in done.stderr

@@ -29,6 +29,7 @@ from http_plumbing.disconnect import CancelledOnDisconnect
 from http_plumbing.http_errors import OPENAI_EXCEPTION_HANDLERS, engine_error_body, error_payload
 from http_plumbing.request_context import RequestContext
 from engines.builtin.config import DEFAULT_SERVED_MODEL_NAME, EngineConfig, served_model_name
+from engines.builtin.errors import UnsupportedArchitecture
 from engines.builtin.serving import (
     BuiltinEngine,
     EngineBadRequest,
@@ -242,7 +243,12 @@ def create_app(
             from engines.builtin.core import EngineCore
 
             log(f"loading {config.model or 'the default model (' + DEFAULT_SERVED_MODEL_NAME + ')'} ...")
-            core = await asyncio.to_thread(EngineCore, config)
+            try:
+                core = await asyncio.to_thread(EngineCore, config)
+            except UnsupportedArchitecture as exc:
+                log(f"cannot serve this model: {exc}")
+                app.state.refusal = str(exc)  # the command line exits with families.EXIT_UNSUPPORTED_MODEL
+                raise
             core.start()
         app.state.engine = BuiltinEngine(core, model_name=model_name or served_model_name(config))
         log(f"ready in {time.perf_counter() - started:.1f}s")

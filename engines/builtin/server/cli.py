@@ -12,11 +12,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from typing import Any
 
 import msgspec
 
 from engines.builtin.config import EngineConfig
+from engines.builtin.families import EXIT_UNSUPPORTED_MODEL, checkpoint_refusal
 
 ENV_PREFIX = "PARROT_ENGINE_"
 SECRET_ENV = "PARROT_ENGINE_SECRET"
@@ -92,6 +94,10 @@ def main(argv: list[str] | None = None) -> None:
 
     args = build_parser().parse_args(argv)
     config = engine_config(args)
+    refusal = checkpoint_refusal(config.model)
+    if refusal:  # before anything loads; a GGUF's architecture is known only once parsed: the app refuses it then
+        print(f"parrot engine: {refusal}", file=sys.stderr)
+        raise SystemExit(EXIT_UNSUPPORTED_MODEL)
     if config.compute_cores:  # before the server starts its threads: they inherit this thread's cores
         keep_off(config.compute_cores)
     configure_logging(args.log_level, args.log_format)  # the loader reports progress via logging too
@@ -109,8 +115,13 @@ def main(argv: list[str] | None = None) -> None:
     app = create_app(config, model_name=args.served_model_name, registration=registration,
                      secret=args.gateway_secret or os.environ.get(SECRET_ENV) or None,
                      log=logging.getLogger("parrot.engine").info, access_log=args.access_log)
-    uvicorn.run(app, host=args.host, port=int(args.port), log_level=args.log_level, log_config=None,
-                access_log=False, loop="uvloop", http=HttpProtocol)
+    try:
+        uvicorn.run(app, host=args.host, port=int(args.port), log_level=args.log_level, log_config=None,
+                    access_log=False, loop="uvloop", http=HttpProtocol)
+    except SystemExit:
+        if getattr(app.state, "refusal", None):  # the model's architecture: the supervisor does not retry that
+            raise SystemExit(EXIT_UNSUPPORTED_MODEL) from None
+        raise
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import msgspec
 
 from engines.builtin.tool_calls import ToolCallReader, read_tool_calls
 from engines.builtin.grammar import output_grammar
-from engines.builtin.tool_prompt import tool_messages
+from engines.builtin.tool_prompt import ToolCallSyntax, tool_call_syntax, tool_messages
 from engines.builtin.tokenizer import chat_prompt_text, chat_prompt_tokens
 from wire.errors import InvalidRequest
 from wire.openai import (
@@ -42,7 +42,7 @@ class ChatCompletions(ModelServing):
         for i, r in enumerate(results):
             message, finish_reason = ResponseMessage(content=r.text), r.finish_reason
             if job.tool_calls:
-                content, calls = read_tool_calls(r.text)
+                content, calls = read_tool_calls(r.text, self.tool_syntax)
                 message = ResponseMessage(content=content, tool_calls=calls or None)
                 finish_reason = _tool_finish_reason(finish_reason, calls)
             logprobs = self.logprobs.chat(r.events) if request.logprobs else None
@@ -65,7 +65,7 @@ class ChatCompletions(ModelServing):
         for index in job.indices:
             yield chunk([ChatChunkChoice(index, ChatDelta(role="assistant", content=""))])
         count = UsageCount([job])
-        readers = {index: ToolCallReader() for index in job.indices} if job.tool_calls else None
+        readers = {index: ToolCallReader(self.tool_syntax) for index in job.indices} if job.tool_calls else None
         async for index, piece in self.run_all([job]):
             count.add(index, piece.token_ids, piece.events)
             logprobs = self.logprobs.chat(piece.events) if request.logprobs else None
@@ -77,6 +77,11 @@ class ChatCompletions(ModelServing):
             yield chunk([ChatChunkChoice(index, delta, finish_reason, logprobs, piece.stop_reason)])
         if request.stream_options is not None and request.stream_options.include_usage:
             yield chunk([], count.usage())
+
+    @property
+    def tool_syntax(self) -> ToolCallSyntax:
+        """The model family's own tool-call syntax where its chat template teaches one, else Hermes'."""
+        return tool_call_syntax(getattr(self.tokenizer, "chat_template", None))
 
     def _with_tools(self, messages: list[ChatMessage], tools: list[Tool] | None) -> list[ChatMessage]:
         return tool_messages(messages, tools, getattr(self.tokenizer, "chat_template", None))
@@ -90,7 +95,8 @@ class ChatCompletions(ModelServing):
         validate_request(request)
         _check_text_only(request.messages, self.model_name)
         try:
-            output = output_grammar(request.response_format, request.tools, request.tool_choice, request.parallel_tool_calls)
+            output = output_grammar(request.response_format, request.tools, request.tool_choice, request.parallel_tool_calls,
+                                    self.tool_syntax)
         except InvalidRequest as exc:
             raise EngineBadRequest(str(exc), exc.param) from exc
         # Offered even with tool_choice "none" (the grammar keeps calls out), as OpenAI and vLLM do.

@@ -20,9 +20,9 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 PROMPT_LENGTHS = (1, 9, 16, 37, 70)
 
 
-def random_prompts(lengths, seed=1) -> list[list[int]]:
+def random_prompts(lengths, seed=1, vocab_size=49152) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 49152, (n,), generator=generator).tolist() for n in lengths]
+    return [torch.randint(3, vocab_size, (n,), generator=generator).tolist() for n in lengths]
 
 
 NEAR_TIE = 1e-3

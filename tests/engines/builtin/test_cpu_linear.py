@@ -88,3 +88,17 @@ def test_an_mlp_becomes_one_gated_call_and_one_linear(dtype):
     assert isinstance(holder.mlp, NativeMLP)
     assert {name for name, _ in holder.mlp.gate_up_proj.named_buffers()} == {"packed"}
     torch.testing.assert_close(holder.mlp(x), expected, rtol=2.0**-6 if dtype == torch.bfloat16 else 1e-5, atol=1e-3)
+
+
+def test_a_gelu_mlp_is_not_given_the_silu_gated_kernel():
+    """The gated kernel applies SiLU: Gemma's GELU-tanh MLP must not become a NativeMLP."""
+    config = SimpleNamespace(hidden_size=96, intermediate_size=128)
+    holder = nn.Module()
+    holder.mlp = MLP(config, "gelu_pytorch_tanh")
+    x = torch.randn(7, 96)
+    expected = holder.mlp(x)
+
+    prepare_cpu_linears(holder)
+
+    assert type(holder.mlp) is MLP
+    torch.testing.assert_close(holder.mlp(x), expected, rtol=1e-5, atol=1e-4)
