@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install serve test test-fast bench clean chromium
+.PHONY: install serve test test-fast bench clean chromium redis
 
 # pytest-xdist: TEST_WORKERS processes, each a test module at a time (--dist loadfile keeps a module's tests, and
 # the servers and engines its module-scoped fixtures start, on one worker). Many tests wait on engine processes
@@ -32,7 +32,7 @@ install: $(STAMP)
 serve: install
 	$(VENV)/bin/parrot serve $(ARGS)
 
-test: install chromium
+test: install chromium redis
 	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 test-fast: install
@@ -44,6 +44,13 @@ chromium:
 	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		$$SUDO apt-get update -q && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; }
+
+# The state store tests (tests/gateway/test_state.py, test_replicas.py) start a real redis-server (or valkey-server)
+# on a free loopback port: Debian's redis-server installed here when neither is there, as chromium is.
+redis:
+	@command -v redis-server >/dev/null 2>&1 || command -v valkey-server >/dev/null 2>&1 || { \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -q && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server; }
 
 bench: install
 	$(PY) -m benchmarks.gateway_overhead

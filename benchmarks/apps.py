@@ -108,7 +108,9 @@ class LaunchedGateway:
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log = log_path.open("wb")
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+        # PARROT_STATE: its sessions in memory, as before the gateway had a store (and a checkout from then ignores it)
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+               "PARROT_STATE": "memory://", **(env or {})}
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=cwd,
                                         start_new_session=True)  # its engine child shares the group
         try:

@@ -8,6 +8,10 @@ rps ratio. Medians over rounds are reported because this machine is shared and n
     python -m benchmarks.gateway_overhead                       # defaults: concurrency 8, 9 rounds of 500
     python -m benchmarks.gateway_overhead --compare-url http://127.0.0.1:4000/v1 --compare-model fake
       (e.g. a LiteLLM proxy started against the fake upstream this script prints)
+    python -m benchmarks.gateway_overhead --states memory,sqlite,redis --quota-rpm 100000000 --semantic
+      (one gateway per state store, in the same run: redis starts a redis-server on a free port unless
+      --redis-url names one; --quota-rpm puts every request through the key's rate bucket, --semantic
+      makes each request a semantic one: its variable and output written to the store)
 """
 
 from __future__ import annotations
@@ -16,10 +20,12 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -46,14 +52,20 @@ def wait_ready(url: str, timeout_s: float = 30.0) -> None:
     raise RuntimeError(f"{url} did not come up")
 
 
-def start(args: list[str]) -> subprocess.Popen[bytes]:
+def start(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+
+SEMANTIC = False  # --semantic: each request binds a value to a variable (the gateway's default session)
 
 
 def request_body(model: str, stream: bool) -> dict:
     body = {"model": model, "max_tokens": 16, "fake": {"words": 16},
             "messages": [{"role": "user", "content": "Say sixteen words about parrots."}]}
+    if SEMANTIC:
+        body["messages"] = [{"role": "user", "content": "Say sixteen words about {{topic}}."}]
+        body["parrot"] = {"vars": {"topic": {"value": "parrots"}}}
     if stream:
         body |= {"stream": True, "stream_options": {"include_usage": True}}
     return body
@@ -110,7 +122,7 @@ async def run(targets: dict[str, tuple[str, str]], args: argparse.Namespace) -> 
 def summarize(rounds: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
     """Medians over rounds; the added p50 and the rps ratio are medians of each round's difference to the
     direct round just before it, so that load drifting over the run (this machine is shared) cancels."""
-    direct = rounds["direct"]
+    direct = rounds.get("direct") or next(iter(rounds.values()))
     return {name: {**{k: statistics.median(r[k] for r in rs) for k in ("p50", "p99", "rps")},
                    "added_p50": statistics.median(r["p50"] - d["p50"] for r, d in zip(rs, direct)),
                    "rps_ratio": statistics.median(r["rps"] / d["rps"] for r, d in zip(rs, direct))}
@@ -120,9 +132,9 @@ def summarize(rounds: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
 def report(results: dict) -> None:
     for mode, by_target in results.items():
         print(f"\n{mode} (medians over rounds; added p50 and rps ratio paired with each round's direct run)")
-        print(f"{'target':<10} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8} {'added p50 ms':>13} {'rps vs direct':>14}")
+        print(f"{'target':<14} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8} {'added p50 ms':>13} {'rps vs direct':>14}")
         for name, r in by_target.items():
-            print(f"{name:<10} {r['p50'] * 1000:8.2f} {r['p99'] * 1000:8.2f} {r['rps']:8.0f} "
+            print(f"{name:<14} {r['p50'] * 1000:8.2f} {r['p99'] * 1000:8.2f} {r['rps']:8.0f} "
                   f"{r['added_p50'] * 1000:13.2f} {r['rps_ratio']:13.2f}x")
 
 
@@ -134,19 +146,54 @@ def main() -> None:
     parser.add_argument("--upstream-port", type=int, default=0, help="fixed port for the fake upstream")
     parser.add_argument("--compare-url", help="another gateway's base URL (ending in /v1) to measure the same way")
     parser.add_argument("--compare-model", default="fake", help="model name to ask the compared gateway for")
+    parser.add_argument("--states", help="comma-separated state stores, one gateway each: memory, sqlite, redis "
+                                         "(default: one gateway, in memory)")
+    parser.add_argument("--redis-url", help="the Redis for --states redis (default: a redis-server started here)")
+    parser.add_argument("--quota-rpm", type=int, help="a requests-per-minute quota on every key: admission counted "
+                                                     "in each gateway's store")
+    parser.add_argument("--semantic", action="store_true",
+                        help="semantic requests (a value bound to a placeholder): sessions and variables in the store")
     parser.add_argument("--out", default="benchmarks/results/gateway_overhead.json")
     args = parser.parse_args()
+    global SEMANTIC
+    SEMANTIC = args.semantic
 
-    upstream_port, gateway_port = args.upstream_port or free_port(), free_port()
+    upstream_port = args.upstream_port or free_port()
     upstream_url = f"http://127.0.0.1:{upstream_port}/v1"
-    procs = [start(["benchmarks.fake_upstream", "--port", str(upstream_port)]),
-             start(["gateway.server.cli", "serve", "--no-builtin", "--port", str(gateway_port),
-                    "--log-level", "warning", "--upstream", f"fake={upstream_url}"])]
+    procs = [start(["benchmarks.fake_upstream", "--port", str(upstream_port)])]
+    scratch = Path(tempfile.mkdtemp(prefix="parrot-overhead-"))
+    gateways: dict[str, int] = {}
+    env = {"PARROT_QUOTA_REQUESTS_PER_MINUTE": str(args.quota_rpm)} if args.quota_rpm else {}
+    for state in (args.states.split(",") if args.states else [None]):
+        where = ["--state", "memory://"]  # as the gateway kept everything before it had a store
+        if state == "memory":
+            where = ["--state", "memory://"]
+        elif state == "sqlite":
+            where = ["--state", str(scratch / "state.sqlite3")]
+        elif state == "redis":
+            url = args.redis_url
+            if url is None:
+                redis_port = free_port()
+                procs.append(subprocess.Popen(
+                    [shutil.which("redis-server") or shutil.which("valkey-server") or "redis-server", "--port",
+                     str(redis_port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(scratch)],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                url = f"redis://127.0.0.1:{redis_port}/0"
+            where = ["--state", url]
+        elif state is not None:
+            raise SystemExit(f"unknown state store {state!r}: memory, sqlite or redis")
+        port = free_port()
+        procs.append(start(["gateway.server.cli", "serve", "--no-builtin", "--port", str(port), "--log-level",
+                            "warning", "--upstream", f"fake={upstream_url}", *where], env))
+        gateways["parrot" if state is None else f"parrot-{state}"] = port
     try:
         wait_ready(f"{upstream_url}/models")
-        wait_ready(f"http://127.0.0.1:{gateway_port}/health")
-        print(f"fake upstream: {upstream_url}   parrot: http://127.0.0.1:{gateway_port}/v1")
-        targets = {"direct": (upstream_url, "fake"), "parrot": (f"http://127.0.0.1:{gateway_port}/v1", "fake")}
+        for port in gateways.values():
+            wait_ready(f"http://127.0.0.1:{port}/health")
+        print(f"fake upstream: {upstream_url}   " + "   ".join(f"{name}: http://127.0.0.1:{port}/v1"
+                                                          for name, port in gateways.items()))
+        targets = {"direct": (upstream_url, "fake"),
+                   **{name: (f"http://127.0.0.1:{port}/v1", "fake") for name, port in gateways.items()}}
         if args.compare_url:
             targets["compare"] = (args.compare_url.rstrip("/"), args.compare_model)
         results = asyncio.run(run(targets, args))
@@ -157,8 +204,17 @@ def main() -> None:
     report(results)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+    host = {"cpu": _cpu_model(), "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
+    out.write_text(json.dumps({"args": vars(args), "host": host, "results": results}, indent=2))
     print(f"\nsaved {out}")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "unknown"
 
 
 if __name__ == "__main__":

@@ -100,7 +100,8 @@ def start_front(policy: str, fleet: Fleet, args: argparse.Namespace) -> tuple[su
         upstreams = [arg for url in fleet.urls for arg in ("--upstream", f"{MODEL}={url}/v1")]
         process = start([sys.executable, "-m", "gateway.server.cli", "serve", "--port", str(port), "--no-builtin",
                          "--log-level", "warning", *upstreams],
-                        env={"PARROT_SCHEDULER_POLICY": policy, "PARROT_HEALTH_CHECK_INTERVAL_S": "0.5"})
+                        env={"PARROT_SCHEDULER_POLICY": policy, "PARROT_HEALTH_CHECK_INTERVAL_S": "0.5",
+                             "PARROT_STATE": "memory://"})
         ready = f"http://127.0.0.1:{port}/health/ready"
     elif policy == "vllm-router":
         process = start([args.vllm_router, "--worker-urls", *fleet.urls, "--policy", "cache_aware",

@@ -148,6 +148,27 @@ class DashboardConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     benchmarks_dir: str | None = None
 
 
+class StateConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Where the gateway keeps sessions, variables and quota counters (gateway/state/)."""
+
+    # redis://[:password@]host:port/db (also rediss://, valkey://, unix://): every gateway replica pointed at
+    # the same server shares its state. memory://: this process only, nothing kept (tests, benchmarks).
+    # None: the embedded SQLite file at ``path``.
+    url: str | None = None
+    # The SQLite file when no url is set; None: state.sqlite3 in the data directory ($PARROT_DATA_DIR, else
+    # $XDG_DATA_HOME/parrot, else ~/.local/share/parrot).
+    path: str | None = None
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 2.0  # a store operation slower than this fails (503)
+    # Concurrency seats a replica that died still held are forgotten this long after their key's last change.
+    seat_ttl_s: Annotated[float, msgspec.Meta(gt=0)] = 900.0
+
+    def __post_init__(self) -> None:
+        if self.url is not None and self.url.split("://", 1)[0] not in (
+                "memory", "redis", "rediss", "valkey", "valkeys", "unix"):
+            raise ValueError(f"state.url must be redis://, rediss://, valkey://, unix:// or memory://, got "
+                             f"{self.url.split('://', 1)[0]}://")
+
+
 class QuotaLimits(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """What one API key may use; None: unlimited. Rates are unlimited by default; what stays in the
     gateway's memory (sessions, variables) is bounded: per key at most sessions × bytes_per_session."""
@@ -266,6 +287,7 @@ class GatewayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     routing: RoutingConfig = msgspec.field(default_factory=RoutingConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
+    state: StateConfig = msgspec.field(default_factory=StateConfig)
     dashboard: DashboardConfig = msgspec.field(default_factory=DashboardConfig)
     responses: ResponsesConfig = msgspec.field(default_factory=ResponsesConfig)
     upstreams: list[UpstreamConfig] = []
@@ -303,6 +325,8 @@ ENV_OVERRIDES: dict[str, tuple[str, str]] = {
     "PARROT_HEARTBEAT_TIMEOUT_S": ("engines", "heartbeat_timeout_s"),
     "PARROT_SCHEDULER_POLICY": ("scheduler", "policy"),
     "PARROT_TRACING": ("tracing", "enabled"),
+    "PARROT_STATE": ("state", "url"),  # the store's URL; a path (no "://"): the SQLite file
+    "PARROT_STATE_PATH": ("state", "path"),
     "PARROT_TRACING_EXPORTER": ("tracing", "exporter"),
 }
 
@@ -312,6 +336,7 @@ ENV_OVERRIDES: dict[str, tuple[str, str]] = {
 # client keys; [[upstreams]] hold only the names of the variables that hold theirs (api_key_env).
 SECRET_SETTINGS: frozenset[tuple[str, str]] = frozenset({
     ("auth", "api_keys"), ("auth", "admin_keys"), ("engines", "registration_secret"), ("quotas", "keys"),
+    ("state", "url"),  # may hold the store's password
 })
 
 
@@ -354,4 +379,14 @@ def load_config(
         for key, value in values.items():
             if value is not None:
                 _set(raw, section, key, value)
+    _state_location(raw)
     return msgspec.convert(raw, GatewayConfig, strict=False)
+
+
+def _state_location(raw: dict[str, Any]) -> None:
+    """``--state`` / PARROT_STATE name the store by URL, or the SQLite file by its path."""
+    state = raw.get("state") or {}
+    url = state.get("url")
+    if isinstance(url, str) and "://" not in url:
+        state["path"] = url
+        del state["url"]

@@ -29,6 +29,7 @@ from gateway.domain_errors import (
     TooLarge,
     model_not_found,
 )
+from gateway.state.store import StoreUnavailable
 from wire.openai import ErrorBody
 from wire.errors import InvalidRequest
 
@@ -76,6 +77,12 @@ def handle_domain_error(_: Request, exc: DomainError) -> Response:
     return error_response(domain_status(exc), domain_error_body(exc), headers or None)
 
 
+def handle_store_unavailable(_: Request, exc: StoreUnavailable) -> Response:
+    """The state store is away: a 503 the client may retry (nothing it asked for was acknowledged)."""
+    return error_response(503, ErrorBody(message=exc.message, type="api_error", code=exc.code),
+                          {"retry-after": str(exc.retry_after_s)})
+
+
 def handle_invalid_request(_: Request, exc: InvalidRequest) -> Response:
     return error_response(400, ErrorBody(message=str(exc), type="invalid_request_error", param=exc.param))
 
@@ -115,5 +122,6 @@ EXCEPTION_HANDLERS = {
     APIError: handle_api_error,
     DomainError: handle_domain_error,
     InvalidRequest: handle_invalid_request,
+    StoreUnavailable: handle_store_unavailable,
     msgspec.ValidationError: handle_validation,
 }

@@ -98,6 +98,8 @@ class GatewayMetrics:
                                                registry=r)
         self.engines_healthy = Gauge("parrot:engines_healthy", "Healthy engines per model.", ["model_name"],
                                      registry=r)
+        self.state_write_latency = Histogram("parrot:state_write_seconds", "Time one batch of writes took to reach "
+                                             "the state store (one round trip).", buckets=_LATENCY_BUCKETS, registry=r)
 
         self._models: dict[str, ModelMetrics] = {}
 
@@ -117,6 +119,10 @@ class GatewayMetrics:
         and what keys hold between requests (``holdings()``)."""
         self.registry.register(_EngineReports(engines))
         self.registry.register(_SemanticState(sessions, holdings))
+
+    def mirror_store(self, errors: Callable[[], int], pending: Callable[[], int]) -> None:
+        """Reads, at each scrape, the state store's failed operations and the writes waiting for it."""
+        self.registry.register(_StateStore(errors, pending))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -194,6 +200,17 @@ class _EngineReports:
                 (CounterMetricFamily, "parrot:num_preemptions", "Requests the engine preempted.",
                  lambda s: s.num_preemptions)):
             yield _family(kind, name, documentation, {labels: read(stats) for labels, stats in latest.items()})
+
+
+class _StateStore:
+    def __init__(self, errors: Callable[[], int], pending: Callable[[], int]):
+        self._errors, self._pending = errors, pending
+
+    def collect(self):
+        yield CounterMetricFamily("parrot:state_errors", "State store operations that failed (unreachable, timed "
+                                  "out): each a 503, or a batch of writes retried.", value=self._errors())
+        yield GaugeMetricFamily("parrot:state_writes_pending", "Changes not yet written to the state store.",
+                                value=self._pending())
 
 
 class _SemanticState:

@@ -1,7 +1,7 @@
 """Per-key rate and concurrency quotas: who may start a request now, and what it used.
 
 Identities are owners (``gateway/auth.py``'s ``owner_of``: a hash of the presented API key). Rates are
-token buckets (O(1) per request, no timestamps kept): a key holds up to a minute's allowance and
+token buckets in the state store (gateway/state/: O(1) per request, no timestamps kept): a key holds up to a minute's allowance and
 regains it continuously, so a burst of a whole minute's requests is admitted and then one more each
 60 / limit seconds. Tokens are charged after the fact (a request's size is known only when it
 ends), so a key's token bucket may go into debt; it is admitted again once the debt is repaid.
@@ -11,43 +11,22 @@ proxied OpenAI path is the gateway's hot path.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import math
 import time
 from contextvars import ContextVar
-from typing import Callable, Iterator
+from typing import AsyncIterator, Callable
 
 from gateway.auth import owner_of
 from gateway.config import QuotaLimits, QuotasConfig
 from gateway.domain_errors import RateLimited
+from gateway.state import MemoryStore, StateStore, StoreUnavailable
+
+log = logging.getLogger("parrot.quotas")
 
 Clock = Callable[[], float]
-
-
-class TokenBucket:
-    """Holds up to ``per_minute`` units, refilled at ``per_minute / 60`` a second; may go into debt."""
-
-    __slots__ = ("capacity", "rate", "level", "updated")
-
-    def __init__(self, per_minute: int, now: float):
-        self.capacity = float(per_minute)
-        self.rate = per_minute / 60.0
-        self.level = self.capacity
-        self.updated = now
-
-    def refill(self, now: float) -> float:
-        self.level = min(self.capacity, self.level + (now - self.updated) * self.rate)
-        self.updated = now
-        return self.level
-
-    def seconds_until(self, level: float) -> int:
-        """Whole seconds (as a retry-after header gives them) until the bucket holds ``level``."""
-        if self.rate <= 0:
-            return 60
-        return max(1, math.ceil((level - self.level) / self.rate))
-
-    def full(self, now: float) -> bool:
-        return self.refill(now) >= self.capacity
 
 
 def rate_limited(message: str, kind: str, retry_after_s: int) -> RateLimited:
@@ -55,49 +34,45 @@ def rate_limited(message: str, kind: str, retry_after_s: int) -> RateLimited:
     return RateLimited(message, code="rate_limit_exceeded", error_type=kind, retry_after_s=retry_after_s)
 
 
-class KeyUsage:
-    """One key's rate buckets and its requests in flight."""
-
-    __slots__ = ("limits", "requests", "tokens", "open_requests")
-
-    def __init__(self, limits: QuotaLimits, now: float):
-        self.limits = limits
-        self.requests = TokenBucket(limits.requests_per_minute, now) if limits.requests_per_minute is not None else None
-        self.tokens = TokenBucket(limits.tokens_per_minute, now) if limits.tokens_per_minute is not None else None
-        self.open_requests = 0
-
-    def idle(self, now: float) -> bool:
-        """Nothing in flight and every bucket full: forgetting it changes nothing."""
-        return (self.open_requests == 0 and (self.requests is None or self.requests.full(now))
-                and (self.tokens is None or self.tokens.full(now)))
-
-
 class Admission:
     """An admitted request: holds one of its key's concurrent seats until released, and charges its
     key the tokens it used (the engine's reported usage, else the request's estimate)."""
 
-    __slots__ = ("_usage", "_clock", "_estimate", "tokens", "_released")
+    __slots__ = ("_quotas", "_owner", "_limits", "_estimate", "_seated", "tokens", "_released")
 
-    def __init__(self, usage: KeyUsage, clock: Clock, estimate_tokens: int):
-        self._usage = usage
-        self._clock = clock
+    def __init__(self, quotas: "Quotas", owner: str, limits: QuotaLimits, estimate_tokens: int, seated: bool):
+        self._quotas = quotas
+        self._owner = owner
+        self._limits = limits
         self._estimate = estimate_tokens
+        self._seated = seated
         self.tokens = 0
         self._released = False
 
-    def count(self, tokens: int) -> None:
-        self.tokens += tokens
-        if self._usage.tokens is not None:
-            self._usage.tokens.refill(self._clock())
-            self._usage.tokens.level -= tokens
+    @property
+    def metered(self) -> bool:
+        return self._limits.tokens_per_minute is not None
 
-    def release(self) -> None:
+    def count(self, tokens: int) -> None:
+        """Charges ``tokens`` to the key (in the background: the usage decoder does not wait on the store)."""
+        self.tokens += tokens
+        if self.metered:
+            self._quotas.charge_soon(self._owner, self._limits, tokens)
+
+    def release_soon(self) -> None:
+        """``release`` from code that cannot await (a task's done callback): in the background."""
+        if not self._released:
+            self._quotas.in_background(self.release())
+
+    async def release(self) -> None:
         if self._released:
             return
         self._released = True
-        self._usage.open_requests -= 1
-        if self.tokens == 0 and self._estimate:  # no usage reported (a stream without include_usage, a failure)
-            self.count(self._estimate)
+        if self._seated:
+            await self._quotas.unseat(self._owner)
+        if self.tokens == 0 and self._estimate and self.metered:  # no usage reported (no include_usage, a failure)
+            self.tokens = self._estimate
+            await self._quotas.charge(self._owner, self._limits, self._estimate)
 
 
 # The admission of the request being served, for the usage decoder (gateway/outcomes.py) to charge;
@@ -113,77 +88,126 @@ def count_tokens(tokens: int) -> None:
 
 
 class Quotas:
-    def __init__(self, config: QuotasConfig, clock: Clock = time.monotonic):
-        self._clock = clock
+    """Admission under each key's rate buckets and concurrency seats, counted in the state store: with a shared
+    one (Redis) every replica counts in the same buckets, each admission one atomic script; with one process's
+    store (memory, SQLite) in this process's memory, exact for a single gateway."""
+
+    def __init__(self, config: QuotasConfig, store: StateStore | None = None, *, clock: Clock = time.monotonic,
+                 seat_ttl_s: float = 900.0):
+        if store is None or not store.shared:
+            store = getattr(store, "counters", None) or MemoryStore(clock)
+        self._counters: StateStore = store
+        self._seat_ttl_s = seat_ttl_s
         self._default = config.for_key(None)
         self._by_owner = {owner_of(key): config.for_key(key) for key in config.keys}
-        self._usage: dict[str, KeyUsage] = {}
+        self._charges: set[asyncio.Task[None]] = set()
         # Whether requests need admitting at all: some key has a rate or concurrency quota.
         self.enabled = any(_limits_rates(limits) for limits in (self._default, *self._by_owner.values()))
 
     def limits(self, owner: str) -> QuotaLimits:
         return self._by_owner.get(owner, self._default)
 
-    def admit(self, owner: str, estimate_tokens: int = 0) -> Admission:
-        """Admits a request of ``owner`` now or raises a 429 with a retry-after."""
-        now = self._clock()
-        usage = self._usage.get(owner)
-        if usage is None:
-            usage = self._usage[owner] = KeyUsage(self.limits(owner), now)
-        limits = usage.limits
-        if limits.concurrent_requests is not None and usage.open_requests >= limits.concurrent_requests:
-            raise rate_limited(f"Rate limit reached: {limits.concurrent_requests} concurrent requests for this "
-                               "API key. Try again when one of them has finished.", "requests", 1)
-        if usage.tokens is not None and usage.tokens.refill(now) < 1:
-            raise rate_limited(f"Rate limit reached on tokens per min (TPM): limit {limits.tokens_per_minute}. "
-                               f"Please try again in {usage.tokens.seconds_until(1)}s.", "tokens",
-                               usage.tokens.seconds_until(1))
-        if usage.requests is not None:
-            if usage.requests.refill(now) < 1:
-                wait = usage.requests.seconds_until(1)
-                raise rate_limited(f"Rate limit reached on requests per min (RPM): limit "
-                                   f"{limits.requests_per_minute}. Please try again in {wait}s.", "requests", wait)
-            usage.requests.level -= 1
-        usage.open_requests += 1
-        return Admission(usage, self._clock, estimate_tokens)
+    async def admit(self, owner: str, estimate_tokens: int = 0) -> Admission:
+        """Admits a request of ``owner`` now or raises a 429 with a retry-after (a 503 when the store is away)."""
+        limits = self.limits(owner)
+        counters = self._counters
+        seated = False
+        if limits.concurrent_requests is not None:
+            if not await counters.seat(f"seats:{owner}", limits.concurrent_requests, self._seat_ttl_s):
+                raise rate_limited(f"Rate limit reached: {limits.concurrent_requests} concurrent requests for this "
+                                   "API key. Try again when one of them has finished.", "requests", 1)
+            seated = True
+        try:
+            if limits.tokens_per_minute is not None:
+                per_minute = limits.tokens_per_minute
+                ok, level = await counters.take(f"tpm:{owner}", per_minute, per_minute / 60, 0, 1)
+                if not ok:
+                    wait = _seconds_until(level, 1, per_minute)
+                    raise rate_limited(f"Rate limit reached on tokens per min (TPM): limit {per_minute}. "
+                                       f"Please try again in {wait}s.", "tokens", wait)
+            if limits.requests_per_minute is not None:
+                per_minute = limits.requests_per_minute
+                ok, level = await counters.take(f"rpm:{owner}", per_minute, per_minute / 60, 1, 1)
+                if not ok:
+                    wait = _seconds_until(level, 1, per_minute)
+                    raise rate_limited(f"Rate limit reached on requests per min (RPM): limit {per_minute}. "
+                                       f"Please try again in {wait}s.", "requests", wait)
+        except BaseException:
+            if seated:
+                await self.unseat(owner)
+            raise
+        return Admission(self, owner, limits, estimate_tokens, seated)
 
-    @contextlib.contextmanager
-    def admitted(self, owner: str, estimate_tokens: int = 0) -> Iterator[Admission | None]:
+    async def unseat(self, owner: str) -> None:
+        try:
+            await self._counters.unseat(f"seats:{owner}")
+        except StoreUnavailable:  # the seat is forgotten with its count's TTL
+            log.warning("a concurrency seat could not be given back: the state store is unavailable")
+
+    async def charge(self, owner: str, limits: QuotaLimits, tokens: int) -> None:
+        """Takes ``tokens`` from the key's token bucket, into debt if need be."""
+        per_minute = limits.tokens_per_minute
+        if per_minute is None or not tokens:
+            return
+        try:
+            await self._counters.take(f"tpm:{owner}", per_minute, per_minute / 60, tokens, float("-inf"))
+        except StoreUnavailable:
+            log.warning("%d tokens could not be charged: the state store is unavailable", tokens)
+
+    def in_background(self, work) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._charges.add(task)
+        task.add_done_callback(self._charges.discard)
+
+    def charge_soon(self, owner: str, limits: QuotaLimits, tokens: int) -> None:
+        if isinstance(self._counters, MemoryStore):  # this process's: charged at once
+            per_minute = limits.tokens_per_minute
+            assert per_minute is not None
+            self._counters.take_now(f"tpm:{owner}", per_minute, per_minute / 60, tokens, float("-inf"))
+            return
+        self.in_background(self.charge(owner, limits, tokens))
+
+    @contextlib.asynccontextmanager
+    async def admitted(self, owner: str, estimate_tokens: int = 0) -> AsyncIterator[Admission | None]:
         """The block runs as an admitted request of ``owner`` (a 429 instead when over quota): its
         concurrency seat is held, and usage the gateway decodes meanwhile is charged to the key."""
         if not self.enabled:
             yield None
             return
-        with self.holding(self.admit(owner, estimate_tokens)) as admission:
+        async with self.holding(await self.admit(owner, estimate_tokens)) as admission:
             yield admission
 
-    def admitted_later(self, owner: str, estimate_tokens: int = 0) -> Admission | None:
+    async def admitted_later(self, owner: str, estimate_tokens: int = 0) -> Admission | None:
         """An admission now (a 429 now when over quota) for work that runs later under ``holding``
         (a background response); None when no quota is configured."""
-        return self.admit(owner, estimate_tokens) if self.enabled else None
+        return await self.admit(owner, estimate_tokens) if self.enabled else None
 
-    @contextlib.contextmanager
-    def holding(self, admission: Admission | None) -> Iterator[Admission | None]:
+    @contextlib.asynccontextmanager
+    async def holding(self, admission: Admission | None) -> AsyncIterator[Admission | None]:
         """The block runs as ``admission``'s request: usage decoded meanwhile is charged to its key, and
         its seat is released at the end."""
         if admission is None:
             yield None
             return
-        metered = _current.set(admission if admission._usage.tokens is not None else None)
+        metered = _current.set(admission if admission.metered else None)
         try:
             yield admission
         finally:
             _current.reset(metered)
-            admission.release()
+            await admission.release()
 
     def forget_idle(self) -> int:
-        """Drops the state of keys that are back to a clean slate (many keys may pass through an open
-        gateway); returns how many."""
-        now = self._clock()
-        idle = [owner for owner, usage in self._usage.items() if usage.idle(now)]
-        for owner in idle:
-            del self._usage[owner]
-        return len(idle)
+        """Drops the counters of keys that are back to a clean slate (many keys may pass through an open
+        gateway); returns how many. A shared store's expire by their TTLs."""
+        forget = getattr(self._counters, "forget_full", None)
+        return forget() if forget is not None else 0
+
+
+def _seconds_until(level: float, needed: float, per_minute: int) -> int:
+    """Whole seconds (as a retry-after header gives them) until a bucket at ``level`` holds ``needed``."""
+    if per_minute <= 0:
+        return 60
+    return max(1, math.ceil((needed - level) / (per_minute / 60)))
 
 
 def _limits_rates(limits: QuotaLimits) -> bool:

@@ -24,6 +24,30 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # made a 24-token request take 30 s instead of 1.9 s beside one busy process. Set here, before any test imports
 # torch (libgomp reads it when loaded); engine processes the tests start inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Gateways the tests start keep their state in memory unless a test names a store: the many gateways of one test
+# process must not share the default SQLite file (gateway processes through PARROT_STATE, in-process ones here).
+# PARROT_TEST_STATE runs the in-process ones on another store: "sqlite" (a file per test process) or a redis:// URL.
+os.environ.setdefault("PARROT_STATE", "memory://")
+import gateway.state  # noqa: E402
+
+_test_state = os.environ.get("PARROT_TEST_STATE", "memory://")
+gateway.state.UNCONFIGURED_URL = None if _test_state == "sqlite" else _test_state
+if _test_state == "sqlite":  # each in-process gateway a file of its own (one gateway per file)
+    import tempfile
+
+    import msgspec
+
+    import gateway.server.app
+
+    _directory = tempfile.mkdtemp(prefix="parrot-test-state-")
+    _open_store = gateway.state.open_store
+
+    def _own_file(config):
+        if config.url is None and config.path is None:
+            config = msgspec.structs.replace(config, path=tempfile.mktemp(suffix=".sqlite3", dir=_directory))
+        return _open_store(config)
+
+    gateway.server.app.open_store = _own_file
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by markers
@@ -57,6 +81,16 @@ def _serve_fixture(scope: str):
 serve = _serve_fixture("function")
 serve_module = _serve_fixture("module")
 serve_session = _serve_fixture("session")
+
+
+@pytest.fixture(scope="module")
+@marks_users("subprocess")
+def redis_server(tmp_path_factory) -> Iterator[Any]:
+    """A real redis-server (or valkey-server) on a free loopback port for the module (tests/support/redis_server.py)."""
+    from tests.support.redis_server import redis_server as started
+
+    with started(tmp_path_factory.mktemp("redis")) as server:
+        yield server
 
 
 @pytest.fixture(name="wait_until")

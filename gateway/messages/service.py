@@ -63,7 +63,7 @@ class MessagesService:
         return Prepared(owner, request, chat, self.gateway.max_request_tokens(checked) or 0)
 
     async def create(self, prepared: Prepared) -> AnthropicMessage:
-        with self.quotas.admitted(prepared.owner, prepared.estimate):
+        async with self.quotas.admitted(prepared.owner, prepared.estimate):
             answer = await self.gateway.create(ROUTE, prepared.request.model, prepared.chat)
         return message(prepared.request, completion_decoder.decode(answer.body), echo_tier(prepared.request.service_tier))
 
@@ -72,7 +72,7 @@ class MessagesService:
         request = prepared.request
         writer = MessageStream(AnthropicMessage(model=request.model, usage=AnthropicUsage(service_tier=echo_tier(request.service_tier))),
                                request.stop_sequences)
-        with self.quotas.admitted(prepared.owner, prepared.estimate):
+        async with self.quotas.admitted(prepared.owner, prepared.estimate):
             opened = await self.gateway.open_stream(ROUTE, request.model, prepared.chat)
             yield writer.start()
             stream = chunks(self.gateway, request.model, opened)
@@ -92,7 +92,7 @@ class MessagesService:
         request: CountTokensRequest = _decode(_count_decoder, raw)
         chat = to_chat(request)
         check_chat(self.gateway, chat, CHAT_PARAMS, "messages")
-        with self.quotas.admitted(owner, 1):
+        async with self.quotas.admitted(owner, 1):
             answer = await self.gateway.create(ROUTE, request.model, chat)
         usage = completion_decoder.decode(answer.body).usage
         return TokenCount(input_tokens=usage.prompt_tokens if usage is not None else 0)

@@ -124,28 +124,28 @@ class ResponsesService:
 
     async def create(self, prepared: Prepared) -> Response:
         """A response run to its end and stored (when asked) before it is returned."""
-        with self.quotas.admitted(prepared.owner, prepared.estimate):
+        async with self.quotas.admitted(prepared.owner, prepared.estimate):
             answer = await self.gateway.create(ROUTE, prepared.request.model, prepared.chat)
         self._finish(prepared.response, answer.body)
         self._store(prepared)
         return prepared.response
 
-    def start_background(self, prepared: Prepared) -> bytes:
+    async def start_background(self, prepared: Prepared) -> bytes:
         """A response queued and run by a task of its own; answered (as it stands now) at once."""
         prepared.response.status = "queued"
-        admission = self.quotas.admitted_later(prepared.owner, prepared.estimate)  # a 429 now, not later
+        admission = await self.quotas.admitted_later(prepared.owner, prepared.estimate)  # a 429 now, not later
         try:
             stored = self._store(prepared)
         except BaseException:
             if admission is not None:
-                admission.release()
+                await admission.release()
             raise
         assert stored is not None  # background implies store
         stored.task = asyncio.create_task(self._background(prepared, stored, admission))
 
         def settled(_: asyncio.Task) -> None:  # also when cancelled before it ever ran
             if admission is not None:
-                admission.release()  # once, whoever comes first
+                admission.release_soon()  # once, whoever comes first
             if prepared.response.status in ("queued", "in_progress"):
                 prepared.response.status = "cancelled"
 
@@ -156,7 +156,7 @@ class ResponsesService:
         response = prepared.response
         response.status = "in_progress"
         try:
-            with self.quotas.holding(admission):
+            async with self.quotas.holding(admission):
                 answer = await self.gateway.create(ROUTE, prepared.request.model, prepared.chat)
             self._finish(response, answer.body)
         except asyncio.CancelledError:
@@ -195,7 +195,7 @@ class ResponsesService:
         """The response's SSE events. The first item comes once the engine's stream has started (errors
         before it are the request's HTTP status); the response is stored before its last event."""
         writer = ResponseStream(prepared.response)
-        with self.quotas.admitted(prepared.owner, prepared.estimate):
+        async with self.quotas.admitted(prepared.owner, prepared.estimate):
             opened = await self.gateway.open_stream(ROUTE, prepared.request.model, prepared.chat)
             stored = self._store(prepared)  # in progress: GET finds it while it streams
             try:

@@ -46,13 +46,14 @@ def utf8_size(text: str) -> int:
 
 
 class Variable:
-    def __init__(self, session: "Session", name: str | None, value: str | None = None):
-        self.id = new_id("var")
+    def __init__(self, session: "Session", name: str | None, value: str | None = None, *, var_id: str | None = None):
+        self.id = var_id or new_id("var")
         self.session = session
         self.name = name
         self.value = value
         self.error: str | None = None
         self.producer: Call | None = None
+        self.remote_producer: str | None = None  # its producer's id when another replica (or a lost process) runs it
         self.size = 0  # UTF-8 bytes of its value, counted in its session's bytes
         self.pending: PendingOutput | None = None  # while its producer generates it on an engine (handoff.py)
         self.partial = ""  # what its producer streamed of it so far, until it is bound (prefill.py extends with it)
@@ -75,6 +76,7 @@ class Variable:
         self._ready.set()
         self._announced.set()
         self._grown()
+        self.session.changed(self)
 
     def extend(self, text: str) -> None:
         """Its producer streamed ``text`` more of it from its engine (it is not bound until the producer ends)."""
@@ -100,6 +102,24 @@ class Variable:
         self._ready.set()
         self._announced.set()
         self._grown()
+        self.session.changed(self)
+
+    def settled_elsewhere(self, value: str | None, error: str | None) -> None:
+        """Bound by another replica (or before a restart), as the state store tells: ready here too, its bytes
+        counted in its session's without its quota (it was held to it where it was bound)."""
+        if self.ready:
+            return
+        if value is not None:
+            self.size = utf8_size(value)
+            self.session.bytes += self.size
+        self.value, self.error = value, error
+        self._ready.set()
+        self._announced.set()
+        self._grown()
+
+    @property
+    def producer_id(self) -> str | None:
+        return self.producer.id if self.producer is not None else self.remote_producer
 
     def publish(self, pending: PendingOutput, *, generating: bool) -> None:
         """Its producer sent its generation to an engine under ``pending``'s name; ``generating``: the
@@ -138,7 +158,7 @@ class Variable:
             if not self.ready:  # wait_for with no time left times out even on a set event
                 await asyncio.wait_for(self._ready.wait(), timeout_s)
         except asyncio.TimeoutError:
-            who = f"its producer {self.producer.id} has not finished" if self.producer else "nothing produces it"
+            who = f"its producer {self.producer_id} has not finished" if self.producer_id else "nothing produces it"
             waited = timeout_s if waited_s is None else waited_s
             raise NotReady(f"variable {self.label} was not ready within {waited:g}s: {who}",
                            code="variable_timeout", error_type="timeout") from None
@@ -341,8 +361,10 @@ class Call:
 class Session:
     def __init__(self, owner: str, index: dict[str, Variable], *, default: bool = False,
                  max_variables: int | None = None, limits: QuotaLimits | None = None,
-                 finished_calls_kept: int = 1000, holdings: Holdings | None = None):
-        self.id = new_id("sess")
+                 finished_calls_kept: int = 1000, holdings: Holdings | None = None, session_id: str | None = None):
+        self.id = session_id or new_id("sess")
+        # Where its variables are written through to (gateway/semantic/persisted.py); None: this process only.
+        self.mirror: Any = None
         self._index = index  # the store's id -> variable map, for lookups without a session id
         self.owner = owner
         self.default = default
@@ -378,6 +400,7 @@ class Session:
             self._made_by_request += 1
         self.variables[variable.id] = variable
         self._index[variable.id] = variable
+        self.changed(variable)
         if self.max_variables is not None and len(self.variables) > self.max_variables:
             self._forget_oldest(len(self.variables) - self.max_variables * 9 // 10)
         return variable
@@ -416,9 +439,22 @@ class Session:
         self._forget([v.id for v in forgettable])
 
     def _forget(self, var_ids: Iterable[str]) -> None:
+        var_ids = list(var_ids)
         for var_id in var_ids:
             self.bytes -= self.variables.pop(var_id).size
             self._index.pop(var_id, None)
+        if self.mirror is not None and var_ids:
+            self.mirror.forgotten(self, var_ids)
+
+    def changed(self, variable: Variable) -> None:
+        """The variable was made, bound, failed or given a producer: written through to the state store."""
+        if self.mirror is not None:
+            self.mirror.changed(self, variable)
+
+    def adopt(self, variable: Variable) -> None:
+        """A variable of this session read from the state store (made by another replica, or before a restart)."""
+        self.variables[variable.id] = variable
+        self._index[variable.id] = variable
 
     def variable(self, var_id: str) -> Variable:
         variable = self.variables.get(var_id)
@@ -452,6 +488,7 @@ class Session:
             call.mark_latency()
         for output in call.outputs.values():
             output.producer = call
+            self.changed(output)
         self.calls[call.id] = call
         call.task = asyncio.get_running_loop().create_task(call.run(input_timeout_s), name=call.id)
         call.task.add_done_callback(_consume_exception)

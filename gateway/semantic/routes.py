@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, ContextManager
+from typing import Annotated, AsyncContextManager
 
 from litestar import Request, delete, get, post, put
 from litestar.datastructures import State
@@ -33,15 +33,17 @@ def semantic(state: State) -> SemanticService:
     return state.semantic
 
 
-def admitted(request: Request) -> ContextManager[object]:
+def admitted(request: Request) -> AsyncContextManager[object]:
     """A request that makes work, admitted under its key's rate and concurrency quotas (else a 429)."""
     return request.app.state.quotas.admitted(owner(request))
 
 
 @post("/v1/sessions", status_code=201)
 async def create_session(request: Request, state: State) -> SessionView:
-    with admitted(request):
-        session = semantic(state).sessions.create(owner(request))
+    sessions = semantic(state).sessions
+    async with admitted(request):
+        session = sessions.create(owner(request))
+        await sessions.flushed()  # in the state store before it is acknowledged
     return SessionView(id=session.id, created=session.created)
 
 
@@ -58,27 +60,37 @@ async def get_session_graph(session_id: FromPath[str], request: Request, state: 
     """The session's calls (waiting, running, done, failed, with engine and timings) and variables (edges
     with a preview of their values): what the dashboard draws. 404 for another key's session, unless
     the presented key is an admin key."""
-    session = semantic(state).sessions.peek(session_id, owner(request), any_owner=is_admin(request))
+    sessions = semantic(state).sessions
+    await sessions.fetch(session_id)
+    session = sessions.peek(session_id, owner(request), any_owner=is_admin(request))
     return session_graph(session)
 
 
 @delete("/v1/sessions/{session_id:str}", status_code=200)
 async def delete_session(session_id: FromPath[str], request: Request, state: State) -> SessionDeleted:
+    await semantic(state).sessions.fetch(session_id)
     variables, contexts = await semantic(state).close_session(session_id, owner(request))
+    await semantic(state).sessions.flushed()
     return SessionDeleted(id=session_id, freed_variables=variables, freed_contexts=contexts)
 
 
 @get("/v1/sessions/{session_id:str}/vars")
 async def list_session_vars(session_id: FromPath[str], request: Request, state: State) -> VarList:
-    session = semantic(state).sessions.get(session_id, owner(request))
+    sessions = semantic(state).sessions
+    await sessions.fetch(session_id)
+    session = sessions.get(session_id, owner(request))
     return VarList(data=[view(v) for v in session.variables.values()])
 
 
 @post("/v1/vars", status_code=201)
 async def create_var(data: JSONBody[VarCreate], request: Request, state: State) -> VarView:
-    with admitted(request):
-        session = semantic(state).sessions.resolve(data.session_id, owner(request))
-        return view(session.new_variable(data.name, data.value))
+    sessions = semantic(state).sessions
+    async with admitted(request):
+        await sessions.prepare(data.session_id, owner(request))
+        session = sessions.resolve(data.session_id, owner(request))
+        variable = session.new_variable(data.name, data.value)
+        await sessions.flushed()
+        return view(variable)
 
 
 @get("/v1/vars/{var_id:str}")
@@ -88,6 +100,7 @@ async def read_var(var_id: FromPath[str], request: Request, state: State,
     criteria: FromQuery[Criteria | None] = None,
 ) -> VarView:
     service = semantic(state)
+    await service.sessions.fetch_variable(var_id)
     variable = service.sessions.find_variable(var_id, owner(request))
     async with CancelledOnDisconnect(request.receive):  # a long wait ends when its client leaves
         return await service.read(variable, wait=wait, timeout_s=timeout, criteria=criteria)
@@ -96,24 +109,30 @@ async def read_var(var_id: FromPath[str], request: Request, state: State,
 
 @put("/v1/vars/{var_id:str}", status_code=200)
 async def set_var(var_id: FromPath[str], data: JSONBody[VarSet], request: Request, state: State) -> VarView:
-    variable = semantic(state).sessions.find_variable(var_id, owner(request))
-    if variable.producer is not None or variable.ready:
+    sessions = semantic(state).sessions
+    await sessions.fetch_variable(var_id)
+    variable = sessions.find_variable(var_id, owner(request))
+    if variable.producer_id is not None or variable.ready:
         raise APIError(409, f"variable {variable.label} already has a value or a producer",
                        code="variable_already_bound")
     if (data.value is None) == (data.error is None):
         raise APIError(400, "give exactly one of 'value' and 'error'", param="value")
-    with admitted(request):
+    async with admitted(request):
         if data.value is not None:
             variable.set(data.value)
         else:
             variable.fail(data.error)
+        await sessions.flushed()
     return view(variable)
 
 
 @post("/v1/semantic_calls", status_code=202)
 async def submit_semantic_call(data: JSONBody[SemanticCall], request: Request, state: State) -> SemanticCallView:
-    with admitted(request):
+    sessions = semantic(state).sessions
+    async with admitted(request):
+        await sessions.prepare(data.session_id, owner(request), [r.id for r in data.inputs.values() if r.id])
         session, call = semantic(state).submit_call(data, owner(request))
+        await sessions.flushed()
     return SemanticCallView(id=call.id, session_id=session.id,
                             outputs={n: OutputView(id=v.id, name=v.name) for n, v in call.outputs.items()})
 

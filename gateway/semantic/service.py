@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 from typing import Any, AsyncIterator, Callable
 
@@ -22,7 +23,9 @@ from gateway.semantic import template
 from gateway.semantic.answer import Reply
 from gateway.semantic.call_spec import CallSpec
 from gateway.semantic.graph import Call, Session, Variable, VariableFailed
+from gateway.semantic.persisted import Mirror
 from gateway.semantic.sessions import SessionStore
+from gateway.state import StateStore, StoreUnavailable
 from gateway.semantic.prefix import PrefixCache
 from gateway.semantic.runner import Runner
 from gateway.semantic.streaming import StreamedAnswer, TextSink
@@ -44,6 +47,7 @@ from wire.sampling import tier_criteria
 from gateway.streaming import EventStream
 from gateway.tracing import Tracing
 
+log = logging.getLogger("parrot.semantic")
 JSON = "application/json"
 # How long deleting a session waits for its cancelled calls to unwind (they do at their next await).
 _UNWIND_WAIT_S = 10.0
@@ -51,14 +55,15 @@ _UNWIND_WAIT_S = 10.0
 
 def view(variable: Variable) -> VarView:
     return VarView(id=variable.id, name=variable.name, session_id=variable.session.id, ready=variable.ready,
-                   value=variable.value, error=variable.error,
-                   producer=variable.producer.id if variable.producer else None)
+                   value=variable.value, error=variable.error, producer=variable.producer_id)
 
 
 class SemanticService:
     def __init__(self, gateway: Gateway, config: SemanticConfig,
-                 limits_of: Callable[[str], QuotaLimits] | None = None, tracing: Tracing | None = None):
-        """``limits_of(owner)``: the quotas of an API key's sessions; ``tracing``: spans for calls."""
+                 limits_of: Callable[[str], QuotaLimits] | None = None, tracing: Tracing | None = None,
+                 store: StateStore | None = None):
+        """``limits_of(owner)``: the quotas of an API key's sessions; ``tracing``: spans for calls; ``store``:
+        where sessions and variables are written through to, when it keeps them (SQLite, Redis)."""
         self.gateway = gateway
         self.config = config
         self.tracing = tracing or Tracing(TracingConfig(enabled=False))
@@ -67,6 +72,35 @@ class SemanticService:
         self.prefixes = PrefixCache(config.max_prefixes_per_engine)
         gateway.registry.on_removed(self.prefixes.forget_engine)  # its contexts went with it
         self.runner = Runner(gateway, self.prefixes, config, self.tracing, gateway.config.scheduler.kv_full)
+        self.mirror = Mirror(store, config.session_idle_ttl_s) if store is not None and (
+            store.shared or store.durable) else None
+        if self.mirror is not None:
+            self.sessions.use(self.mirror)
+        self._watch: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Subscribes to the store's wake-ups (and, on a shared store, watches for producers lost with a replica)."""
+        if self.mirror is not None:
+            self.mirror.start()
+            if self.mirror.shared:
+                self._watch = asyncio.get_running_loop().create_task(self._watch_producers(), name="producers")
+
+    async def aclose(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            await asyncio.gather(self._watch, return_exceptions=True)
+        if self.mirror is not None:
+            await self.mirror.aclose()
+
+    async def _watch_producers(self) -> None:
+        while True:
+            await asyncio.sleep(5.0)
+            try:
+                await self.sessions.check_producers()
+            except StoreUnavailable:
+                pass
+            except Exception:
+                log.exception("checking remote producers failed")
 
     # ------------------------------------------------------------ binding
 
@@ -113,6 +147,7 @@ class SemanticService:
         if stream and not ext.wait:
             raise InvalidRequest("stream cannot be combined with parrot.wait=false: the answer is the queued "
                                  "call's variable id; read its value with GET /v1/vars/{id}", "parrot.wait")
+        await self.sessions.prepare(ext.session_id, owner, _named_ids(raw_extension))
         session = self.sessions.resolve(ext.session_id, owner)
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         body = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}  # runs whole, server-side
@@ -129,6 +164,7 @@ class SemanticService:
                                                        for path, v in inline.outputs.items()})
         if not ext.wait:
             result.status = "queued"
+            await self.sessions.flushed()  # what it made is in the store before it is acknowledged
             return Response(msgspec.json.encode(Accepted(parrot=result)), status_code=202, media_type=JSON)
         if reply.sink is not None:
             assert call.task is not None
@@ -137,6 +173,7 @@ class SemanticService:
             if first is not None:
                 return self._stream(call, reply, first, StreamedAnswer(route, body["model"], result, include_usage))
         await self._finish_request(call, made)
+        await self.sessions.flushed()
         answer = reply.answer
         assert answer is not None  # its call ran
         where = {ENGINE_HEADER: answer.engine_id}
@@ -173,6 +210,7 @@ class SemanticService:
                 yield streamed.piece(piece)
             try:
                 await self._finish(call)
+                await self.sessions.flushed()
             except Exception as exc:  # headers are gone: in-band, as a failing engine stream reports it
                 yield streamed.failed(exc)
                 return
@@ -214,7 +252,11 @@ class SemanticService:
         closed = 0
         for session in self.sessions.idle(ttl_s):
             # Still idle and not deleted: closing an earlier one awaited, and requests ran meanwhile.
-            if self.sessions.is_idle(session, ttl_s):
+            if self.mirror is not None and self.mirror.shared and self.sessions.is_idle(session, ttl_s):
+                self.sessions.evict(session)  # other replicas may use it: the store's TTL ends it
+                await self.prefixes.drop_session(session.id, session.prefix_keys)
+                closed += 1
+            elif self.sessions.is_idle(session, ttl_s):
                 with contextlib.suppress(DomainError):
                     await self.close_session(session.id, session.owner)
                     closed += 1
@@ -336,6 +378,20 @@ def _checked(gateway: Gateway, schema: type, raw: Any, param: str) -> Any:
         exc.param = _within(param, exc.param)
         raise
     return data
+
+
+def _named_ids(extension: Any) -> set[str]:
+    """The variable ids an extension names (``{"id": ...}`` in its vars, its inline calls' and its output)."""
+    found, stack = set(), [extension]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if isinstance(item.get("id"), str):
+                found.add(item["id"])
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return found
 
 
 def _placeholders(route: Route, body: dict[str, Any]) -> set[str]:

@@ -1,15 +1,22 @@
 """All sessions of the gateway: by id and by owner (API key), the default session of each key, the
-variables they hold by id, per-key counts against quotas, and which sessions have gone idle."""
+variables they hold by id, per-key counts against quotas, and which sessions have gone idle.
+
+With a state store that keeps them (``mirror``: SQLite, Redis; gateway/semantic/persisted.py) these are the
+sessions this process holds: the routes ``fetch`` a session or variable from the store first (made by another
+replica, or before a restart), and answer once what they changed is written (``flushed``)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
-from typing import Callable
+from typing import Callable, Iterable
 
 from gateway.config import QuotaLimits
 from gateway.domain_errors import NotFound, QuotaExceeded
-from gateway.semantic.graph import Session, Variable
+from gateway.semantic.graph import Session, Variable, new_id
 from gateway.semantic.holdings import Holdings
+from gateway.state import StoreUnavailable
+from gateway.semantic.persisted import Mirror, VarRecord, lost_producer
 
 
 class SessionStore:
@@ -30,11 +37,23 @@ class SessionStore:
         self._variables: dict[str, Variable] = {}
         self._counts: dict[str, int] = {}  # owner -> its sessions, its default session not counted
         self._holdings: dict[str, Holdings] = {}  # owner -> its calls and pinned prefixes, in all its sessions
+        self.mirror: Mirror | None = None  # where sessions are written through to (None: this process only)
 
-    def create(self, owner: str, *, default: bool = False) -> Session:
+    def use(self, mirror: Mirror) -> None:
+        """Sessions are written through to ``mirror``'s store and read back from it; its wake-ups bind them here."""
+        self.mirror = mirror
+        mirror.on_variable = self._announced
+        mirror.on_closed = self._closed_elsewhere
+        mirror.on_reconnected = self._refresh_pending
+
+    def create(self, owner: str, *, default: bool = False, session_id: str | None = None,
+               created: int | None = None, loaded: bool | None = None) -> Session:
+        """A new session; ``loaded`` (the default when ``session_id`` is given): one read from the store, which
+        is neither held to the key's session quota nor written again."""
         limits = self._limits_of(owner)
         count = self._counts.get(owner, 0)
-        if not default and limits.sessions is not None and count >= limits.sessions:
+        loaded = session_id is not None if loaded is None else loaded
+        if not default and not loaded and limits.sessions is not None and count >= limits.sessions:
             raise QuotaExceeded(f"this API key already has {count} open sessions, its quota; delete sessions "
                                  "you no longer need", code="sessions_quota_exceeded")
         max_variables = None
@@ -45,8 +64,14 @@ class SessionStore:
         if holdings is None:
             holdings = self._holdings[owner] = Holdings(limits)
         session = Session(owner, self._variables, default=default, max_variables=max_variables, limits=limits,
-                          finished_calls_kept=self._finished_calls_kept, holdings=holdings)
+                          finished_calls_kept=self._finished_calls_kept, holdings=holdings, session_id=session_id)
         session.last_used = self._clock()
+        if created is not None:
+            session.created = created
+        if self.mirror is not None:
+            session.mirror = self.mirror
+            if not loaded:
+                self.mirror.created(session)
         self._sessions[session.id] = session
         if not default:
             self._counts[owner] = count + 1
@@ -76,6 +101,8 @@ class SessionStore:
         session.last_used = self._clock()
         if self._sessions.get(session.id) is session:
             self._sessions[session.id] = self._sessions.pop(session.id)
+            if self.mirror is not None:
+                self.mirror.touched(session)
 
     def resolve(self, session_id: str | None, owner: str) -> Session:
         """The named session, or the key's default session (created on first use)."""
@@ -91,14 +118,31 @@ class SessionStore:
     def remove(self, session_id: str, owner: str) -> tuple[Session, int]:
         """Closes the session; returns it and how many variables it freed."""
         session = self.get(session_id, owner)
-        del self._sessions[session_id]
+        if session.mirror is not None:
+            session.mirror.deleted(session, list(session.variables))
+        return session, self._drop(session)
+
+    def _drop(self, session: Session) -> int:
+        """Closes the session here (its store records, if any, are left as they are); how many variables it freed."""
+        session.mirror = None  # what closing does to it is not written through
+        if self._sessions.get(session.id) is session:
+            del self._sessions[session.id]
+        owner = session.owner
         if session.default:
-            self._defaults.pop(owner, None)
+            if self._defaults.get(owner) == session.id:
+                self._defaults.pop(owner, None)
         else:
             self._counts[owner] -= 1
             if not self._counts[owner]:
                 del self._counts[owner]
-        return session, session.close()
+        if self.mirror is not None:
+            self.mirror.evicted(session.id)
+        return session.close()
+
+    def evict(self, session: Session) -> None:
+        """Lets go of an idle session held here whose records stay in a shared store (other replicas may use
+        it; the store's TTL ends it)."""
+        self._drop(session)
 
     def idle(self, idle_s: float) -> list[Session]:
         """Sessions no request has touched for ``idle_s`` and that run no call, oldest use first. One
@@ -125,6 +169,172 @@ class SessionStore:
 
     def all(self) -> list[Session]:
         return list(self._sessions.values())
+
+    # ---------------------------------------------------------------- the state store
+
+    async def flushed(self) -> None:
+        """Returns once every change made so far is in the state store (StoreUnavailable: it is not)."""
+        if self.mirror is not None:
+            await self.mirror.flush()
+
+    async def prepare(self, session_id: str | None, owner: str, var_ids: Iterable[str] = ()) -> None:
+        """Before ``resolve``: the named session (or the key's default one) held here, with the variables
+        ``var_ids`` of it that a request names, as the store has them (not the whole session: a default one may
+        hold thousands)."""
+        mirror = self.mirror
+        if mirror is None:
+            return
+        if session_id is None:
+            session_id = await self._default(owner)
+        else:
+            await self._hold(session_id)
+        session = self._sessions.get(session_id)
+        if session is None:
+            return  # resolve answers the 404
+        for var_id in var_ids:
+            variable = session.variables.get(var_id)
+            if variable is None or (mirror.shared and not variable.ready and variable.producer is None):
+                record = await mirror.read_variable(session_id, var_id)
+                if record is not None:
+                    await self._merge(session, var_id, record)
+
+    async def _hold(self, session_id: str) -> None:
+        """The session held here if the store has it (a shared store's is checked again: it may be gone)."""
+        mirror = self.mirror
+        assert mirror is not None
+        local = self._sessions.get(session_id)
+        if local is not None and (not mirror.shared or mirror.listening):
+            return  # a deletion elsewhere would have been announced ("closed"), and this copy dropped
+        await mirror.flush()  # this process's own changes are in what is read
+        meta = await mirror.read_meta(session_id)
+        local = self._sessions.get(session_id)  # the read awaited
+        if meta is None:
+            if local is not None and mirror.shared and not local.calls:
+                self._drop(local)  # deleted, or expired, elsewhere
+            return
+        if local is None:
+            self.create(meta.owner, default=meta.default, session_id=session_id, created=meta.created)
+
+    async def _default(self, owner: str) -> str:
+        """The key's default session, held here: the one the store records, else a new one (recorded)."""
+        mirror = self.mirror
+        assert mirror is not None
+        known = self._defaults.get(owner)
+        if known is not None and known in self._sessions:
+            if mirror.shared:
+                await self._hold(known)  # may have been deleted elsewhere (while wake-ups were away)
+            if known in self._sessions:
+                return known
+        candidate = new_id("sess")
+        recorded = await mirror.default_session(owner, candidate)
+        if recorded != candidate:
+            await self._hold(recorded)
+            if recorded in self._sessions:
+                self._defaults[owner] = recorded
+                return recorded
+            await mirror.forget_default(owner)  # it had expired
+            await mirror.default_session(owner, candidate)
+        self._defaults[owner] = self.create(owner, default=True, session_id=candidate, loaded=False).id
+        await self.flushed()  # its record is there before another replica follows the pointer to it
+        return candidate
+
+    async def fetch(self, session_id: str) -> None:
+        """Brings the session in from the store when it is not held here; from a shared store (another replica
+        may have changed it) its variables are read again too. A session the store no longer has is let go."""
+        mirror = self.mirror
+        if mirror is None:
+            return
+        local = self._sessions.get(session_id)
+        if local is not None and not mirror.shared:
+            return
+        await mirror.flush()  # this process's own changes are in what is read
+        read = await mirror.read_session(session_id)
+        local = self._sessions.get(session_id)  # the read awaited
+        if read is None:
+            if local is not None and mirror.shared and not local.calls:
+                self._drop(local)  # deleted, or expired, elsewhere
+            return
+        meta, records = read
+        if local is None:
+            local = self.create(meta.owner, default=meta.default, session_id=session_id, created=meta.created)
+        for var_id, record in records.items():
+            await self._merge(local, var_id, record)
+
+    async def fetch_variable(self, var_id: str) -> None:
+        """Before ``find_variable``: the variable (and its session) brought in from the store."""
+        mirror = self.mirror
+        if mirror is None:
+            return
+        variable = self._variables.get(var_id)
+        if variable is not None and (variable.ready or not mirror.shared):
+            return  # a value is never bound twice
+        await mirror.flush()
+        if variable is not None:
+            record = await mirror.read_variable(variable.session.id, var_id)
+            if record is not None:
+                await self._merge(variable.session, var_id, record)
+            return
+        session_id = await mirror.session_of(var_id)
+        if session_id is not None:
+            await self.prepare(session_id, "", [var_id])
+
+    async def _merge(self, session: Session, var_id: str, record: VarRecord) -> None:
+        """A variable's record from the store, held here: made if new, bound if it was bound elsewhere."""
+        variable = session.variables.get(var_id)
+        if variable is None:
+            if var_id in self._variables or session.closed:
+                return
+            variable = Variable(session, record.name, var_id=var_id)
+            variable.remote_producer = record.producer
+            session.adopt(variable)
+        if variable.ready or variable.producer is not None:
+            return  # bound here, or produced here
+        if record.value is not None or record.error is not None:
+            variable.settled_elsewhere(record.value, record.error)
+        elif record.producer is not None and not await self.mirror.replica_alive(record.replica):
+            variable.remote_producer = None
+            variable.fail(lost_producer(record))  # written back: every replica sees it failed
+        elif self.mirror.announced_lately(var_id):  # bound while it was being read: read it again
+            again = await self.mirror.read_variable(session.id, var_id)
+            if again is not None and (again.value is not None or again.error is not None):
+                variable.settled_elsewhere(again.value, again.error)
+
+    def _announced(self, var_id: str) -> None:
+        """A variable was bound somewhere: one held here and still pending is read again."""
+        variable = self._variables.get(var_id)
+        if variable is not None and not variable.ready and variable.producer is None and self.mirror is not None:
+            asyncio.get_running_loop().create_task(self._reread(variable))
+
+    async def _reread(self, variable: Variable) -> None:
+        try:
+            record = await self.mirror.read_variable(variable.session.id, variable.id)
+        except StoreUnavailable:
+            return  # read again when the subscription is back (_refresh_pending)
+        if record is not None:
+            await self._merge(variable.session, variable.id, record)
+
+    def _refresh_pending(self) -> None:
+        """The store's wake-ups were away a while: every variable waited on here from elsewhere is read again."""
+        for variable in list(self._variables.values()):
+            self._announced(variable.id)
+
+    def _closed_elsewhere(self, session_id: str) -> None:
+        session = self._sessions.get(session_id)
+        if session is not None and session.mirror is not None and self.mirror is not None and self.mirror.shared:
+            self._drop(session)
+
+    async def check_producers(self) -> int:
+        """Variables waited on here whose producer ran on a replica that is gone fail (shared stores); how many."""
+        mirror = self.mirror
+        if mirror is None or not mirror.shared:
+            return 0
+        failed = 0
+        for variable in [v for v in self._variables.values() if not v.ready and v.remote_producer is not None]:
+            record = await mirror.read_variable(variable.session.id, variable.id)
+            if record is not None and not variable.ready:
+                await self._merge(variable.session, variable.id, record)
+                failed += variable.error is not None
+        return failed
 
     def holdings(self) -> list[Holdings]:
         """Every key's holdings (kept as long as the store: one small record per key that made a session)."""

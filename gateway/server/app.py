@@ -25,6 +25,7 @@ from gateway.allocator import map_large_blocks_separately
 from gateway.health_checks import health_checks
 from gateway.metrics import GatewayMetrics
 from gateway.quotas import Quotas
+from gateway.state import describe, open_store
 from gateway.server.openapi import document
 from gateway.registry import EngineRegistry
 from gateway.messages.service import MessagesService
@@ -79,7 +80,12 @@ def create_app(config: GatewayConfig | None = None) -> Litestar:
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         client, transport = _http_client(config)
-        async with client:
+        store = open_store(config.state)
+        await store.start()
+        log.info("state in %s (%s)", describe(config.state), store.kind)
+        app.state.store = store
+        async with client, contextlib.AsyncExitStack() as closing:
+            closing.push_async_callback(store.aclose)
             registry = EngineRegistry(heartbeat_timeout_s=config.engines.heartbeat_timeout_s,
                                       registration_secrets=[config.engines.registration_secret],
                                       new_breaker=functools.partial(CircuitBreaker, config.routing.breaker_failures,
@@ -87,10 +93,18 @@ def create_app(config: GatewayConfig | None = None) -> Litestar:
             gateway = Gateway(config, registry, GatewayMetrics(), client, transport)
             gateway.add_upstreams()
             app.state.gateway = gateway
-            app.state.quotas = quotas = Quotas(config.quotas)
+            app.state.quotas = quotas = Quotas(config.quotas, store, seat_ttl_s=config.state.seat_ttl_s)
             app.state.responses = ResponsesService(gateway, quotas, config.responses)
             app.state.messages = MessagesService(gateway, quotas)
-            app.state.semantic = SemanticService(gateway, config.semantic, limits_of=quotas.limits, tracing=tracing)
+            app.state.semantic = SemanticService(gateway, config.semantic, limits_of=quotas.limits, tracing=tracing,
+                                                 store=store)
+            app.state.semantic.start()
+            writer = app.state.semantic.mirror.writer if app.state.semantic.mirror is not None else None
+            if writer is not None:
+                writer.observe = gateway.metrics.state_write_latency.observe
+            gateway.metrics.mirror_store(lambda: getattr(store, "errors", 0) + (writer.failures if writer else 0),
+                                         lambda: writer.pending if writer else 0)
+            closing.push_async_callback(app.state.semantic.aclose)
             sessions = app.state.semantic.sessions
             gateway.metrics.mirror(registry.records, sessions.all, sessions.holdings)
             app.state.admin_owners = admin_owners(config.auth)

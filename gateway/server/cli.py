@@ -37,6 +37,10 @@ def _serve_parser() -> argparse.ArgumentParser:
     parser.add_argument("--engine-port", type=int, help="port of the builtin engine process (the first of them)")
     parser.add_argument("--engines", type=int, dest="replicas",
                         help="builtin engine processes to start, on consecutive ports (also PARROT_ENGINES)")
+    parser.add_argument("--state", metavar="URL_OR_PATH",
+                        help="where sessions, variables and quota counters live: redis://HOST:PORT/DB (shared by "
+                             "replicas), a SQLite file's path (the default: state.sqlite3 in the data directory), "
+                             "or memory:// (also PARROT_STATE)")
     return parser
 
 
@@ -55,6 +59,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         "auth": {"api_keys": args.api_keys, "admin_keys": args.admin_keys},
         "builtin": {"enabled": args.builtin_enabled, "model": args.builtin_model, "port": args.engine_port,
                     "replicas": args.replicas},
+        "state": {"url": args.state},
         "upstreams": [_upstream(s) for s in args.upstream],
     })
 

@@ -66,7 +66,7 @@ async def _serve(route: Route, data: OpenAIRequest, body: dict, scope: Scope, re
     # Charged when no usage is reported (a stream without include_usage); a semantic request's usage
     # is reported by its call, which may outlive this response.
     estimate = 0 if data.parrot is not None else state.gateway.max_request_tokens(data) or 0
-    with quotas.admitted(owner(Request(scope, receive)), estimate):  # a seat until the response has ended
+    async with quotas.admitted(owner(Request(scope, receive)), estimate):  # a seat until the response has ended
         await _respond(route, data, body, scope, receive, send)
 
 

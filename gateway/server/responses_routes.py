@@ -27,7 +27,7 @@ async def create_response(request: Request, state: State) -> Response:
     if prepared.request.background:
         if prepared.request.stream:
             raise Invalid("a background response is not streamed here: poll GET /v1/responses/{id}", param="stream")
-        return Response(service.start_background(prepared), media_type=JSON)
+        return Response(await service.start_background(prepared), media_type=JSON)
     return await streamed_or_whole(request.receive, service.stream(prepared) if prepared.request.stream else None,
                                    lambda: service.create(prepared))
 

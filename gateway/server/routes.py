@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated, Literal
 
 import msgspec
@@ -23,6 +24,7 @@ from gateway.server.messages_routes import MESSAGES_ROUTES
 from gateway.server.responses_routes import RESPONSES_ROUTES
 from gateway.semantic.routes import SEMANTIC_ROUTES
 from gateway.service import Gateway
+from gateway.state import StoreUnavailable
 
 JSON = "application/json"
 
@@ -49,35 +51,48 @@ class HealthReport(msgspec.Struct, omit_defaults=True):
     healthy_engines: int
     models_without_engine: list[str]  # served (or being started) with no healthy engine now
     engine_restarts: int  # exits of the engine processes the gateway started (each restarted)
+    state_store: str  # where sessions, variables and quota counters live: memory, sqlite or redis
+    state_store_ok: bool  # it answered a ping just now (else the gateway answers 503s that need it)
+    state_writes_pending: int  # changes not yet written to it (kept, and written once it is back)
     engine_errors: list[str] = []  # why an engine it started refused to serve (not restarted), e.g. its model's architecture
+    state_store_ms: float | None = None  # that ping's round trip (none when it failed)
 
 
-def _readiness(state: State) -> HealthReport:
+async def _readiness(state: State) -> HealthReport:
     registry = state.gateway.registry
     models = sorted({*registry.models(), *registry.expected_models()})
     healthy_by_model = {m: {r.id for r in registry.candidates(m)} for m in models}
     without = [m for m, ids in healthy_by_model.items() if not ids]
     supervisor = state.supervisor
-    return HealthReport(status="ok" if models and not without else "degraded", engines=len(registry.records()),
+    store, ok, took = state.store, True, None
+    try:
+        took = round(await asyncio.wait_for(store.ping(), 5.0) * 1000, 3)
+    except (StoreUnavailable, asyncio.TimeoutError):
+        ok = False
+    mirror = state.semantic.mirror
+    return HealthReport(status="ok" if models and not without and ok else "degraded", engines=len(registry.records()),
                         healthy_engines=len(set().union(*healthy_by_model.values())),
                         models_without_engine=without, engine_restarts=supervisor.exits if supervisor else 0,
-                        engine_errors=supervisor.refusals if supervisor else [])
+                        engine_errors=supervisor.refusals if supervisor else [],
+                        state_store=store.kind, state_store_ok=ok, state_store_ms=took,
+                        state_writes_pending=mirror.writer.pending if mirror is not None else 0)
 
 
-def _readiness_response(state: State) -> Response:
-    report = _readiness(state)
+async def _readiness_response(state: State) -> Response:
+    report = await _readiness(state)
     return Response(msgspec.json.encode(report), media_type=JSON, status_code=200 if report.status == "ok" else 503)
 
 
 @get("/health", exclude_from_auth=True)
 async def health(state: State) -> Response:
-    """Readiness with its reasons: 503 while some model has no healthy engine (or none is served)."""
-    return _readiness_response(state)
+    """Readiness with its reasons: 503 while some model has no healthy engine (or none is served), or while the
+    state store does not answer."""
+    return await _readiness_response(state)
 
 
 @get("/health/ready", exclude_from_auth=True)
 async def health_ready(state: State) -> Response:
-    return _readiness_response(state)
+    return await _readiness_response(state)
 
 
 @get("/health/live", exclude_from_auth=True)

@@ -103,7 +103,8 @@ def test_health_reports_engines(api):
 
     assert response.status_code == 200
     assert response.json() == {"status": "ok", "engines": 1, "healthy_engines": 1, "models_without_engine": [],
-                               "engine_restarts": 0}
+                               "engine_restarts": 0, "state_store": "memory", "state_store_ok": True,
+                               "state_store_ms": 0.0, "state_writes_pending": 0}
     assert api.get("/health/ready").json() == response.json()
     assert (api.get("/health/live").status_code, api.get("/health/live").json()) == (200, {"status": "ok"})
 

@@ -59,37 +59,37 @@ def assert_quota_error(response: httpx.Response, status: int, code: str) -> None
 # ---------------------------------------------------------------- the accounting, on a fake clock
 
 
-def test_requests_per_minute_refuse_with_a_retry_after_then_admit_once_it_has_passed():
+async def test_requests_per_minute_refuse_with_a_retry_after_then_admit_once_it_has_passed():
     clock = FakeClock()
     quotas = Quotas(QuotasConfig(requests_per_minute=2), clock=clock)
     owner = owner_of(ALICE)
     for _ in range(2):
-        quotas.admit(owner).release()
+        await (await quotas.admit(owner)).release()
     with pytest.raises(RateLimited) as refused:
-        quotas.admit(owner)
+        await quotas.admit(owner)
     assert refused.value.retry_after_s == 30 and refused.value.code == "rate_limit_exceeded"
     clock.now += 29
     with pytest.raises(RateLimited):
-        quotas.admit(owner)
+        await quotas.admit(owner)
     clock.now += 1
-    quotas.admit(owner).release()
-    quotas.admit(owner_of(BOB)).release()  # another key's allowance is its own
+    await (await quotas.admit(owner)).release()
+    await (await quotas.admit(owner_of(BOB))).release()  # another key's allowance is its own
 
 
-def test_tokens_per_minute_charge_reported_usage_else_the_estimate():
+async def test_tokens_per_minute_charge_reported_usage_else_the_estimate():
     clock = FakeClock()
     quotas = Quotas(QuotasConfig(tokens_per_minute=600), clock=clock)  # 10 tokens a second
     owner = owner_of(ALICE)
-    with quotas.admitted(owner, estimate_tokens=50):
+    async with quotas.admitted(owner, estimate_tokens=50):
         count_tokens(700)  # what the gateway's usage decoder reports: the estimate is not charged on top
     with pytest.raises(RateLimited) as refused:
-        quotas.admit(owner)
+        await quotas.admit(owner)
     assert refused.value.error_type == "tokens" and refused.value.retry_after_s == 11
     clock.now += 11  # 100 in debt, then 1 to spend
-    with quotas.admitted(owner, estimate_tokens=600):
+    async with quotas.admitted(owner, estimate_tokens=600):
         pass  # no usage reported: the estimate is charged
     with pytest.raises(RateLimited):
-        quotas.admit(owner)
+        await quotas.admit(owner)
     count_tokens(10**6)  # outside an admitted request: charged to nobody
 
 
@@ -101,17 +101,17 @@ def test_a_key_table_overrides_only_the_fields_it_sets():
     assert not Quotas(QuotasConfig()).enabled  # nothing to count on the hot path by default
 
 
-def test_the_state_of_idle_keys_is_forgotten():
+async def test_the_state_of_idle_keys_is_forgotten():
     clock = FakeClock()
-    quotas = Quotas(QuotasConfig(requests_per_minute=60), clock=clock)
+    quotas = Quotas(QuotasConfig(requests_per_minute=60, concurrent_requests=5), clock=clock)
     for key in ("a", "b"):
-        quotas.admit(key).release()
-    held = quotas.admit("c")
+        await (await quotas.admit(key)).release()
+    held = await quotas.admit("c")
     assert quotas.forget_idle() == 0  # their allowance is not back yet
     clock.now += 2
-    assert quotas.forget_idle() == 2  # "c" still holds a seat
-    held.release()
-    assert quotas.forget_idle() == 1
+    assert quotas.forget_idle() == 3  # three buckets full again; "c" still holds a seat
+    await held.release()
+    assert quotas.forget_idle() == 0  # a seat given back is forgotten at once
 
 
 def test_sessions_are_idle_only_when_untouched_and_running_no_call():
