@@ -118,25 +118,25 @@ class Quotas:
                                    "API key. Try again when one of them has finished.", "requests", 1)
             seated = True
         try:
-            if limits.tokens_per_minute is not None:
-                per_minute = limits.tokens_per_minute
-                ok, level = await counters.take(f"tpm:{owner}", per_minute, per_minute / 60, 0, 1)
-                if not ok:
-                    wait = _seconds_until(level, 1, per_minute)
-                    raise rate_limited(f"Rate limit reached on tokens per min (TPM): limit {per_minute}. "
-                                       f"Please try again in {wait}s.", "tokens", wait)
-            if limits.requests_per_minute is not None:
-                per_minute = limits.requests_per_minute
-                ok, level = await counters.take(f"rpm:{owner}", per_minute, per_minute / 60, 1, 1)
-                if not ok:
-                    wait = _seconds_until(level, 1, per_minute)
-                    raise rate_limited(f"Rate limit reached on requests per min (RPM): limit {per_minute}. "
-                                       f"Please try again in {wait}s.", "requests", wait)
+            # Tokens are charged after the answer: admission only needs the bucket out of debt (takes 0, needs 1).
+            await self._take_per_minute(f"tpm:{owner}", limits.tokens_per_minute, 0, "tokens", "TPM")
+            await self._take_per_minute(f"rpm:{owner}", limits.requests_per_minute, 1, "requests", "RPM")
         except BaseException:
             if seated:
                 await self.unseat(owner)
             raise
         return Admission(self, owner, limits, estimate_tokens, seated)
+
+    async def _take_per_minute(self, key: str, per_minute: int | None, amount: int, unit: str, name: str) -> None:
+        """Takes ``amount`` from the bucket ``key`` refilled at ``per_minute`` (None: unlimited), which must hold
+        1 at least; else a 429 saying when it will."""
+        if per_minute is None:
+            return
+        ok, level = await self._counters.take(key, per_minute, per_minute / 60, amount, 1)
+        if not ok:
+            wait = _seconds_until(level, 1, per_minute)
+            raise rate_limited(f"Rate limit reached on {unit} per min ({name}): limit {per_minute}. "
+                               f"Please try again in {wait}s.", unit, wait)
 
     async def unseat(self, owner: str) -> None:
         try:

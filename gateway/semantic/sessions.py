@@ -207,13 +207,17 @@ class SessionStore:
             return  # a deletion elsewhere would have been announced ("closed"), and this copy dropped
         await mirror.flush()  # this process's own changes are in what is read
         meta = await mirror.read_meta(session_id)
-        local = self._sessions.get(session_id)  # the read awaited
         if meta is None:
-            if local is not None and mirror.shared and not local.calls:
-                self._drop(local)  # deleted, or expired, elsewhere
-            return
-        if local is None:
+            self._let_go_of(session_id)
+        elif session_id not in self._sessions:  # (the read awaited)
             self.create(meta.owner, default=meta.default, session_id=session_id, created=meta.created)
+
+    def _let_go_of(self, session_id: str) -> None:
+        """The store no longer has the session (deleted, or expired, elsewhere): a copy held here goes too,
+        unless calls still run in it."""
+        local = self._sessions.get(session_id)
+        if local is not None and self.mirror is not None and self.mirror.shared and not local.calls:
+            self._drop(local)
 
     async def _default(self, owner: str) -> str:
         """The key's default session, held here: the one the store records, else a new one (recorded)."""
@@ -249,11 +253,10 @@ class SessionStore:
             return
         await mirror.flush()  # this process's own changes are in what is read
         read = await mirror.read_session(session_id)
-        local = self._sessions.get(session_id)  # the read awaited
         if read is None:
-            if local is not None and mirror.shared and not local.calls:
-                self._drop(local)  # deleted, or expired, elsewhere
+            self._let_go_of(session_id)
             return
+        local = self._sessions.get(session_id)  # the read awaited
         meta, records = read
         if local is None:
             local = self.create(meta.owner, default=meta.default, session_id=session_id, created=meta.created)
