@@ -54,6 +54,9 @@ class UpstreamConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # "higher_first", or "lower_first" with --schedule-low-priority-values-first) server is sent each
     # request's criteria as its `priority`: latency-critical work first. "off": no priority field.
     priority_scheduling: Literal["off", "lower_first", "higher_first"] = "off"
+    # The model is an embedding model: POST /v1/embeddings for it is passed through to this upstream
+    # (only upstreams so marked get embeddings requests; chat requests go to it as to any upstream).
+    embeddings: bool = False
 
     def served_model(self) -> str:
         return self.upstream_model or self.model

@@ -34,6 +34,8 @@ from wire.openai import (
     ChatCompletionRequest,
     Completion,
     CompletionRequest,
+    EmbeddingList,
+    EmbeddingRequest,
     ErrorResponse,
 )
 from wire.anthropic import AnthropicError, AnthropicMessage, CountTokensRequest, MessagesRequest, TokenCount
@@ -88,6 +90,7 @@ ROUTE_ERRORS: dict[str, tuple[int, ...]] = {
     "GET /v1/responses/{response_id}/input_items": (404,),
     "POST /v1/messages": (404, 429, *_ENGINE_FAILURES),
     "POST /v1/messages/count_tokens": (404, 429, *_ENGINE_FAILURES),
+    "POST /v1/embeddings": (404, 429, *_ENGINE_FAILURES),
 }
 # Routes that answer Anthropic's error object (its `error.type` by status) rather than OpenAI's.
 _ANTHROPIC_ROUTES = "/v1/messages"
@@ -201,7 +204,7 @@ def _add_schemas(app: Litestar) -> dict[str, Any]:
     rendering loses what msgspec enforces (``forbid_unknown_fields`` is ``additionalProperties: false``)."""
     types = [ChatCompletionRequest, CompletionRequest, ChatCompletion, Completion, Accepted, ErrorResponse,
              ParrotExtension, HealthReport, ResponsesRequest, Response, MessagesRequest, CountTokensRequest,
-             AnthropicMessage, TokenCount, AnthropicError, *_handler_structs(app)]
+             AnthropicMessage, TokenCount, AnthropicError, EmbeddingRequest, EmbeddingList, *_handler_structs(app)]
     _, components = msgspec.json.schema_components(types, ref_template=_COMPONENTS)
     extension = {"anyOf": [{"$ref": _COMPONENTS.format(name="ParrotExtension")}, {"type": "null"}]}
     for request in ("ChatCompletionRequest", "CompletionRequest"):  # decoded as a dict, then as this
@@ -267,6 +270,10 @@ _TRANSLATED_ROUTES = {
     "/v1/messages/count_tokens": ("CountTokensRequest", "TokenCount",
                                   "Counts a message's input tokens (Anthropic Messages API)", None,
                                   {"messages": [{"role": "user", "content": "What is the capital of France?"}]}),
+    "/v1/embeddings": ("EmbeddingRequest", "EmbeddingList",
+                       "Creates embeddings (OpenAI API) on an engine that serves an embedding model: a model served "
+                       "only for chat is a 400 (`code` model_not_embedding)", None,
+                       {"input": ["The capital of France is Paris."], "encoding_format": "float"}),
 }
 
 
