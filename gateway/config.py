@@ -128,6 +128,22 @@ class ResponsesConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_input_items: Annotated[int, msgspec.Meta(ge=1)] = 4096  # items in one request's input
 
 
+class FilesConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Uploaded files (POST /v1/files, purpose batch) and batches (/v1/batches), kept on disk under ``dir``."""
+
+    dir: str | None = None  # None: $XDG_DATA_HOME/parrot/files (~/.local/share/parrot/files). PARROT_FILES_DIR
+    max_file_bytes: Annotated[int, msgspec.Meta(ge=1)] = 100 * 1024 * 1024  # an upload above it is a 413
+    max_batch_lines: Annotated[int, msgspec.Meta(ge=1)] = 50_000
+    # Lines of all batches in flight at once (each one throughput-criteria work: live requests go first).
+    batch_concurrency: Annotated[int, msgspec.Meta(ge=1)] = 4
+
+    def directory(self) -> str:
+        if self.dir:
+            return self.dir
+        base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+        return os.path.join(base, "parrot", "files")
+
+
 class DashboardConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The live view at /dashboard."""
 
@@ -252,6 +268,7 @@ class GatewayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
     dashboard: DashboardConfig = msgspec.field(default_factory=DashboardConfig)
     responses: ResponsesConfig = msgspec.field(default_factory=ResponsesConfig)
+    files: FilesConfig = msgspec.field(default_factory=FilesConfig)
     upstreams: list[UpstreamConfig] = []
 
     def builtin_enabled(self) -> bool:
@@ -268,6 +285,7 @@ ENV_OVERRIDES: dict[str, tuple[str, str]] = {
     "PARROT_API_KEYS": ("auth", "api_keys"),  # comma-separated
     "PARROT_ADMIN_KEYS": ("auth", "admin_keys"),  # comma-separated
     "PARROT_MAX_BODY_BYTES": ("limits", "max_body_bytes"),
+    "PARROT_FILES_DIR": ("files", "dir"),
     "PARROT_MAX_TOKENS": ("limits", "max_tokens"),
     "PARROT_MAX_REQUEST_TOKENS": ("limits", "max_request_tokens"),
     "PARROT_REQUEST_TIMEOUT_S": ("limits", "request_timeout_s"),

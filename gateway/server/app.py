@@ -27,6 +27,8 @@ from gateway.metrics import GatewayMetrics
 from gateway.quotas import Quotas
 from gateway.server.openapi import document
 from gateway.registry import EngineRegistry
+from gateway.batches.service import BatchService
+from gateway.batches.store import BatchStorage
 from gateway.messages.service import MessagesService
 from gateway.responses.service import ResponsesService
 from gateway.responses.store import ResponseStore
@@ -90,6 +92,8 @@ def create_app(config: GatewayConfig | None = None) -> Litestar:
             app.state.quotas = quotas = Quotas(config.quotas)
             app.state.responses = ResponsesService(gateway, quotas, config.responses)
             app.state.messages = MessagesService(gateway, quotas)
+            app.state.batches = BatchService(gateway, BatchStorage(config.files.directory()), config.files)
+            app.state.batches.resume()  # batches a previous process left running go on
             app.state.semantic = SemanticService(gateway, config.semantic, limits_of=quotas.limits, tracing=tracing)
             sessions = app.state.semantic.sessions
             gateway.metrics.mirror(registry.records, sessions.all, sessions.holdings)
@@ -105,6 +109,7 @@ def create_app(config: GatewayConfig | None = None) -> Litestar:
                 yield
             finally:
                 sweeper.cancel()
+                await app.state.batches.aclose()  # stopped where they are: resumed on the next start
                 if app.state.supervisor is not None:
                     await app.state.supervisor.aclose()
                 await registry.aclose()
