@@ -126,6 +126,11 @@ class ResponsesConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_response_bytes: Annotated[int, msgspec.Meta(ge=1)] = 16 * 1024 * 1024  # one stored conversation; beyond: 413
     ttl_s: Annotated[float, msgspec.Meta(gt=0)] = 86_400.0  # a stored response nobody read or continued this long goes
     max_input_items: Annotated[int, msgspec.Meta(ge=1)] = 4096  # items in one request's input
+    # On an engine with contexts (the builtin one) a stored response's conversation stays pinned there, and the
+    # next turn with previous_response_id runs as a fork of it (gateway/responses/contexts.py).
+    pin_contexts: bool = True
+    max_pinned_contexts: Annotated[int, msgspec.Meta(ge=0)] = 64  # all keys together; the least recently used go
+    context_idle_ttl_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0  # a pinned conversation unused this long goes
 
 
 class FilesConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -31,7 +31,6 @@ from gateway.batches.service import BatchService
 from gateway.batches.store import BatchStorage
 from gateway.messages.service import MessagesService
 from gateway.responses.service import ResponsesService
-from gateway.responses.store import ResponseStore
 from gateway.server.routes import ROUTES
 from gateway.semantic.service import SemanticService
 from gateway.service import Gateway
@@ -59,7 +58,7 @@ def _http_client(config: GatewayConfig) -> tuple[httpx.AsyncClient, httpx.AsyncB
 
 
 async def _sweep(semantic: SemanticService, quotas: Quotas, session_idle_ttl_s: float,
-                 responses: ResponseStore) -> None:
+                 responses: ResponsesService) -> None:
     """Closes idle sessions, forgets the rate state of idle keys and expired stored responses, every TTL / 4
     (at least once a minute)."""
     while True:
@@ -104,7 +103,7 @@ def create_app(config: GatewayConfig | None = None) -> Litestar:
             if app.state.supervisor is not None:
                 app.state.supervisor.start()
             sweeper = asyncio.create_task(_sweep(app.state.semantic, quotas, config.semantic.session_idle_ttl_s,
-                                             app.state.responses.store))
+                                             app.state.responses))
             try:
                 yield
             finally:
