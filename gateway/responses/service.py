@@ -146,6 +146,8 @@ class ResponsesService:
         self._finish(prepared.response, body)
         if self._store(prepared) is not None:
             self._pin(prepared, engine_id)
+            if prepared.request.previous_response_id:  # the conversation goes on from this turn's context now:
+                self.contexts.release(prepared.request.previous_response_id)  # a branch from the last runs plain
         return prepared.response
 
     def _pin(self, prepared: Prepared, engine_id: str) -> None:
