@@ -32,7 +32,7 @@ log = logging.getLogger("parrot.responses")
 
 NEXT = "parrot_next_input"  # the variable where the next turn's user message goes
 PLACEHOLDER = {"role": "user", "content": "{{" + NEXT + "}}"}
-_NOT_FORKED = ("tools", "response_format", "logprobs", "top_logprobs", "n", "stream_options")
+_NOT_FORKED = ("tools", "response_format", "logprobs", "top_logprobs")
 
 
 class Pinned(NamedTuple):
@@ -99,7 +99,11 @@ class ConversationContexts:
             if not split.prefix:
                 return
             context_id = f"resp-{uuid.uuid4().hex}"
-            await engine.fill(text=split.prefix, context_id=context_id)
+            try:
+                await engine.fill(text=split.prefix, context_id=context_id)
+            except asyncio.CancelledError:  # released meanwhile: whatever the engine filled is freed
+                asyncio.get_running_loop().create_task(self._free(engine, context_id))
+                raise
         except EngineError as exc:
             log.info("pinning the conversation of %s failed: %s", response_id, exc)
             return

@@ -105,3 +105,13 @@ def test_pins_are_bounded_idle_ones_freed_and_deleted_ones_released():
         assert len(contexts) == 0 and len(engine.freed) == 3
 
     asyncio.run(run())
+
+
+def test_a_streamed_turn_pins_too():
+    async def run():
+        engine, record, contexts, _ = _setup()
+        streamed = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+        contexts.pin_later("resp_s", record.id, streamed, ANSWER)
+        assert await contexts.pinned("resp_s") is not None
+
+    asyncio.run(run())
