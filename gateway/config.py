@@ -141,6 +141,8 @@ class FilesConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_batch_lines: Annotated[int, msgspec.Meta(ge=1)] = 50_000
     # Lines of all batches in flight at once (each one throughput-criteria work: live requests go first).
     batch_concurrency: Annotated[int, msgspec.Meta(ge=1)] = 4
+    # ... and while live requests are in flight on the engines (each new line waits until fewer batch lines run).
+    batch_concurrency_beside_live: Annotated[int, msgspec.Meta(ge=1)] = 1
 
     def directory(self) -> str:
         if self.dir:

@@ -73,6 +73,7 @@ class BatchService:
         self.config = config
         self._slots = asyncio.Semaphore(config.batch_concurrency)  # lines of all batches in flight
         self._tasks: dict[str, asyncio.Task] = {}
+        self._in_flight = 0  # batch lines on the engines now
         self._save_lock = asyncio.Lock()
 
     # ------------------------------------------------------------ the API
@@ -216,9 +217,24 @@ class BatchService:
                                error=LineError(code="invalid_request", message=problem))
             return
         async with self._slots:
-            status, body = await self._send(batch.endpoint, dict(item["body"]), batch.id)
+            await self._beside_live()
+            self._in_flight += 1
+            try:
+                status, body = await self._send(batch.endpoint, dict(item["body"]), batch.id)
+            finally:
+                self._in_flight -= 1
         await self._record(stored, index, custom_id,
                            response=LineResponse(status_code=status, request_id=new_id("req"), body=body))
+
+    def live_in_flight(self) -> int:
+        """Requests on the engines now that are not batch lines."""
+        return max(0, sum(r.in_flight for r in self.gateway.registry.records()) - self._in_flight)
+
+    async def _beside_live(self) -> None:
+        """Waits while live requests run and already ``batch_concurrency_beside_live`` batch lines do: live
+        traffic shares the engines with fewer batch lines than an idle gateway gives them."""
+        while self._in_flight >= self.config.batch_concurrency_beside_live and self.live_in_flight() > 0:
+            await asyncio.sleep(0.02)
 
     async def _send(self, endpoint: str, body: dict[str, Any], batch_id: str) -> tuple[int, Any]:
         """A line's request as a live one of ``endpoint`` would run, as throughput work: its status and body."""

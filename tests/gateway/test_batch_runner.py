@@ -16,6 +16,18 @@ from gateway.service import Answer
 from wire.batches import BatchCreate
 
 
+class Record:
+    in_flight = 0
+
+
+class Registry:
+    def __init__(self):
+        self.record = Record()
+
+    def records(self):
+        return [self.record]
+
+
 class StubGateway:
     """Records when each request started and ended, and what it was sent with."""
 
@@ -25,6 +37,7 @@ class StubGateway:
         self.most_running = 0
         self.hints: list = []
         self.placements: list = []
+        self.registry = Registry()  # one engine; requests in flight on it as the test sets them
 
     def check(self, request) -> None:
         pass
@@ -70,3 +83,37 @@ def test_groups_run_their_first_line_alone_then_the_rest(tmp_path):
     assert gateway.most_running <= 3
     assert all(h == {"criteria": "throughput", "priority": 0} for h in gateway.hints)
     assert all(p.latency is False and p.group == batch.id for p in gateway.placements)
+
+
+def test_fewer_lines_run_while_live_requests_do(tmp_path):
+    """With a live request in flight on an engine, at most batch_concurrency_beside_live lines run."""
+
+    async def run():
+        gateway = StubGateway()
+        original = gateway.create
+
+        async def create(*args, **kwargs):  # the record counts batch lines as the Gateway does
+            gateway.registry.record.in_flight += 1
+            try:
+                return await original(*args, **kwargs)
+            finally:
+                gateway.registry.record.in_flight -= 1
+
+        gateway.create = create
+        gateway.registry.record.in_flight = 1  # a live request, for the whole batch
+        storage = BatchStorage(tmp_path)
+        service = BatchService(gateway, storage, FilesConfig(dir=str(tmp_path), batch_concurrency=4))  # type: ignore[arg-type]
+        lines = [{"custom_id": f"{i}", "method": "POST", "url": "/v1/chat/completions",
+                  "body": {"model": "m", "messages": [{"role": "user", "content": f"{i}"}]}} for i in range(8)]
+        file = storage.put_file("owner", "in.jsonl", "batch", b"".join(json.dumps(l).encode() + b"\n" for l in lines))
+        batch = service.create("owner", BatchCreate(input_file_id=file.id, endpoint="/v1/chat/completions",
+                                                    completion_window="24h"))
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            if service.get("owner", batch.id).status == "completed":
+                break
+        return gateway, service.get("owner", batch.id)
+
+    gateway, batch = asyncio.run(run())
+    assert batch.request_counts.completed == 8
+    assert gateway.most_running == 1
