@@ -16,11 +16,14 @@ import os
 import secrets
 import time
 from pathlib import Path
+from typing import TypeVar
 
 import msgspec
 
 from gateway.domain_errors import NotFound
 from wire.batches import Batch, FileObject
+
+T = TypeVar("T", bound=msgspec.Struct)  # a stored record: it names its owner
 
 
 class StoredFile(msgspec.Struct, kw_only=True):
@@ -71,13 +74,7 @@ class BatchStorage:
 
     def file(self, owner: str, file_id: str) -> FileObject:
         """The file, if ``owner``'s; another key's file is not found, as a missing one."""
-        path = self._files / f"{file_id}.json"
-        if not _valid_id(file_id) or not path.exists():
-            raise NotFound(f"No such File object: {file_id}", param="file_id", code="file_not_found")
-        stored = msgspec.json.decode(path.read_bytes(), type=StoredFile)
-        if stored.owner != owner:
-            raise NotFound(f"No such File object: {file_id}", param="file_id", code="file_not_found")
-        return stored.file
+        return _owned(self._files, owner, file_id, StoredFile, "File", "file").file
 
     def files(self, owner: str) -> list[FileObject]:
         """``owner``'s files, newest first."""
@@ -106,13 +103,7 @@ class BatchStorage:
         _write(self._batches / f"{stored.batch.id}.json", msgspec.json.encode(stored))
 
     def batch(self, owner: str, batch_id: str) -> StoredBatch:
-        path = self._batches / f"{batch_id}.json"
-        if not _valid_id(batch_id) or not path.exists():
-            raise NotFound(f"No such Batch object: {batch_id}", param="batch_id", code="batch_not_found")
-        stored = msgspec.json.decode(path.read_bytes(), type=StoredBatch)
-        if stored.owner != owner:
-            raise NotFound(f"No such Batch object: {batch_id}", param="batch_id", code="batch_not_found")
-        return stored
+        return _owned(self._batches, owner, batch_id, StoredBatch, "Batch", "batch")
 
     def all_batches(self) -> list[StoredBatch]:
         found = []
@@ -145,3 +136,13 @@ class BatchStorage:
         path = self._batches / f"{batch_id}.{kind}.jsonl"
         if path.exists() and not path.read_bytes().endswith(b"\n") and path.stat().st_size:
             _write(path, b"".join(line + b"\n" for line in self.results(batch_id, kind)))
+
+
+def _owned(directory: Path, owner: str, record_id: str, kind: type[T], name: str, noun: str) -> T:
+    """The record ``record_id`` of ``kind`` in ``directory`` if it is ``owner``'s: another key's is not found, as
+    a missing one is."""
+    path = directory / f"{record_id}.json"
+    stored = msgspec.json.decode(path.read_bytes(), type=kind) if _valid_id(record_id) and path.exists() else None
+    if stored is None or stored.owner != owner:
+        raise NotFound(f"No such {name} object: {record_id}", param=f"{noun}_id", code=f"{noun}_not_found")
+    return stored
