@@ -57,6 +57,9 @@ class UpstreamConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # A vLLM or SGLang server with prefix caching: a semantic call waiting for its inputs has its prompt, up to
     # its first pending variable, prefilled there ahead (one prefill-only request) and then runs there.
     prefill_ahead: bool = False
+    # The model is an embedding model: POST /v1/embeddings for it is passed through to this upstream
+    # (only upstreams so marked get embeddings requests; chat requests go to it as to any upstream).
+    embeddings: bool = False
 
     def served_model(self) -> str:
         return self.upstream_model or self.model
@@ -138,6 +141,28 @@ class ResponsesConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_response_bytes: Annotated[int, msgspec.Meta(ge=1)] = 16 * 1024 * 1024  # one stored conversation; beyond: 413
     ttl_s: Annotated[float, msgspec.Meta(gt=0)] = 86_400.0  # a stored response nobody read or continued this long goes
     max_input_items: Annotated[int, msgspec.Meta(ge=1)] = 4096  # items in one request's input
+    # On an engine with contexts (the builtin one) a stored response's conversation stays pinned there, and the
+    # next turn with previous_response_id runs as a fork of it (gateway/responses/contexts.py).
+    pin_contexts: bool = True
+    max_pinned_contexts: Annotated[int, msgspec.Meta(ge=0)] = 64  # all keys together; the least recently used go
+    context_idle_ttl_s: Annotated[float, msgspec.Meta(gt=0)] = 600.0  # a pinned conversation unused this long goes
+
+
+class FilesConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Uploaded files (POST /v1/files, purpose batch) and batches (/v1/batches), kept on disk under ``dir``."""
+
+    dir: str | None = None  # None: files/ in the data directory (gateway/state data_dir()). PARROT_FILES_DIR
+    max_file_bytes: Annotated[int, msgspec.Meta(ge=1)] = 100 * 1024 * 1024  # an upload above it is a 413
+    max_batch_lines: Annotated[int, msgspec.Meta(ge=1)] = 50_000
+    # Lines of all batches in flight at once (each one throughput-criteria work: live requests go first).
+    batch_concurrency: Annotated[int, msgspec.Meta(ge=1)] = 4
+    # ... and while live requests are in flight on the engines (each new line waits until fewer batch lines run).
+    batch_concurrency_beside_live: Annotated[int, msgspec.Meta(ge=1)] = 1
+
+    def directory(self) -> str:
+        from gateway.state import data_dir  # the one definition of the data directory (the state's file is there)
+
+        return self.dir or str(data_dir() / "files")
 
 
 class DashboardConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -290,6 +315,7 @@ class GatewayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     state: StateConfig = msgspec.field(default_factory=StateConfig)
     dashboard: DashboardConfig = msgspec.field(default_factory=DashboardConfig)
     responses: ResponsesConfig = msgspec.field(default_factory=ResponsesConfig)
+    files: FilesConfig = msgspec.field(default_factory=FilesConfig)
     upstreams: list[UpstreamConfig] = []
 
     def builtin_enabled(self) -> bool:
@@ -306,6 +332,7 @@ ENV_OVERRIDES: dict[str, tuple[str, str]] = {
     "PARROT_API_KEYS": ("auth", "api_keys"),  # comma-separated
     "PARROT_ADMIN_KEYS": ("auth", "admin_keys"),  # comma-separated
     "PARROT_MAX_BODY_BYTES": ("limits", "max_body_bytes"),
+    "PARROT_FILES_DIR": ("files", "dir"),
     "PARROT_MAX_TOKENS": ("limits", "max_tokens"),
     "PARROT_MAX_REQUEST_TOKENS": ("limits", "max_request_tokens"),
     "PARROT_REQUEST_TIMEOUT_S": ("limits", "request_timeout_s"),

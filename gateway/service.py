@@ -15,7 +15,7 @@ from engines.seam.connect import connect, has_capability
 from wire.openai import COMPLETIONS_DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest, prompt_count, served_tier
 from wire.sse import SSE_DONE, sse_event
 from engines.seam.upstream import upstream_class
-from gateway.attempts import Attempts
+from gateway.attempts import Attempts, retryable
 from gateway.config import GatewayConfig
 from gateway.domain_errors import Conflict, Invalid, model_not_found
 from gateway.errors import engine_error_body, error_payload
@@ -99,7 +99,7 @@ class Gateway:
         for i, upstream in enumerate(self.config.upstreams):
             name = upstream.name or f"upstream-{i}"
             options: dict[str, Any] = dict(upstream_model=upstream.served_model(), api_key_env=upstream.api_key_env,
-                                           transport=self.transport)
+                                           transport=self.transport, embeds=upstream.embeddings)
             prioritized = upstream.priority_scheduling != "off"  # vLLM / SGLang: criteria become their `priority`
             if prioritized:
                 options["lower_first"] = upstream.priority_scheduling == "lower_first"
@@ -302,6 +302,57 @@ class Gateway:
             self.outcomes.succeeded(model, record.engine.name, reported, started)
             return Answer(response, record.id, reported, dispatched_at)
         raise self.outcomes.no_engine(model, attempts.last_error)
+
+    # ------------------------------------------------------------ embeddings
+
+    def embedding_engines(self, model: str) -> list[EngineRecord]:
+        """The healthy engines of ``model`` that compute embeddings; a 404 when the model is not served,
+        a 400 naming it when it is but no engine of it embeds (a chat model, the builtin engine's)."""
+        if not self.registry.serves(model):
+            raise model_not_found(model)
+        records = [r for r in self.registry.candidates(model) if getattr(r.engine, "embeds", False)]
+        if not records and not any(getattr(r.engine, "embeds", False) for r in self.registry.records()
+                                   if model in r.models):
+            raise Invalid(f"The model `{model}` does not compute embeddings here: it is served for chat and "
+                          "completions only. Ask an embedding model (configured as an upstream with "
+                          "embeddings = true).", param="model", code="model_not_embedding")
+        return records
+
+    async def embed(self, model: str, body: dict[str, Any], placement: Placement = Placement()) -> Answer:
+        """POST /v1/embeddings on an engine of ``model`` that embeds, retried on another one (or the same one,
+        up to [routing] num_retries) when it failed in a way another attempt may not."""
+        started = time.perf_counter()
+        tried: set[str] = set()
+        last_error: EngineError | None = None
+        for _ in range(self.retries + 1):
+            records = self.embedding_engines(model)
+            fresh = [r for r in records if r.id not in tried] or records
+            record = self.scheduler.place(Work(placement=placement), fresh)
+            if record is None:
+                break
+            tried.add(record.id)
+            record.breaker.attempt()
+            measured = self.metrics.on(model, record.engine.name)
+            record.in_flight += 1
+            measured.requests_running.inc()
+            record.requests.add()
+            try:
+                response = await record.engine.embed(body)  # type: ignore[attr-defined]
+            except EngineError as exc:
+                if retryable(exc):
+                    record.breaker.failed()
+                    last_error = exc
+                    continue
+                record.breaker.succeeded()  # it answered: the request was at fault
+                self.outcomes.failed(model, exc)
+                raise
+            finally:
+                record.in_flight -= 1
+                measured.requests_running.dec()
+            record.breaker.succeeded()
+            self.outcomes.succeeded(model, record.engine.name, read_usage(response), started)
+            return Answer(response, record.id)
+        raise self.outcomes.no_engine(model, last_error)
 
     # ------------------------------------------------------------ streaming
 

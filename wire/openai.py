@@ -225,6 +225,45 @@ class CompletionRequest(RequestFields, kw_only=True, omit_defaults=True):
         return (self.n or 1) * prompt_count(self.prompt)
 
 
+class EmbeddingRequest(Struct, kw_only=True, omit_defaults=True):
+    """POST /v1/embeddings. Only what the gateway checks; the body goes to the engine as it came."""
+
+    model: Annotated[str, Meta(min_length=1)]
+    # A string, strings, token ids or lists of token ids, as OpenAI takes them.
+    input: Union[str, list[Union[str, int, list[int]]]]
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: Annotated[int, Meta(ge=1)] | None = None
+    user: str | None = None
+
+    def validate(self) -> None:
+        if self.input == "" or self.input == [] or (isinstance(self.input, list)
+                                                    and any(item in ("", []) for item in self.input)):
+            raise InvalidRequest("input: must not be empty (nor hold an empty string or token list)", param="input")
+        if isinstance(self.input, list) and len({type(item) for item in self.input}) > 1:
+            raise InvalidRequest("input: a string, a list of strings, a list of token ids or a list of such lists, "
+                                 "not a mix", param="input")
+
+
+class Embedding(Struct):
+    index: int
+    embedding: Union[list[float], str]  # floats, or base64 of little-endian float32s (encoding_format)
+    object: Literal["embedding"] = "embedding"
+
+
+class EmbeddingUsage(Struct):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+
+
+class EmbeddingList(Struct):
+    """POST /v1/embeddings's answer, as the engine gave it (documented here, passed through unread)."""
+
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+    object: Literal["list"] = "list"
+
+
 def prompt_count(prompt: Any) -> int:
     """How many prompts a completions ``prompt`` holds (one token-id list is one prompt)."""
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):

@@ -27,6 +27,7 @@ from engines.seam.errors import (
 from engines.seam.interface import (
     ContextEngine,
     Count,
+    EmbeddingEngine,
     Engine,
     EngineStats,
     HintedEngine,
@@ -35,7 +36,7 @@ from engines.seam.interface import (
     Route,
 )
 
-__all__ = ["ContextEngine", "Count", "Engine", "EngineError", "EngineOverloaded", "EngineRefusedGateway", "EngineRejected", "EngineStats",
+__all__ = ["ContextEngine", "Count", "EmbeddingEngine", "Engine", "EngineError", "EngineOverloaded", "EngineRefusedGateway", "EngineRejected", "EngineStats",
            "EngineTimeout", "EngineUnavailable", "FillResult", "ForkPart", "Generation", "GenerationChunk", "HintedEngine", "PrefillEngine", "PrioritizedEngine",
            "PromptSplit", "Route",
            "Segment"]

@@ -128,6 +128,17 @@ class PrefillEngine(Engine, Protocol):
 
 
 @runtime_checkable
+@runtime_checkable
+class EmbeddingEngine(Engine, Protocol):
+    """An engine that computes embeddings (POST /v1/embeddings) for the models it serves: an upstream
+    configured as an embedding server (``[[upstreams]] embeddings = true``). Per engine, not per class:
+    ``embeds`` says whether this one does."""
+
+    embeds: bool
+
+    async def embed(self, body: dict[str, Any]) -> bytes: ...
+
+
 class ContextEngine(Engine, Protocol):
     """Holds named KV contexts: filled once, forked by many requests, freed when asked."""
 

@@ -111,10 +111,12 @@ class UpstreamEngine:
         api_key: str | None = None,
         api_key_env: str | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        embeds: bool = False,
     ):
         """``api_key``: the bearer token itself (an engine's secret); ``api_key_env``: the name of the
         environment variable holding it (configured upstreams: the key stays out of the config)."""
         self.name = name
+        self.embeds = embeds  # serves an embedding model: POST /v1/embeddings goes here (EmbeddingEngine)
         self.base_url = base_url.rstrip("/")
         self.upstream_model = upstream_model
         self._client = client
@@ -171,6 +173,10 @@ class UpstreamEngine:
         if response.status_code >= 400:
             raise _rejected(self.name, response, response.content)
         return response.content
+
+    async def embed(self, body: dict[str, Any]) -> bytes:
+        """POST /v1/embeddings, passed through as chat requests are."""
+        return await self.create("embeddings", body)  # type: ignore[arg-type]  # a path, as a Route is
 
     async def stream(self, route: Route, body: dict[str, Any]) -> AsyncIterator[bytes]:
         request = self._request(route, body)

@@ -16,6 +16,7 @@ from gateway.config import ResponsesConfig
 from gateway.domain_errors import DomainError, Invalid
 from gateway.errors import body_error
 from gateway.quotas import Quotas
+from gateway.responses.contexts import ConversationContexts
 from gateway.responses.store import ResponseStore, StoredResponse
 from gateway.service import Gateway
 from gateway.chat_path import ROUTE, check_chat, chunks
@@ -23,6 +24,7 @@ from gateway.translation.chat import completion_decoder
 from gateway.translation.response_stream import ResponseStream
 from gateway.translation.responses import (
     CHAT_PARAMS,
+    chat_messages,
     function_tools,
     incomplete,
     input_items,
@@ -58,6 +60,13 @@ class ResponsesService:
         self.quotas = quotas
         self.config = config
         self.store = ResponseStore(config)
+        self.contexts = ConversationContexts(gateway, config)  # stored conversations pinned on the engine
+        self.store.on_drop = self.contexts.release
+
+    def sweep(self) -> None:
+        """Forgets the stored responses past their TTL and frees the pinned conversations idle too long."""
+        self.store.sweep()
+        self.contexts.sweep()
 
     # ------------------------------------------------------------ checking
 
@@ -123,12 +132,28 @@ class ResponsesService:
             response.service_tier = completion.service_tier
 
     async def create(self, prepared: Prepared) -> Response:
-        """A response run to its end and stored (when asked) before it is returned."""
+        """A response run to its end and stored (when asked) before it is returned. A next turn of a
+        conversation pinned on an engine runs as a fork of it there (contexts.py); its own conversation is
+        pinned in turn."""
         async with self.quotas.admitted(prepared.owner, prepared.estimate):
-            answer = await self.gateway.create(ROUTE, prepared.request.model, prepared.chat)
-        self._finish(prepared.response, answer.body)
-        self._store(prepared)
+            forked = None
+            if prepared.request.previous_response_id:
+                forked = await self.contexts.fork(prepared.request.previous_response_id, prepared.chat)
+            if forked is None:
+                answer = await self.gateway.create(ROUTE, prepared.request.model, prepared.chat)
+                forked = (answer.body, answer.engine_id)
+        body, engine_id = forked
+        self._finish(prepared.response, body)
+        if self._store(prepared) is not None:
+            self._pin(prepared, engine_id)
+            if prepared.request.previous_response_id:  # the conversation goes on from this turn's context now:
+                self.contexts.release(prepared.request.previous_response_id)  # a branch from the last runs plain
         return prepared.response
+
+    def _pin(self, prepared: Prepared, engine_id: str) -> None:
+        if prepared.response.status == "completed":
+            self.contexts.pin_later(prepared.response.id, engine_id, prepared.chat,
+                                    chat_messages(None, prepared.response.output))
 
     async def start_background(self, prepared: Prepared) -> bytes:
         """A response queued and run by a task of its own; answered (as it stands now) at once."""
@@ -215,6 +240,7 @@ class ResponsesService:
                     yield writer.finish()
                 if stored is not None:
                     self.store.put(prepared.owner, stored)
+                    self._pin(prepared, opened.record.id)
                 yield writer.last()
             finally:
                 if prepared.response.status == "in_progress":  # the client left before the end

@@ -52,6 +52,7 @@ class ResponseStore:
         self._clock = clock
         self._by_owner: dict[str, OrderedDict[str, StoredResponse]] = {}
         self._bytes: dict[str, int] = {}
+        self.on_drop: Callable[[str], None] = lambda response_id: None  # a response deleted or forgotten
 
     def check_size(self, earlier: list[Item], input: list[Item]) -> None:
         """A 413 for a turn whose conversation, before its output, is already over the limit."""
@@ -104,6 +105,7 @@ class ResponseStore:
         self._bytes[owner] -= stored.size
         if stored.task is not None and not stored.task.done():
             stored.task.cancel()
+        self.on_drop(stored.response.id)
         if not responses:
             del self._by_owner[owner], self._bytes[owner]
 

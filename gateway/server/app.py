@@ -28,9 +28,10 @@ from gateway.quotas import Quotas
 from gateway.state import describe, open_store
 from gateway.server.openapi import document
 from gateway.registry import EngineRegistry
+from gateway.batches.service import BatchService
+from gateway.batches.store import BatchStorage
 from gateway.messages.service import MessagesService
 from gateway.responses.service import ResponsesService
-from gateway.responses.store import ResponseStore
 from gateway.server.routes import ROUTES
 from gateway.semantic.service import SemanticService
 from gateway.service import Gateway
@@ -58,7 +59,7 @@ def _http_client(config: GatewayConfig) -> tuple[httpx.AsyncClient, httpx.AsyncB
 
 
 async def _sweep(semantic: SemanticService, quotas: Quotas, session_idle_ttl_s: float,
-                 responses: ResponseStore) -> None:
+                 responses: ResponsesService) -> None:
     """Closes idle sessions, forgets the rate state of idle keys and expired stored responses, every TTL / 4
     (at least once a minute)."""
     while True:
@@ -96,6 +97,8 @@ def create_app(config: GatewayConfig | None = None) -> Litestar:
             app.state.quotas = quotas = Quotas(config.quotas, store, seat_ttl_s=config.state.seat_ttl_s)
             app.state.responses = ResponsesService(gateway, quotas, config.responses)
             app.state.messages = MessagesService(gateway, quotas)
+            app.state.batches = BatchService(gateway, BatchStorage(config.files.directory()), config.files)
+            app.state.batches.resume()  # batches a previous process left running go on
             app.state.semantic = SemanticService(gateway, config.semantic, limits_of=quotas.limits, tracing=tracing,
                                                  store=store)
             app.state.semantic.start()
@@ -114,11 +117,12 @@ def create_app(config: GatewayConfig | None = None) -> Litestar:
             if app.state.supervisor is not None:
                 app.state.supervisor.start()
             sweeper = asyncio.create_task(_sweep(app.state.semantic, quotas, config.semantic.session_idle_ttl_s,
-                                             app.state.responses.store))
+                                             app.state.responses))
             try:
                 yield
             finally:
                 sweeper.cancel()
+                await app.state.batches.aclose()  # stopped where they are: resumed on the next start
                 if app.state.supervisor is not None:
                     await app.state.supervisor.aclose()
                 await registry.aclose()

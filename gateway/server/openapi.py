@@ -21,6 +21,7 @@ from litestar.openapi.spec import (
     OpenAPIHeader,
     OpenAPIMediaType,
     OpenAPIResponse,
+    OpenAPIFormat,
     OpenAPIType,
     Operation,
     PathItem,
@@ -35,9 +36,12 @@ from wire.openai import (
     ChatCompletionRequest,
     Completion,
     CompletionRequest,
+    EmbeddingList,
+    EmbeddingRequest,
     ErrorResponse,
 )
 from wire.anthropic import AnthropicError, AnthropicMessage, CountTokensRequest, MessagesRequest, TokenCount
+from wire.batches import BatchCreate
 from wire.responses import Response, ResponsesRequest
 from gateway.config import GatewayConfig
 from gateway.server.routes import HealthReport
@@ -89,6 +93,14 @@ ROUTE_ERRORS: dict[str, tuple[int, ...]] = {
     "GET /v1/responses/{response_id}/input_items": (404,),
     "POST /v1/messages": (404, 429, *_ENGINE_FAILURES),
     "POST /v1/messages/count_tokens": (404, 429, *_ENGINE_FAILURES),
+    "POST /v1/embeddings": (404, 429, *_ENGINE_FAILURES),
+    "POST /v1/files": (415,),
+    "GET /v1/files/{file_id}": (404,),
+    "GET /v1/files/{file_id}/content": (404,),
+    "DELETE /v1/files/{file_id}": (404,),
+    "POST /v1/batches": (404,),
+    "GET /v1/batches/{batch_id}": (404,),
+    "POST /v1/batches/{batch_id}/cancel": (400, 404),
 }
 # Routes that answer Anthropic's error object (its `error.type` by status) rather than OpenAI's.
 _ANTHROPIC_ROUTES = "/v1/messages"
@@ -218,7 +230,8 @@ def _add_schemas(app: Litestar) -> dict[str, Any]:
     rendering loses what msgspec enforces (``forbid_unknown_fields`` is ``additionalProperties: false``)."""
     types = [ChatCompletionRequest, CompletionRequest, ChatCompletion, Completion, Accepted, ErrorResponse,
              ParrotExtension, HealthReport, ResponsesRequest, Response, MessagesRequest, CountTokensRequest,
-             AnthropicMessage, TokenCount, AnthropicError, *_handler_structs(app)]
+             AnthropicMessage, TokenCount, AnthropicError, EmbeddingRequest, EmbeddingList, BatchCreate,
+             *_handler_structs(app)]
     _, components = msgspec.json.schema_components(types, ref_template=_COMPONENTS)
     extension = {"anyOf": [{"$ref": _COMPONENTS.format(name="ParrotExtension")}, {"type": "null"}]}
     for request in ("ChatCompletionRequest", "CompletionRequest"):  # decoded as a dict, then as this
@@ -270,6 +283,7 @@ def _add_openai_routes(spec: OpenAPI, schemas: dict[str, Any]) -> None:
         )
         spec.paths[path] = PathItem(post=operation)
     _add_translated_routes(spec, schemas)
+    _add_batch_routes(spec, schemas)
 
 
 # The POSTs of the other APIs (typed handlers that decode their own bodies, so that errors name the item at
@@ -284,6 +298,10 @@ _TRANSLATED_ROUTES = {
     "/v1/messages/count_tokens": ("CountTokensRequest", "TokenCount",
                                   "Counts a message's input tokens (Anthropic Messages API)", None,
                                   {"messages": [{"role": "user", "content": "What is the capital of France?"}]}),
+    "/v1/embeddings": ("EmbeddingRequest", "EmbeddingList",
+                       "Creates embeddings (OpenAI API) on an engine that serves an embedding model: a model served "
+                       "only for chat is a 400 (`code` model_not_embedding)", None,
+                       {"input": ["The capital of France is Paris."], "encoding_format": "float"}),
 }
 
 
@@ -300,6 +318,20 @@ def _add_translated_routes(spec: OpenAPI, schemas: dict[str, Any]) -> None:
                 type=OpenAPIType.OBJECT, required=["data"], description=f"With `stream: true`: {events}.",
                 properties={"data": Schema(type=OpenAPIType.STRING), "event": Schema(type=OpenAPIType.STRING)}))
         operation.responses = {"200": OpenAPIResponse(description="the answer, or its stream", content=content)}
+
+
+def _add_batch_routes(spec: OpenAPI, schemas: dict[str, Any]) -> None:
+    """The bodies the Files and Batch handlers read themselves: a multipart upload, a batch to create."""
+    assert "BatchCreate" in schemas
+    spec.paths["/v1/batches"].post.request_body = RequestBody(required=True, content={JSON: OpenAPIMediaType(
+        schema=Reference(ref=_COMPONENTS.format(name="BatchCreate")),
+        example={"input_file_id": "file-abc123", "endpoint": "/v1/chat/completions", "completion_window": "24h"})})
+    spec.paths["/v1/files"].post.request_body = RequestBody(required=True, content={
+        "multipart/form-data": OpenAPIMediaType(schema=Schema(
+            type=OpenAPIType.OBJECT, required=["file", "purpose"],
+            properties={"file": Schema(type=OpenAPIType.STRING, format=OpenAPIFormat.BINARY,
+                                       description="JSON lines, one request each (the Batch API's input format)"),
+                        "purpose": Schema(type=OpenAPIType.STRING, enum=["batch"])}))})
 
 
 def _sse_event(chunk: str) -> Schema:

@@ -20,6 +20,8 @@ from gateway.dashboard.routes import DASHBOARD_ROUTES
 from gateway.auth import presented_key
 from gateway.errors import APIError, model_not_found
 from gateway.server.openai_endpoints import chat_completions, completions
+from gateway.server.batch_routes import BATCH_ROUTES
+from gateway.server.embeddings_routes import EMBEDDINGS_ROUTES
 from gateway.server.messages_routes import MESSAGES_ROUTES
 from gateway.server.responses_routes import RESPONSES_ROUTES
 from gateway.semantic.routes import SEMANTIC_ROUTES
@@ -232,5 +234,6 @@ def _hit_rate(stats: EngineStats) -> float:
 
 ROUTES = [chat_completions, completions, list_models, get_model, health, health_ready, health_live, metrics,
           register_engine, engine_heartbeat, deregister_engine, list_engines, *RESPONSES_ROUTES, *MESSAGES_ROUTES,
+          *EMBEDDINGS_ROUTES, *BATCH_ROUTES,
           *SEMANTIC_ROUTES,
           *DASHBOARD_ROUTES]

@@ -85,3 +85,40 @@ def test_messages_on_the_builtin_engine(gateway_url):
         use = final.content[-1]
         assert final.stop_reason == "tool_use" and use.type == "tool_use" and set(use.input) == {"city"}
         assert any(e.type == "content_block_delta" and e.delta.type == "input_json_delta" for e in events)
+
+
+def _forks(gateway_url: str) -> float:
+    import httpx
+
+    lines = httpx.get(f"{gateway_url}/metrics").text.splitlines()
+    return sum(float(line.split()[-1]) for line in lines if line.startswith("parrot:forks_total") and SMOLLM in line)
+
+
+def test_a_stored_conversation_is_forked_from_its_pinned_context(client, gateway_url):
+    """Turns 2-4 through previous_response_id run as forks of the conversation pinned on the engine: their
+    cached tokens cover the earlier conversation, and the answers are the plain path's (greedy), which gets
+    the same conversation as input items with store=false."""
+    questions = ["What is the capital of France?", "And of Italy?", "And of Spain?", "Which is the largest?"]
+    instructions = "Answer in one short sentence."
+    forks_before = _forks(gateway_url)
+    pinned, previous = [], None
+    for question in questions:
+        response = client.responses.create(model=SMOLLM, input=question, previous_response_id=previous,
+                                           temperature=0, max_output_tokens=20, instructions=instructions)
+        pinned.append(response)
+        previous = response.id
+    assert _forks(gateway_url) - forks_before == len(questions) - 1
+
+    history: list = []
+    for question, forked in zip(questions, pinned):
+        history.append({"role": "user", "content": question})
+        plain = client.responses.create(model=SMOLLM, input=history, store=False, temperature=0,
+                                        max_output_tokens=20, instructions=instructions)
+        assert plain.output_text == forked.output_text
+        history.append({"role": "assistant", "content": plain.output_text})
+    for earlier, later in zip(pinned, pinned[1:]):
+        covered = earlier.usage.input_tokens + earlier.usage.output_tokens
+        assert later.usage.input_tokens_details.cached_tokens >= covered - 1, (earlier.usage, later.usage)
+        assert later.usage.input_tokens > covered
+        print(f"turn usage: input {later.usage.input_tokens}, cached {later.usage.input_tokens_details.cached_tokens}")
+    client.responses.delete(pinned[-1].id)  # frees its context (the engine's count is not visible from here)

@@ -253,6 +253,7 @@ def test_dashboard_page_draws_the_live_dag_in_chromium(dashboard_gateway, alice)
             expect(page.locator("#graph .group-box")).to_have_count(0)
             expect(page.locator(f'#sessions li[data-session-id="{job["session"]}"]')).to_have_class("selected")
             expect(page.locator("#engines tbody tr[data-engine-id]")).to_have_count(1)
+            expect(page.locator("#batches tbody")).to_contain_text("No batch.")  # this key has none
             expect(page.locator("#benchmarks img")).to_have_count(1)
             expect(page.locator("#benchmarks figcaption")).to_contain_text("1.23x example throughput, vs a baseline")
             page.wait_for_function("() => document.querySelector('#benchmarks img').naturalWidth > 0")

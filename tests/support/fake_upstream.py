@@ -9,6 +9,7 @@ like any unknown field):
   chunk_delay_s sleep between streamed chunks
   status        answer with this HTTP status and an OpenAI error body
   die_after     streaming: drop the connection after this many chunks (mid-stream failure)
+POST /v1/embeddings answers a deterministic unit vector per input (``embedding``), a token per word.
 ``GET /fake/stats`` reports requests seen (and abandoned by their client during a delay) and streams
 opened/finished/cancelled, and the last request body: counters of this process, shared by every fake it serves.
 """
@@ -16,6 +17,10 @@ opened/finished/cancelled, and the last request body: counters of this process, 
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
+import math
+import struct
 from typing import Any
 
 import msgspec
@@ -78,6 +83,30 @@ async def _stream(send, receive, body: dict[str, Any], fake: dict[str, Any]) -> 
         watcher.cancel()
 
 
+def embedding(text: str | list[int], dimensions: int = 8) -> list[float]:
+    """A deterministic unit vector for an input (its bytes' hash): equal inputs embed equally."""
+    digest = hashlib.sha256(str(text).encode()).digest()
+    vector = [b / 255 - 0.5 for b in digest[:dimensions]]
+    norm = math.sqrt(sum(v * v for v in vector)) or 1.0
+    return [v / norm for v in vector]
+
+
+def embeddings(body: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI embeddings answer: one vector per input, a token a word (or a token id)."""
+    inputs = body["input"]
+    if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
+        inputs = [inputs]
+    dimensions = int(body.get("dimensions") or 8)
+    data = [{"object": "embedding", "index": i, "embedding": embedding(text, dimensions)}
+            for i, text in enumerate(inputs)]
+    tokens = sum(len(text.split()) if isinstance(text, str) else len(text) for text in inputs)
+    if body.get("encoding_format") == "base64":
+        for item in data:
+            item["embedding"] = base64.b64encode(struct.pack(f"<{dimensions}f", *item["embedding"])).decode()
+    return {"object": "list", "data": data, "model": body["model"],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
 async def app(scope, receive, send) -> None:
     if scope["type"] == "lifespan":
         return await lifespan(receive, send)
@@ -86,7 +115,7 @@ async def app(scope, receive, send) -> None:
         return await send_json(send, 200, _stats)
     if method == "GET" and path == "/v1/models":
         return await send_json(send, 200, MODELS)
-    if method != "POST" or path not in ROUTES:
+    if method != "POST" or path not in (*ROUTES, "/v1/embeddings"):
         return await send_json(send, 404, NOT_FOUND)
     body = msgspec.json.decode(await read_body(receive))
     _stats["requests"] += 1
@@ -98,6 +127,8 @@ async def app(scope, receive, send) -> None:
     if fake.get("status"):
         return await send_json(send, int(fake["status"]), {"error": {
             "message": "fake upstream error", "type": "invalid_request_error", "param": None, "code": "fake"}})
+    if path == "/v1/embeddings":
+        return await send_json(send, 200, embeddings(body))
     if body.get("stream"):
         return await _stream(send, receive, body, fake)
     await send_json(send, 200, completion(body))

@@ -333,6 +333,20 @@ function renderEngines(engines) {
   if (!engines.length) body.append(el("tr", {}, el("td", { colspan: 9, class: "muted" }, "No engine registered.")));
 }
 
+function renderBatches(batches) {
+  const body = document.querySelector("#batches tbody");
+  body.replaceChildren();
+  for (const b of batches) {
+    const c = b.request_counts;
+    body.append(el("tr", { "data-batch-id": b.id },
+      el("td", { title: b.id }, short(b.id)),
+      el("td", {}, b.endpoint),
+      el("td", { class: b.status === "failed" ? "bad" : b.status === "completed" ? "ok" : "" }, b.status),
+      el("td", { class: "num" }, `${c.completed} / ${c.failed} / ${c.total}`)));
+  }
+  if (!batches.length) body.append(el("tr", {}, el("td", { colspan: 4, class: "muted" }, "No batch.")));
+}
+
 async function loadBenchmarks() {
   const box = document.getElementById("benchmarks");
   try {
@@ -354,8 +368,10 @@ async function poll() {
   if (view.key === null) { setStatus("enter an API key (or none, on an open gateway) and connect"); return; }
   if (document.hidden) { view.timer = setTimeout(poll, POLL_MS); return; }  // nobody looks: no requests
   try {
-    const [sessions, engines] = await Promise.all([api("/v1/sessions"), api("/v1/engines")]);
+    const [sessions, engines, batches] = await Promise.all([api("/v1/sessions"), api("/v1/engines"),
+                                                           api("/v1/batches?limit=20")]);
     renderEngines(engines);
+    renderBatches(batches.data);
     renderSessions(sessions.data);
     if (view.selected) {
       try { renderGraph(await api(`/v1/sessions/${encodeURIComponent(view.selected)}/graph`)); }

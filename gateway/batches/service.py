@@ -1,0 +1,325 @@
+"""The Batch API's runner: a batch's lines run as throughput-criteria work beside live traffic.
+
+Each line goes through the same checks and engines as a live request of its endpoint, with ``criteria:
+"throughput"`` (the builtin engine serves latency-critical work first; an upstream with priority scheduling gets
+the low priority) and a placement that says so. At most ``[files] batch_concurrency`` lines of all batches are in
+flight at once. Lines whose requests share their leading messages (chat: all but the last message; completions:
+the prompt's first 256 characters) are grouped: a group's first line runs alone, then the rest, so the engine
+computes the shared prefix once and the others find it in its prefix cache. A bad line goes to the error file, the
+rest run. Results are appended to disk as they finish: a batch interrupted by a restart resumes its remaining
+lines when the gateway starts again (``resume``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import msgspec
+
+from engines.seam import EngineError
+from gateway.batches.store import BatchStorage, StoredBatch, new_batch_id
+from gateway.config import FilesConfig
+from gateway.domain_errors import DomainError, Invalid
+from gateway.errors import APIError, body_error, domain_error_body, domain_status
+from gateway.scheduler import Placement
+from gateway.service import REQUEST_SCHEMAS, Gateway
+from http_plumbing.http_errors import engine_error_body
+from wire.batches import (Batch, BatchCreate, BatchErrorItem, BatchErrors, LineError, LineResponse, OutputLine,
+                          RequestCounts)
+from wire.errors import InvalidRequest
+from wire.openai import EmbeddingRequest, ErrorBody, new_id
+
+log = logging.getLogger("parrot.batches")
+
+THROUGHPUT = {"criteria": "throughput", "priority": 0}  # the scheduling hints of every batch line
+PREFIX_CHARS = 256
+_RUNNING = ("validating", "in_progress", "finalizing")
+_DONE = ("failed", "completed", "expired", "cancelled")
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+def line_id(batch_id: str, index: int) -> str:
+    """A line's result id, the same across a restart (so the lines already answered are known)."""
+    return f"batch_req_{batch_id.removeprefix('batch_')}_{index}"
+
+
+def _index_of(result: bytes) -> int | None:
+    try:
+        return int(msgspec.json.decode(result, type=dict)["id"].rsplit("_", 1)[1])
+    except (msgspec.DecodeError, KeyError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def _group_key(endpoint: str, body: Any) -> str | None:
+    """What a line shares with others of its group: the model and its leading messages (chat) or prompt start."""
+    if not isinstance(body, dict):
+        return None
+    if endpoint == "/v1/chat/completions" and isinstance(body.get("messages"), list):
+        return msgspec.json.encode([body.get("model"), body["messages"][:-1]]).decode()
+    if endpoint == "/v1/completions" and isinstance(body.get("prompt"), str):
+        return msgspec.json.encode([body.get("model"), body["prompt"][:PREFIX_CHARS]]).decode()
+    return None
+
+
+class BatchService:
+    def __init__(self, gateway: Gateway, storage: BatchStorage, config: FilesConfig):
+        self.gateway = gateway
+        self.storage = storage
+        self.config = config
+        self._slots = asyncio.Semaphore(config.batch_concurrency)  # lines of all batches in flight
+        self._tasks: dict[str, asyncio.Task] = {}
+        self._in_flight = 0  # batch lines on the engines now
+        self._save_lock = asyncio.Lock()
+
+    # ------------------------------------------------------------ the API
+
+    def create(self, owner: str, request: BatchCreate) -> Batch:
+        file = self.storage.file(owner, request.input_file_id)
+        if file.purpose != "batch":
+            raise Invalid(f"file {file.id} was uploaded for purpose {file.purpose!r}, not 'batch'",
+                          param="input_file_id")
+        lines = self._lines(owner, request.input_file_id)
+        if not lines:
+            raise Invalid("the input file holds no request lines", param="input_file_id")
+        if len(lines) > self.config.max_batch_lines:
+            raise Invalid(f"the input file holds {len(lines)} lines, above this server's limit of "
+                          f"{self.config.max_batch_lines}", param="input_file_id")
+        now = _now()
+        batch = Batch(id=new_batch_id(), endpoint=request.endpoint, input_file_id=file.id,
+                      completion_window=request.completion_window, status="in_progress", created_at=now,
+                      in_progress_at=now, expires_at=now + 24 * 3600, metadata=request.metadata,
+                      request_counts=RequestCounts(total=len(lines)))
+        stored = StoredBatch(owner=owner, batch=batch)
+        self.storage.save_batch(stored)
+        self._start(stored)
+        return batch
+
+    def get(self, owner: str, batch_id: str) -> Batch:
+        return self.storage.batch(owner, batch_id).batch
+
+    def list(self, owner: str) -> list[Batch]:
+        return [s.batch for s in self.storage.all_batches() if s.owner == owner]
+
+    async def cancel(self, owner: str, batch_id: str) -> Batch:
+        stored = self.storage.batch(owner, batch_id)
+        if stored.batch.status in _DONE:
+            if stored.batch.status == "cancelled":
+                return stored.batch
+            raise Invalid(f"batch {batch_id} is {stored.batch.status}: it cannot be cancelled", param="batch_id")
+        stored.batch.status = "cancelling"
+        stored.batch.cancelling_at = _now()
+        self.storage.save_batch(stored)
+        task = self._tasks.get(batch_id)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        else:
+            self._finish(stored, "cancelled")
+        return self.storage.batch(owner, batch_id).batch
+
+    def in_progress(self) -> list[Batch]:
+        """Every key's running batches (the dashboard's progress)."""
+        return [s.batch for s in self.storage.all_batches() if s.batch.status in (*_RUNNING, "cancelling")]
+
+    def resume(self) -> int:
+        """Starts again the batches a previous process left running (their lines not yet answered);
+        finishes those it left cancelling. Returns how many were resumed."""
+        resumed = 0
+        for stored in self.storage.all_batches():
+            if stored.batch.status == "cancelling":
+                self._finish(stored, "cancelled")
+            elif stored.batch.status in _RUNNING and stored.batch.id not in self._tasks:
+                log.info("resuming batch %s", stored.batch.id)
+                self._start(stored)
+                resumed += 1
+        return resumed
+
+    async def aclose(self) -> None:
+        """Stops the running batches where they are (on shutdown): they resume on the next start."""
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ------------------------------------------------------------ running
+
+    def _lines(self, owner: str, file_id: str) -> list[bytes]:
+        return [line for line in self.storage.content(owner, file_id).splitlines() if line.strip()]
+
+    def _start(self, stored: StoredBatch) -> None:
+        task = asyncio.create_task(self._run(stored), name=f"batch {stored.batch.id}")
+        self._tasks[stored.batch.id] = task
+        task.add_done_callback(lambda _: self._tasks.pop(stored.batch.id, None))
+
+    async def _run(self, stored: StoredBatch) -> None:
+        batch = stored.batch
+        closing = False
+        try:
+            for kind in ("out", "err"):
+                self.storage.drop_torn_results(batch.id, kind)
+            answered = {i for kind in ("out", "err") for line in self.storage.results(batch.id, kind)
+                        if (i := _index_of(line)) is not None}
+            lines = self._lines(stored.owner, batch.input_file_id)
+            batch.request_counts = RequestCounts(total=len(lines), completed=len(self.storage.results(batch.id, "out")),
+                                                 failed=len(self.storage.results(batch.id, "err")))
+            groups: dict[str | None, list[tuple[int, Any]]] = {}
+            seen: set[str] = set()
+            for index, raw in enumerate(lines):
+                if index in answered:
+                    continue
+                try:
+                    item = msgspec.json.decode(raw)
+                except msgspec.DecodeError as exc:
+                    await self._record(stored, index, None, error=LineError(code="invalid_json",
+                                                                            message=f"line {index + 1}: {exc}"))
+                    continue
+                custom_id = item.get("custom_id") if isinstance(item, dict) else None
+                if isinstance(custom_id, str) and custom_id in seen:
+                    await self._record(stored, index, custom_id, error=LineError(
+                        code="duplicate_custom_id", message=f"line {index + 1}: custom_id {custom_id!r} is not unique"))
+                    continue
+                if isinstance(custom_id, str):
+                    seen.add(custom_id)
+                key = _group_key(batch.endpoint, item.get("body") if isinstance(item, dict) else None)
+                groups.setdefault(key if key is not None else f"#{index}", []).append((index, item))
+            await asyncio.gather(*(self._group(stored, members) for members in groups.values()))
+            closing = True
+            self._finish(stored, "completed")
+        except asyncio.CancelledError:
+            current = self.storage.batch(stored.owner, batch.id).batch
+            if current.status == "cancelling":  # cancelled by its owner; else the gateway stops: resumed later
+                self._finish(stored, "cancelled")
+            raise
+        except Exception as exc:  # noqa: BLE001 - a batch that cannot run fails, with the reason
+            if closing:
+                raise
+            log.exception("batch %s failed", batch.id)
+            batch.errors = BatchErrors(data=[BatchErrorItem(code="batch_failed", message=str(exc))])
+            self._finish(stored, "failed")
+
+    async def _group(self, stored: StoredBatch, members: list[tuple[int, Any]]) -> None:
+        """The group's first line alone (it leaves the shared prefix in the engine's cache), then the others."""
+        first, *rest = members
+        await self._line(stored, *first)
+        await asyncio.gather(*(self._line(stored, index, item) for index, item in rest))
+
+    async def _line(self, stored: StoredBatch, index: int, item: Any) -> None:
+        batch = stored.batch
+        custom_id = item.get("custom_id") if isinstance(item, dict) else None
+        problem = _line_problem(item, batch.endpoint, index)
+        if problem is not None:
+            await self._record(stored, index, custom_id if isinstance(custom_id, str) else None,
+                               error=LineError(code="invalid_request", message=problem))
+            return
+        async with self._slots:
+            await self._beside_live()
+            self._in_flight += 1
+            try:
+                status, body = await self._send(batch.endpoint, dict(item["body"]), batch.id)
+            finally:
+                self._in_flight -= 1
+        await self._record(stored, index, custom_id,
+                           response=LineResponse(status_code=status, request_id=new_id("req"), body=body))
+
+    def live_in_flight(self) -> int:
+        """Requests on the engines now that are not batch lines."""
+        return max(0, sum(r.in_flight for r in self.gateway.registry.records()) - self._in_flight)
+
+    async def _beside_live(self) -> None:
+        """Waits while live requests run and already ``batch_concurrency_beside_live`` batch lines do: live
+        traffic shares the engines with fewer batch lines than an idle gateway gives them."""
+        while self._in_flight >= self.config.batch_concurrency_beside_live and self.live_in_flight() > 0:
+            await asyncio.sleep(0.02)
+
+    async def _send(self, endpoint: str, body: dict[str, Any], batch_id: str) -> tuple[int, Any]:
+        """A line's request as a live one of ``endpoint`` would run, as throughput work: its status and body."""
+        placement = Placement(latency=False, group=batch_id)
+        try:
+            if endpoint == "/v1/embeddings":
+                request = msgspec.convert(body, EmbeddingRequest)
+                request.validate()
+                answer = await self.gateway.embed(request.model, body, placement)
+            else:
+                route = endpoint.removeprefix("/v1/")
+                data = msgspec.convert(body, REQUEST_SCHEMAS[route])  # type: ignore[index]
+                if data.parrot is not None:
+                    raise Invalid("a batch line takes no `parrot` extension", param="body.parrot")
+                self.gateway.check(data)
+                answer = await self.gateway.create(route, data.model, body, hints=THROUGHPUT,  # type: ignore[arg-type]
+                                                   placement=placement)
+            return 200, msgspec.json.decode(answer.body)
+        except msgspec.ValidationError as exc:
+            error = body_error(exc)
+            return error.status_code, _error(error.body)
+        except InvalidRequest as exc:
+            return 400, _error(ErrorBody(message=str(exc), type="invalid_request_error", param=exc.param))
+        except APIError as exc:
+            return exc.status_code, _error(exc.body)
+        except DomainError as exc:
+            return domain_status(exc), _error(domain_error_body(exc))
+        except EngineError as exc:
+            return exc.status_code, _error(engine_error_body(exc))
+        except msgspec.DecodeError:
+            return 502, _error(ErrorBody(message="the engine's answer was not JSON", type="api_error",
+                                         code="upstream_error"))
+
+    async def _record(self, stored: StoredBatch, index: int, custom_id: str | None, *,
+                      response: LineResponse | None = None, error: LineError | None = None) -> None:
+        batch = stored.batch
+        ok = response is not None and response.status_code < 400
+        line = OutputLine(id=line_id(batch.id, index), custom_id=custom_id, response=response, error=error)
+        self.storage.append_result(batch.id, "out" if ok else "err", msgspec.json.encode(line))
+        if ok:
+            batch.request_counts.completed += 1
+        else:
+            batch.request_counts.failed += 1
+        async with self._save_lock:
+            current = self.storage.batch(stored.owner, batch.id).batch
+            if current.status == "cancelling" and batch.status != "cancelling":
+                batch.status, batch.cancelling_at = current.status, current.cancelling_at
+            self.storage.save_batch(stored)
+
+    def _finish(self, stored: StoredBatch, status: str) -> None:
+        """The batch's end: its result lines become its output and error files."""
+        batch = stored.batch
+        now = _now()
+        batch.finalizing_at = batch.finalizing_at or now
+        out = self.storage.results(batch.id, "out")
+        err = self.storage.results(batch.id, "err")
+        batch.request_counts.completed, batch.request_counts.failed = len(out), len(err)
+        if out:
+            batch.output_file_id = self.storage.put_file(stored.owner, f"{batch.id}_output.jsonl", "batch_output",
+                                                         b"".join(line + b"\n" for line in out)).id
+        if err:
+            batch.error_file_id = self.storage.put_file(stored.owner, f"{batch.id}_error.jsonl", "batch_output",
+                                                        b"".join(line + b"\n" for line in err)).id
+        batch.status = status  # type: ignore[assignment]
+        setattr(batch, f"{status}_at", now)
+        self.storage.save_batch(stored)
+
+
+def _error(body: ErrorBody) -> dict[str, Any]:
+    return {"error": msgspec.to_builtins(body)}
+
+
+def _line_problem(item: Any, endpoint: str, index: int) -> str | None:
+    """Why a line cannot be sent at all (it then has an ``error`` and no response), or None."""
+    at = f"line {index + 1}"
+    if not isinstance(item, dict):
+        return f"{at}: a request line is a JSON object"
+    if not isinstance(item.get("custom_id"), str) or not item["custom_id"]:
+        return f"{at}: custom_id must be a non-empty string"
+    if item.get("method", "POST") != "POST":
+        return f"{at}: method must be POST"
+    if item.get("url") != endpoint:
+        return f"{at}: url {item.get('url')!r} is not the batch's endpoint {endpoint}"
+    if not isinstance(item.get("body"), dict):
+        return f"{at}: body must be a JSON object"
+    if item["body"].get("stream"):
+        return f"{at}: a batch line is not streamed (stream: true)"
+    return None

@@ -1,0 +1,198 @@
+"""Stored responses keep their conversation's KV context on an engine with contexts (the builtin one).
+
+When a stored turn ran on such an engine, the conversation so far (its answer included, up to where the next
+user message's text would start) is filled into a named context there and pinned. A next turn with
+``previous_response_id`` whose new input is one user message, on the same engine, then runs as a fork of that
+context: the engine computes only the new message and what follows it. The prompt is cut by the engine itself
+(``split_prompt`` with the next message as a variable), and a fork is made only when the next turn's prompt
+starts with exactly the pinned text (same instructions, same conversation), so its answer is the unpinned
+path's. Pinned contexts are bounded (``[responses] max_pinned_contexts``, the least recently used freed first),
+freed after ``context_idle_ttl_s`` unused and when their response is deleted or forgotten by the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from typing import Any, NamedTuple
+
+import msgspec
+
+from engines.seam import ContextEngine, EngineError, PromptSplit
+from engines.seam.connect import has_capability
+from gateway.config import ResponsesConfig
+from gateway.quotas import count_tokens
+from gateway.service import Gateway
+from wire.sampling import sampling_of
+
+log = logging.getLogger("parrot.responses")
+
+NEXT = "parrot_next_input"  # the variable where the next turn's user message goes
+PLACEHOLDER = {"role": "user", "content": "{{" + NEXT + "}}"}
+_NOT_FORKED = ("tools", "response_format", "logprobs", "top_logprobs")
+
+
+class Pinned(NamedTuple):
+    engine_id: str
+    context_id: str
+    prefix: str  # the rendered conversation the context holds
+
+
+def _probe(chat: dict[str, Any], messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The chat body with the next user message as the variable the engine cuts the prompt at."""
+    body = {k: v for k, v in chat.items() if k not in ("stream", "stream_options")}
+    body["messages"] = [*messages, PLACEHOLDER]
+    return body
+
+
+def forkable(chat: dict[str, Any]) -> bool:
+    return not any(chat.get(k) for k in _NOT_FORKED) and (chat.get("n") or 1) == 1
+
+
+def new_user_text(chat: dict[str, Any]) -> str | None:
+    """The next turn's new user message as text, when that is all its input is (else None: not forked)."""
+    last = chat["messages"][-1]
+    if last.get("role") != "user":
+        return None
+    content = last.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(p.get("type") == "text" for p in content):
+        return "".join(p.get("text") or "" for p in content)
+    return None
+
+
+class ConversationContexts:
+    def __init__(self, gateway: Gateway, config: ResponsesConfig, clock=time.monotonic):
+        self.gateway = gateway
+        self.config = config
+        self._clock = clock
+        self._pinned: OrderedDict[str, tuple[Pinned, float]] = OrderedDict()  # response id -> pin, last used
+        self._pending: dict[str, asyncio.Task] = {}
+        self.forks = 0  # turns run as a fork of a pinned conversation
+
+    def _engine(self, engine_id: str) -> ContextEngine | None:
+        record = self.gateway.registry.get(engine_id)
+        if record is None or not has_capability(record.engine, ContextEngine):
+            return None
+        return record.engine  # type: ignore[return-value]
+
+    def pin_later(self, response_id: str, engine_id: str, chat: dict[str, Any],
+                  answer: list[dict[str, Any]]) -> None:
+        """After a stored turn ran on ``engine_id``: fills its conversation (``chat``'s messages and the
+        ``answer``'s) into a context there, in a task a next turn waits for."""
+        if not self.config.pin_contexts or not forkable(chat) or self._engine(engine_id) is None:
+            return
+        task = asyncio.create_task(self._pin(response_id, engine_id, chat, answer))
+        self._pending[response_id] = task
+        task.add_done_callback(lambda _: self._pending.pop(response_id, None))
+
+    async def _pin(self, response_id: str, engine_id: str, chat: dict[str, Any], answer: list[dict[str, Any]]) -> None:
+        engine = self._engine(engine_id)
+        if engine is None:
+            return
+        try:
+            split = await engine.split_prompt("chat/completions", _probe(chat, [*chat["messages"], *answer]))
+            if not split.prefix:
+                return
+            context_id = f"resp-{uuid.uuid4().hex}"
+            try:
+                await engine.fill(text=split.prefix, context_id=context_id)
+            except asyncio.CancelledError:  # released meanwhile: whatever the engine filled is freed
+                asyncio.get_running_loop().create_task(self._free(engine, context_id))
+                raise
+        except EngineError as exc:
+            log.info("pinning the conversation of %s failed: %s", response_id, exc)
+            return
+        self._pinned[response_id] = (Pinned(engine_id, context_id, split.prefix), self._clock())
+        while len(self._pinned) > self.config.max_pinned_contexts:
+            oldest = next(iter(self._pinned))
+            self.release(oldest)
+
+    async def pinned(self, response_id: str) -> Pinned | None:
+        task = self._pending.get(response_id)
+        if task is not None:
+            await asyncio.wait([task])
+        found = self._pinned.get(response_id)
+        if found is None:
+            return None
+        self._pinned[response_id] = (found[0], self._clock())
+        self._pinned.move_to_end(response_id)
+        return found[0]
+
+    async def fork(self, previous_id: str, chat: dict[str, Any]) -> tuple[bytes, str] | None:
+        """The next turn (``chat``, whose last message is its new user message) run as a fork of the pinned
+        conversation of ``previous_id``: a chat completion body and the engine's id; None when it cannot be
+        (nothing pinned, another prompt start, tools...): the turn then runs as usual."""
+        text = new_user_text(chat)
+        if text is None or not forkable(chat) or not self.config.pin_contexts:
+            return None
+        pinned = await self.pinned(previous_id)
+        if pinned is None:
+            return None
+        engine = self._engine(pinned.engine_id)
+        record = self.gateway.registry.get(pinned.engine_id)
+        if engine is None or record is None or record not in self.gateway.engines_for(chat["model"]):
+            return None
+        try:
+            split: PromptSplit = await engine.split_prompt("chat/completions", _probe(chat, chat["messages"][:-1]))
+        except EngineError:
+            return None
+        if split.prefix != pinned.prefix:
+            return None  # other instructions or history than the pinned ones: not the same prompt
+        sampling = sampling_of(chat) | self.gateway.token_defaults("chat/completions", chat, record.engine)
+        record.in_flight += 1
+        record.requests.add()
+        try:
+            generation = await engine.generate_in_context(pinned.context_id, sampling,
+                                                          fork_with=split.rest_with({NEXT: text}),
+                                                          context_text=pinned.prefix)
+        except EngineError as exc:  # the context is gone (the engine restarted): the turn runs as usual
+            log.info("forking the conversation of %s failed: %s", previous_id, exc)
+            self._pinned.pop(previous_id, None)
+            return None
+        finally:
+            record.in_flight -= 1
+        self.forks += 1
+        self.gateway.outcomes.forked(chat["model"], record.engine.name)
+        prompt, cached = generation.prompt_usage()
+        completion = generation.usage.get("completion_tokens", len(generation.token_ids))
+        count_tokens(prompt + completion)  # the key's token quota, as the chat path charges it
+        body = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": chat["model"],
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": generation.text},
+                             "finish_reason": generation.finish_reason or "stop"}],
+                "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+                          "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": cached}}}
+        return msgspec.json.encode(body), record.id
+
+    def release(self, response_id: str) -> None:
+        """Frees the context of ``response_id`` (deleted, forgotten, idle or evicted), in the background."""
+        task = self._pending.pop(response_id, None)
+        if task is not None:
+            task.cancel()
+        found = self._pinned.pop(response_id, None)
+        if found is None:
+            return
+        engine = self._engine(found[0].engine_id)
+        if engine is not None:
+            asyncio.get_running_loop().create_task(self._free(engine, found[0].context_id))
+
+    @staticmethod
+    async def _free(engine: ContextEngine, context_id: str) -> None:
+        try:
+            await engine.free_context(context_id)
+        except EngineError:
+            pass  # the engine is gone, or restarted: the context with it
+
+    def sweep(self) -> None:
+        """Frees the contexts unused for ``context_idle_ttl_s``."""
+        deadline = self._clock() - self.config.context_idle_ttl_s
+        for response_id in [r for r, (_, used) in self._pinned.items() if used < deadline]:
+            self.release(response_id)
+
+    def __len__(self) -> int:
+        return len(self._pinned)
