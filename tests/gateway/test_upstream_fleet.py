@@ -25,15 +25,15 @@ vllm:num_requests_waiting{{engine="0",model_name="m"}} {waiting}
 # TYPE vllm:kv_cache_usage_perc gauge
 vllm:kv_cache_usage_perc{{engine="0",model_name="m"}} {kv}
 # TYPE vllm:cache_config_info gauge
-vllm:cache_config_info{{block_size="16",cache_dtype="auto",num_gpu_blocks="2048"}} 1.0
+vllm:cache_config_info{{block_size="{block_size}",cache_dtype="auto",num_gpu_blocks="2048"}} 1.0
 """
 
 
 class FakeVLLM:
     """An OpenAI chat endpoint that names itself in its answers, with a /metrics page of given load."""
 
-    def __init__(self, name: str, running: int = 0, waiting: int = 0, kv: float = 0.0):
-        self.name, self.running, self.waiting, self.kv = name, running, waiting, kv
+    def __init__(self, name: str, running: int = 0, waiting: int = 0, kv: float = 0.0, block_size: int = 16):
+        self.name, self.running, self.waiting, self.kv, self.block_size = name, running, waiting, kv, block_size
         self.bodies: list[dict[str, Any]] = []
         self.arrived: dict[str, float] = {}  # a request's last message -> when it arrived (monotonic)
         self.delays: dict[str, float] = {}  # a request's last message -> how long it takes to answer
@@ -44,7 +44,8 @@ class FakeVLLM:
     async def handle(self, scope, receive, send) -> None:
         path = scope["path"]
         if path == "/metrics":
-            text = VLLM_METRICS.format(running=self.running, waiting=self.waiting, kv=self.kv)
+            text = VLLM_METRICS.format(running=self.running, waiting=self.waiting, kv=self.kv,
+                                       block_size=self.block_size)
             await self._send(send, text.encode(), b"text/plain; version=0.0.4")
         elif path == "/v1/models":
             await self._send(send, json.dumps({"object": "list", "data": [{"id": "m", "object": "model"}]}).encode())
@@ -88,7 +89,7 @@ def chat(http, gateway: str, content: str = "Hi") -> Any:
 
 
 def test_the_metrics_of_vllm_and_sglang_are_read_into_engine_stats():
-    vllm = stats_from_metrics(VLLM_METRICS.format(running=3, waiting=5, kv=0.25))
+    vllm = stats_from_metrics(VLLM_METRICS.format(running=3, waiting=5, kv=0.25, block_size=16))
     assert (vllm.running, vllm.waiting, vllm.kv_capacity_tokens(), vllm.kv_use()) == (3, 5, 2048 * 16, 0.25)
     sglang = stats_from_metrics('sglang:num_running_reqs{model_name="m"} 2\nsglang:num_queue_reqs{model_name="m"} 7\n'
                                 'sglang:token_usage{model_name="m"} 0.5\nsglang:max_total_num_tokens{model_name="m"} 16000\n')
