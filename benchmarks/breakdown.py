@@ -36,6 +36,9 @@ import httpx
 
 COLUMNS = ("inputs", "gap", "ttft", "decode", "engine", "after", "warmed")
 ENGINE_PHASES = ("queue", "prefill", "decode", "inference")
+# vLLM's prompt-token counters (0.32 names): tokens asked of the prefix cache, those found there, prompt tokens.
+ENGINE_COUNTERS = {"prefix_queries": "vllm:prefix_cache_queries_total", "prefix_hits": "vllm:prefix_cache_hits_total",
+                   "prompt_tokens": "vllm:prompt_tokens_total", "requests": "vllm:request_success_total"}
 
 
 class CallTime(NamedTuple):
@@ -102,6 +105,25 @@ def engine_phases(metrics_text: str) -> dict[str, float]:
     return found
 
 
+def engine_counters(metrics_text: str) -> dict[str, float]:
+    """An engine's prompt-token and prefix-cache counters (ENGINE_COUNTERS; summed over label sets)."""
+    found = {}
+    for key, name in ENGINE_COUNTERS.items():
+        values = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", metrics_text, re.M)
+        if values:
+            found[key] = sum(float(v) for v in values)
+    return found
+
+
+def counters_line(old: dict[str, float], new: dict[str, float]) -> str:
+    """The counters' growth over a run, and the prefix cache's hit fraction of the prompt tokens asked of it."""
+    grown = {key: new[key] - old.get(key, 0.0) for key in new}
+    line = ", ".join(f"{key} {value:.0f}" for key, value in grown.items())
+    if grown.get("prefix_queries"):
+        line += f", hit fraction {grown.get('prefix_hits', 0.0) / grown['prefix_queries']:.3f}"
+    return line
+
+
 async def default_session_graph(client: httpx.AsyncClient) -> dict[str, Any]:
     """The graph of the caller's default session (``client`` based at the gateway's /v1)."""
     sessions = (await client.get("/sessions")).json()["data"]
@@ -117,14 +139,16 @@ async def run(url: str, app: str, model: str, engine_metrics: list[str], setting
     config = dataclasses.replace(defaults, **{key: type(getattr(defaults, key))(value) if not isinstance(
         getattr(defaults, key), bool) else value.lower() in ("1", "true", "yes") for key, value in settings.items()})
     async with httpx.AsyncClient(base_url=url, timeout=900) as client:
-        before = [engine_phases((await client.get(m)).text) for m in engine_metrics]
+        before = [(await client.get(m)).text for m in engine_metrics]
         since = time.time()
         await module.run_parrot(client, model, config)
         found = rows(await default_session_graph(client), since)
-        after = [engine_phases((await client.get(m)).text) for m in engine_metrics]
+        after = [(await client.get(m)).text for m in engine_metrics]
     report = [table(found)]
-    for metrics, old, new in zip(engine_metrics, before, after):
+    for metrics, old_text, new_text in zip(engine_metrics, before, after):
+        old, new = engine_phases(old_text), engine_phases(new_text)
         report.append(f"{metrics}: " + ", ".join(f"{phase} {new[phase] - old.get(phase, 0.0):.3f}s" for phase in new))
+        report.append(f"{metrics}: " + counters_line(engine_counters(old_text), engine_counters(new_text)))
     return "\n".join(report)
 
 

@@ -107,9 +107,12 @@ class PrioritizedEngine(Engine, Protocol):
 
     def priority_of(self, level: int) -> int:
         """The ``priority`` this engine reads for work of urgency ``level``: 0 latency-critical (served first),
-        1 a task group someone waits on, 2 throughput (served last). A vLLM server run with the default
-        ``fcfs`` policy refuses any ``priority`` but 0 (400), so only a server configured with priority
-        scheduling has this capability."""
+        1 a task group someone waits on, 2 throughput (served last). Only a server configured with priority
+        scheduling has this capability: vLLM 0.32.0 under its default ``fcfs`` policy accepts any ``priority``
+        and serves by arrival alone (checked: 0, 1, 2, -1 and 5 answered 200), and releases before V1's
+        input processor refused any but 0 (400). Under ``--scheduling-policy priority`` it takes the waiting
+        request of lowest (priority, arrival) first, and when KV blocks run out preempts the running request
+        of highest (priority, arrival); it does not reorder requests already in the running batch."""
         ...
 
 

