@@ -13,7 +13,7 @@ from gateway.batches.service import BatchService
 from gateway.batches.store import BatchStorage
 from gateway.config import FilesConfig
 from gateway.service import Answer
-from wire.batches import BatchCreate
+from wire.batches import Batch, BatchCreate
 
 
 class Record:
@@ -64,14 +64,7 @@ def test_groups_run_their_first_line_alone_then_the_rest(tmp_path):
                   "body": {"model": "m", "messages": [{"role": "system", "content": f"shared prompt {g}"},
                                                       {"role": "user", "content": f"{g}-{i}"}]}}
                  for i in range(6) for g in "abc"]  # interleaved in the file
-        file = storage.put_file("owner", "in.jsonl", "batch", b"".join(json.dumps(l).encode() + b"\n" for l in lines))
-        batch = service.create("owner", BatchCreate(input_file_id=file.id, endpoint="/v1/chat/completions",
-                                                    completion_window="24h"))
-        for _ in range(500):
-            await asyncio.sleep(0.01)
-            if service.get("owner", batch.id).status == "completed":
-                break
-        return gateway, service.get("owner", batch.id)
+        return gateway, await completed(service, storage, lines)
 
     gateway, batch = asyncio.run(run())
     assert batch.request_counts.completed == 18
@@ -105,15 +98,20 @@ def test_fewer_lines_run_while_live_requests_do(tmp_path):
         service = BatchService(gateway, storage, FilesConfig(dir=str(tmp_path), batch_concurrency=4))  # type: ignore[arg-type]
         lines = [{"custom_id": f"{i}", "method": "POST", "url": "/v1/chat/completions",
                   "body": {"model": "m", "messages": [{"role": "user", "content": f"{i}"}]}} for i in range(8)]
-        file = storage.put_file("owner", "in.jsonl", "batch", b"".join(json.dumps(l).encode() + b"\n" for l in lines))
-        batch = service.create("owner", BatchCreate(input_file_id=file.id, endpoint="/v1/chat/completions",
-                                                    completion_window="24h"))
-        for _ in range(500):
-            await asyncio.sleep(0.01)
-            if service.get("owner", batch.id).status == "completed":
-                break
-        return gateway, service.get("owner", batch.id)
+        return gateway, await completed(service, storage, lines)
 
     gateway, batch = asyncio.run(run())
     assert batch.request_counts.completed == 8
     assert gateway.most_running == 1
+
+
+async def completed(service: BatchService, storage: BatchStorage, lines: list[dict]) -> Batch:
+    """``lines`` uploaded and run as a chat batch of "owner"; the batch once completed (or as it is after 5 s)."""
+    file = storage.put_file("owner", "in.jsonl", "batch", b"".join(json.dumps(l).encode() + b"\n" for l in lines))
+    batch = service.create("owner", BatchCreate(input_file_id=file.id, endpoint="/v1/chat/completions",
+                                                completion_window="24h"))
+    for _ in range(500):
+        if service.get("owner", batch.id).status == "completed":
+            break
+        await asyncio.sleep(0.01)
+    return service.get("owner", batch.id)
