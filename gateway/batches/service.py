@@ -20,10 +20,11 @@ import msgspec
 
 from engines.seam import EngineError
 from gateway.batches.store import BatchStorage, StoredBatch, new_batch_id
-from gateway.config import FilesConfig
-from gateway.domain_errors import DomainError, Invalid
+from gateway.config import FilesConfig, QuotasConfig
+from gateway.domain_errors import DomainError, Invalid, RateLimited
 from gateway.errors import APIError, body_error, domain_error_body, domain_status
 from gateway.scheduler import Placement
+from gateway.quotas import Admission, Quotas
 from gateway.service import REQUEST_SCHEMAS, Gateway
 from http_plumbing.http_errors import engine_error_body
 from wire.batches import (Batch, BatchCreate, BatchErrorItem, BatchErrors, LineError, LineResponse, OutputLine,
@@ -67,10 +68,11 @@ def _group_key(endpoint: str, body: Any) -> str | None:
 
 
 class BatchService:
-    def __init__(self, gateway: Gateway, storage: BatchStorage, config: FilesConfig):
+    def __init__(self, gateway: Gateway, storage: BatchStorage, config: FilesConfig, quotas: Quotas | None = None):
         self.gateway = gateway
         self.storage = storage
         self.config = config
+        self.quotas = quotas or Quotas(QuotasConfig())  # unlimited
         self._slots = asyncio.Semaphore(config.batch_concurrency)  # lines of all batches in flight
         self._tasks: dict[str, asyncio.Task] = {}
         self._in_flight = 0  # batch lines on the engines now
@@ -218,13 +220,24 @@ class BatchService:
             return
         async with self._slots:
             await self._beside_live()
+            admission = await self._admission(stored.owner)
             self._in_flight += 1
             try:
-                status, body = await self._send(batch.endpoint, dict(item["body"]), batch.id)
+                async with self.quotas.holding(admission):
+                    status, body = await self._send(batch.endpoint, dict(item["body"]), batch.id)
             finally:
                 self._in_flight -= 1
         await self._record(stored, index, custom_id,
                            response=LineResponse(status_code=status, request_id=new_id("req"), body=body))
+
+    async def _admission(self, owner: str) -> Admission | None:
+        """The line admitted as a request of its key, under the key's rate and concurrency quotas: over them it
+        waits for the retry-after, so a batch is no way past its key's limits."""
+        while True:
+            try:
+                return await self.quotas.admitted_later(owner)
+            except RateLimited as exc:
+                await asyncio.sleep(exc.retry_after_s or 1)
 
     def live_in_flight(self) -> int:
         """Requests on the engines now that are not batch lines."""

@@ -97,7 +97,7 @@ def create_app(config: GatewayConfig | None = None) -> Litestar:
             app.state.quotas = quotas = Quotas(config.quotas, store, seat_ttl_s=config.state.seat_ttl_s)
             app.state.responses = ResponsesService(gateway, quotas, config.responses)
             app.state.messages = MessagesService(gateway, quotas)
-            app.state.batches = BatchService(gateway, BatchStorage(config.files.directory()), config.files)
+            app.state.batches = BatchService(gateway, BatchStorage(config.files.directory()), config.files, quotas)
             app.state.batches.resume()  # batches a previous process left running go on
             app.state.semantic = SemanticService(gateway, config.semantic, limits_of=quotas.limits, tracing=tracing,
                                                  store=store)

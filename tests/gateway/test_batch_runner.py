@@ -11,7 +11,8 @@ import msgspec
 
 from gateway.batches.service import BatchService
 from gateway.batches.store import BatchStorage
-from gateway.config import FilesConfig
+from gateway.config import FilesConfig, QuotasConfig
+from gateway.quotas import Quotas
 from gateway.service import Answer
 from wire.batches import Batch, BatchCreate
 
@@ -106,12 +107,31 @@ def test_fewer_lines_run_while_live_requests_do(tmp_path):
 
 
 async def completed(service: BatchService, storage: BatchStorage, lines: list[dict]) -> Batch:
-    """``lines`` uploaded and run as a chat batch of "owner"; the batch once completed (or as it is after 5 s)."""
+    """``lines`` uploaded and run as a chat batch of "owner"; the batch once completed (or as it is after 30 s)."""
     file = storage.put_file("owner", "in.jsonl", "batch", b"".join(json.dumps(l).encode() + b"\n" for l in lines))
     batch = service.create("owner", BatchCreate(input_file_id=file.id, endpoint="/v1/chat/completions",
                                                 completion_window="24h"))
-    for _ in range(500):
+    for _ in range(3000):
         if service.get("owner", batch.id).status == "completed":
             break
         await asyncio.sleep(0.01)
     return service.get("owner", batch.id)
+
+
+def test_a_batch_runs_within_its_keys_quotas(tmp_path):
+    """A key allowed one request at a time gets one line at a time, however many the batch may run: a batch is no
+    way past its key's limits (the lines over them wait for their retry-after, and all of them are answered)."""
+
+    async def run():
+        gateway = StubGateway()
+        storage = BatchStorage(tmp_path)
+        quotas = Quotas(QuotasConfig(concurrent_requests=1))
+        service = BatchService(gateway, storage, FilesConfig(dir=str(tmp_path), batch_concurrency=4),  # type: ignore[arg-type]
+                               quotas)
+        lines = [{"custom_id": f"{i}", "method": "POST", "url": "/v1/chat/completions",
+                  "body": {"model": "m", "messages": [{"role": "user", "content": f"{i}"}]}} for i in range(3)]
+        return gateway, await completed(service, storage, lines)
+
+    gateway, batch = asyncio.run(run())
+    assert batch.request_counts.completed == 3
+    assert gateway.most_running == 1
