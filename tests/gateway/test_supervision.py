@@ -157,6 +157,7 @@ def test_a_killed_engine_is_reaped_taken_out_and_restarted(parrot_serve, wait_un
     wait_until(lambda: gone(new_pid), timeout_s=15)
 
 
+@pytest.mark.subprocess  # `parrot serve` and its engine process
 @pytest.mark.timeout(240)
 def test_an_engine_refusing_its_model_is_not_restarted_and_health_says_why(tmp_path, wait_until):
     """A checkpoint of an architecture the engine does not run: the engine process exits at once naming it, the
@@ -180,6 +181,7 @@ def test_an_engine_refusing_its_model_is_not_restarted_and_health_says_why(tmp_p
         gateway.close()
 
 
+@pytest.mark.subprocess  # an engine process
 def test_the_engine_process_refuses_an_unsupported_architecture_at_once(tmp_path):
     from engines.builtin.families import EXIT_UNSUPPORTED_MODEL
 
