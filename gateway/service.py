@@ -310,9 +310,8 @@ class Gateway:
         a 400 naming it when it is but no engine of it embeds (a chat model, the builtin engine's)."""
         if not self.registry.serves(model):
             raise model_not_found(model)
-        records = [r for r in self.registry.candidates(model) if getattr(r.engine, "embeds", False)]
-        if not records and not any(getattr(r.engine, "embeds", False) for r in self.registry.records()
-                                   if model in r.models):
+        records = [r for r in self.registry.candidates(model) if _embeds(r)]
+        if not records and not any(_embeds(r) for r in self.registry.records() if model in r.models):
             raise Invalid(f"The model `{model}` does not compute embeddings here: it is served for chat and "
                           "completions only. Ask an embedding model (configured as an upstream with "
                           "embeddings = true).", param="model", code="model_not_embedding")
@@ -423,3 +422,8 @@ class Gateway:
             measured.e2e_latency.observe(time.perf_counter() - opened.started)
         if not done:
             yield SSE_DONE
+
+
+def _embeds(record: EngineRecord) -> bool:
+    """Whether the engine serves an embedding model (an upstream configured with ``embeddings = true``)."""
+    return getattr(record.engine, "embeds", False)

@@ -97,13 +97,17 @@ def test_fewer_lines_run_while_live_requests_do(tmp_path):
         gateway.registry.record.in_flight = 1  # a live request, for the whole batch
         storage = BatchStorage(tmp_path)
         service = BatchService(gateway, storage, FilesConfig(dir=str(tmp_path), batch_concurrency=4))  # type: ignore[arg-type]
-        lines = [{"custom_id": f"{i}", "method": "POST", "url": "/v1/chat/completions",
-                  "body": {"model": "m", "messages": [{"role": "user", "content": f"{i}"}]}} for i in range(8)]
-        return gateway, await completed(service, storage, lines)
+        return gateway, await completed(service, storage, numbered_lines(8))
 
     gateway, batch = asyncio.run(run())
     assert batch.request_counts.completed == 8
     assert gateway.most_running == 1
+
+
+def numbered_lines(count: int) -> list[dict]:
+    """``count`` chat lines of model "m", each a user message of its own number, nothing shared."""
+    return [{"custom_id": f"{i}", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"model": "m", "messages": [{"role": "user", "content": f"{i}"}]}} for i in range(count)]
 
 
 async def completed(service: BatchService, storage: BatchStorage, lines: list[dict]) -> Batch:
@@ -128,9 +132,7 @@ def test_a_batch_runs_within_its_keys_quotas(tmp_path):
         quotas = Quotas(QuotasConfig(concurrent_requests=1))
         service = BatchService(gateway, storage, FilesConfig(dir=str(tmp_path), batch_concurrency=4),  # type: ignore[arg-type]
                                quotas)
-        lines = [{"custom_id": f"{i}", "method": "POST", "url": "/v1/chat/completions",
-                  "body": {"model": "m", "messages": [{"role": "user", "content": f"{i}"}]}} for i in range(3)]
-        return gateway, await completed(service, storage, lines)
+        return gateway, await completed(service, storage, numbered_lines(3))
 
     gateway, batch = asyncio.run(run())
     assert batch.request_counts.completed == 3
