@@ -32,15 +32,18 @@ class Attempts:
     """Used as ``while (attempt := await attempts.next()) is not None``, reporting each failure to
     ``failed``, each success to the engine's breaker."""
 
-    __slots__ = ("_registry", "_scheduler", "_describe", "_work", "_routing", "_models", "_at", "_body", "_tries",
-                 "_tried", "_skipped", "_waits", "_deadline", "last_error")
+    __slots__ = ("_registry", "_scheduler", "_describe", "_usable", "_work", "_routing", "_models", "_at", "_body",
+                 "_tries", "_tried", "_skipped", "_waits", "_deadline", "last_error")
 
     def __init__(self, registry: EngineRegistry, scheduler: Scheduler, routing: RoutingConfig, model: str,
-                 body: dict[str, Any], describe: Callable[[], Work]):
-        """``describe()``: the request as the scheduler sees it, made when there is a choice to make."""
+                 body: dict[str, Any], describe: Callable[[], Work],
+                 usable: Callable[[EngineRecord], bool] | None = None):
+        """``describe()``: the request as the scheduler sees it, made when there is a choice to make;
+        ``usable``: which of a model's engines can serve it (None: all)."""
         self._registry = registry
         self._scheduler = scheduler
         self._describe = describe
+        self._usable = usable
         self._work: Work | None = None
         self._routing = routing
         self._models = [model, *routing.fallbacks[model]] if model in routing.fallbacks else [model]
@@ -89,6 +92,8 @@ class Attempts:
         """The scheduler's pick among the model's engines this request has not tried yet, else among
         those it tried; on the last model, one whose circuit is open rather than none."""
         records = self._registry.routable(self._models[self._at], last_resort=self._at == len(self._models) - 1)
+        if self._usable is not None:
+            records = [r for r in records if self._usable(r)]
         usable = [r for r in records if r.id not in self._skipped] if self._skipped else records
         fresh = [r for r in usable if r.id not in self._tried] if self._tried else usable
         choice = fresh or usable

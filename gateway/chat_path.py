@@ -9,7 +9,7 @@ from typing import Any, AsyncIterator, Mapping
 import msgspec
 
 from gateway.domain_errors import DomainError, Invalid
-from gateway.service import Gateway, OpenedStream
+from gateway.service import Gateway
 from gateway.translation.chat import Chunk, ChunkReader
 from wire.errors import InvalidRequest
 from wire.openai import ChatCompletionRequest
@@ -41,14 +41,15 @@ def check_chat(gateway: Gateway, chat: dict[str, Any], names: Mapping[str, str],
     return checked
 
 
-async def chunks(gateway: Gateway, model: str, opened: OpenedStream) -> AsyncIterator[Chunk]:
-    """The stream's chunks (an engine failing mid-stream: a chunk with ``error``); the engine's stream is
-    closed when this is."""
+async def chunks_of(events: AsyncIterator[bytes]) -> AsyncIterator[Chunk]:
+    """The chunks of a chat stream's SSE ``events`` (an engine's, or a semantic request's), which are closed
+    when this is."""
     reader = ChunkReader()
-    events = gateway.sse_events(model, opened)
     try:
         async for data in events:
             for chunk in reader.feed(data):
                 yield chunk
     finally:
-        await events.aclose()
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()

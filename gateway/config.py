@@ -60,6 +60,9 @@ class UpstreamConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # The model is an embedding model: POST /v1/embeddings for it is passed through to this upstream
     # (only upstreams so marked get embeddings requests; chat requests go to it as to any upstream).
     embeddings: bool = False
+    # The server speaks OpenAI's Responses API itself (vLLM, OpenAI, another Parrot): POST /v1/responses for the
+    # model is passed through to it, not run over chat completions (docs/apis.md).
+    responses: bool = False
 
     def served_model(self) -> str:
         return self.upstream_model or self.model

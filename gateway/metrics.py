@@ -53,9 +53,10 @@ class HeldState(Protocol):
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
-# A streamed event that carries generated text: a content, text or reasoning delta that is not empty, or a
-# tool call. (A chat stream's first event, the role with empty content, carries none.)
-_TOKEN = re.compile(rb'"(?:content|text|reasoning_content)": ?"(?!")|"tool_calls": ?\[')
+# A streamed event that carries generated text: a content, text or reasoning delta that is not empty (a
+# Responses stream's text and arguments deltas are "delta" strings), or a tool call. (A chat stream's first
+# event, the role with empty content, carries none.)
+_TOKEN = re.compile(rb'"(?:content|text|reasoning_content|delta)": ?"(?!")|"tool_calls": ?\[')
 
 
 def carries_token(events: bytes) -> bool:

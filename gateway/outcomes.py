@@ -5,7 +5,7 @@ semantic one record through the same ``Outcomes``, so a forked request is counte
 from __future__ import annotations
 
 import time
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import msgspec
 
@@ -77,8 +77,10 @@ class Outcomes:
             count_tokens(reported.usage.prompt_tokens + reported.usage.completion_tokens)  # the key's quota
         return [c.finish_reason for c in reported.choices if c.finish_reason]
 
-    def count_events(self, measured: RouteMetrics, events: bytes) -> list[str]:
-        """Token usage and finish reasons in a run of SSE events (most carry neither: skipped unparsed)."""
+    def count_events(self, measured: RouteMetrics, events: bytes,
+                     read: Callable[[bytes], Reported | None] | None = None) -> list[str]:
+        """Token usage and finish reasons in a run of SSE events (most carry neither: skipped unparsed), each
+        marked one read by ``read`` (``read_usage``: a chat or completions chunk's)."""
         marks = [at for at in (events.find(b'"usage"'), events.find(b'"finish_reason":"')) if at >= 0]
         if not marks:
             return []
@@ -87,7 +89,7 @@ class Outcomes:
         tail = events[start + 2:] if start >= 0 else events  # from the first marked event on
         for event in tail.split(b"\n\n"):
             if event.startswith(b"data: ") and (b'"usage"' in event or b'"finish_reason":"' in event):
-                reasons += self._count_usage(measured, read_usage(event[6:]))
+                reasons += self._count_usage(measured, (read or read_usage)(event[6:]))
         return reasons
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from engines.seam import Route
+from engines.seam import ResponsesRoute, Route
 
 CHUNK_BYTES = 256  # about 64 tokens of English: 4 KV blocks of 16
 TOKENS_PER_CHUNK = 64
@@ -32,17 +32,19 @@ def chain(seed: str, text: bytes) -> tuple[int, ...]:
     return tuple(hashes)
 
 
-def rendered(route: Route, body: dict[str, Any]) -> bytes:
+def rendered(route: Route | ResponsesRoute, body: dict[str, Any]) -> bytes:
     """The bytes a request's prompt is rendered from, leading with what requests share."""
     if route == "completions":
         prompt = body.get("prompt")
         if isinstance(prompt, list):  # a batch of prompts: placed by its first
             prompt = prompt[0] if prompt else ""
         return prompt.encode() if isinstance(prompt, str) else _encode(prompt)
+    if route == "responses":
+        return _encode([body.get("tools"), body.get("instructions"), body.get("input")])
     return _encode([body.get("tools"), body.get("messages")])
 
 
-def prompt_prefix(route: Route, body: dict[str, Any]) -> tuple[tuple[int, ...], int]:
+def prompt_prefix(route: Route | ResponsesRoute, body: dict[str, Any]) -> tuple[tuple[int, ...], int]:
     """The prompt's chain hashes and its length in tokens, estimated from its bytes (the scheduler weighs
     prefill by it)."""
     text = rendered(route, body)

@@ -10,7 +10,7 @@ from typing import Any, AsyncIterator, Callable, NamedTuple
 import httpx
 import msgspec
 
-from engines.seam import Engine, EngineError, HintedEngine, PrioritizedEngine, Route
+from engines.seam import Engine, EngineError, HintedEngine, PrioritizedEngine, ResponsesEngine, ResponsesRoute, Route
 from engines.seam.connect import connect, has_capability
 from wire.openai import COMPLETIONS_DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest, prompt_count, served_tier
 from wire.sse import SSE_DONE, sse_event
@@ -103,7 +103,8 @@ class Gateway:
             prioritized = upstream.priority_scheduling != "off"  # vLLM / SGLang: criteria become their `priority`
             if prioritized:
                 options["lower_first"] = upstream.priority_scheduling == "lower_first"
-            engine_class = upstream_class(prioritized=prioritized, prefill=upstream.prefill_ahead)
+            engine_class = upstream_class(prioritized=prioritized, prefill=upstream.prefill_ahead,
+                                          responses=upstream.responses)
             engine = engine_class(name, upstream.base_url, self.client, **options)
             self.registry.add(engine, [upstream.model], url=upstream.base_url)
 
@@ -126,6 +127,11 @@ class Gateway:
             raise Invalid(str(exc), param="url") from exc
 
     # ------------------------------------------------------------ engines
+
+    def serves_responses(self, model: str) -> bool:
+        """Whether ``model``'s Responses requests are passed through: an engine of it speaks that API itself
+        (then only such engines get them)."""
+        return any(_speaks_responses(r) for r in self.registry.records() if model in r.models)
 
     def engines_for(self, model: str) -> list[EngineRecord]:
         """The healthy engines serving ``model``."""
@@ -187,7 +193,7 @@ class Gateway:
         limits = self.config.limits
         return limits.max_request_tokens if limits.max_request_tokens is not None else limits.max_tokens
 
-    def default_max_tokens(self, route: Route, choices: int) -> int | None:
+    def default_max_tokens(self, route: Route | ResponsesRoute, choices: int) -> int | None:
         """What each choice of a request without max_tokens may generate: for legacy completions 16 (as
         OpenAI and vLLM), for chat the room left in the context window (None here: only the engine
         knows it); never above the configured max_tokens, nor above the choice's share of the
@@ -206,11 +212,14 @@ class Gateway:
         per_choice = wanted if wanted is not None else self.default_max_tokens(route, request.choices())
         return None if per_choice is None else per_choice * request.choices()
 
-    def token_defaults(self, route: Route, body: dict[str, Any], engine: Engine) -> dict[str, Any]:
+    def token_defaults(self, route: Route | ResponsesRoute, body: dict[str, Any], engine: Engine) -> dict[str, Any]:
         """The fields that bound a request body without max_tokens on ``engine`` (none when it has one):
         ``max_tokens_limit`` for engines that take scheduling hints (the builtin one), which apply it below the room left in
         the context window (they refuse a max_tokens beyond that room); ``max_tokens`` itself for
         others, which may then refuse a prompt leaving less room than that."""
+        if route == "responses":  # that API's own field; no Responses engine takes scheduling hints
+            limit = self.default_max_tokens(route, 1) if body.get("max_output_tokens") is None else None
+            return {} if limit is None else {"max_output_tokens": limit}
         if body.get("max_tokens") is not None or body.get("max_completion_tokens") is not None:
             return {}
         choices = (body.get("n") or 1) * (prompt_count(body.get("prompt")) if route == "completions" else 1)
@@ -219,7 +228,7 @@ class Gateway:
             return {}
         return {"max_tokens_limit": limit} if has_capability(engine, HintedEngine) else {"max_tokens": limit}
 
-    def _for_engine(self, route: Route, record: EngineRecord, body: dict[str, Any],
+    def _for_engine(self, route: Route | ResponsesRoute, record: EngineRecord, body: dict[str, Any],
                     hints: dict[str, Any] | None = None, placement: Placement = Placement()) -> dict[str, Any]:
         """The body as ``record``'s engine gets it: bounded (``token_defaults``), with the fields only
         engines that take scheduling hints understand (``hints``) for them alone, and the criteria as
@@ -258,14 +267,16 @@ class Gateway:
 
     # ------------------------------------------------------------ non-streaming
 
-    def _attempts(self, route: Route, model: str, body: dict[str, Any], placement: Placement) -> Attempts:
+    def _attempts(self, route: Route | ResponsesRoute, model: str, body: dict[str, Any], placement: Placement
+                  ) -> Attempts:
         def describe() -> Work:
             prefix, tokens = prompt_prefix(route, body)
             return Work(prefix, tokens, placement)
 
-        return Attempts(self.registry, self.scheduler, self.config.routing, model, body, describe)
+        usable = _speaks_responses if route == "responses" else None  # that API's requests go only where it is spoken
+        return Attempts(self.registry, self.scheduler, self.config.routing, model, body, describe, usable)
 
-    async def create(self, route: Route, model: str, body: dict[str, Any],
+    async def create(self, route: Route | ResponsesRoute, model: str, body: dict[str, Any],
                      hints: dict[str, Any] | None = None, placement: Placement = Placement(),
                      read: Callable[[bytes], Reported | None] = read_usage) -> Answer:
         """``hints``: scheduling fields (wire.sampling.SCHEDULING_FIELDS), added for engines that take them.
@@ -355,7 +366,8 @@ class Gateway:
 
     # ------------------------------------------------------------ streaming
 
-    async def open_stream(self, route: Route, model: str, body: dict[str, Any], hints: dict[str, Any] | None = None,
+    async def open_stream(self, route: Route | ResponsesRoute, model: str, body: dict[str, Any],
+                          hints: dict[str, Any] | None = None,
                           placement: Placement = Placement()) -> OpenedStream:
         """Start a stream and wait for its first chunk, so failures before it still get an HTTP status.
         ``hints`` and ``placement`` as for ``create``."""
@@ -385,10 +397,12 @@ class Gateway:
                                 latency=urgent, dispatched=dispatched_at)
         raise self.outcomes.no_engine(model, attempts.last_error)
 
-    async def sse_events(self, model: str, opened: OpenedStream) -> AsyncIterator[bytes]:
+    async def sse_events(self, model: str, opened: OpenedStream,
+                         read: Callable[[bytes], Reported | None] = read_usage) -> AsyncIterator[bytes]:
         """SSE events, ``[DONE]`` last (in the engine's last item when it sent one); an engine failure
         mid-stream becomes an SSE error object. Times the first generated token (a chat stream's first
-        event, its role, carries none) and the gaps between events that carry tokens."""
+        event, its role, carries none) and the gaps between events that carry tokens. ``read``: how an event
+        that names a usage is read (another API's stream: its own reader)."""
         reasons: list[str] = []
         done = False
         measured = opened.measured
@@ -403,7 +417,7 @@ class Gateway:
                     else:
                         measured.itl.observe(now - last_token_at)
                     last_token_at = now
-                reasons += self.outcomes.count_events(measured, events)
+                reasons += self.outcomes.count_events(measured, events, read)
                 if events.endswith(SSE_DONE):  # the client has the whole answer, whatever follows
                     done = True
                     self.outcomes.count_success(model, reasons)
@@ -422,6 +436,10 @@ class Gateway:
             measured.e2e_latency.observe(time.perf_counter() - opened.started)
         if not done:
             yield SSE_DONE
+
+
+def _speaks_responses(record: EngineRecord) -> bool:
+    return has_capability(record.engine, ResponsesEngine)
 
 
 def _embeds(record: EngineRecord) -> bool:

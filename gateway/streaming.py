@@ -85,7 +85,8 @@ async def after_first(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator
 async def streamed_or_whole(receive: Receive, events: AsyncIterator[bytes] | None,
                             whole: Callable[[], Awaitable[Any]]) -> Response:
     """A translated API's answer: ``events`` as a stream once its first event is read (failures before it are the
-    request's status), else ``whole()`` encoded as JSON, the engine's work cancelled if the client leaves first."""
+    request's status), else ``whole()`` encoded as JSON (or as it is, when it is an HTTP response already: a
+    semantic request's 202), the engine's work cancelled if the client leaves first."""
     if events is not None:
         events = events.__aiter__()
         first = await anext(events)
@@ -93,4 +94,6 @@ async def streamed_or_whole(receive: Receive, events: AsyncIterator[bytes] | Non
     answer = None
     async with CancelledOnDisconnect(receive):
         answer = await whole()
+    if isinstance(answer, Response):
+        return answer
     return Response(msgspec.json.encode(answer) if answer is not None else b"", media_type="application/json")

@@ -145,6 +145,8 @@ class AnthropicMessage(Struct, kw_only=True):
     stop_reason: AnthropicStopReason | None = None
     stop_sequence: str | None = None
     usage: AnthropicUsage = field(default_factory=AnthropicUsage)
+    # Parrot's extension: the semantic request's session and variables (left out of a plain message).
+    parrot: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET
 
 
 class TokenCount(Struct):

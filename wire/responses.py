@@ -222,6 +222,8 @@ class Response(Struct, kw_only=True):
     usage: ResponseUsage | None = None
     error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None
+    # Parrot's extension: the semantic request's session and variables (left out of a plain response).
+    parrot: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET
 
 
 class DeletedResponse(Struct):

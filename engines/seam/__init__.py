@@ -4,7 +4,8 @@ engine's torch-free command line (engines/builtin/server/cli.py), which gateway/
 interface.py     ``Engine`` (create / stream / health / stats / aclose) and the optional capabilities
                  ``ContextEngine`` (contexts + prompt split), ``HintedEngine`` (scheduling fields),
                  ``PrioritizedEngine`` (criteria as vLLM's / SGLang's ``priority``) and ``PrefillEngine``
-                 (prefill-only requests that warm a server's prefix cache)
+                 (prefill-only requests that warm a server's prefix cache), ``ResponsesEngine`` (serves
+                 POST /v1/responses itself: Responses requests are passed through to it)
 contexts.py      what the context capability answers: FillResult, Generation (GenerationChunk), PromptSplit;
                  ForkPart (a fork's text as pieces: text, or an earlier generation's output by name)
 errors.py        ``EngineError`` and its kinds, each with the HTTP status it becomes
@@ -33,10 +34,12 @@ from engines.seam.interface import (
     HintedEngine,
     PrefillEngine,
     PrioritizedEngine,
+    ResponsesEngine,
+    ResponsesRoute,
     Route,
 )
 
 __all__ = ["ContextEngine", "Count", "EmbeddingEngine", "Engine", "EngineError", "EngineOverloaded", "EngineRefusedGateway", "EngineRejected", "EngineStats",
            "EngineTimeout", "EngineUnavailable", "FillResult", "ForkPart", "Generation", "GenerationChunk", "HintedEngine", "PrefillEngine", "PrioritizedEngine",
-           "PromptSplit", "Route",
+           "PromptSplit", "ResponsesEngine", "ResponsesRoute", "Route",
            "Segment"]

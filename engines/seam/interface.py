@@ -15,8 +15,9 @@ Capabilities: ``ContextEngine`` (named KV contexts the gateway fills once and fo
 prompt split that finds the constant prefix worth sharing), ``HintedEngine`` (takes Parrot's
 scheduling fields), ``PrioritizedEngine`` (a vLLM or SGLang server with priority scheduling: takes
 criteria as its own ``priority`` number) and ``PrefillEngine`` (a server with prefix caching that takes
-prefill-only requests: waiting calls' prompts are warmed there). The builtin engine's client (builtin_client.py)
-has the first two; any other OpenAI-compatible server gets plain requests, and the last two when configured.
+prefill-only requests: waiting calls' prompts are warmed there), ``ResponsesEngine`` (serves OpenAI's Responses
+API itself: Responses requests are passed through to it). The builtin engine's client (builtin_client.py) has the
+first two; any other OpenAI-compatible server gets plain requests, and the others when configured.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import msgspec
 from engines.seam.contexts import FillResult, ForkPart, Generation, GenerationChunk, PromptSplit
 
 Route = Literal["chat/completions", "completions"]
+ResponsesRoute = Literal["responses"]  # POST /v1/responses: only a ResponsesEngine's create and stream take it
 
 
 # Routing sorts engines by reported load: a negative count would draw every request to its reporter; and
@@ -131,6 +133,20 @@ class PrefillEngine(Engine, Protocol):
 
 
 @runtime_checkable
+class ResponsesEngine(Engine, Protocol):
+    """Serves OpenAI's Responses API itself (an upstream configured with ``[[upstreams]] responses = true``: vLLM,
+    OpenAI, another Parrot gateway): its ``create`` and ``stream`` also take the route ``"responses"``, whose body
+    and answer (a Response, or the Responses API's stream events, which end without ``[DONE]``) are that API's.
+    The gateway then passes a model's Responses requests through to such engines instead of running them over
+    chat completions; it keeps the conversation itself, so the engine is never asked for one it stored."""
+
+    serves_responses: Literal[True]
+
+    async def create(self, route: Route | ResponsesRoute, body: dict[str, Any]) -> bytes: ...
+
+    def stream(self, route: Route | ResponsesRoute, body: dict[str, Any]) -> AsyncIterator[bytes]: ...
+
+
 @runtime_checkable
 class EmbeddingEngine(Engine, Protocol):
     """An engine that computes embeddings (POST /v1/embeddings) for the models it serves: an upstream
@@ -142,6 +158,7 @@ class EmbeddingEngine(Engine, Protocol):
     async def embed(self, body: dict[str, Any]) -> bytes: ...
 
 
+@runtime_checkable
 class ContextEngine(Engine, Protocol):
     """Holds named KV contexts: filled once, forked by many requests, freed when asked."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import functools
 import email.utils
 import http.cookiejar
 import os
@@ -266,13 +267,22 @@ class PrioritizedUpstreamEngine(UpstreamEngine):
         return level if self._lower_first else -level  # lower first: latency 0, throughput 2; else 0, -2
 
 
-class PrioritizedPrefillUpstreamEngine(PrefillUpstreamEngine, PrioritizedUpstreamEngine):
-    """Both: priority scheduling and prefill ahead."""
+class ResponsesUpstreamEngine(UpstreamEngine):
+    """A server that speaks OpenAI's Responses API (interface.ResponsesEngine): POST /v1/responses is posted to
+    it as chat requests are (``create`` and ``stream`` with the route ``"responses"``), model rewritten, its key
+    presented, its errors translated here as theirs are."""
+
+    serves_responses = True
 
 
-def upstream_class(*, prioritized: bool, prefill: bool) -> type[UpstreamEngine]:
+@functools.cache
+def upstream_class(*, prioritized: bool, prefill: bool, responses: bool = False) -> type[UpstreamEngine]:
     """The engine class of an upstream with the capabilities its configuration gives it (a capability is its
-    class's: connect.has_capability)."""
-    if prioritized:
-        return PrioritizedPrefillUpstreamEngine if prefill else PrioritizedUpstreamEngine
-    return PrefillUpstreamEngine if prefill else UpstreamEngine
+    class's: connect.has_capability): the capabilities' classes combined, one class per combination."""
+    bases = tuple(kind for wanted, kind in ((prefill, PrefillUpstreamEngine), (prioritized, PrioritizedUpstreamEngine),
+                                            (responses, ResponsesUpstreamEngine)) if wanted)
+    if len(bases) <= 1:
+        return bases[0] if bases else UpstreamEngine
+    name = "".join(kind.__name__.removesuffix("UpstreamEngine") for kind in bases) + "UpstreamEngine"
+    return type(name, bases, {"__doc__": "An upstream with several capabilities: " +
+                              ", ".join(kind.__name__ for kind in bases) + "."})

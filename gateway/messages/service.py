@@ -1,23 +1,27 @@
 """Anthropic Messages run over the chat-completions path: a request translated (gateway/translation/messages.py),
 checked as a chat request, run through the Gateway under its key's quotas, and its answer (or stream)
-translated back. Token counts are the engine's own: the prompt tokens of a one-token generation."""
+translated back. Token counts are the engine's own: the prompt tokens of a one-token generation. With the
+``parrot`` extension (an extra body field) the chat body is a semantic request of the chat path."""
 
 from __future__ import annotations
 
-from typing import AsyncIterator, NamedTuple
+from typing import Any, AsyncIterator, NamedTuple
 
 import msgspec
+from litestar import Response as HTTPResponse
 
-from gateway.chat_path import ROUTE, check_chat, chunks
+from gateway.chat_path import ROUTE, check_chat, chunks_of
+from gateway.domain_errors import Invalid
 from gateway.errors import body_error
 from gateway.quotas import Quotas
+from gateway.semantic.service import SemanticService
 from gateway.service import Gateway
 from gateway.translation.chat import completion_decoder
 from gateway.translation.message_stream import MessageStream
 from gateway.translation.messages import CHAT_PARAMS, message, to_chat
 from wire.anthropic import CountTokensRequest, AnthropicMessage, MessagesRequest, TokenCount, AnthropicUsage
 
-_KNOWN = frozenset(MessagesRequest.__struct_fields__)
+_KNOWN = frozenset(MessagesRequest.__struct_fields__) | {"parrot"}
 # Anthropic's request fields without a chat-completions meaning: not sent to engines.
 ANTHROPIC_ONLY = frozenset({"cache_control", "container", "context_management", "diagnostics", "inference_geo",
                             "mcp_servers", "speed", "user_profile_id", "workspace_id", "betas"})
@@ -34,6 +38,7 @@ class Prepared(NamedTuple):
     request: MessagesRequest
     chat: dict
     estimate: int
+    parrot: dict[str, Any] | None = None  # the semantic-variable extension: run on the semantic path
 
 
 def _decode(decoder: msgspec.json.Decoder, raw: bytes):
@@ -44,9 +49,10 @@ def _decode(decoder: msgspec.json.Decoder, raw: bytes):
 
 
 class MessagesService:
-    def __init__(self, gateway: Gateway, quotas: Quotas):
+    def __init__(self, gateway: Gateway, quotas: Quotas, semantic: SemanticService):
         self.gateway = gateway
         self.quotas = quotas
+        self.semantic = semantic
 
     def prepare(self, raw: bytes, owner: str) -> Prepared:
         try:
@@ -60,12 +66,28 @@ class MessagesService:
         chat.update((name, value) for name, value in body.items()
                     if name not in _KNOWN and name not in ANTHROPIC_ONLY and name not in chat)
         checked = check_chat(self.gateway, chat, CHAT_PARAMS, "messages")
-        return Prepared(owner, request, chat, self.gateway.max_request_tokens(checked) or 0)
+        parrot = body.get("parrot")
+        if parrot is not None and not isinstance(parrot, dict):
+            raise Invalid("parrot must be an object (the semantic-variable extension)", param="parrot")
+        # A semantic request's usage is charged by its call, which may outlive this response (as on the chat path).
+        estimate = 0 if parrot is not None else self.gateway.max_request_tokens(checked) or 0
+        return Prepared(owner, request, chat, estimate, parrot)
 
-    async def create(self, prepared: Prepared) -> AnthropicMessage:
+    async def create(self, prepared: Prepared) -> AnthropicMessage | HTTPResponse:
+        """The message; a semantic request with ``parrot.wait`` false is answered 202 at once, as on the chat path."""
+        parrot = msgspec.UNSET
         async with self.quotas.admitted(prepared.owner, prepared.estimate):
-            answer = await self.gateway.create(ROUTE, prepared.request.model, prepared.chat)
-        return message(prepared.request, completion_decoder.decode(answer.body), echo_tier(prepared.request.service_tier))
+            if prepared.parrot is not None:
+                submitted = await self.semantic.submit(ROUTE, prepared.parrot, prepared.chat, prepared.owner, False)
+                answered = await self.semantic.answer(submitted)
+                if not submitted.wait:
+                    return answered
+                body, parrot = answered.content, msgspec.to_builtins(submitted.result)
+            else:
+                body = (await self.gateway.create(ROUTE, prepared.request.model, prepared.chat)).body
+        answer = message(prepared.request, completion_decoder.decode(body), echo_tier(prepared.request.service_tier))
+        answer.parrot = parrot
+        return answer
 
     async def stream(self, prepared: Prepared) -> AsyncIterator[bytes]:
         """The message's SSE events; the first once the engine's stream has started."""
@@ -73,9 +95,15 @@ class MessagesService:
         writer = MessageStream(AnthropicMessage(model=request.model, usage=AnthropicUsage(service_tier=echo_tier(request.service_tier))),
                                request.stop_sequences)
         async with self.quotas.admitted(prepared.owner, prepared.estimate):
-            opened = await self.gateway.open_stream(ROUTE, request.model, prepared.chat)
+            if prepared.parrot is not None:
+                submitted = await self.semantic.submit(ROUTE, prepared.parrot, prepared.chat, prepared.owner, True)
+                writer.message.parrot = msgspec.to_builtins(submitted.result)  # in message_start
+                events = (await self.semantic.answer(submitted)).iterator  # once its first text is generated
+            else:
+                events = self.gateway.sse_events(request.model,
+                                                 await self.gateway.open_stream(ROUTE, request.model, prepared.chat))
             yield writer.start()
-            stream = chunks(self.gateway, request.model, opened)
+            stream = chunks_of(events)
             try:
                 async for chunk in stream:
                     if chunk.error is not None:

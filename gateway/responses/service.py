@@ -1,15 +1,19 @@
 """Responses run over the chat-completions path: a request checked and translated (gateway/translation/),
 then run as a chat completion through the Gateway (placement, retries, token limits) under its key's quotas,
 plain, streamed or in the background; stored, when asked, before the answer leaves (an immediate follow-up
-with ``previous_response_id`` finds it)."""
+with ``previous_response_id`` finds it). A model whose engines speak the Responses API themselves gets its
+requests passed through to them (passthrough.py) instead. With the ``parrot`` extension the translated chat body is a semantic
+request of the chat path (gateway/semantic/), whose chat answer is translated back as an engine's is."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from typing import AsyncIterator, NamedTuple
+from typing import Any, AsyncIterator, NamedTuple
 
 import msgspec
+from litestar import Response as HTTPResponse
 
 from engines.seam import EngineError
 from gateway.config import ResponsesConfig
@@ -17,9 +21,12 @@ from gateway.domain_errors import DomainError, Invalid
 from gateway.errors import body_error
 from gateway.quotas import Quotas
 from gateway.responses.contexts import ConversationContexts
+from gateway.responses.passthrough import UpstreamEvents, adopt_body, read_answer, read_event, upstream_body
 from gateway.responses.store import ResponseStore, StoredResponse
-from gateway.service import Gateway
-from gateway.chat_path import ROUTE, check_chat, chunks
+from gateway.semantic import template
+from gateway.semantic.service import SemanticService, Submitted
+from gateway.service import ENGINE_HEADER, Gateway
+from gateway.chat_path import ROUTE, check_chat, chunks_of
 from gateway.translation.chat import completion_decoder
 from gateway.translation.response_stream import ResponseStream
 from gateway.translation.responses import (
@@ -30,12 +37,15 @@ from gateway.translation.responses import (
     input_items,
     output_items,
     resolve_references,
+    texts_changed,
     to_chat,
     tool_choice,
     usage,
 )
 from wire.errors import InvalidRequest
 from wire.openai import served_tier
+from wire.sse import SSE_DONE
+from wire.placeholders import map_texts
 from wire.responses import Item, Response, ResponseError, ResponsesRequest, TextConfig
 
 log = logging.getLogger("parrot.responses")
@@ -52,13 +62,25 @@ class Prepared(NamedTuple):
     chat: dict
     estimate: int  # tokens charged to the key when the engine reports no usage
     response: Response
+    parrot: dict[str, Any] | None = None  # the semantic-variable extension: run on the semantic path
+    upstream: dict[str, Any] | None = None  # the body passed through to an engine that speaks Responses
+
+
+class Ran(NamedTuple):
+    """A response's chat completion: where it ran, and the request as it is stored (a semantic one's
+    placeholders filled with the values its prompt held)."""
+
+    body: bytes
+    engine_id: str
+    prepared: Prepared
 
 
 class ResponsesService:
-    def __init__(self, gateway: Gateway, quotas: Quotas, config: ResponsesConfig):
+    def __init__(self, gateway: Gateway, quotas: Quotas, config: ResponsesConfig, semantic: SemanticService):
         self.gateway = gateway
         self.quotas = quotas
         self.config = config
+        self.semantic = semantic
         self.store = ResponseStore(config)
         self.contexts = ConversationContexts(gateway, config)  # stored conversations pinned on the engine
         self.store.on_drop = self.contexts.release
@@ -78,6 +100,7 @@ class ResponsesService:
             raise body_error(exc, raw) from None
         if request.background and request.store is False:
             raise Invalid("background responses must be stored: store must not be false", param="background")
+        parrot = semantic_extension(body, request)
         tools = function_tools(request)
         choice = tool_choice(request, tools)
         items = input_items(request, self.config.max_input_items)
@@ -98,7 +121,12 @@ class ResponsesService:
             previous_response_id=request.previous_response_id, store=request.store is not False,
             background=bool(request.background), metadata=request.metadata or {}, user=request.user,
             service_tier=served_tier(request.service_tier))
-        return Prepared(owner, request, items, earlier, chat, self.gateway.max_request_tokens(checked) or 0, response)
+        # A semantic request's usage is charged by its call, which may outlive this response (as on the chat path).
+        estimate = 0 if parrot is not None else self.gateway.max_request_tokens(checked) or 0
+        # Passed through where the model's engines speak Responses; a semantic request runs as a chat request.
+        upstream = upstream_body(body, items, earlier) if parrot is None and self.gateway.serves_responses(
+            request.model) else None
+        return Prepared(owner, request, items, earlier, chat, estimate, response, parrot, upstream)
 
     async def _conversation(self, owner: str, response_id: str) -> list[Item]:
         try:
@@ -122,7 +150,12 @@ class ResponsesService:
         self.store.put(prepared.owner, stored)
         return stored
 
-    def _finish(self, response: Response, body: bytes) -> None:
+    def _finish(self, prepared: Prepared, body: bytes) -> None:
+        """The engine's answer (a chat completion, or a passed-through Response) into the response."""
+        response = prepared.response
+        if prepared.upstream is not None:
+            adopt_body(response, body)
+            return
         completion = completion_decoder.decode(body)
         response.output = output_items(completion)
         response.usage = usage(completion.usage)
@@ -131,24 +164,54 @@ class ResponsesService:
         if completion.service_tier:  # the tier the engine says it served it on
             response.service_tier = completion.service_tier
 
-    async def create(self, prepared: Prepared) -> Response:
+    async def create(self, prepared: Prepared) -> Response | HTTPResponse:
         """A response run to its end and stored (when asked) before it is returned. A next turn of a
         conversation pinned on an engine runs as a fork of it there (contexts.py); its own conversation is
-        pinned in turn."""
+        pinned in turn. A semantic request with ``parrot.wait`` false is answered 202 at once, as on the chat path."""
         async with self.quotas.admitted(prepared.owner, prepared.estimate):
-            forked = None
-            if prepared.request.previous_response_id:
-                forked = await self.contexts.fork(prepared.request.previous_response_id, prepared.chat)
-            if forked is None:
-                answer = await self.gateway.create(ROUTE, prepared.request.model, prepared.chat)
-                forked = (answer.body, answer.engine_id)
-        body, engine_id = forked
-        self._finish(prepared.response, body)
+            if prepared.parrot is not None:
+                ran = await self._semantic(prepared)
+                if isinstance(ran, HTTPResponse):
+                    return ran
+            elif prepared.upstream is not None:
+                ran = await self._through(prepared)
+            else:
+                ran = await self._plain(prepared)
+        body, engine_id, prepared = ran
+        self._finish(prepared, body)
         if self._store(prepared) is not None:
             self._pin(prepared, engine_id)
             if prepared.request.previous_response_id:  # the conversation goes on from this turn's context now:
                 self.contexts.release(prepared.request.previous_response_id)  # a branch from the last runs plain
         return prepared.response
+
+    async def _through(self, prepared: Prepared) -> Ran:
+        assert prepared.upstream is not None
+        answer = await self.gateway.create("responses", prepared.request.model, prepared.upstream, read=read_answer)
+        return Ran(answer.body, answer.engine_id, prepared)
+
+    async def _plain(self, prepared: Prepared) -> Ran:
+        forked = None
+        if prepared.request.previous_response_id:
+            forked = await self.contexts.fork(prepared.request.previous_response_id, prepared.chat)
+        if forked is None:
+            answer = await self.gateway.create(ROUTE, prepared.request.model, prepared.chat)
+            forked = (answer.body, answer.engine_id)
+        return Ran(*forked, prepared)
+
+    async def _semantic(self, prepared: Prepared) -> Ran | HTTPResponse:
+        """The request's chat body run whole on the semantic path; its 202 when it does not wait."""
+        submitted = await self._submit(prepared, stream=False)
+        answered = await self.semantic.answer(submitted)
+        if not submitted.wait:
+            return answered
+        return Ran(answered.content, answered.headers[ENGINE_HEADER], await _with_values(prepared, submitted))
+
+    async def _submit(self, prepared: Prepared, *, stream: bool) -> Submitted:
+        assert prepared.parrot is not None
+        submitted = await self.semantic.submit(ROUTE, prepared.parrot, prepared.chat, prepared.owner, stream)
+        prepared.response.parrot = msgspec.to_builtins(submitted.result)
+        return submitted
 
     def _pin(self, prepared: Prepared, engine_id: str) -> None:
         if prepared.response.status == "completed":
@@ -182,8 +245,16 @@ class ResponsesService:
         response.status = "in_progress"
         try:
             async with self.quotas.holding(admission):
-                answer = await self.gateway.create(ROUTE, prepared.request.model, prepared.chat)
-            self._finish(response, answer.body)
+                if prepared.parrot is not None:
+                    ran = await self._semantic(prepared)  # waits: a background request with wait false is a 400
+                    assert not isinstance(ran, HTTPResponse)
+                    stored.input = ran.prepared.input
+                    body = ran.body
+                elif prepared.upstream is not None:
+                    body = (await self._through(prepared)).body
+                else:
+                    body = (await self.gateway.create(ROUTE, prepared.request.model, prepared.chat)).body
+            self._finish(prepared, body)
         except asyncio.CancelledError:
             response.status = "cancelled"
         except (EngineError, DomainError, InvalidRequest) as exc:
@@ -219,13 +290,25 @@ class ResponsesService:
     async def stream(self, prepared: Prepared) -> AsyncIterator[bytes]:
         """The response's SSE events. The first item comes once the engine's stream has started (errors
         before it are the request's HTTP status); the response is stored before its last event."""
+        if prepared.upstream is not None:
+            async with contextlib.aclosing(self._stream_through(prepared)) as events:
+                async for event in events:
+                    yield event
+            return
         writer = ResponseStream(prepared.response)
         async with self.quotas.admitted(prepared.owner, prepared.estimate):
-            opened = await self.gateway.open_stream(ROUTE, prepared.request.model, prepared.chat)
+            submitted = None
+            if prepared.parrot is not None:
+                submitted = await self._submit(prepared, stream=True)
+                answered = await self.semantic.answer(submitted)  # its first text generated (or its end)
+                events, engine_id = answered.iterator, answered.headers.get(ENGINE_HEADER, "")
+            else:
+                opened = await self.gateway.open_stream(ROUTE, prepared.request.model, prepared.chat)
+                events, engine_id = self.gateway.sse_events(prepared.request.model, opened), opened.record.id
             stored = self._store(prepared)  # in progress: GET finds it while it streams
             try:
                 yield writer.start()
-                stream = chunks(self.gateway, prepared.request.model, opened)
+                stream = chunks_of(events)
                 try:
                     async for chunk in stream:
                         if chunk.error is not None:
@@ -239,9 +322,61 @@ class ResponsesService:
                 if prepared.response.status == "in_progress":
                     yield writer.finish()
                 if stored is not None:
+                    if submitted is not None and prepared.response.status != "failed":
+                        prepared = await _with_values(prepared, submitted)
+                        stored.input = prepared.input
                     self.store.put(prepared.owner, stored)
-                    self._pin(prepared, opened.record.id)
+                    self._pin(prepared, engine_id)
                 yield writer.last()
             finally:
                 if prepared.response.status == "in_progress":  # the client left before the end
                     writer.fail("client_disconnected", "the client closed the stream before the response ended")
+
+    async def _stream_through(self, prepared: Prepared) -> AsyncIterator[bytes]:
+        """The engine's own Responses stream, passed through (passthrough.UpstreamEvents); the response is
+        stored before the event that ends it goes out."""
+        assert prepared.upstream is not None
+        relay = UpstreamEvents(prepared.response)
+        model = prepared.request.model
+        async with self.quotas.admitted(prepared.owner, prepared.estimate):
+            opened = await self.gateway.open_stream("responses", model, prepared.upstream)
+            stored = self._store(prepared)  # in progress: GET finds it while it streams
+            events = self.gateway.sse_events(model, opened, read=read_event)
+            try:
+                async for data in events:
+                    ended = [relay.close()] if data.endswith(SSE_DONE) else []  # the engine's stream is over
+                    for event in filter(None, [*relay.feed(data), *ended]):
+                        if relay.ended and stored is not None:
+                            self.store.put(prepared.owner, stored)  # measured again, now with its output
+                            stored = None
+                        yield event
+            finally:
+                await events.aclose()
+                if prepared.response.status in ("queued", "in_progress"):  # the client left before the end
+                    prepared.response.status = "failed"
+                    prepared.response.error = ResponseError(
+                        code="client_disconnected", message="the client closed the stream before the response ended")
+
+
+def semantic_extension(body: dict[str, Any], request: ResponsesRequest) -> dict[str, Any] | None:
+    """The request's ``parrot`` object (None: a plain request), as far as it can be checked before it runs."""
+    parrot = body.get("parrot")
+    if parrot is None:
+        return None
+    if not isinstance(parrot, dict):
+        raise Invalid("parrot must be an object (the semantic-variable extension)", param="parrot")
+    if request.background and parrot.get("wait") is False:
+        raise Invalid("a background response waits for its call: leave out parrot.wait, or poll its output "
+                      "variable instead of a background response", param="parrot.wait")
+    return parrot
+
+
+async def _with_values(prepared: Prepared, submitted: Submitted) -> Prepared:
+    """A semantic request as it ran: its placeholders replaced by the values its prompt held, so that the stored
+    conversation, and a next turn over it, read what the model read."""
+    values = await submitted.input_values()
+    if not values:
+        return prepared
+    change = lambda text: template.substitute(text, values)  # noqa: E731
+    return prepared._replace(input=texts_changed(prepared.input, change), chat=map_texts(ROUTE, prepared.chat, change))
+

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import math
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, NamedTuple
 
 import msgspec
 from litestar import Response
@@ -51,11 +51,32 @@ log = logging.getLogger("parrot.semantic")
 JSON = "application/json"
 # How long deleting a session waits for its cancelled calls to unwind (they do at their next await).
 _UNWIND_WAIT_S = 10.0
+# How long reading a finished call's inputs may wait: each was bound before its call ran, but for one a producer
+# handed over on the engine (handoff.py), bound when that producer's answer comes back to the gateway.
+_BOUND_WAIT_S = 30.0
 
 
 def view(variable: Variable) -> VarView:
     return VarView(id=variable.id, name=variable.name, session_id=variable.session.id, ready=variable.ready,
                    value=variable.value, error=variable.error, producer=variable.producer_id)
+
+
+class Submitted(NamedTuple):
+    """An extension request whose call is linked and started (``SemanticService.submit``)."""
+
+    route: Route
+    body: dict[str, Any]  # as its call runs it (no stream fields)
+    call: Call
+    reply: Reply
+    result: ParrotResult
+    made: set[str]  # the variables it made (forgotten again if the engine refuses it)
+    wait: bool
+    stream: bool
+    include_usage: bool
+
+    async def input_values(self) -> dict[str, str]:
+        """What each of its placeholders was bound to, once its call has run: the text its prompt holds."""
+        return {name: await variable.get(_BOUND_WAIT_S) for name, variable in self.call.inputs.items()}
 
 
 class SemanticService:
@@ -140,6 +161,13 @@ class SemanticService:
 
     async def serve(self, route: Route, raw_extension: dict[str, Any], body: dict[str, Any], owner: str,
                     stream: bool) -> Response:
+        """An extension request answered as its endpoint answers: 202 (``wait: false``), a stream or JSON."""
+        return await self.answer(await self.submit(route, raw_extension, body, owner, stream))
+
+    async def submit(self, route: Route, raw_extension: dict[str, Any], body: dict[str, Any], owner: str,
+                     stream: bool) -> Submitted:
+        """The request's placeholders bound and its call linked into its session and started. Other APIs
+        (Responses, Messages) submit their translated chat body here and translate ``answer``'s answer back."""
         try:
             ext = msgspec.convert(raw_extension, ParrotExtension)
         except msgspec.ValidationError as exc:
@@ -162,7 +190,14 @@ class SemanticService:
         result = ParrotResult(session_id=session.id, output=OutputView(id=output.id, name=output.name),
                               call_id=call.id, inline={path: OutputView(id=v.id, name=v.name)
                                                        for path, v in inline.outputs.items()})
-        if not ext.wait:
+        return Submitted(route, body, call, reply, result, made, ext.wait, stream, include_usage)
+
+    async def answer(self, submitted: Submitted) -> Response:
+        """A submitted request's answer: 202 with its variables (``wait: false``), else once its call
+        generates, streamed as it does (``stream``) or whole; the chat or completions body with ``parrot``."""
+        route, body, call, reply, result = (submitted.route, submitted.body, submitted.call, submitted.reply,
+                                            submitted.result)
+        if not submitted.wait:
             result.status = "queued"
             await self.sessions.flushed()  # what it made is in the store before it is acknowledged
             return Response(msgspec.json.encode(Accepted(parrot=result)), status_code=202, media_type=JSON)
@@ -171,14 +206,15 @@ class SemanticService:
             reply.sink.follow(call.task)
             first = await reply.sink.first()
             if first is not None:
-                return self._stream(call, reply, first, StreamedAnswer(route, body["model"], result, include_usage))
-        await self._finish_request(call, made)
+                return self._stream(call, reply, first,
+                                    StreamedAnswer(route, body["model"], result, submitted.include_usage))
+        await self._finish_request(call, submitted.made)
         await self.sessions.flushed()
         answer = reply.answer
         assert answer is not None  # its call ran
         where = {ENGINE_HEADER: answer.engine_id}
-        if stream:  # ended without text: its one chunk
-            return _as_stream(route, answer.as_dict() | {"parrot": result}, include_usage, where)
+        if submitted.stream:  # ended without text: its one chunk
+            return _as_stream(route, answer.as_dict() | {"parrot": result}, submitted.include_usage, where)
         return Response(with_service_tier(answer.encoded(msgspec.json.encode(result)), body), media_type=JSON,
                         headers=where)
 

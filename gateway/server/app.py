@@ -95,12 +95,12 @@ def create_app(config: GatewayConfig | None = None) -> Litestar:
             gateway.add_upstreams()
             app.state.gateway = gateway
             app.state.quotas = quotas = Quotas(config.quotas, store, seat_ttl_s=config.state.seat_ttl_s)
-            app.state.responses = ResponsesService(gateway, quotas, config.responses)
-            app.state.messages = MessagesService(gateway, quotas)
+            app.state.semantic = semantic = SemanticService(gateway, config.semantic, limits_of=quotas.limits,
+                                                            tracing=tracing, store=store)
+            app.state.responses = ResponsesService(gateway, quotas, config.responses, semantic)
+            app.state.messages = MessagesService(gateway, quotas, semantic)
             app.state.batches = BatchService(gateway, BatchStorage(config.files.directory()), config.files, quotas)
             app.state.batches.resume()  # batches a previous process left running go on
-            app.state.semantic = SemanticService(gateway, config.semantic, limits_of=quotas.limits, tracing=tracing,
-                                                 store=store)
             app.state.semantic.start()
             writer = app.state.semantic.mirror.writer if app.state.semantic.mirror is not None else None
             if writer is not None:

@@ -4,7 +4,7 @@ status and usage. The stream's events are response_stream.py's."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 
@@ -17,6 +17,7 @@ from wire.responses import (
     FunctionTool,
     IncompleteDetails,
     InputImage,
+    InputText,
     InputTokensDetails,
     Item,
     ItemReference,
@@ -66,6 +67,26 @@ def resolve_references(items: list[Item], earlier: list[Item]) -> list[Item]:
             item = by_id[item.id]
         resolved.append(item)
     return resolved
+
+
+def texts_changed(items: list[Item], change: Callable[[str], str]) -> list[Item]:
+    """``items`` with ``change`` applied to each text a placeholder may sit in: the texts their chat messages
+    hold (a message's text, a function call's output), as ``wire.placeholders.map_texts`` changes those."""
+    changed: list[Item] = []
+    for item in items:
+        if isinstance(item, MessageItem):
+            item = msgspec.structs.replace(item, content=_parts_changed(item.content, change))
+        elif isinstance(item, FunctionCallOutputItem):
+            item = msgspec.structs.replace(item, output=_parts_changed(item.output, change))
+        changed.append(item)
+    return changed
+
+
+def _parts_changed(content: Any, change: Callable[[str], str]) -> Any:
+    if isinstance(content, str):
+        return change(content)
+    return [msgspec.structs.replace(part, text=change(part.text)) if isinstance(part, (InputText, OutputText))
+            else part for part in content]
 
 
 def function_tools(request: ResponsesRequest) -> list[FunctionTool]:
