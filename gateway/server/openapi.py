@@ -86,12 +86,12 @@ ROUTE_ERRORS: dict[str, tuple[int, ...]] = {
     "GET /v1/vars/{var_id}": (404, 504),
     "PUT /v1/vars/{var_id}": (404, 409, 429),
     "POST /v1/semantic_calls": (404, 409, 429),
-    "POST /v1/responses": (404, 429, *_ENGINE_FAILURES),
+    "POST /v1/responses": _SEMANTIC_RUN,  # with the parrot extension, a semantic request's failures too
     "GET /v1/responses/{response_id}": (404,),
     "DELETE /v1/responses/{response_id}": (404,),
     "POST /v1/responses/{response_id}/cancel": (400, 404),
     "GET /v1/responses/{response_id}/input_items": (404,),
-    "POST /v1/messages": (404, 429, *_ENGINE_FAILURES),
+    "POST /v1/messages": _SEMANTIC_RUN,
     "POST /v1/messages/count_tokens": (404, 429, *_ENGINE_FAILURES),
     "POST /v1/embeddings": (404, 429, *_ENGINE_FAILURES),
     "POST /v1/files": (415,),
@@ -234,7 +234,7 @@ def _add_schemas(app: Litestar) -> dict[str, Any]:
              *_handler_structs(app)]
     _, components = msgspec.json.schema_components(types, ref_template=_COMPONENTS)
     extension = {"anyOf": [{"$ref": _COMPONENTS.format(name="ParrotExtension")}, {"type": "null"}]}
-    for request in ("ChatCompletionRequest", "CompletionRequest"):  # decoded as a dict, then as this
+    for request in ("ChatCompletionRequest", "CompletionRequest", "ResponsesRequest", "MessagesRequest"):  # decoded as a dict, then as this
         components[request]["properties"]["parrot"] = extension
     app.openapi_schema.components.schemas.update(components)
     return components
@@ -305,6 +305,9 @@ _TRANSLATED_ROUTES = {
 }
 
 
+_SEMANTIC_ROUTES = ("/v1/responses", "/v1/messages")  # take the parrot extension
+
+
 def _add_translated_routes(spec: OpenAPI, schemas: dict[str, Any]) -> None:
     for path, (request, response, summary, events, example) in _TRANSLATED_ROUTES.items():
         assert request in schemas and response in schemas
@@ -318,6 +321,11 @@ def _add_translated_routes(spec: OpenAPI, schemas: dict[str, Any]) -> None:
                 type=OpenAPIType.OBJECT, required=["data"], description=f"With `stream: true`: {events}.",
                 properties={"data": Schema(type=OpenAPIType.STRING), "event": Schema(type=OpenAPIType.STRING)}))
         operation.responses = {"200": OpenAPIResponse(description="the answer, or its stream", content=content)}
+        if path in _SEMANTIC_ROUTES:
+            operation.description = ("With a `parrot` object the request is a semantic request of the chat path "
+                                     "(docs/semantic-variables.md); with `parrot.wait: false` it answers 202 at once.")
+            operation.responses["202"] = OpenAPIResponse(description="`parrot.wait: false`: the call is queued; its "
+                                                         "output variable's id", content={JSON: _ref("Accepted")})
 
 
 def _add_batch_routes(spec: OpenAPI, schemas: dict[str, Any]) -> None:
