@@ -15,14 +15,9 @@ GREEDY = {"temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def gateway_url(smollm_gateway) -> str:
-    return smollm_gateway["gateway"]
-
-
-@pytest.fixture(scope="module")
-def client(gateway_url) -> openai.OpenAI:
-    with openai.OpenAI(base_url=f"{gateway_url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
-        yield client
+def client(smollm_gateway) -> openai.OpenAI:
+    with openai.OpenAI(base_url=f"{smollm_gateway['gateway']}/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
 
 
 def chat(client: openai.OpenAI, content: str, **extra) -> openai.types.chat.ChatCompletion:
@@ -45,7 +40,7 @@ def test_a_semantic_response_answers_as_the_equivalent_chat_call_and_feeds_one(c
                                                        ).choices[0].message.content
 
 
-def test_a_chat_calls_output_feeds_a_response_and_a_message(client, gateway_url):
+def test_a_chat_calls_output_feeds_a_response_and_a_message(client, smollm_gateway):
     producer = chat(client, "Name the capital of Italy.", extra_body={"parrot": {"output": "capital"}})
     output, text = producer.model_extra["parrot"]["output"]["id"], producer.choices[0].message.content
 
@@ -54,7 +49,7 @@ def test_a_chat_calls_output_feeds_a_response_and_a_message(client, gateway_url)
                                        extra_body={"parrot": {"vars": {"place": {"id": output}}}})
     assert consumed.output_text == chat(client, f"Describe {text}").choices[0].message.content
 
-    with anthropic.Anthropic(base_url=gateway_url, api_key="unused", max_retries=0, timeout=120) as messages:
+    with anthropic.Anthropic(base_url=smollm_gateway["gateway"], api_key="unused", max_retries=0, timeout=120) as messages:
         message = messages.messages.create(model=SMOLLM, max_tokens=24, system=SYSTEM,
                                            messages=[{"role": "user", "content": "Describe {{place}}"}],
                                            extra_body={**GREEDY, "parrot": {"vars": {"place": {"id": output}}}})
