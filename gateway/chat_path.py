@@ -1,6 +1,7 @@
 """Other APIs' requests (Responses, Anthropic Messages) run as chat completions: the translated body checked
-as a chat request is (its limits, its model), its errors named as the client's API names the field, and a
-stream's chunks read out of the gateway's SSE events."""
+as a chat request is (its limits, its model), its errors named as the client's API names the field, its ``parrot``
+object (the semantic path runs it then), and a stream's chunks read out of SSE events (an engine's, or a semantic
+request's)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,14 @@ def check_chat(gateway: Gateway, chat: dict[str, Any], names: Mapping[str, str],
     except msgspec.ValidationError as exc:
         raise Invalid(f"{fallback}: {exc}", param=fallback) from None
     return checked
+
+
+def extension_of(body: dict[str, Any]) -> dict[str, Any] | None:
+    """A body's ``parrot`` object (None: a plain request); the semantic path checks what it holds."""
+    parrot = body.get("parrot")
+    if parrot is not None and not isinstance(parrot, dict):
+        raise Invalid("parrot must be an object (the semantic-variable extension)", param="parrot")
+    return parrot
 
 
 async def chunks_of(events: AsyncIterator[bytes]) -> AsyncIterator[Chunk]:

@@ -10,8 +10,7 @@ from typing import Any, AsyncIterator, NamedTuple
 import msgspec
 from litestar import Response as HTTPResponse
 
-from gateway.chat_path import ROUTE, check_chat, chunks_of
-from gateway.domain_errors import Invalid
+from gateway.chat_path import ROUTE, check_chat, chunks_of, extension_of
 from gateway.errors import body_error
 from gateway.quotas import Quotas
 from gateway.semantic.service import SemanticService
@@ -66,9 +65,7 @@ class MessagesService:
         chat.update((name, value) for name, value in body.items()
                     if name not in _KNOWN and name not in ANTHROPIC_ONLY and name not in chat)
         checked = check_chat(self.gateway, chat, CHAT_PARAMS, "messages")
-        parrot = body.get("parrot")
-        if parrot is not None and not isinstance(parrot, dict):
-            raise Invalid("parrot must be an object (the semantic-variable extension)", param="parrot")
+        parrot = extension_of(body)
         # A semantic request's usage is charged by its call, which may outlive this response (as on the chat path).
         estimate = 0 if parrot is not None else self.gateway.max_request_tokens(checked) or 0
         return Prepared(owner, request, chat, estimate, parrot)

@@ -2,8 +2,8 @@
 then run as a chat completion through the Gateway (placement, retries, token limits) under its key's quotas,
 plain, streamed or in the background; stored, when asked, before the answer leaves (an immediate follow-up
 with ``previous_response_id`` finds it). A model whose engines speak the Responses API themselves gets its
-requests passed through to them (passthrough.py) instead. With the ``parrot`` extension the translated chat body is a semantic
-request of the chat path (gateway/semantic/), whose chat answer is translated back as an engine's is."""
+requests passed through to them (passthrough.py) instead. With the ``parrot`` extension the translated chat body
+is a semantic request of the chat path (gateway/semantic/), whose chat answer is translated back as an engine's is."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from gateway.responses.store import ResponseStore, StoredResponse
 from gateway.semantic import template
 from gateway.semantic.service import SemanticService, Submitted
 from gateway.service import ENGINE_HEADER, Gateway
-from gateway.chat_path import ROUTE, check_chat, chunks_of
+from gateway.chat_path import ROUTE, check_chat, chunks_of, extension_of
 from gateway.translation.chat import completion_decoder
 from gateway.translation.response_stream import ResponseStream
 from gateway.translation.responses import (
@@ -360,12 +360,8 @@ class ResponsesService:
 
 def semantic_extension(body: dict[str, Any], request: ResponsesRequest) -> dict[str, Any] | None:
     """The request's ``parrot`` object (None: a plain request), as far as it can be checked before it runs."""
-    parrot = body.get("parrot")
-    if parrot is None:
-        return None
-    if not isinstance(parrot, dict):
-        raise Invalid("parrot must be an object (the semantic-variable extension)", param="parrot")
-    if request.background and parrot.get("wait") is False:
+    parrot = extension_of(body)
+    if parrot is not None and request.background and parrot.get("wait") is False:
         raise Invalid("a background response waits for its call: leave out parrot.wait, or poll its output "
                       "variable instead of a background response", param="parrot.wait")
     return parrot

@@ -149,3 +149,18 @@ def test_metrics_count_the_passed_through_tokens(client, outer):
     metrics = httpx.get(f"{outer}/metrics").text
     generated = [line for line in metrics.splitlines() if line.startswith("parrot:generation_tokens_total{")]
     assert generated and float(generated[0].rsplit(" ", 1)[1]) > 0
+
+
+def test_a_background_response_runs_in_the_gateway_and_an_upstream_failing_mid_stream_fails_it(client, outer,
+                                                                                               wait_until):
+    queued = client.responses.create(model=MODEL, input="later", background=True)
+    assert queued.status == "queued"
+    wait_until(lambda: client.responses.retrieve(queued.id).status == "completed")
+    assert client.responses.retrieve(queued.id).output_text == "echo: later"
+
+    body = {"model": MODEL, "input": "one two three four", "stream": True, "fake": {"die_after": 2}}
+    with httpx.stream("POST", f"{outer}/v1/responses", json=body, headers={"authorization": "Bearer sk-a"},
+                      timeout=30) as answer:
+        events = [json.loads(line[6:]) for line in answer.iter_lines() if line.startswith("data: ")]
+    assert events[-1]["type"] == "response.failed" and events[-1]["response"]["status"] == "failed"
+    assert client.responses.retrieve(events[0]["response"]["id"]).status == "failed"

@@ -6,10 +6,10 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from engines.seam import ContextEngine, Engine, HintedEngine
+from engines.seam import ContextEngine, Engine, HintedEngine, PrefillEngine, PrioritizedEngine, ResponsesEngine
 from engines.seam.builtin_client import BuiltinEngineClient
 from engines.seam.connect import CAPABILITIES, capabilities_of, connect, has_capability
-from engines.seam.upstream import UpstreamEngine
+from engines.seam.upstream import UpstreamEngine, upstream_class
 
 
 @pytest.fixture
@@ -30,3 +30,17 @@ async def test_anything_less_is_a_plain_openai_engine(client, announced):
     engine = connect("e", "http://127.0.0.1:9", client, capabilities=announced)
     assert type(engine) is UpstreamEngine and isinstance(engine, Engine)
     assert capabilities_of(engine) == [] and not has_capability(engine, ContextEngine)
+
+
+@pytest.mark.parametrize("responses", [False, True])
+@pytest.mark.parametrize("prefill", [False, True])
+@pytest.mark.parametrize("prioritized", [False, True])
+async def test_an_upstreams_configuration_gives_its_class_exactly_those_capabilities(client, prioritized, prefill,
+                                                                                     responses):
+    engine_class = upstream_class(prioritized=prioritized, prefill=prefill, responses=responses)
+    engine = engine_class("e", "http://127.0.0.1:9/v1", client)
+
+    assert [has_capability(engine, kind) for kind in (PrioritizedEngine, PrefillEngine, ResponsesEngine)] == [
+        prioritized, prefill, responses]
+    assert not has_capability(engine, ContextEngine) and not has_capability(engine, HintedEngine)
+    assert upstream_class(prioritized=prioritized, prefill=prefill, responses=responses) is engine_class  # one each
