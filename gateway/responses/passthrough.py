@@ -39,8 +39,9 @@ _LIFECYCLE_END = frozenset({"response.completed", "response.incomplete", "respon
 def upstream_body(body: dict[str, Any], input: list[Item], earlier: list[Item]) -> dict[str, Any]:
     """What the engine is sent: the client's body, its input the whole conversation when it continues one."""
     sent = {name: value for name, value in body.items() if name not in _KEPT}
-    if earlier:
-        sent["input"] = msgspec.to_builtins([*earlier, *input])
+    if earlier:  # without the items' ids and statuses: the gateway's (or another engine's), unknown to this one
+        sent["input"] = [{name: value for name, value in item.items() if name not in ("id", "status")}
+                         for item in msgspec.to_builtins([*earlier, *input])]
     sent["store"] = False
     return sent
 
