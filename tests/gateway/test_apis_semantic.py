@@ -138,3 +138,12 @@ def test_messages_bind_placeholders_whole_and_streamed(gateway_url, fake_stats):
             client.messages.create(model=MODEL, max_tokens=20, messages=[{"role": "user", "content": "{{nope}}"}],
                                    extra_body={"parrot": {}})
         assert "parrot.vars" in caught.value.message
+
+
+def test_a_semantic_turn_continues_a_stored_conversation(client, fake_stats):
+    first = client.responses.create(model=MODEL, input="start")
+    second = client.responses.create(model=MODEL, input="then {{v}}", previous_response_id=first.id,
+                                     extra_body={"parrot": {"vars": {"v": {"value": "this"}}}})
+
+    assert second.output_text == "echo: then this" and second.previous_response_id == first.id
+    assert [m["content"] for m in fake_stats()["last_body"]["messages"]] == ["start", "echo: start", "then this"]
