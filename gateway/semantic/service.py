@@ -442,7 +442,7 @@ def _as_stream(route: Route, answer: dict[str, Any], include_usage: bool, header
     """A finished semantic request as an OpenAI stream (one chunk per choice), for clients that asked to stream."""
     chunk_object = "text_completion" if route == "completions" else "chat.completion.chunk"
 
-    def events():
+    async def events() -> AsyncIterator[bytes]:  # read by other APIs too (chat_path.chunks_of), not only sent
         base = {"id": answer["id"], "object": chunk_object, "created": answer["created"], "model": answer["model"]}
         for choice in answer["choices"]:
             streamed = {"index": choice["index"], "finish_reason": choice["finish_reason"],

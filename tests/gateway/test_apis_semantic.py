@@ -147,3 +147,19 @@ def test_a_semantic_turn_continues_a_stored_conversation(client, fake_stats):
 
     assert second.output_text == "echo: then this" and second.previous_response_id == first.id
     assert [m["content"] for m in fake_stats()["last_body"]["messages"]] == ["start", "echo: start", "then this"]
+
+
+def test_a_streamed_semantic_call_with_tools_comes_whole_in_each_api(client, gateway_url):
+    tool = {"type": "function", "name": "lookup", "parameters": {"type": "object", "properties": {}}}
+    with client.responses.stream(model=MODEL, input="Find {{what}}", tools=[tool], tool_choice="required",
+                                 extra_body={"parrot": {"vars": {"what": {"value": "it"}}}}) as stream:
+        final = stream.get_final_response()
+    assert final.output[0].type == "function_call" and final.output[0].name == "lookup"
+
+    with anthropic.Anthropic(base_url=gateway_url, api_key="sk-a", max_retries=0, timeout=10) as messages:
+        with messages.messages.stream(model=MODEL, max_tokens=20, messages=[{"role": "user", "content": "Find {{w}}"}],
+                                      tools=[{"name": "lookup", "input_schema": {"type": "object", "properties": {}}}],
+                                      tool_choice={"type": "any"},
+                                      extra_body={"parrot": {"vars": {"w": {"value": "it"}}}}) as stream:
+            message = stream.get_final_message()
+    assert message.content[0].type == "tool_use" and message.content[0].name == "lookup"
