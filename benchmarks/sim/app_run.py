@@ -21,6 +21,8 @@ class AppRun:
         self.ended: float | None = None
         self.on_end = on_end
         self.calls = {call.name: call for call in app.calls}
+        self._inputs = {call.name: app.inputs(call) for call in app.calls}
+        self._consumers = {call.name: [c for c in app.calls if call.name in self._inputs[c.name]] for call in app.calls}
         self.finished: dict[str, float] = {}  # call → when its answer was ready (where the orchestrator is)
         self.sent: dict[str, float] = {}  # call → when its request reached an engine
         self.output_tokens = 0
@@ -43,11 +45,14 @@ class AppRun:
                 out.append(piece)
         return tuple(out)
 
+    def inputs(self, call: Call) -> list[str]:
+        return self._inputs[call.name]
+
     def ready(self, call: Call) -> bool:
-        return all(name in self.finished for name in self.app.inputs(call))
+        return all(name in self.finished for name in self._inputs[call.name])
 
     def consumers(self, name: str) -> list[Call]:
-        return [call for call in self.app.calls if name in self.app.inputs(call)]
+        return self._consumers[name]
 
     @property
     def seconds(self) -> float:

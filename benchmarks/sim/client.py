@@ -21,7 +21,7 @@ class Client:
     def start(self, app: App, run_id: str, on_end) -> AppRun:
         run = AppRun(app, run_id, self.clock.now, on_end)
         for call in app.calls:
-            if not app.inputs(call):
+            if not run.inputs(call):
                 self.clock.after(self.half_rtt, lambda call=call: self._send(run, call))
         return run
 

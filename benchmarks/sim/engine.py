@@ -38,6 +38,8 @@ class SimEngine:
         self.decode_steps = 0  # decoding sequences × steps: what the per-sequence cost was paid for
         self._busy = False
         self._front_free_at = 0.0
+        self._stated: tuple = ()
+        self._stats = EngineStats()
         self._in_front = 0  # requests in the API front end
         self._ending = False  # in a step's end: requests submitted now join the next step
         self._epoch = 0  # a step end scheduled under an older epoch was cut short and is ignored
@@ -72,6 +74,13 @@ class SimEngine:
         return len(self.running) + len(self.waiting) + self._in_front
 
     def stats(self) -> EngineStats:
+        """What it would report on /metrics now (rebuilt only when something changed since it was last asked)."""
+        state = (len(self.running), len(self.waiting), self._in_front, self.cache.used(), self.cache.queries)
+        if state != self._stated:
+            self._stated, self._stats = state, self._read_stats()
+        return self._stats
+
+    def _read_stats(self) -> EngineStats:
         return EngineStats(running=len(self.running), waiting=len(self.waiting) + self._in_front, blocks_total=self.shape.kv_blocks,
                            blocks_free=max(0, min(self.shape.kv_blocks, self.cache.free())),
                            block_size=self.shape.block_size, prefix_cache_queries=self.cache.queries,

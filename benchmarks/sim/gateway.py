@@ -72,7 +72,7 @@ class ParrotGateway:
 
     def _next(self, run: AppRun, call: Call) -> bool:
         """Whether the producer of each of the call's inputs runs (or has run)."""
-        return all(name in run.sent for name in run.app.inputs(call))
+        return all(name in run.sent for name in run.inputs(call))
 
     # ------------------------------------------------------------ calls
 

