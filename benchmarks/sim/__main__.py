@@ -99,13 +99,17 @@ def calibrate(fronted: list[str]) -> dict[str, Any]:
 
 # ------------------------------------------------------------ 2. GPU fleet prediction
 
-def fleet_row(workload: str, engines: int, rtt_s: float, args: argparse.Namespace, cost: StepCost) -> dict[str, Any]:
+def fleet_row(workload: str, rate: float, engines: int, rtt_s: float, args: argparse.Namespace, cost: StepCost
+              ) -> dict[str, Any]:
+    """One fleet under one workload, each mode on the same arrivals. The engines order their queues by priority
+    (Parrot's criteria reach them so; the client's requests all have the default one)."""
     if workload == "apps":
-        starts = traffic.apps(engines, args.apps_rate, args.duration)
+        starts = traffic.apps(engines, rate, args.duration)
     else:
-        starts = traffic.mixed_traffic(engines, args.chat_rate, args.job_rate, args.duration)
+        starts = traffic.mixed_traffic(engines, rate, args.job_rate, args.duration)
     shape = msgspec.structs.replace(VLLM_H100, priority=True)
-    row: dict[str, Any] = {"workload": workload, "engines": engines, "rtt_ms": rtt_s * 1000, "apps": len(starts)}
+    row: dict[str, Any] = {"workload": workload, "rate_per_engine_s": rate, "engines": engines,
+                           "rtt_ms": rtt_s * 1000, "apps": len(starts)}
     for mode in MODES:
         outcome = simulate(mode, starts, cost, shape, engines, rtt_s)
         row[mode] = {"mean_s": {name: statistics.fmean(v) for name, v in outcome.seconds.items()},
@@ -116,6 +120,9 @@ def fleet_row(workload: str, engines: int, rtt_s: float, args: argparse.Namespac
     for mode in MODES[1:]:
         row[f"{mode}/parrot"] = {name: row[mode]["mean_s"][name] / row["parrot"]["mean_s"][name]
                                  for name in row["parrot"]["mean_s"]}
+        if workload == "mixed":
+            row[f"{mode}/parrot"]["chat p90 s/token"] = (row[mode]["chat_p90_s_per_token"]
+                                                         / row["parrot"]["chat_p90_s_per_token"])
     return row
 
 
@@ -126,15 +133,17 @@ def _p90(values: list[float]) -> float:
 
 def predict_fleet(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
-    for workload, rtts in (("apps", args.rtt_ms), ("mixed", args.mixed_rtt_ms)):
-        for rtt_ms in rtts:
-            for engines in args.engines:
-                rows.append(fleet_row(workload, engines, rtt_ms / 1000, args, H100_LLAMA_8B))
-                print(_fleet_line(rows[-1]), flush=True)
+    for workload, rates, rtts in (("apps", args.apps_rate, args.rtt_ms), ("mixed", [args.chat_rate], args.mixed_rtt_ms)):
+        for rate in rates:
+            for rtt_ms in rtts:
+                for engines in args.engines:
+                    rows.append(fleet_row(workload, rate, engines, rtt_ms / 1000, args, H100_LLAMA_8B))
+                    print(_fleet_line(rows[-1]), flush=True)
     sensitivity = []
     for factor in args.prefill_sensitivity:
         cost = msgspec.structs.replace(H100_LLAMA_8B, prefill_token_s=H100_LLAMA_8B.prefill_token_s * factor)
-        sensitivity.append({"prefill_factor": factor, **fleet_row("apps", args.engines[1], 0.25, args, cost)})
+        sensitivity.append({"prefill_factor": factor,
+                            **fleet_row("apps", max(args.apps_rate), args.engines[1], 0.25, args, cost)})
         print(f"  prefill slope ×{factor}: " + _fleet_line(sensitivity[-1]), flush=True)
     return {"label": PREDICTION, "engine": "vLLM, Llama-3.1-8B-Instruct bf16, 1×H100 SXM 80 GB per engine",
             "step_cost": msgspec.to_builtins(H100_LLAMA_8B), "shape": msgspec.to_builtins(VLLM_H100),
@@ -143,9 +152,9 @@ def predict_fleet(args: argparse.Namespace) -> dict[str, Any]:
 
 def _fleet_line(row: dict[str, Any]) -> str:
     ratios = "  ".join(f"{name} {row['client/parrot'][name]:.2f}x/{row['client_cache_aware/parrot'][name]:.2f}x"
-                       for name in sorted(row["parrot"]["mean_s"]))
-    return (f"{row['workload']:<6} {row['engines']:>3} engines rtt {row['rtt_ms']:>4.0f} ms {row['apps']:>5} apps  "
-            f"client/parrot, cache_aware/parrot (mean time): {ratios}")
+                       for name in sorted(row["client/parrot"]))
+    return (f"{row['workload']:<6} {row['rate_per_engine_s']:g}/s/engine {row['engines']:>3} engines rtt "
+            f"{row['rtt_ms']:>4.0f} ms {row['apps']:>5} apps  client/parrot, cache_aware/parrot: {ratios}")
 
 
 # ------------------------------------------------------------ main
@@ -156,7 +165,8 @@ def main() -> None:
     parser.add_argument("--engines", type=int, nargs="+", default=[8, 16, 32, 64])
     parser.add_argument("--rtt-ms", type=float, nargs="+", default=[20.0, 250.0], help="the apps workload's RTTs")
     parser.add_argument("--mixed-rtt-ms", type=float, nargs="*", default=[20.0])
-    parser.add_argument("--apps-rate", type=float, default=8.0, help="apps arriving per engine per second")
+    parser.add_argument("--apps-rate", type=float, nargs="+", default=[1.0, 8.0],
+                        help="apps arriving per engine per second (8: about 2/3 of an engine's prefill capacity)")
     parser.add_argument("--chat-rate", type=float, default=6.0, help="mixed: chat sessions per engine per second")
     parser.add_argument("--job-rate", type=float, default=1.0, help="mixed: map-reduce jobs per engine per second")
     parser.add_argument("--duration", type=float, default=5.0, help="seconds of arrivals")

@@ -38,13 +38,15 @@ def plot_calibration(calibration: dict[str, Any], path: Path) -> None:
 
 def plot_fleet(fleet: dict[str, Any], path: Path) -> None:
     plt = _pyplot()
-    groups = sorted({(r["workload"], r["rtt_ms"]) for r in fleet["rows"]})
-    figure, axes = plt.subplots(1, len(groups), figsize=(4.6 * len(groups), 4), squeeze=False)
-    for axis, (workload, rtt) in zip(axes[0], groups):
-        rows = sorted((r for r in fleet["rows"] if (r["workload"], r["rtt_ms"]) == (workload, rtt)),
-                      key=lambda r: r["engines"])
+    groups = sorted({(r["workload"], r["rate_per_engine_s"], r["rtt_ms"]) for r in fleet["rows"]})
+    columns = 3
+    figure, axes = plt.subplots(-(-len(groups) // columns), columns, figsize=(5 * columns, 4 * -(-len(groups) // columns)),
+                                squeeze=False)
+    for axis, (workload, rate, rtt) in zip(axes.flat, groups):
+        rows = sorted((r for r in fleet["rows"] if (r["workload"], r["rate_per_engine_s"], r["rtt_ms"])
+                       == (workload, rate, rtt)), key=lambda r: r["engines"])
         engines = [r["engines"] for r in rows]
-        for name in sorted(rows[0]["parrot"]["mean_s"]):
+        for name in sorted(rows[0]["client/parrot"]):
             for mode, style in zip(MODES[1:], ("-", "--")):
                 axis.plot(engines, [r[f"{mode}/parrot"][name] for r in rows], style, marker="o",
                           label=f"{name}: {mode}/parrot")
@@ -52,9 +54,11 @@ def plot_fleet(fleet: dict[str, Any], path: Path) -> None:
         axis.set_xscale("log", base=2)
         axis.set_xticks(engines, [str(e) for e in engines])
         axis.set_xlabel("engines (1×H100, Llama-3.1-8B each)")
-        axis.set_ylabel("mean completion time / Parrot's")
-        axis.set_title(f"PREDICTION: {workload}, RTT {rtt:.0f} ms", fontsize=9)
+        axis.set_ylabel("their time / Parrot's (mean; chat: p90 s/token)")
+        axis.set_title(f"PREDICTION: {workload}, {rate:g}/s per engine, RTT {rtt:.0f} ms", fontsize=9)
         axis.legend(fontsize=6)
+    for axis in list(axes.flat)[len(groups):]:
+        axis.axis("off")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
