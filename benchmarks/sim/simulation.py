@@ -31,6 +31,7 @@ class Outcome(msgspec.Struct, kw_only=True):
     makespan_s: float
     prefills: int = 0
     prefill_skips: int = 0
+    warmed_placed: int = 0  # of the prefilled calls, those then placed where they were warmed
 
 
 def simulate(mode: str, starts: Seq[tuple[float, App]], cost: StepCost, shape: EngineShape, engines: int,
@@ -59,4 +60,4 @@ def simulate(mode: str, starts: Seq[tuple[float, App]], cost: StepCost, shape: E
     return Outcome(seconds=seconds, normalized=normalized, hit_rate=fleet.hit_rate(),
                    computed_tokens=fleet.computed_tokens(), busy_s=sum(e.busy_s for e in fleet.engines),
                    makespan_s=clock.now, prefills=getattr(front, "prefills", 0),
-                   prefill_skips=getattr(front, "prefill_skips", 0))
+                   prefill_skips=getattr(front, "prefill_skips", 0), warmed_placed=getattr(front, "warmed_placed", 0))

@@ -58,3 +58,9 @@ def test_the_cache_aware_router_sends_a_shared_prefix_back_where_it_went():
     round_robin = simulate("client", starts, COST, SHAPE, 3, 0.0)
     assert cache_aware.computed_tokens == 800 + 6 * 20  # the system prompt (50 full blocks) once; each question
     assert round_robin.computed_tokens > cache_aware.computed_tokens + 800
+
+
+def test_a_warmed_call_pinned_where_it_was_warmed_runs_there():
+    starts = [(i * 0.01, chain(4, system=200)._replace(name=f"chain{i}")) for i in range(12)]
+    pinned = simulate("parrot", starts, COST, SHAPE, 4, 0.0, prefill_when="next_in_line", pin_warmed=True)
+    assert pinned.prefills > 0 and pinned.warmed_placed == pinned.prefills
