@@ -75,7 +75,7 @@ def predicted_modes(data: dict[str, Any], cost: StepCost, fronted: bool) -> list
 
 def anchor(data: dict[str, Any], cost: StepCost) -> float:
     """The factor on every step cost that makes the client-orchestrated predictions' geometric mean error 0."""
-    low, high = 0.25, 16.0
+    low, high = 0.1, 100.0
     for _ in range(30):
         factor = math.sqrt(low * high)
         rows = [r for r in predicted_modes(data, scaled(cost, factor), True) if r["mode"] == "baseline"]
