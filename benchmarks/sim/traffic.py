@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import random
+from dataclasses import replace
 
 from benchmarks.sim.app import App
 from benchmarks.sim.catalog import BUILDERS, chat_app, map_reduce_app
@@ -25,8 +26,7 @@ def _pool(kind: str) -> tuple[App, ...]:
     if kind == "chat":
         return tuple(chat_app(seed) for seed in range(1, POOL + 1))
     if kind == "job":
-        return tuple(map_reduce_app(mixed.Config.job.__class__(**{**mixed.Config.job.__dict__, "seed": seed}))
-                     for seed in range(1, POOL + 1))
+        return tuple(map_reduce_app(replace(mixed.Config.job, seed=seed)) for seed in range(1, POOL + 1))
     return tuple(BUILDERS[kind](seed) for seed in range(1, POOL + 1))
 
 
