@@ -36,6 +36,11 @@ install: $(STAMP)
 serve: install
 	$(VENV)/bin/parrot serve $(ARGS)
 
+# pytest keeps a test module's assertion-rewritten code only where Python may write bytecode: with
+# PYTHONDONTWRITEBYTECODE set, every xdist worker parses, rewrites and compiles every test module (and compiles the
+# project's modules) again, each run. The caches go to __pycache__ folders, which git ignores.
+test test-fast: export PYTHONDONTWRITEBYTECODE :=
+
 test: install chromium redis
 	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 

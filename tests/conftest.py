@@ -15,6 +15,7 @@ import pytest
 from tests.support import fake_upstream
 from tests.support.markers import MARKS_OF_FIXTURES, marks_users
 from tests.support.models import SMOLLM, tiny_llama_config
+from tests.support.module_marks import deselects_whole_module
 from tests.support.servers import free_port, serve_in_thread
 from tests.support.waiting import wait_until
 
@@ -48,6 +49,14 @@ if _test_state == "sqlite":  # each in-process gateway a file of its own (one ga
         return _open_store(config)
 
     gateway.server.app.open_store = _own_file
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """A test module whose ``pytestmark`` the ``-m`` expression deselects whole is not imported: each xdist worker
+    of `make test-fast` would otherwise import the model, process and Triton tests' libraries to deselect them."""
+    if collection_path.name.startswith("test_") and collection_path.suffix == ".py":
+        return deselects_whole_module(collection_path, config.option.markexpr) or None
+    return None
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by markers

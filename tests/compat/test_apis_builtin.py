@@ -13,6 +13,10 @@ import pytest
 
 from tests.support.models import SMOLLM
 
+# Every test here loads a model in an engine process (through its fixtures): marked here as well, so that
+# `make test-fast` leaves the module unimported (tests/support/module_marks.py).
+pytestmark = [pytest.mark.model, pytest.mark.subprocess]
+
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.", "strict": True,
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
                           "additionalProperties": False}}

@@ -19,6 +19,10 @@ from compat.langchain import ParrotChatOpenAI
 from compat.openai import Session
 from tests.support.models import SMOLLM
 
+# Every test here loads a model in an engine process (through its fixtures): marked here as well, so that
+# `make test-fast` leaves the module unimported (tests/support/module_marks.py).
+pytestmark = [pytest.mark.model, pytest.mark.subprocess]
+
 MODEL = SMOLLM
 
 

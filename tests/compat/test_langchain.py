@@ -4,31 +4,37 @@ chains submitted as a DAG (the fake answers "echo: " + the last user message).""
 from __future__ import annotations
 
 import pytest
-from langchain_core.messages import AIMessage
-from langchain_core.output_parsers import StrOutputParser
-from langchain_core.prompts import ChatPromptTemplate
-from langchain_core.runnables import RunnableParallel
-from langchain_openai import ChatOpenAI
 
-from compat.langchain import ParrotChatOpenAI
 from compat.openai import VARIABLE_PLACEHOLDER
 from tests.support.fake_upstream import MODEL  # what the gateway fixtures serve
 
 
+# LangChain (and compat.langchain, which imports it) is imported where it is used, not at the top: every xdist worker
+# of `make test-fast` imports every collected module, and langchain_core takes a second or two to import.
+
+
 @pytest.fixture(scope="module")
 def plain_llm(gateway_url) -> ChatOpenAI:
+    from langchain_openai import ChatOpenAI
+
     return ChatOpenAI(base_url=f"{gateway_url}/v1", api_key="unused", model=MODEL, temperature=0, max_retries=0,
                       timeout=15)
 
 
 @pytest.fixture(scope="module")
 def llm(gateway_url) -> ParrotChatOpenAI:
+    from compat.langchain import ParrotChatOpenAI
+
     return ParrotChatOpenAI(base_url=f"{gateway_url}/v1", api_key="unused", model=MODEL, temperature=0,
                             max_retries=0, timeout=15)
 
 
 def three_steps(llm):
     """topic -> outline -> draft -> title, each step an ordinary LCEL prompt | llm | parser."""
+    from langchain_core.output_parsers import StrOutputParser
+    from langchain_core.prompts import ChatPromptTemplate
+    from langchain_core.runnables import RunnableParallel
+
     outline = ChatPromptTemplate.from_template("outline {topic}") | llm | StrOutputParser()
     draft = ChatPromptTemplate.from_template("draft from {outline}") | llm | StrOutputParser()
     title = ChatPromptTemplate.from_template("title for {draft}") | llm | StrOutputParser()
@@ -44,6 +50,8 @@ def test_plain_chat_openai_invoke_stream_batch(plain_llm):
 
 
 def test_invoke_returns_a_handle_without_waiting(llm):
+    from langchain_core.messages import AIMessage
+
     with llm.session() as session:
         gate = session.variable("gate")
         message = llm.in_session(session).invoke(f"about {gate}", parrot_output="answer")

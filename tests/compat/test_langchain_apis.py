@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import pydantic
 import pytest
-from langchain_anthropic import ChatAnthropic
-from langchain_core.messages import HumanMessage, ToolMessage
-from langchain_openai import ChatOpenAI
 
 from tests.support.fake_upstream import MODEL
 
@@ -27,11 +24,19 @@ def text_of(message) -> str:
     return content if isinstance(content, str) else "".join(b.get("text", "") for b in content if isinstance(b, dict))
 
 
+# LangChain and its providers are imported where they are used, not at the top: every xdist worker of
+# `make test-fast` imports every collected module, and langchain_core and anthropic take seconds to import.
+
+
 @pytest.fixture(params=["responses", "messages"])
 def llm(request, gateway_url):
     if request.param == "responses":
+        from langchain_openai import ChatOpenAI
+
         return ChatOpenAI(base_url=f"{gateway_url}/v1", api_key="unused", model=MODEL, use_responses_api=True,
                           max_retries=0, timeout=15)
+    from langchain_anthropic import ChatAnthropic
+
     return ChatAnthropic(base_url=gateway_url, api_key="unused", model=MODEL, max_tokens=32, max_retries=0,
                          timeout=15)
 
@@ -42,6 +47,8 @@ def test_invoke_and_stream(llm):
 
 
 def test_a_tool_round_trip(llm):
+    from langchain_core.messages import HumanMessage, ToolMessage
+
     called = llm.bind_tools([get_weather]).invoke("weather?")
 
     assert [(c["name"], c["args"]) for c in called.tool_calls] == [("get_weather", {"x": 1})]

@@ -15,7 +15,9 @@ from langchain_openai import ChatOpenAI
 from tests.support.models import SMOLLM
 
 MODEL = SMOLLM
-pytestmark = pytest.mark.timeout(300)
+# Every test here loads a model in an engine process (through its fixtures): marked here as well, so that
+# `make test-fast` leaves the module unimported (tests/support/module_marks.py).
+pytestmark = [pytest.mark.timeout(300), pytest.mark.model, pytest.mark.subprocess]
 
 
 class Person(pydantic.BaseModel):

@@ -20,7 +20,9 @@ from gateway.server.app import create_app
 from gateway.config import BuiltinConfig, GatewayConfig, SemanticConfig, UpstreamConfig
 from tests.support.models import SMOLLM
 
-pytestmark = pytest.mark.timeout(600)
+# Every test here loads a model in an engine process (through its fixtures): marked here as well, so that
+# `make test-fast` leaves the module unimported (tests/support/module_marks.py).
+pytestmark = [pytest.mark.timeout(600), pytest.mark.model, pytest.mark.subprocess]
 ENGINE_KEY_ENV = "PARROT_FIDELITY_ENGINE_KEY"
 GREEDY = {"temperature": 0, "max_tokens": 24}
 # Small sizes of each app, ending at EOS as real apps do (not ignore_eos).

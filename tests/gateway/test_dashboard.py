@@ -26,6 +26,10 @@ from tests.support.models import SMOLLM
 from tests.support.servers import free_port
 from tests.support.markers import marks_users
 
+# Every test here loads a model in an engine process (through its fixtures): marked here as well, so that
+# `make test-fast` leaves the module unimported (tests/support/module_marks.py).
+pytestmark = [pytest.mark.model, pytest.mark.subprocess]
+
 ALICE, BOB, ADMIN = "sk-alice", "sk-bob", "sk-admin"
 SECRET = "dashboard-engine-secret"
 SYSTEM = ("You summarise texts for a newsletter about the sea. Follow the instructions you are given "

@@ -3,7 +3,6 @@ on loopback in front of the fake upstream (which echoes the last message, or cal
 
 from __future__ import annotations
 
-import anthropic
 import httpx
 import pytest
 
@@ -16,6 +15,8 @@ WEATHER = {"name": "get_weather", "description": "Weather for a city.",
 
 @pytest.fixture(scope="module")
 def client(gateway_url) -> anthropic.Anthropic:
+    import anthropic  # here, not at the top: every xdist worker imports every collected module, anthropic in seconds
+
     with anthropic.Anthropic(base_url=gateway_url, api_key="sk-ant", max_retries=0, timeout=10) as client:
         yield client
 
@@ -111,6 +112,8 @@ def test_count_tokens(client, fake_stats):
 
 
 def test_errors_are_anthropic_shaped(client):
+    import anthropic
+
     with pytest.raises(anthropic.NotFoundError) as caught:
         client.messages.create(model="no-such-model", max_tokens=8, messages=[{"role": "user", "content": "x"}])
     assert caught.value.body["type"] == "error" and caught.value.body["error"]["type"] == "not_found_error"
@@ -125,6 +128,8 @@ def test_errors_are_anthropic_shaped(client):
 
 
 def test_x_api_key_authenticates(start_gateway):
+    import anthropic
+
     url = start_gateway(auth=AuthConfig(api_keys=["sk-good"]))
     with anthropic.Anthropic(base_url=url, api_key="sk-good", max_retries=0, timeout=10) as good:
         assert good.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "x"}]).content

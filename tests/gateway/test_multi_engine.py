@@ -19,6 +19,10 @@ import pytest
 from tests.support.servers import free_port, free_port_run
 from tests.support.markers import marks_users
 
+# Every test here loads a model in an engine process (through its fixtures): marked here as well, so that
+# `make test-fast` leaves the module unimported (tests/support/module_marks.py).
+pytestmark = [pytest.mark.model, pytest.mark.subprocess]
+
 SYSTEM = "You are the booking assistant of Parrot Airways; answer in one short sentence. " * 24
 
 

@@ -7,6 +7,10 @@ from pathlib import Path
 
 import pytest
 
+# Every test here starts processes (through its fixtures): marked here as well, so that
+# `make test-fast` leaves the module unimported (tests/support/module_marks.py).
+pytestmark = pytest.mark.subprocess
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -1,6 +1,8 @@
 """Markers that tests get from the fixtures they use: what a fixture costs (a model load, a process, a browser) is
 said once, where the fixture is defined, and every test using it, directly or through another fixture, is marked.
-The markers are registered in pyproject.toml; `make test-fast` deselects model, subprocess, browser and slow."""
+The markers are registered in pyproject.toml; `make test-fast` deselects model, subprocess, browser and slow.
+A module whose every test gets such a mark says so in its ``pytestmark`` as well: `make test-fast` then leaves the
+module unimported (tests/support/module_marks.py) instead of importing its libraries in each worker to deselect it."""
 
 from __future__ import annotations
 

@@ -11,6 +11,10 @@ from engines.builtin.errors import ContextBusy, ContextNotFound, PromptTooLong
 from engines.builtin.types import SamplingParams
 from tests.support.waiting import eventually
 
+# Every test here loads a model (through its fixtures): marked here as well, so that
+# `make test-fast` leaves the module unimported (tests/support/module_marks.py).
+pytestmark = pytest.mark.model
+
 ENDLESS = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
 
 

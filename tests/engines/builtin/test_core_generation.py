@@ -15,6 +15,10 @@ from engines.builtin.config import EngineConfig
 from engines.builtin.core import EngineCore
 from engines.builtin.types import SamplingParams
 
+# Every test here loads a model (through its fixtures): marked here as well, so that
+# `make test-fast` leaves the module unimported (tests/support/module_marks.py).
+pytestmark = pytest.mark.model
+
 MAX_TOKENS = 12
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 PROMPT_LENGTHS = (1, 9, 16, 37, 70)

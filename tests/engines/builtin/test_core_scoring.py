@@ -12,7 +12,9 @@ import torch
 from engines.builtin.types import SamplingParams
 from tests.support.waiting import eventually
 
-pytestmark = pytest.mark.timeout(120)
+# Every test here loads a model (through its fixtures): marked here as well, so that
+# `make test-fast` leaves the module unimported (tests/support/module_marks.py).
+pytestmark = [pytest.mark.timeout(120), pytest.mark.model]
 
 
 # fp32 both sides, summed in other orders (the engine's C++ linears and attention against torch's GEMMs):

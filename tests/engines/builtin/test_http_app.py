@@ -25,7 +25,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 MODEL = DEFAULT_SERVED_MODEL_NAME
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0, "max_tokens": 12}
-pytestmark = pytest.mark.timeout(120)
+# Every test here loads a model (through its fixtures): marked here as well, so that
+# `make test-fast` leaves the module unimported (tests/support/module_marks.py).
+pytestmark = [pytest.mark.timeout(120), pytest.mark.model]
 
 
 @pytest.fixture(scope="module")

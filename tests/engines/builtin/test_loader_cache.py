@@ -17,6 +17,10 @@ from engines.builtin.loader import ModelSource, load_checkpoint, load_tokenizer
 from tests.support.markers import marks_users
 from tests.support.gguf_files import add_byte_level_tokenizer, byte_level_vocab
 
+# Every test here loads a model (through its fixtures): marked here as well, so that
+# `make test-fast` leaves the module unimported (tests/support/module_marks.py).
+pytestmark = pytest.mark.model
+
 
 def write_tiny_gguf(path: Path, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2) -> None:
     """A 2-layer Llama GGUF with random F32 tensors and a byte-level BPE vocabulary."""

@@ -26,7 +26,9 @@ from tests.support.servers import free_port
 from tests.support.waiting import wait_until
 from tests.support.markers import marks_users
 
-pytestmark = pytest.mark.timeout(300)
+# Every test here loads a model (through its fixtures): marked here as well, so that
+# `make test-fast` leaves the module unimported (tests/support/module_marks.py).
+pytestmark = [pytest.mark.timeout(300), pytest.mark.model]
 SECRET = "observability-engine-secret"
 MODEL = "tiny"
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4  # several full KV blocks, shared by every request

@@ -11,6 +11,10 @@ from transformers import AutoTokenizer
 
 from engines.builtin.splicing import TokenSplicer
 
+# Every test here loads a model (through its fixtures): marked here as well, so that
+# `make test-fast` leaves the module unimported (tests/support/module_marks.py).
+pytestmark = pytest.mark.model
+
 PIECES = ["Cats", " cats", "the", " ", "  ", "\n", "\n\n", "abc", "def", "é", "日本", "123", "4567", ":", "::",
           "'s", "don", "'t", "<|im_start|>", "<|im_end|>", "user", " assistant", "http://x.y/z", "😀", ".", ",",
           "\t", "{{", "}}", "-", "--", "supercalifragilisticexpialidocious"]

@@ -8,6 +8,10 @@ import pytest
 from engines.builtin.tokenizer import IncrementalDetokenizer, chat_prompt_tokens, text_tokens
 from wire.openai import ChatMessage, FunctionCall, FunctionDefinition, Tool, ToolCall
 
+# Every test here loads a model (through its fixtures): marked here as well, so that
+# `make test-fast` leaves the module unimported (tests/support/module_marks.py).
+pytestmark = pytest.mark.model
+
 MULTILINGUAL = "Déjà vu: 日本語のテキスト 🦜🦜 and naïve café — done."
 
 

@@ -14,6 +14,10 @@ from gateway.server.app import create_app as create_gateway_app
 from gateway.config import AuthConfig, BuiltinConfig, EnginesConfig, GatewayConfig, QuotasConfig, SemanticConfig
 from tests.support.waiting import wait_until
 
+# Every test here loads a model (through its fixtures): marked here as well, so that
+# `make test-fast` leaves the module unimported (tests/support/module_marks.py).
+pytestmark = pytest.mark.model
+
 MODEL = "tiny"
 ALICE, BOB = "sk-alice", "sk-bob"
 # A system prompt of ~300 bytes: about 75 tokens as the gateway estimates them; Alice may hold one ahead.

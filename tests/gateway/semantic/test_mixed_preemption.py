@@ -11,6 +11,10 @@ import pytest
 
 from engines.builtin.config import EngineConfig
 
+# Every test here loads a model (through its fixtures): marked here as well, so that
+# `make test-fast` leaves the module unimported (tests/support/module_marks.py).
+pytestmark = pytest.mark.model
+
 MODEL = "tiny"
 MAPS, CHATS = 6, 2
 # A map ends with 5 blocks of KV (30 for all six), a chat with 13; the cache holds 36 (576 tokens, room

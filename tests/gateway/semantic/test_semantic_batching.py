@@ -14,6 +14,10 @@ import pytest
 
 from engines.builtin.config import EngineConfig
 
+# Every test here loads a model (through its fixtures): marked here as well, so that
+# `make test-fast` leaves the module unimported (tests/support/module_marks.py).
+pytestmark = pytest.mark.model
+
 MODEL = "tiny"
 MAPS = 3
 SAMPLING = {"max_tokens": 64, "temperature": 0, "ignore_eos": True}

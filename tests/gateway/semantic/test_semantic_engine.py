@@ -14,6 +14,10 @@ from tests.support.models import SMOLLM
 
 from tests.support.waiting import wait_until
 
+# Every test here loads a model in an engine process (through its fixtures): marked here as well, so that
+# `make test-fast` leaves the module unimported (tests/support/module_marks.py).
+pytestmark = [pytest.mark.model, pytest.mark.subprocess]
+
 SYSTEM = ("You are a careful assistant for a museum of natural history. Answer in one short sentence, "
           "plainly, without lists. Visitors ask about animals, fossils and the building itself.")
 

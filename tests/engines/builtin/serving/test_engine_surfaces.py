@@ -17,7 +17,7 @@ from wire.openai import ChatCompletionRequest, ChatMessage, CompletionRequest, e
 from wire.sse import sse_event
 
 WINDOW = 96
-pytestmark = pytest.mark.timeout(300)  # the session's tiny model is made by the first test here
+pytestmark = [pytest.mark.timeout(300), pytest.mark.model]  # the session's tiny model is made by the first test here
 
 
 @pytest.fixture(scope="module")
