@@ -6,6 +6,7 @@ with ``previous_response_id`` finds it)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import AsyncIterator, NamedTuple
 
@@ -19,6 +20,7 @@ from gateway.quotas import Quotas
 from gateway.responses.contexts import ConversationContexts
 from gateway.responses.store import ResponseStore, StoredResponse
 from gateway.service import Gateway
+from gateway.state import StateStore, StoreUnavailable
 from gateway.chat_path import ROUTE, check_chat, chunks
 from gateway.translation.chat import completion_decoder
 from gateway.translation.response_stream import ResponseStream
@@ -55,11 +57,12 @@ class Prepared(NamedTuple):
 
 
 class ResponsesService:
-    def __init__(self, gateway: Gateway, quotas: Quotas, config: ResponsesConfig):
+    def __init__(self, gateway: Gateway, quotas: Quotas, config: ResponsesConfig, state: StateStore | None = None):
+        """``state``: where stored responses are written through to (gateway/responses/store.py)."""
         self.gateway = gateway
         self.quotas = quotas
         self.config = config
-        self.store = ResponseStore(config)
+        self.store = ResponseStore(config, state=state)
         self.contexts = ConversationContexts(gateway, config)  # stored conversations pinned on the engine
         self.store.on_drop = self.contexts.release
 
@@ -102,7 +105,7 @@ class ResponsesService:
 
     async def _conversation(self, owner: str, response_id: str) -> list[Item]:
         try:
-            stored = self.store.get(owner, response_id)
+            stored = await self.store.fetch(owner, response_id)
         except DomainError as exc:
             exc.param = "previous_response_id"
             raise
@@ -115,11 +118,11 @@ class ResponsesService:
 
     # ------------------------------------------------------------ running
 
-    def _store(self, prepared: Prepared) -> StoredResponse | None:
+    async def _store(self, prepared: Prepared) -> StoredResponse | None:
         if not prepared.response.store:
             return None
         stored = StoredResponse(prepared.response, prepared.input, prepared.earlier)
-        self.store.put(prepared.owner, stored)
+        await self.store.saved(prepared.owner, stored)
         return stored
 
     def _finish(self, response: Response, body: bytes) -> None:
@@ -144,7 +147,7 @@ class ResponsesService:
                 forked = (answer.body, answer.engine_id)
         body, engine_id = forked
         self._finish(prepared.response, body)
-        if self._store(prepared) is not None:
+        if await self._store(prepared) is not None:
             self._pin(prepared, engine_id)
             if prepared.request.previous_response_id:  # the conversation goes on from this turn's context now:
                 self.contexts.release(prepared.request.previous_response_id)  # a branch from the last runs plain
@@ -160,7 +163,7 @@ class ResponsesService:
         prepared.response.status = "queued"
         admission = await self.quotas.admitted_later(prepared.owner, prepared.estimate)  # a 429 now, not later
         try:
-            stored = self._store(prepared)
+            stored = await self._store(prepared)
         except BaseException:
             if admission is not None:
                 await admission.release()
@@ -194,13 +197,20 @@ class ResponsesService:
             response.status = "failed"
             response.error = ResponseError(code="server_error", message=f"internal error: {type(exc).__name__}")
         try:
-            self.store.put(prepared.owner, stored)  # measured again, now with its output
+            await self.store.saved(prepared.owner, stored)  # measured again, now with its output
         except DomainError as exc:
             response.status, response.output = "failed", []
             response.error = ResponseError(code=exc.code or "response_too_large", message=exc.message)
+            await self._saved_quietly(prepared.owner, stored)
+        except StoreUnavailable:
+            log.warning("background response %s: its end was not written to the state store", response.id)
+
+    async def _saved_quietly(self, owner: str, stored: StoredResponse) -> None:
+        with contextlib.suppress(DomainError, StoreUnavailable):
+            await self.store.saved(owner, stored)
 
     async def cancel(self, owner: str, response_id: str) -> Response:
-        stored = self.store.get(owner, response_id)
+        stored = await self.store.fetch(owner, response_id)
         if not stored.response.background:
             raise Invalid("Only background responses can be cancelled.", param="response_id")
         task = stored.task
@@ -209,10 +219,11 @@ class ResponsesService:
             await asyncio.wait([task])
         if stored.response.status in ("queued", "in_progress"):  # cancelled before it ever ran
             stored.response.status = "cancelled"
+            await self.store.saved(owner, stored)
         return stored.response
 
     async def delete(self, owner: str, response_id: str) -> None:
-        stored = self.store.delete(owner, response_id)
+        stored = await self.store.removed(owner, response_id)
         if stored.task is not None and not stored.task.done():
             await asyncio.wait([stored.task])
 
@@ -222,7 +233,7 @@ class ResponsesService:
         writer = ResponseStream(prepared.response)
         async with self.quotas.admitted(prepared.owner, prepared.estimate):
             opened = await self.gateway.open_stream(ROUTE, prepared.request.model, prepared.chat)
-            stored = self._store(prepared)  # in progress: GET finds it while it streams
+            stored = await self._store(prepared)  # in progress: GET finds it while it streams
             try:
                 yield writer.start()
                 stream = chunks(self.gateway, prepared.request.model, opened)
@@ -239,7 +250,7 @@ class ResponsesService:
                 if prepared.response.status == "in_progress":
                     yield writer.finish()
                 if stored is not None:
-                    self.store.put(prepared.owner, stored)
+                    await self.store.saved(prepared.owner, stored)
                     self._pin(prepared, opened.record.id)
                 yield writer.last()
             finally:

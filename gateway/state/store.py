@@ -67,6 +67,11 @@ class StateStore(Protocol):
     async def apply(self, ops: list[Op]) -> None:
         """The writes ``ops`` (see ``Op``), in order, in one round trip; each is atomic, not the batch."""
 
+    async def lease(self, key: str, holder: str, ttl_s: float) -> bool:
+        """Takes or renews the lease ``key`` (a record whose field ``holder`` names who holds it) for ``holder``:
+        True when it was free (never taken, released or expired) or ``holder``'s already, and is now ``holder``'s
+        for ``ttl_s``; False while another holds it. Released with the op ("remove_if", key, "holder", holder)."""
+
     # ---- counters
     async def take(self, key: str, capacity: float, per_s: float, cost: float, need: float) -> tuple[bool, float]:
         """A token bucket holding up to ``capacity``, refilled at ``per_s`` a second (full when new): when it holds at
