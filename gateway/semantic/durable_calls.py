@@ -133,17 +133,16 @@ class DurableCalls:
         resumed = 0
         for call_id, session_id in (await self.store.read(INDEX)).items():
             key = lease_key(call_id)
-            if key in self.leases.held:
-                continue
+            if key in self.leases.held or not await self.leases.take(key):
+                continue  # run here, or by a live replica
             fields = await self.store.read(call_key(call_id))
             if "spec" not in fields:  # expired, or ended meanwhile
                 await self._drop(call_id)
                 continue
             record = _call_record(fields["spec"])
             if not all(self.serves(s.body.get("model", "")) for s in record.steps):
+                await self.store.apply([self.leases.release_op(key)])
                 continue  # not yet (an engine still starting)
-            if not await self.leases.take(key):
-                continue
             published = _outputs(fields["out"]) if "out" in fields else None
             try:
                 ok = self.resume is not None and await self.resume(call_id, record, published)
