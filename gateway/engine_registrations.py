@@ -19,7 +19,7 @@ import msgspec
 from engines.seam.connect import connect
 from gateway.registry import EngineRecord
 from gateway.service import Gateway
-from gateway.state import StateStore, StoreUnavailable
+from gateway.state import StateStore, StoreUnavailable, every
 
 log = logging.getLogger("parrot.gateway")
 INDEX = "engines"
@@ -70,22 +70,13 @@ class SharedRegistrations:
 
     def start(self) -> None:
         if self.store is not None:
-            self._task = asyncio.get_running_loop().create_task(self._sync_forever(), name="engine-registrations")
+            self._task = asyncio.get_running_loop().create_task(
+                every(min(1.0, self.ttl_s / 4), self.sync, "reading engine registrations"), name="engine-registrations")
 
     async def aclose(self) -> None:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-
-    async def _sync_forever(self) -> None:
-        while True:
-            try:
-                await self.sync()
-            except StoreUnavailable:
-                pass
-            except Exception:
-                log.exception("reading engine registrations failed")
-            await asyncio.sleep(min(1.0, self.ttl_s / 4))
 
     async def sync(self) -> None:
         """Engines registered elsewhere are adopted; those whose registration expired or was removed are let go;

@@ -28,7 +28,7 @@ from gateway.errors import APIError, body_error, domain_error_body, domain_statu
 from gateway.scheduler import Placement
 from gateway.quotas import Admission, Quotas
 from gateway.service import REQUEST_SCHEMAS, Gateway
-from gateway.state import StoreUnavailable
+from gateway.state import every
 from gateway.state.leases import Leases
 from http_plumbing.http_errors import engine_error_body
 from wire.batches import (Batch, BatchCreate, BatchErrorItem, BatchErrors, LineError, LineResponse, OutputLine,
@@ -131,19 +131,11 @@ class BatchService:
     def start(self) -> None:
         """Resumes the batches a previous process left (then, on a shared store, those of replicas that die)."""
         self.leases.start()
-        self._resumer = asyncio.get_running_loop().create_task(self._resume_forever(), name="batch-takeovers")
-
-    async def _resume_forever(self) -> None:
-        while True:
-            try:
-                await self.resume()
-            except StoreUnavailable:
-                pass
-            except Exception:
-                log.exception("resuming batches failed")
-            if not self.storage.store.shared:
-                return  # this process alone runs batches: once, at start
-            await asyncio.sleep(min(2.0, self.leases.lease_s / 2))
+        if self.storage.store.shared:  # and then those of replicas that die
+            work = every(min(2.0, self.leases.lease_s / 2), self.resume, "resuming batches")
+        else:  # this process alone runs batches: once, at start
+            work = self.resume()
+        self._resumer = asyncio.get_running_loop().create_task(work, name="batch-takeovers")
 
     async def resume(self) -> int:
         """Starts again the running batches nobody runs (a previous process, or a replica that died, left

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 import msgspec
 
 from gateway.semantic.persisted import Writer
-from gateway.state import StateStore, StoreUnavailable
+from gateway.state import StateStore, StoreUnavailable, every
 from gateway.state.leases import Leases
 
 if TYPE_CHECKING:
@@ -109,23 +109,14 @@ class DurableCalls:
 
     def start(self) -> None:
         self.leases.start()
-        self._watch = asyncio.get_running_loop().create_task(self._take_over_forever(), name="call-takeovers")
+        self._watch = asyncio.get_running_loop().create_task(
+            every(min(1.0, self.leases.lease_s / 4), self.take_over, "taking over calls"), name="call-takeovers")
 
     async def aclose(self) -> None:
         if self._watch is not None:
             self._watch.cancel()
             await asyncio.gather(self._watch, return_exceptions=True)
         await self.leases.aclose()
-
-    async def _take_over_forever(self) -> None:
-        while True:
-            try:
-                await self.take_over()
-            except StoreUnavailable:
-                pass
-            except Exception:
-                log.exception("taking over calls failed")
-            await asyncio.sleep(min(1.0, self.leases.lease_s / 4))
 
     async def take_over(self) -> int:
         """Takes over every call in the index that nobody holds (its replica died, or, on a store this process

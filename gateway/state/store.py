@@ -11,7 +11,9 @@ A store that cannot be reached raises ``StoreUnavailable``, which the gateway an
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+import asyncio
+import logging
+from typing import Awaitable, Callable, Protocol
 
 Listener = Callable[[bytes], None]
 
@@ -98,3 +100,16 @@ def redacted(url: str) -> str:
     if "@" in rest:
         rest = "***@" + rest.split("@", 1)[1]
     return f"{scheme}{sep}{rest}"
+
+
+async def every(interval_s: Callable[[], float] | float, work: Callable[[], Awaitable[object]], what: str) -> None:
+    """``work()`` again and again, ``interval_s`` apart, for ever: a store that is away (StoreUnavailable) is tried
+    again at the next turn, any other failure logged as ``what`` failing."""
+    while True:
+        try:
+            await work()
+        except StoreUnavailable:
+            pass
+        except Exception:
+            logging.getLogger("parrot.state").exception("%s failed", what)
+        await asyncio.sleep(interval_s() if callable(interval_s) else interval_s)
