@@ -272,6 +272,8 @@ class Traffic:
 
 
 class Soak:
+    kinds: tuple[str, ...] = ()  # the request kinds the clients cycle through (none: every one of Traffic's)
+
     def __init__(self, gateway: LaunchedGateway, args: argparse.Namespace):
         self.gateway, self.args = gateway, args
         self.root = gateway.url.removesuffix("/v1")
@@ -307,7 +309,7 @@ class Soak:
     async def _client(self, client: httpx.AsyncClient, number: int) -> None:
         traffic = Traffic(client, self.args.model, self.args.max_tokens, self.args.timeout / 2,
                           random.Random(self.args.seed * 1000 + number))
-        kinds = list(traffic.kinds)
+        kinds = list(self.kinds or traffic.kinds)
         turn = number  # each client cycles through every kind, starting at a different one
         while not self._over():
             await self.flowing.wait()

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -32,7 +31,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from benchmarks.soak import Kill, Outcome, Record, Sample, Traffic, print_table, summarize
+from benchmarks.soak import Kill, Record, Sample, Soak, print_table, summarize
 from benchmarks.results_file import write_results
 
 KINDS = ("chat", "stream", "dag", "semantic_call")
@@ -113,15 +112,20 @@ class Balancer(httpx.AsyncBaseTransport):
         await self.inner.aclose()
 
 
-class ReplicaSoak:
-    def __init__(self, replicas: list[Replica], args: argparse.Namespace):
+class ReplicaSoak(Soak):
+    """soak.py's clients and their records, over the balancer; replica A killed instead of the engine."""
+
+    kinds = KINDS
+
+    def __init__(self, replicas: list[Replica], args: argparse.Namespace):  # noqa: super().__init__ launches none
         self.replicas, self.args = replicas, args
         self.record = Record()
         self.started = time.monotonic()
         self.deadline = self.started + args.minutes * 60
-
-    def now(self) -> float:
-        return time.monotonic() - self.started
+        self.flowing = asyncio.Event()
+        self.flowing.set()
+        self.in_flight = 0
+        self.requests = 0
 
     async def run(self) -> Record:
         limits = httpx.Limits(max_connections=self.args.clients * 4)
@@ -135,24 +139,6 @@ class ReplicaSoak:
             monitor.cancel()
         self._classify()
         return self.record
-
-    async def _client(self, client: httpx.AsyncClient, number: int) -> None:
-        traffic = Traffic(client, self.args.model, self.args.max_tokens, self.args.timeout / 2,
-                          random.Random(self.args.seed * 1000 + number))
-        turn = number
-        while time.monotonic() < self.deadline:
-            kind = KINDS[turn % len(KINDS)]
-            turn += 1
-            start = time.monotonic()
-            error, detail = None, ""
-            try:
-                await traffic.kinds[kind]()
-            except Exception as exc:  # noqa: BLE001 - every failure is recorded, then classified
-                error = getattr(exc, "kind", None) or f"transport_{type(exc).__name__}"
-                detail = getattr(exc, "detail", None) or repr(exc)[:300]
-            self.record.outcomes.append(Outcome(kind, start - self.started, time.monotonic() - start, error, detail))
-            if error:
-                await asyncio.sleep(0.5)
 
     async def _kill_and_restart(self) -> None:
         victim = self.replicas[0]
