@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from pathlib import Path
 from typing import Iterator
@@ -212,6 +213,32 @@ def test_a_response_stored_on_one_replica_is_read_and_continued_on_the_other(fak
         assert sent[0] == "remember parrots" and sent[-1] == "and now?", sent
         assert httpx.delete(f"{b.url}/v1/responses/{first['id']}", headers=AUTH, timeout=10).status_code == 200
         assert get(a.url, f"/v1/responses/{first['id']}").status_code == 404  # deleted on B: gone on A too
+
+
+def test_a_batch_of_a_replica_killed_mid_run_is_finished_by_the_other_each_line_once(fake_url, redis_server):
+    lines = [{"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": chat(messages=[{"role": "user", "content": f"line {i}"}], fake={"delay_s": 0.3})}
+             for i in range(16)]
+    data = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+    with replicas(fake_url, redis_server.url, env={"PARROT_STATE_LEASE_S": str(LEASE_S)}) as (a, b):
+        uploaded = httpx.post(f"{a.url}/v1/files", headers=AUTH, timeout=30, data={"purpose": "batch"},
+                              files={"file": ("in.jsonl", data)}).json()
+        assert httpx.get(f"{b.url}/v1/files/{uploaded['id']}/content", headers=AUTH, timeout=10).content == data
+        batch = post(a.url, "/v1/batches", {"input_file_id": uploaded["id"], "endpoint": "/v1/chat/completions",
+                                            "completion_window": "24h"})
+        deadline = time.monotonic() + 30
+        while get(b.url, f"/v1/batches/{batch['id']}").json()["request_counts"]["completed"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        a.kill()  # kill -9 mid-batch: B resumes it once A's lease expires
+        deadline = time.monotonic() + 60
+        while (done := get(b.url, f"/v1/batches/{batch['id']}").json())["status"] != "completed":
+            assert time.monotonic() < deadline, done
+            time.sleep(0.2)
+        output = httpx.get(f"{b.url}/v1/files/{done['output_file_id']}/content", headers=AUTH, timeout=10).text
+    answered = sorted(json.loads(line)["custom_id"] for line in output.splitlines())
+    assert answered == sorted(f"req-{i}" for i in range(16)), answered  # each line once
+    assert done["request_counts"] == {"total": 16, "completed": 16, "failed": 0}
 
 
 def test_an_engine_registered_with_one_replica_serves_from_the_other(fake_url, serve, redis_server):
