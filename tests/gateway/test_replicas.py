@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -346,5 +348,41 @@ def test_a_gateway_killed_mid_dag_and_restarted_completes_it_and_keeps_every_var
         assert "and bound after" in again["choices"][0]["message"]["content"]
         names = {v["name"] for v in get(gateway.url, f"/v1/sessions/{session}/vars").json()["data"]}
         assert {f"v{i}" for i in range(5)} | {"unbound", "output"} <= names
+    finally:
+        gateway.stop()
+
+
+def test_a_stream_cut_by_a_restart_ends_with_an_error_event_and_its_call_goes_on(fake_url, tmp_path):
+    config = tmp_path / "parrot.toml"
+    config.write_text("[server]\nshutdown_grace_s = 0.5\n")  # streams still open then are cut
+    gateway = GatewayProcess(fake_url, str(tmp_path / "state.sqlite3"), args=("--api-key", KEY),
+                             env={"PARROT_CONFIG": str(config)})
+    body = chat(max_tokens=40, messages=[{"role": "user", "content": "a b c d e f g h i j"}],
+                fake={"chunk_delay_s": 0.5})
+    gateway.start()
+    try:
+        uninterrupted = post(gateway.url, "/v1/chat/completions", body)["choices"][0]["message"]["content"]
+        events: list[dict] = []
+
+        def read() -> None:
+            with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", headers=AUTH, timeout=60,
+                              json={**body, "stream": True, "parrot": {"vars": {}}}) as response:
+                events.extend(json.loads(line[6:]) for line in response.iter_lines()
+                              if line.startswith("data: {"))
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        deadline = time.monotonic() + 30
+        while len(events) < 2:  # it streams
+            assert time.monotonic() < deadline and reader.is_alive()
+            time.sleep(0.05)
+        gateway.process.send_signal(signal.SIGTERM)  # a restart: the process stops cleanly
+        reader.join(30)
+        assert events[-1]["error"]["code"] == "stream_cut", events[-1]
+        output = events[0]["parrot"]["output"]["id"]
+        gateway.process.wait(30)
+        gateway.start()
+        resumed = get(gateway.url, f"/v1/vars/{output}", wait="true", timeout=30).json()
+        assert resumed["ready"] and resumed["value"] == uninterrupted, resumed
     finally:
         gateway.stop()
