@@ -13,7 +13,8 @@ Records, each with the sessions' TTL:
     var:{id}       s: the id of its session (lookups by variable id alone)
     default:{owner} s: the id of the key's default session
     replica:{id}   alive: a replica's heartbeat (shared stores): a pending variable whose producer ran on a
-                   replica that is gone fails instead of waiting for its input timeout
+                   replica that is gone is taken over with its call (durable_calls.py), or, when the call never
+                   reached the store's calls, fails instead of waiting for its input timeout
 """
 
 from __future__ import annotations
