@@ -16,7 +16,6 @@ import argparse
 import io
 import json
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -67,9 +66,8 @@ def main() -> None:
     parser.add_argument("--live", type=int, default=20)
     parser.add_argument("--out", default="benchmarks/results/batch_live.json")
     args = parser.parse_args()
-    files_dir = tempfile.mkdtemp(prefix="parrot-bench-files-")
     launched = LaunchedGateway(args.model, args.engine_args.split(), Path(args.out).with_suffix(".serve.log"), 600,
-                               env={"PARROT_FILES_DIR": files_dir})
+                               env={"PARROT_STATE": "memory://"})  # files and batches: this run's only
     try:
         client = openai.OpenAI(base_url=launched.url, api_key="unused", max_retries=0, timeout=300)
         live_latencies(client, args.model, 2, "warm-up")

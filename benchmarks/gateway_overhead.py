@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
 import socket
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.results_file import write_results
 from http_plumbing.aiohttp_transport import AiohttpTransport
 
 
@@ -123,19 +123,50 @@ def summarize(rounds: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
     """Medians over rounds; the added p50 and the rps ratio are medians of each round's difference to the
     direct round just before it, so that load drifting over the run (this machine is shared) cancels."""
     direct = rounds.get("direct") or next(iter(rounds.values()))
+    memory = rounds.get("parrot-memory")  # with --states: each store's p50 over the in-memory one's, paired too
     return {name: {**{k: statistics.median(r[k] for r in rs) for k in ("p50", "p99", "rps")},
                    "added_p50": statistics.median(r["p50"] - d["p50"] for r, d in zip(rs, direct)),
-                   "rps_ratio": statistics.median(r["rps"] / d["rps"] for r, d in zip(rs, direct))}
+                   "rps_ratio": statistics.median(r["rps"] / d["rps"] for r, d in zip(rs, direct)),
+                   **({"p50_over_memory": statistics.median(r["p50"] - m["p50"] for r, m in zip(rs, memory))}
+                      if memory else {})}
             for name, rs in rounds.items()}
 
 
 def report(results: dict) -> None:
     for mode, by_target in results.items():
         print(f"\n{mode} (medians over rounds; added p50 and rps ratio paired with each round's direct run)")
-        print(f"{'target':<14} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8} {'added p50 ms':>13} {'rps vs direct':>14}")
+        print(f"{'target':<14} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8} {'added p50 ms':>13} {'rps vs direct':>14}"
+              f" {'p50 over memory ms':>19}")
         for name, r in by_target.items():
+            over = f"{r['p50_over_memory'] * 1000:19.2f}" if "p50_over_memory" in r else f"{'':>19}"
             print(f"{name:<14} {r['p50'] * 1000:8.2f} {r['p99'] * 1000:8.2f} {r['rps']:8.0f} "
-                  f"{r['added_p50'] * 1000:13.2f} {r['rps_ratio']:13.2f}x")
+                  f"{r['added_p50'] * 1000:13.2f} {r['rps_ratio']:13.2f}x {over}")
+
+
+def plot(results: dict, path: Path, title: str) -> None:
+    """Each store's added p50 over the in-memory gateway, per mode, against the targets (SQLite 1 ms, Redis 2 ms)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 3.5))
+    stores = [name for name in next(iter(results.values())) if name.startswith("parrot-") and name != "parrot-memory"]
+    width = 0.8 / max(1, len(results))
+    for i, (mode, by_target) in enumerate(results.items()):
+        axes.bar([j + i * width for j in range(len(stores))],
+                 [by_target[name]["p50_over_memory"] * 1000 for name in stores], width, label=mode)
+    for j, name in enumerate(stores):
+        target = {"parrot-sqlite": 1.0, "parrot-redis": 2.0}.get(name)
+        if target is not None:
+            axes.hlines(target, j - 0.1, j + 0.8, colors="red", linestyles="dashed")
+    axes.set_xticks([j + width * (len(results) - 1) / 2 for j in range(len(stores))], stores)
+    axes.set_ylabel("p50 over in-memory (ms); dashed: target")
+    axes.set_title(title, fontsize=9)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
 
 
 def main() -> None:
@@ -196,6 +227,7 @@ def main() -> None:
                    **{name: (f"http://127.0.0.1:{port}/v1", "fake") for name, port in gateways.items()}}
         if args.compare_url:
             targets["compare"] = (args.compare_url.rstrip("/"), args.compare_model)
+        load_before = os.getloadavg()  # the host is shared: what else ran is part of the record
         results = asyncio.run(run(targets, args))
     finally:
         for proc in procs:
@@ -203,9 +235,11 @@ def main() -> None:
             proc.wait(timeout=10)
     report(results)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    host = {"cpu": _cpu_model(), "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
-    out.write_text(json.dumps({"args": vars(args), "host": host, "results": results}, indent=2))
+    write_results(out, {"args": vars(args), "cpu": _cpu_model(), "load_average": [load_before, os.getloadavg()],
+                        "results": results})
+    if args.states and "memory" in args.states.split(","):
+        plot(results, out.with_suffix(".png"), f"gateway overhead per state store ({'semantic' if args.semantic else 'plain'}"
+                                               f" requests, concurrency {args.concurrency}), shared 2-CPU host")
     print(f"\nsaved {out}")
 
 

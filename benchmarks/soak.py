@@ -23,6 +23,7 @@ Targets: 0 unexpected errors, flat gateway memory, 0 leaked blocks.
     python -m benchmarks.soak                                # 30 minutes, a kill every 5 minutes
     python -m benchmarks.soak --minutes 2 --kill-every-s 60  # a quick check
     python -m benchmarks.soak --engine-args "--quantization int8"
+    python -m benchmarks.soak --replicas 2 --minutes 4 --kill-every-s 45  # replicas on Redis: benchmarks/soak_replicas.py
 """
 
 from __future__ import annotations
@@ -271,6 +272,8 @@ class Traffic:
 
 
 class Soak:
+    kinds: tuple[str, ...] = ()  # the request kinds the clients cycle through (none: every one of Traffic's)
+
     def __init__(self, gateway: LaunchedGateway, args: argparse.Namespace):
         self.gateway, self.args = gateway, args
         self.root = gateway.url.removesuffix("/v1")
@@ -306,7 +309,7 @@ class Soak:
     async def _client(self, client: httpx.AsyncClient, number: int) -> None:
         traffic = Traffic(client, self.args.model, self.args.max_tokens, self.args.timeout / 2,
                           random.Random(self.args.seed * 1000 + number))
-        kinds = list(traffic.kinds)
+        kinds = list(self.kinds or traffic.kinds)
         turn = number  # each client cycles through every kind, starting at a different one
         while not self._over():
             await self.flowing.wait()
@@ -572,6 +575,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--engine-args", default="", help="flags for the engine, e.g. '--quantization int8'")
     parser.add_argument("--start-timeout", type=float, default=600, help="seconds for the server to load")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--replicas", type=int, default=0, choices=(0, 2),
+                        help="2: two gateway replicas on one Redis, replica A killed every --kill-every-s instead of "
+                             "the engine (benchmarks/soak_replicas.py)")
+    parser.add_argument("--lease-s", type=float, default=3.0, help="with --replicas: the calls' lease ([state] lease_s)")
     parser.add_argument("--out", default="benchmarks/results/soak", help="writes OUT.json, OUT.png, OUT.serve.log")
     return parser.parse_args(argv)
 
@@ -579,6 +586,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the launched server is stopped too
+    if args.replicas:
+        from benchmarks.soak_replicas import run_replicas
+
+        run_replicas(args)
+        return
     out = Path(args.out)
     print("launching parrot serve (builtin engine) …", flush=True)
     gateway = LaunchedGateway(args.model, args.engine_args.split(), out.with_suffix(".serve.log"), args.start_timeout)

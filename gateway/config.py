@@ -152,20 +152,14 @@ class ResponsesConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class FilesConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Uploaded files (POST /v1/files, purpose batch) and batches (/v1/batches), kept on disk under ``dir``."""
+    """Uploaded files (POST /v1/files, purpose batch) and batches (/v1/batches), kept in the state store ([state])."""
 
-    dir: str | None = None  # None: files/ in the data directory (gateway/state data_dir()). PARROT_FILES_DIR
     max_file_bytes: Annotated[int, msgspec.Meta(ge=1)] = 100 * 1024 * 1024  # an upload above it is a 413
     max_batch_lines: Annotated[int, msgspec.Meta(ge=1)] = 50_000
     # Lines of all batches in flight at once (each one throughput-criteria work: live requests go first).
     batch_concurrency: Annotated[int, msgspec.Meta(ge=1)] = 4
     # ... and while live requests are in flight on the engines (each new line waits until fewer batch lines run).
     batch_concurrency_beside_live: Annotated[int, msgspec.Meta(ge=1)] = 1
-
-    def directory(self) -> str:
-        from gateway.state import data_dir  # the one definition of the data directory (the state's file is there)
-
-        return self.dir or str(data_dir() / "files")
 
 
 class DashboardConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -189,6 +183,9 @@ class StateConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 2.0  # a store operation slower than this fails (503)
     # Concurrency seats a replica that died still held are forgotten this long after their key's last change.
     seat_ttl_s: Annotated[float, msgspec.Meta(gt=0)] = 900.0
+    # A semantic call's lease, renewed every third of it while its replica runs it: when the replica dies, another
+    # takes the call over (or this gateway, restarted on its SQLite file, at once) this long after its last renewal.
+    lease_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
 
     def __post_init__(self) -> None:
         if self.url is not None and self.url.split("://", 1)[0] not in (
@@ -335,7 +332,6 @@ ENV_OVERRIDES: dict[str, tuple[str, str]] = {
     "PARROT_API_KEYS": ("auth", "api_keys"),  # comma-separated
     "PARROT_ADMIN_KEYS": ("auth", "admin_keys"),  # comma-separated
     "PARROT_MAX_BODY_BYTES": ("limits", "max_body_bytes"),
-    "PARROT_FILES_DIR": ("files", "dir"),
     "PARROT_MAX_TOKENS": ("limits", "max_tokens"),
     "PARROT_MAX_REQUEST_TOKENS": ("limits", "max_request_tokens"),
     "PARROT_REQUEST_TIMEOUT_S": ("limits", "request_timeout_s"),
@@ -357,6 +353,7 @@ ENV_OVERRIDES: dict[str, tuple[str, str]] = {
     "PARROT_TRACING": ("tracing", "enabled"),
     "PARROT_STATE": ("state", "url"),  # the store's URL; a path (no "://"): the SQLite file
     "PARROT_STATE_PATH": ("state", "path"),
+    "PARROT_STATE_LEASE_S": ("state", "lease_s"),
     "PARROT_TRACING_EXPORTER": ("tracing", "exporter"),
 }
 

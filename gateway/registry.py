@@ -215,6 +215,13 @@ class EngineRegistry:
         self._records[record.id] = record
         return record
 
+    def adopt(self, engine_id: str, engine: Engine, models: list[str], *, url: str, token: str) -> EngineRecord:
+        """An engine registered with another gateway replica (or an earlier process), under its id and token there."""
+        record = EngineRecord(id=engine_id, engine=engine, models=list(models), url=url, token=token,
+                              last_heartbeat=time.monotonic(), breaker=self._new_breaker())
+        self._records[engine_id] = record
+        return record
+
     def remove(self, engine_id: str) -> EngineRecord | None:
         record = self._records.get(engine_id)
         if record is not None:

@@ -6,8 +6,10 @@ the low priority) and a placement that says so. At most ``[files] batch_concurre
 flight at once. Lines whose requests share their leading messages (chat: all but the last message; completions:
 the prompt's first 256 characters) are grouped: a group's first line runs alone, then the rest, so the engine
 computes the shared prefix once and the others find it in its prefix cache. A bad line goes to the error file, the
-rest run. Results are appended to disk as they finish: a batch interrupted by a restart resumes its remaining
-lines when the gateway starts again (``resume``)."""
+rest run. Files, batches and each line's result live in the state store (store.py) as they finish: a batch
+interrupted by a restart resumes its remaining lines when the gateway starts again, and one whose replica died is
+taken over by another (``resume``). The replica running a batch holds its lease (gateway/state/leases.py), so one
+runs it at a time."""
 
 from __future__ import annotations
 
@@ -19,13 +21,15 @@ from typing import Any
 import msgspec
 
 from engines.seam import EngineError
-from gateway.batches.store import BatchStorage, StoredBatch, new_batch_id
+from gateway.batches.store import BatchStorage, StoredBatch, batch_lease, new_batch_id
 from gateway.config import FilesConfig, QuotasConfig
 from gateway.domain_errors import DomainError, Invalid, RateLimited
 from gateway.errors import APIError, body_error, domain_error_body, domain_status
 from gateway.scheduler import Placement
 from gateway.quotas import Admission, Quotas
 from gateway.service import REQUEST_SCHEMAS, Gateway
+from gateway.state import every
+from gateway.state.leases import Leases
 from http_plumbing.http_errors import engine_error_body
 from wire.batches import (Batch, BatchCreate, BatchErrorItem, BatchErrors, LineError, LineResponse, OutputLine,
                           RequestCounts)
@@ -49,13 +53,6 @@ def line_id(batch_id: str, index: int) -> str:
     return f"batch_req_{batch_id.removeprefix('batch_')}_{index}"
 
 
-def _index_of(result: bytes) -> int | None:
-    try:
-        return int(msgspec.json.decode(result, type=dict)["id"].rsplit("_", 1)[1])
-    except (msgspec.DecodeError, KeyError, ValueError, IndexError, AttributeError):
-        return None
-
-
 def _group_key(endpoint: str, body: Any) -> str | None:
     """What a line shares with others of its group: the model and its leading messages (chat) or prompt start."""
     if not isinstance(body, dict):
@@ -68,9 +65,12 @@ def _group_key(endpoint: str, body: Any) -> str | None:
 
 
 class BatchService:
-    def __init__(self, gateway: Gateway, storage: BatchStorage, config: FilesConfig, quotas: Quotas | None = None):
+    def __init__(self, gateway: Gateway, storage: BatchStorage, config: FilesConfig, quotas: Quotas | None = None,
+                 lease_s: float = 10.0):
         self.gateway = gateway
         self.storage = storage
+        self.leases = Leases(storage.store, lease_s)  # of the batches this process runs
+        self._resumer: asyncio.Task[None] | None = None
         self.config = config
         self.quotas = quotas or Quotas(QuotasConfig())  # unlimited
         self._slots = asyncio.Semaphore(config.batch_concurrency)  # lines of all batches in flight
@@ -80,12 +80,12 @@ class BatchService:
 
     # ------------------------------------------------------------ the API
 
-    def create(self, owner: str, request: BatchCreate) -> Batch:
-        file = self.storage.file(owner, request.input_file_id)
+    async def create(self, owner: str, request: BatchCreate) -> Batch:
+        file = await self.storage.file(owner, request.input_file_id)
         if file.purpose != "batch":
             raise Invalid(f"file {file.id} was uploaded for purpose {file.purpose!r}, not 'batch'",
                           param="input_file_id")
-        lines = self._lines(owner, request.input_file_id)
+        lines = await self._lines(owner, request.input_file_id)
         if not lines:
             raise Invalid("the input file holds no request lines", param="input_file_id")
         if len(lines) > self.config.max_batch_lines:
@@ -97,61 +97,78 @@ class BatchService:
                       in_progress_at=now, expires_at=now + 24 * 3600, metadata=request.metadata,
                       request_counts=RequestCounts(total=len(lines)))
         stored = StoredBatch(owner=owner, batch=batch)
-        self.storage.save_batch(stored)
+        await self.storage.save_batch(stored, self.leases.write_op(batch_lease(batch.id)))
         self._start(stored)
         return batch
 
-    def get(self, owner: str, batch_id: str) -> Batch:
-        return self.storage.batch(owner, batch_id).batch
+    async def get(self, owner: str, batch_id: str) -> Batch:
+        return (await self.storage.batch(owner, batch_id)).batch
 
-    def list(self, owner: str) -> list[Batch]:
-        return [s.batch for s in self.storage.all_batches() if s.owner == owner]
+    async def list(self, owner: str) -> list[Batch]:
+        return [s.batch for s in await self.storage.all_batches(owner)]
 
     async def cancel(self, owner: str, batch_id: str) -> Batch:
-        stored = self.storage.batch(owner, batch_id)
+        stored = await self.storage.batch(owner, batch_id)
         if stored.batch.status in _DONE:
             if stored.batch.status == "cancelled":
                 return stored.batch
             raise Invalid(f"batch {batch_id} is {stored.batch.status}: it cannot be cancelled", param="batch_id")
         stored.batch.status = "cancelling"
         stored.batch.cancelling_at = _now()
-        self.storage.save_batch(stored)
+        await self.storage.save_batch(stored)
         task = self._tasks.get(batch_id)
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-        else:
-            self._finish(stored, "cancelled")
-        return self.storage.batch(owner, batch_id).batch
+        elif await self.leases.take(batch_lease(batch_id)):  # nobody runs it; else its replica ends it
+            await self._finish(stored, "cancelled")
+        return (await self.storage.batch(owner, batch_id)).batch
 
-    def in_progress(self) -> list[Batch]:
+    async def in_progress(self) -> list[Batch]:
         """Every key's running batches (the dashboard's progress)."""
-        return [s.batch for s in self.storage.all_batches() if s.batch.status in (*_RUNNING, "cancelling")]
+        return [s.batch for s in await self.storage.all_batches() if s.batch.status in (*_RUNNING, "cancelling")]
 
-    def resume(self) -> int:
-        """Starts again the batches a previous process left running (their lines not yet answered);
-        finishes those it left cancelling. Returns how many were resumed."""
+    def start(self) -> None:
+        """Resumes the batches a previous process left (then, on a shared store, those of replicas that die)."""
+        self.leases.start()
+        if self.storage.store.shared:  # and then those of replicas that die
+            work = every(min(2.0, self.leases.lease_s / 2), self.resume, "resuming batches")
+        else:  # this process alone runs batches: once, at start
+            work = self.resume()
+        self._resumer = asyncio.get_running_loop().create_task(work, name="batch-takeovers")
+
+    async def resume(self) -> int:
+        """Starts again the running batches nobody runs (a previous process, or a replica that died, left
+        them; their lines not yet answered); finishes those left cancelling. Returns how many were resumed."""
         resumed = 0
-        for stored in self.storage.all_batches():
-            if stored.batch.status == "cancelling":
-                self._finish(stored, "cancelled")
-            elif stored.batch.status in _RUNNING and stored.batch.id not in self._tasks:
-                log.info("resuming batch %s", stored.batch.id)
+        for stored in await self.storage.all_batches():
+            status, batch_id = stored.batch.status, stored.batch.id
+            if (status not in (*_RUNNING, "cancelling") or batch_id in self._tasks
+                    or not await self.leases.take(batch_lease(batch_id))):
+                continue
+            if status == "cancelling":
+                await self._finish(stored, "cancelled")
+            else:
+                log.info("resuming batch %s", batch_id)
                 self._start(stored)
                 resumed += 1
         return resumed
 
     async def aclose(self) -> None:
-        """Stops the running batches where they are (on shutdown): they resume on the next start."""
-        tasks = list(self._tasks.values())
+        """Stops the running batches where they are (on shutdown): they resume on the next start, or on another
+        replica now (their leases released)."""
+        if self._resumer is not None:
+            self._resumer.cancel()
+        tasks = [*self._tasks.values(), *([self._resumer] if self._resumer else [])]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self.leases.aclose()
 
     # ------------------------------------------------------------ running
 
-    def _lines(self, owner: str, file_id: str) -> list[bytes]:
-        return [line for line in self.storage.content(owner, file_id).splitlines() if line.strip()]
+    async def _lines(self, owner: str, file_id: str) -> list[bytes]:
+        return [line for line in (await self.storage.content(owner, file_id)).splitlines() if line.strip()]
 
     def _start(self, stored: StoredBatch) -> None:
         task = asyncio.create_task(self._run(stored), name=f"batch {stored.batch.id}")
@@ -162,13 +179,11 @@ class BatchService:
         batch = stored.batch
         closing = False
         try:
-            for kind in ("out", "err"):
-                self.storage.drop_torn_results(batch.id, kind)
-            answered = {i for kind in ("out", "err") for line in self.storage.results(batch.id, kind)
-                        if (i := _index_of(line)) is not None}
-            lines = self._lines(stored.owner, batch.input_file_id)
-            batch.request_counts = RequestCounts(total=len(lines), completed=len(self.storage.results(batch.id, "out")),
-                                                 failed=len(self.storage.results(batch.id, "err")))
+            results = await self.storage.results(batch.id)
+            answered = results["out"].keys() | results["err"].keys()
+            lines = await self._lines(stored.owner, batch.input_file_id)
+            batch.request_counts = RequestCounts(total=len(lines), completed=len(results["out"]),
+                                                 failed=len(results["err"]))
             groups: dict[str | None, list[tuple[int, Any]]] = {}
             seen: set[str] = set()
             for index, raw in enumerate(lines):
@@ -191,18 +206,18 @@ class BatchService:
                 groups.setdefault(key if key is not None else f"#{index}", []).append((index, item))
             await asyncio.gather(*(self._group(stored, members) for members in groups.values()))
             closing = True
-            self._finish(stored, "completed")
+            await self._finish(stored, "completed")
         except asyncio.CancelledError:
-            current = self.storage.batch(stored.owner, batch.id).batch
+            current = (await self.storage.batch(stored.owner, batch.id)).batch
             if current.status == "cancelling":  # cancelled by its owner; else the gateway stops: resumed later
-                self._finish(stored, "cancelled")
+                await self._finish(stored, "cancelled")
             raise
         except Exception as exc:  # noqa: BLE001 - a batch that cannot run fails, with the reason
             if closing:
                 raise
             log.exception("batch %s failed", batch.id)
             batch.errors = BatchErrors(data=[BatchErrorItem(code="batch_failed", message=str(exc))])
-            self._finish(stored, "failed")
+            await self._finish(stored, "failed")
 
     async def _group(self, stored: StoredBatch, members: list[tuple[int, Any]]) -> None:
         """The group's first line alone (it leaves the shared prefix in the engine's cache), then the others."""
@@ -286,34 +301,37 @@ class BatchService:
         batch = stored.batch
         ok = response is not None and response.status_code < 400
         line = OutputLine(id=line_id(batch.id, index), custom_id=custom_id, response=response, error=error)
-        self.storage.append_result(batch.id, "out" if ok else "err", msgspec.json.encode(line))
+        await self.storage.put_result(batch.id, "out" if ok else "err", index, msgspec.json.encode(line))
         if ok:
             batch.request_counts.completed += 1
         else:
             batch.request_counts.failed += 1
         async with self._save_lock:
-            current = self.storage.batch(stored.owner, batch.id).batch
+            current = (await self.storage.batch(stored.owner, batch.id)).batch
             if current.status == "cancelling" and batch.status != "cancelling":
                 batch.status, batch.cancelling_at = current.status, current.cancelling_at
-            self.storage.save_batch(stored)
+                task = self._tasks.get(batch.id)
+                if task is not None:  # cancelled on another replica: it ends here, as cancelled
+                    task.cancel()
+            await self.storage.save_batch(stored)
 
-    def _finish(self, stored: StoredBatch, status: str) -> None:
+    async def _finish(self, stored: StoredBatch, status: str) -> None:
         """The batch's end: its result lines become its output and error files."""
         batch = stored.batch
         now = _now()
         batch.finalizing_at = batch.finalizing_at or now
-        out = self.storage.results(batch.id, "out")
-        err = self.storage.results(batch.id, "err")
+        results = await self.storage.results(batch.id)
+        out, err = (list(dict(sorted(results[kind].items())).values()) for kind in ("out", "err"))
         batch.request_counts.completed, batch.request_counts.failed = len(out), len(err)
         if out:
-            batch.output_file_id = self.storage.put_file(stored.owner, f"{batch.id}_output.jsonl", "batch_output",
-                                                         b"".join(line + b"\n" for line in out)).id
+            batch.output_file_id = (await self.storage.put_file(stored.owner, f"{batch.id}_output.jsonl",
+                                                                "batch_output", b"".join(line + b"\n" for line in out))).id
         if err:
-            batch.error_file_id = self.storage.put_file(stored.owner, f"{batch.id}_error.jsonl", "batch_output",
-                                                        b"".join(line + b"\n" for line in err)).id
+            batch.error_file_id = (await self.storage.put_file(stored.owner, f"{batch.id}_error.jsonl", "batch_output",
+                                                               b"".join(line + b"\n" for line in err))).id
         batch.status = status  # type: ignore[assignment]
         setattr(batch, f"{status}_at", now)
-        self.storage.save_batch(stored)
+        await self.storage.save_batch(stored, self.leases.release_op(batch_lease(batch.id)))
 
 
 def _error(body: ErrorBody) -> dict[str, Any]:

@@ -1,26 +1,25 @@
-"""Files and batch records on disk, behind one small class (``BatchStorage``) so that they can move onto the
-gateway's state seam later. Layout under the directory:
+"""Files and batch records in the gateway's state store (gateway/state/): on SQLite they survive a restart, on
+Redis every replica shares them. Records (no TTL: a file or batch stays until it is deleted):
 
-  files/<id>.json          the file's object and its owner (a hash of its API key)
-  files/<id>.data          its bytes
-  batches/<id>.json        the batch's object, its owner and state
-  batches/<id>.out.jsonl   result lines appended as they finish (the output file when the batch ends)
-  batches/<id>.err.jsonl   error lines, likewise
-
-Every record is written whole to a temporary file then renamed, so a crash leaves the old one or the new one;
-result lines are appended and a torn last line (a crash mid-write) is ignored when read back."""
+  file:{id}              meta: the file's object and its owner (a hash of its API key) (StoredFile); data: its bytes
+  files:{owner}          {file id: ""}: the key's files
+  batch:{id}             rec: the batch's object, its owner and state (StoredBatch)
+  batches                {batch id: owner}: every batch
+  results:{id}           {"out:N" | "err:N": line}: the result line of the batch's line N, once it is answered (a
+                         line answered twice, by a replica that took the batch over, is one line)
+  lease:batch:{id}       the replica running the batch (gateway/state/leases.py)
+"""
 
 from __future__ import annotations
 
-import os
 import secrets
 import time
-from pathlib import Path
 from typing import TypeVar
 
 import msgspec
 
 from gateway.domain_errors import NotFound
+from gateway.state import StateStore
 from wire.batches import Batch, FileObject
 
 T = TypeVar("T", bound=msgspec.Struct)  # a stored record: it names its owner
@@ -44,105 +43,88 @@ def new_batch_id() -> str:
     return f"batch_{secrets.token_hex(12)}"
 
 
-def _write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as out:
-        out.write(data)
-    os.replace(tmp, path)
-
-
-def _valid_id(id_: str) -> bool:
-    return id_.replace("-", "").replace("_", "").isalnum() and len(id_) < 100
+def batch_lease(batch_id: str) -> str:
+    return f"lease:batch:{batch_id}"
 
 
 class BatchStorage:
-    def __init__(self, directory: str | Path):
-        self.root = Path(directory)
-        self._files = self.root / "files"
-        self._batches = self.root / "batches"
-        self._files.mkdir(parents=True, exist_ok=True)
-        self._batches.mkdir(parents=True, exist_ok=True)
+    def __init__(self, store: StateStore):
+        self.store = store
 
     # ------------------------------------------------------------ files
 
-    def put_file(self, owner: str, filename: str, purpose: str, data: bytes) -> FileObject:
+    async def put_file(self, owner: str, filename: str, purpose: str, data: bytes) -> FileObject:
         file = FileObject(id=new_file_id(), bytes=len(data), created_at=int(time.time()), filename=filename,
                           purpose=purpose)
-        _write(self._files / f"{file.id}.data", data)
-        _write(self._files / f"{file.id}.json", msgspec.json.encode(StoredFile(owner=owner, file=file)))
+        meta = msgspec.json.encode(StoredFile(owner=owner, file=file))
+        await self.store.apply([("write", f"file:{file.id}", {"meta": meta, "data": data}, None),
+                                ("write", f"files:{owner}", {file.id: b""}, None)])
         return file
 
-    def file(self, owner: str, file_id: str) -> FileObject:
+    async def file(self, owner: str, file_id: str) -> FileObject:
         """The file, if ``owner``'s; another key's file is not found, as a missing one."""
-        return _owned(self._files, owner, file_id, StoredFile, "File", "file").file
+        raw = await self.store.read_field(f"file:{file_id}", "meta")
+        return _owned(raw, owner, file_id, StoredFile, "File", "file").file
 
-    def files(self, owner: str) -> list[FileObject]:
+    async def files(self, owner: str) -> list[FileObject]:
         """``owner``'s files, newest first."""
         found = []
-        for path in self._files.glob("*.json"):
-            try:
-                stored = msgspec.json.decode(path.read_bytes(), type=StoredFile)
-            except (OSError, msgspec.DecodeError):
-                continue
-            if stored.owner == owner:
-                found.append(stored.file)
+        for file_id in await self.store.read(f"files:{owner}"):
+            raw = await self.store.read_field(f"file:{file_id}", "meta")
+            if raw is not None:
+                found.append(msgspec.json.decode(raw, type=StoredFile).file)
         return sorted(found, key=lambda f: (f.created_at, f.id), reverse=True)
 
-    def content(self, owner: str, file_id: str) -> bytes:
-        self.file(owner, file_id)
-        return (self._files / f"{file_id}.data").read_bytes()
+    async def content(self, owner: str, file_id: str) -> bytes:
+        await self.file(owner, file_id)
+        return await self.store.read_field(f"file:{file_id}", "data") or b""
 
-    def delete_file(self, owner: str, file_id: str) -> None:
-        self.file(owner, file_id)
-        (self._files / f"{file_id}.json").unlink(missing_ok=True)
-        (self._files / f"{file_id}.data").unlink(missing_ok=True)
+    async def delete_file(self, owner: str, file_id: str) -> None:
+        await self.file(owner, file_id)
+        await self.store.apply([("remove", [f"file:{file_id}"]), ("remove_fields", f"files:{owner}", [file_id])])
 
     # ------------------------------------------------------------ batches
 
-    def save_batch(self, stored: StoredBatch) -> None:
-        _write(self._batches / f"{stored.batch.id}.json", msgspec.json.encode(stored))
+    async def save_batch(self, stored: StoredBatch, *extra: tuple) -> None:
+        """The batch's record (and ``extra`` writes, in the same round trip)."""
+        await self.store.apply([("write", f"batch:{stored.batch.id}", {"rec": msgspec.json.encode(stored)}, None),
+                                ("write", "batches", {stored.batch.id: stored.owner.encode()}, None), *extra])
 
-    def batch(self, owner: str, batch_id: str) -> StoredBatch:
-        return _owned(self._batches, owner, batch_id, StoredBatch, "Batch", "batch")
+    async def batch(self, owner: str, batch_id: str) -> StoredBatch:
+        raw = await self.store.read_field(f"batch:{batch_id}", "rec")
+        return _owned(raw, owner, batch_id, StoredBatch, "Batch", "batch")
 
-    def all_batches(self) -> list[StoredBatch]:
+    async def all_batches(self, owner: str | None = None) -> list[StoredBatch]:
+        """Every batch (``owner``'s only, if given), newest first."""
         found = []
-        for path in self._batches.glob("*.json"):
-            try:
-                found.append(msgspec.json.decode(path.read_bytes(), type=StoredBatch))
-            except (OSError, msgspec.DecodeError):
+        for batch_id, batch_owner in (await self.store.read("batches")).items():
+            if owner is not None and batch_owner != owner.encode():
                 continue
+            raw = await self.store.read_field(f"batch:{batch_id}", "rec")
+            if raw is not None:
+                found.append(msgspec.json.decode(raw, type=StoredBatch))
         return sorted(found, key=lambda s: (s.batch.created_at, s.batch.id), reverse=True)
 
-    def append_result(self, batch_id: str, kind: str, line: bytes) -> None:
-        """Appends one result line (``kind`` "out" or "err") of a batch."""
-        with open(self._batches / f"{batch_id}.{kind}.jsonl", "ab") as out:
-            out.write(line + b"\n")
-            out.flush()
+    async def put_result(self, batch_id: str, kind: str, index: int, line: bytes) -> None:
+        """The result line (``kind`` "out" or "err") of the batch's line ``index``."""
+        await self.store.write(f"results:{batch_id}", {f"{kind}:{index}": line})
 
-    def results(self, batch_id: str, kind: str) -> list[bytes]:
-        """The whole result lines written so far (a torn last line left out)."""
-        path = self._batches / f"{batch_id}.{kind}.jsonl"
-        if not path.exists():
-            return []
-        data = path.read_bytes()
-        lines = data.split(b"\n")
-        if not data.endswith(b"\n"):
-            lines = lines[:-1]
-        return [line for line in lines if line]
-
-    def drop_torn_results(self, batch_id: str, kind: str) -> None:
-        """Rewrites a result file without its torn last line, before lines are appended to it again."""
-        path = self._batches / f"{batch_id}.{kind}.jsonl"
-        if path.exists() and not path.read_bytes().endswith(b"\n") and path.stat().st_size:
-            _write(path, b"".join(line + b"\n" for line in self.results(batch_id, kind)))
+    async def results(self, batch_id: str) -> dict[str, dict[int, bytes]]:
+        """The result lines written so far: {"out": {index: line}, "err": {...}}; a line answered both ways (by
+        two replicas) counts as its success."""
+        found: dict[str, dict[int, bytes]] = {"out": {}, "err": {}}
+        for name, line in (await self.store.read(f"results:{batch_id}")).items():
+            kind, _, index = name.partition(":")
+            if kind in found and index.isdigit():
+                found[kind][int(index)] = line
+        for index in found["out"].keys() & found["err"].keys():
+            del found["err"][index]
+        return found
 
 
-def _owned(directory: Path, owner: str, record_id: str, kind: type[T], name: str, noun: str) -> T:
-    """The record ``record_id`` of ``kind`` in ``directory`` if it is ``owner``'s: another key's is not found, as
-    a missing one is."""
-    path = directory / f"{record_id}.json"
-    stored = msgspec.json.decode(path.read_bytes(), type=kind) if _valid_id(record_id) and path.exists() else None
+def _owned(raw: bytes | None, owner: str, record_id: str, kind: type[T], name: str, noun: str) -> T:
+    """The record ``raw`` of ``kind`` if it is ``owner``'s: another key's is not found, as a missing one is."""
+    stored = msgspec.json.decode(raw, type=kind) if raw is not None else None
     if stored is None or stored.owner != owner:
         raise NotFound(f"No such {name} object: {record_id}", param=f"{noun}_id", code=f"{noun}_not_found")
     return stored

@@ -26,6 +26,7 @@ from gateway.responses.store import ResponseStore, StoredResponse
 from gateway.semantic import template
 from gateway.semantic.service import SemanticService, Submitted
 from gateway.service import ENGINE_HEADER, Gateway
+from gateway.state import StateStore, StoreUnavailable
 from gateway.chat_path import ROUTE, check_chat, chunks_of, extension_of
 from gateway.translation.chat import completion_decoder
 from gateway.translation.response_stream import ResponseStream
@@ -76,12 +77,14 @@ class Ran(NamedTuple):
 
 
 class ResponsesService:
-    def __init__(self, gateway: Gateway, quotas: Quotas, config: ResponsesConfig, semantic: SemanticService):
+    def __init__(self, gateway: Gateway, quotas: Quotas, config: ResponsesConfig, semantic: SemanticService,
+                 state: StateStore | None = None):
+        """``state``: where stored responses are written through to (gateway/responses/store.py)."""
         self.gateway = gateway
         self.quotas = quotas
         self.config = config
         self.semantic = semantic
-        self.store = ResponseStore(config)
+        self.store = ResponseStore(config, state=state)
         self.contexts = ConversationContexts(gateway, config)  # stored conversations pinned on the engine
         self.store.on_drop = self.contexts.release
 
@@ -130,7 +133,7 @@ class ResponsesService:
 
     async def _conversation(self, owner: str, response_id: str) -> list[Item]:
         try:
-            stored = self.store.get(owner, response_id)
+            stored = await self.store.fetch(owner, response_id)
         except DomainError as exc:
             exc.param = "previous_response_id"
             raise
@@ -143,11 +146,11 @@ class ResponsesService:
 
     # ------------------------------------------------------------ running
 
-    def _store(self, prepared: Prepared) -> StoredResponse | None:
+    async def _store(self, prepared: Prepared) -> StoredResponse | None:
         if not prepared.response.store:
             return None
         stored = StoredResponse(prepared.response, prepared.input, prepared.earlier)
-        self.store.put(prepared.owner, stored)
+        await self.store.saved(prepared.owner, stored)
         return stored
 
     def _finish(self, prepared: Prepared, body: bytes) -> None:
@@ -179,7 +182,7 @@ class ResponsesService:
                 ran = await self._plain(prepared)
         body, engine_id, prepared = ran
         self._finish(prepared, body)
-        if self._store(prepared) is not None:
+        if await self._store(prepared) is not None:
             self._pin(prepared, engine_id)
             if prepared.request.previous_response_id:  # the conversation goes on from this turn's context now:
                 self.contexts.release(prepared.request.previous_response_id)  # a branch from the last runs plain
@@ -223,7 +226,7 @@ class ResponsesService:
         prepared.response.status = "queued"
         admission = await self.quotas.admitted_later(prepared.owner, prepared.estimate)  # a 429 now, not later
         try:
-            stored = self._store(prepared)
+            stored = await self._store(prepared)
         except BaseException:
             if admission is not None:
                 await admission.release()
@@ -265,13 +268,20 @@ class ResponsesService:
             response.status = "failed"
             response.error = ResponseError(code="server_error", message=f"internal error: {type(exc).__name__}")
         try:
-            self.store.put(prepared.owner, stored)  # measured again, now with its output
+            await self.store.saved(prepared.owner, stored)  # measured again, now with its output
         except DomainError as exc:
             response.status, response.output = "failed", []
             response.error = ResponseError(code=exc.code or "response_too_large", message=exc.message)
+            await self._saved_quietly(prepared.owner, stored)
+        except StoreUnavailable:
+            log.warning("background response %s: its end was not written to the state store", response.id)
+
+    async def _saved_quietly(self, owner: str, stored: StoredResponse) -> None:
+        with contextlib.suppress(DomainError, StoreUnavailable):
+            await self.store.saved(owner, stored)
 
     async def cancel(self, owner: str, response_id: str) -> Response:
-        stored = self.store.get(owner, response_id)
+        stored = await self.store.fetch(owner, response_id)
         if not stored.response.background:
             raise Invalid("Only background responses can be cancelled.", param="response_id")
         task = stored.task
@@ -280,10 +290,11 @@ class ResponsesService:
             await asyncio.wait([task])
         if stored.response.status in ("queued", "in_progress"):  # cancelled before it ever ran
             stored.response.status = "cancelled"
+            await self.store.saved(owner, stored)
         return stored.response
 
     async def delete(self, owner: str, response_id: str) -> None:
-        stored = self.store.delete(owner, response_id)
+        stored = await self.store.removed(owner, response_id)
         if stored.task is not None and not stored.task.done():
             await asyncio.wait([stored.task])
 
@@ -305,7 +316,7 @@ class ResponsesService:
             else:
                 opened = await self.gateway.open_stream(ROUTE, prepared.request.model, prepared.chat)
                 events, engine_id = self.gateway.sse_events(prepared.request.model, opened), opened.record.id
-            stored = self._store(prepared)  # in progress: GET finds it while it streams
+            stored = await self._store(prepared)  # in progress: GET finds it while it streams
             try:
                 yield writer.start()
                 stream = chunks_of(events)
@@ -325,7 +336,7 @@ class ResponsesService:
                     if submitted is not None and prepared.response.status != "failed":
                         prepared = await _with_values(prepared, submitted)
                         stored.input = prepared.input
-                    self.store.put(prepared.owner, stored)
+                    await self.store.saved(prepared.owner, stored)
                     self._pin(prepared, engine_id)
                 yield writer.last()
             finally:
@@ -340,14 +351,14 @@ class ResponsesService:
         model = prepared.request.model
         async with self.quotas.admitted(prepared.owner, prepared.estimate):
             opened = await self.gateway.open_stream("responses", model, prepared.upstream)
-            stored = self._store(prepared)  # in progress: GET finds it while it streams
+            stored = await self._store(prepared)  # in progress: GET finds it while it streams
             events = self.gateway.sse_events(model, opened, read=read_event)
             try:
                 async for data in events:
                     ended = [relay.close()] if data.endswith(SSE_DONE) else []  # the engine's stream is over
                     for event in filter(None, [*relay.feed(data), *ended]):
                         if relay.ended and stored is not None:
-                            self.store.put(prepared.owner, stored)  # measured again, now with its output
+                            await self.store.saved(prepared.owner, stored)  # measured again, now with its output
                             stored = None
                         yield event
             finally:

@@ -1,7 +1,11 @@
 """Stored responses, per API key (owner): what GET /v1/responses/{id} answers and what a next turn's
-``previous_response_id`` continues. In memory; bounded per key by count and bytes (the oldest go first),
-one response's conversation by ``max_response_bytes`` (413), and by an idle TTL. Another key's response
-is not found, as one that never existed."""
+``previous_response_id`` continues. Held in memory, bounded per key by count and bytes (the oldest go first),
+one response's conversation by ``max_response_bytes`` (413), and by an idle TTL; and, with a state store that
+keeps them (SQLite, Redis: gateway/state/), written through to it (``saved``) and read back from it (``fetch``):
+after a restart, or on another replica. Another key's response is not found, as one that never existed.
+
+Record: response:{id}  owner: its key's hash; r: the response, its input and the turns before it (ResponseRecord),
+with the responses' TTL."""
 
 from __future__ import annotations
 
@@ -14,9 +18,23 @@ import msgspec
 
 from gateway.config import ResponsesConfig
 from gateway.domain_errors import NotFound, TooLarge
+from gateway.state import StateStore
 from wire.responses import Item, Response
 
 _encoder = msgspec.json.Encoder()
+
+
+class ResponseRecord(msgspec.Struct):
+    response: Response
+    input: list[Item]
+    earlier: list[Item]
+
+
+_record = msgspec.json.Decoder(ResponseRecord).decode
+
+
+def record_key(response_id: str) -> str:
+    return f"response:{response_id}"
 
 
 class StoredResponse:
@@ -47,9 +65,12 @@ def not_found(response_id: str) -> NotFound:
 
 
 class ResponseStore:
-    def __init__(self, config: ResponsesConfig, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, config: ResponsesConfig, clock: Callable[[], float] = time.monotonic,
+                 state: StateStore | None = None):
+        """``state``: the store responses are written through to (None, or one that keeps nothing: memory only)."""
         self.config = config
         self._clock = clock
+        self.state = state if state is not None and (state.shared or state.durable) else None
         self._by_owner: dict[str, OrderedDict[str, StoredResponse]] = {}
         self._bytes: dict[str, int] = {}
         self.on_drop: Callable[[str], None] = lambda response_id: None  # a response deleted or forgotten
@@ -85,6 +106,38 @@ class ResponseStore:
             if oldest is stored:
                 break
             self._drop(owner, oldest)
+
+    async def saved(self, owner: str, stored: StoredResponse) -> None:
+        """``put``, then written to the state store (StoreUnavailable: it is not; the client gets a 503)."""
+        self.put(owner, stored)
+        if self.state is not None:
+            record = _encoder.encode(ResponseRecord(stored.response, stored.input, stored.earlier))
+            await self.state.write(record_key(stored.response.id), {"owner": owner.encode(), "r": record},
+                                   ttl_s=self.config.ttl_s)
+
+    async def fetch(self, owner: str, response_id: str) -> StoredResponse:
+        """``get``, from the state store when it is not held here; from a shared store also when it runs
+        elsewhere (a background response another replica updates)."""
+        held = self._by_owner.get(owner, {}).get(response_id)
+        if self.state is None or (held is not None and (held.task is not None or not self.state.shared)):
+            return self.get(owner, response_id)
+        fields = await self.state.read(record_key(response_id))
+        if fields.get("owner") != owner.encode() or "r" not in fields:
+            if held is not None:
+                self._drop(owner, held)  # deleted, or expired, elsewhere
+            raise not_found(response_id)
+        record = _record(fields["r"])
+        stored = StoredResponse(record.response, record.input, record.earlier)
+        self.put(owner, stored)
+        return stored
+
+    async def removed(self, owner: str, response_id: str) -> StoredResponse:
+        """``delete``, in the state store too."""
+        stored = await self.fetch(owner, response_id)
+        self._drop(owner, stored)
+        if self.state is not None:
+            await self.state.remove([record_key(response_id)])
+        return stored
 
     def get(self, owner: str, response_id: str) -> StoredResponse:
         self._expire(owner)

@@ -337,6 +337,8 @@ class Call:
                 self.join_group()
                 self.mark_running()
                 results = await self.runner.run(self, values)
+            if self.session.mirror is not None:  # published once: a call run twice (taken over) binds one value
+                results = await self.session.mirror.published(self, results)
             self.state = "done"
         except BaseException as exc:
             message = _describe(exc)
@@ -344,6 +346,7 @@ class Call:
             self.error = _clipped(message, 500)
             for output in self.outputs.values():
                 output.fail(f"producer {self.id} failed: {message}")
+            self.session.call_ended(self)
             raise
         finally:
             self.finished = time.time()
@@ -355,6 +358,7 @@ class Call:
                 output.set(results[name])
             except (TooLarge, QuotaExceeded) as exc:  # over its session's byte quotas: the output fails, not the gateway
                 output.fail(f"producer {self.id}: {exc.message}")
+        self.session.call_ended(self)
         return results
 
 
@@ -451,6 +455,11 @@ class Session:
         if self.mirror is not None:
             self.mirror.changed(self, variable)
 
+    def call_ended(self, call: Call) -> None:
+        """Its outputs are bound or failed: it leaves the state store's calls (written after its outputs)."""
+        if self.mirror is not None:
+            self.mirror.call_ended(call)
+
     def adopt(self, variable: Variable) -> None:
         """A variable of this session read from the state store (made by another replica, or before a restart)."""
         self.variables[variable.id] = variable
@@ -483,6 +492,8 @@ class Session:
             raise Invalid(f"call {call.id} would close a cycle: one of its outputs is among its own "
                           "transitive inputs", param="parrot.vars", code="cycle")
         self.holdings.add_call()
+        if self.mirror is not None:  # recorded (and leased) before its outputs name it as their producer
+            self.mirror.call_added(call)
         if call.latency or any(consumer.latency for consumer in call.consumers()):
             call.latency = False  # someone waits on it, or on what it feeds: it and its producers are urgent
             call.mark_latency()
@@ -508,6 +519,7 @@ class Session:
                 call = self.calls.pop(call_id)
                 if call.task is not None:
                     call.task.cancel()
+                self.call_ended(call)  # it never ran: nobody takes it over
             self._forget(self.variables.keys() - before)
             raise
         finally:

@@ -13,7 +13,8 @@ Records, each with the sessions' TTL:
     var:{id}       s: the id of its session (lookups by variable id alone)
     default:{owner} s: the id of the key's default session
     replica:{id}   alive: a replica's heartbeat (shared stores): a pending variable whose producer ran on a
-                   replica that is gone fails instead of waiting for its input timeout
+                   replica that is gone is taken over with its call (durable_calls.py), or, when the call never
+                   reached the store's calls, fails instead of waiting for its input timeout
 """
 
 from __future__ import annotations
@@ -21,21 +22,20 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import secrets
 import time
 from typing import TYPE_CHECKING, Callable
 
 import msgspec
 
 from gateway.state import StateStore, StoreUnavailable
+from gateway.state.leases import REPLICA  # a pending variable's record names the replica that runs its producer
 
 if TYPE_CHECKING:
-    from gateway.semantic.graph import Session, Variable
+    from gateway.semantic.durable_calls import DurableCalls
+    from gateway.semantic.graph import Call, Session, Variable
 
 log = logging.getLogger("parrot.state")
 
-# This process: a pending variable's record names the replica that runs its producer.
-REPLICA = secrets.token_hex(8)
 _HEARTBEAT_S = 3.0
 _HEARTBEAT_TTL_S = 10.0
 
@@ -173,6 +173,7 @@ class Mirror:
         self.on_closed: Callable[[str], None] = lambda session_id: None
         self.on_reconnected: Callable[[], None] = lambda: None
         self._heartbeat: asyncio.Task[None] | None = None
+        self.calls: DurableCalls | None = None  # the calls' records and leases (durable_calls.py)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -190,6 +191,8 @@ class Mirror:
             self._heartbeat.cancel()
             await asyncio.gather(self._heartbeat, return_exceptions=True)
         await self.writer.aclose()
+        if self.calls is not None:
+            await self.calls.aclose()
         if self.shared:
             try:
                 await self.store.remove([f"replica:{REPLICA}"])
@@ -243,6 +246,17 @@ class Mirror:
         if variable.ready:
             ops.append(("publish", "vars", variable.id.encode()))
         self.writer.put(*ops)
+
+    def call_added(self, call: Call) -> None:
+        if self.calls is not None:
+            self.calls.added(call)
+
+    def call_ended(self, call: Call) -> None:
+        if self.calls is not None:
+            self.calls.ended(call)
+
+    async def published(self, call: Call, results: dict[str, str]) -> dict[str, str]:
+        return results if self.calls is None else await self.calls.publish(call, results)
 
     def forgotten(self, session: Session, var_ids: list[str]) -> None:
         self.writer.put(("remove_fields", session_key(session.id), [f"v:{v}" for v in var_ids]),

@@ -21,7 +21,8 @@ from gateway.errors import invalid_field
 from gateway.domain_errors import Conflict, DependencyFailed, DomainError, NotFound, model_not_found
 from gateway.semantic import template
 from gateway.semantic.answer import Reply
-from gateway.semantic.call_spec import CallSpec
+from gateway.semantic.call_spec import CallSpec, Step
+from gateway.semantic.durable_calls import CallRecord, DurableCalls
 from gateway.semantic.graph import Call, Session, Variable, VariableFailed
 from gateway.semantic.persisted import Mirror
 from gateway.semantic.sessions import SessionStore
@@ -82,9 +83,10 @@ class Submitted(NamedTuple):
 class SemanticService:
     def __init__(self, gateway: Gateway, config: SemanticConfig,
                  limits_of: Callable[[str], QuotaLimits] | None = None, tracing: Tracing | None = None,
-                 store: StateStore | None = None):
+                 store: StateStore | None = None, lease_s: float = 10.0):
         """``limits_of(owner)``: the quotas of an API key's sessions; ``tracing``: spans for calls; ``store``:
-        where sessions and variables are written through to, when it keeps them (SQLite, Redis)."""
+        where sessions, variables and calls are written through to, when it keeps them (SQLite, Redis);
+        ``lease_s``: a call's lease there (durable_calls.py)."""
         self.gateway = gateway
         self.config = config
         self.tracing = tracing or Tracing(TracingConfig(enabled=False))
@@ -97,12 +99,16 @@ class SemanticService:
             store.shared or store.durable) else None
         if self.mirror is not None:
             self.sessions.use(self.mirror)
+            calls = self.mirror.calls = DurableCalls(store, self.mirror.writer, lease_s=lease_s,
+                                                     ttl_s=self.mirror.ttl_s)
+            calls.resume, calls.serves = self._resume, gateway.registry.serves
         self._watch: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         """Subscribes to the store's wake-ups (and, on a shared store, watches for producers lost with a replica)."""
         if self.mirror is not None:
             self.mirror.start()
+            self.mirror.calls.start()
             if self.mirror.shared:
                 self._watch = asyncio.get_running_loop().create_task(self._watch_producers(), name="producers")
 
@@ -122,6 +128,29 @@ class SemanticService:
                 pass
             except Exception:
                 log.exception("checking remote producers failed")
+
+    async def _resume(self, call_id: str, record: CallRecord, published: dict[str, str] | None) -> bool:
+        """A call taken over from a replica that died (or a process before a restart): linked into its session
+        here and run again, or, when its outputs were published already, those bound. False: its session or
+        its variables are gone."""
+        await self.sessions.fetch(record.session)
+        session = self.sessions.held(record.session)
+        if session is None or session.closed:
+            return False
+        inputs = {name: session.variables.get(var_id) for name, var_id in record.inputs.items()}
+        outputs = {name: session.variables.get(var_id) for name, var_id in record.outputs.items()}
+        if None in inputs.values() or None in outputs.values() or any(v.producer for v in outputs.values()):
+            return False
+        if published is not None or any(v.ready for v in outputs.values()):
+            for name, variable in outputs.items():
+                if not variable.ready and published is not None and name in published:
+                    variable.set(published[name])
+            return False
+        spec = CallSpec(tuple(Step(s.route, s.body, s.output) for s in record.steps), warm=record.warm)
+        call = Call(session, inputs, outputs, spec, self.runner, latency=record.latency, call_id=call_id)
+        self._start(session, call)
+        await self.sessions.flushed()
+        return True
 
     # ------------------------------------------------------------ binding
 
@@ -242,8 +271,14 @@ class SemanticService:
 
         async def events() -> AsyncIterator[bytes]:
             yield streamed.opening(first)
-            async for piece in sink.rest():
-                yield streamed.piece(piece)
+            try:
+                async for piece in sink.rest():
+                    yield streamed.piece(piece)
+            except asyncio.CancelledError:
+                if call.task is not None and not call.task.done():  # cut, not the call: it goes on, and says so
+                    with contextlib.suppress(BaseException):
+                        yield streamed.cut(call.id)
+                raise
             try:
                 await self._finish(call)
                 await self.sessions.flushed()

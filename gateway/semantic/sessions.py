@@ -124,6 +124,8 @@ class SessionStore:
 
     def _drop(self, session: Session) -> int:
         """Closes the session here (its store records, if any, are left as they are); how many variables it freed."""
+        for call in session.calls.values():  # cancelled here: not to be taken over either
+            session.call_ended(call)
         session.mirror = None  # what closing does to it is not written through
         if self._sessions.get(session.id) is session:
             del self._sessions[session.id]
@@ -294,13 +296,21 @@ class SessionStore:
             return  # bound here, or produced here
         if record.value is not None or record.error is not None:
             variable.settled_elsewhere(record.value, record.error)
-        elif record.producer is not None and not await self.mirror.replica_alive(record.replica):
+        elif record.producer is not None and await self._producer_lost(record):
             variable.remote_producer = None
             variable.fail(lost_producer(record))  # written back: every replica sees it failed
         elif self.mirror.announced_lately(var_id):  # bound while it was being read: read it again
             again = await self.mirror.read_variable(session.id, var_id)
             if again is not None and (again.value is not None or again.error is not None):
                 variable.settled_elsewhere(again.value, again.error)
+
+    async def _producer_lost(self, record: VarRecord) -> bool:
+        """Its producer ran on a process that is gone and is not to be taken over (it never reached the store's
+        calls: durable_calls.py); a call that did is run again by whichever replica takes it over."""
+        mirror = self.mirror
+        if await mirror.replica_alive(record.replica):
+            return False
+        return mirror.calls is None or not await mirror.calls.indexed(record.producer)
 
     def _announced(self, var_id: str) -> None:
         """A variable was bound somewhere: one held here and still pending is read again."""
@@ -338,6 +348,10 @@ class SessionStore:
                 await self._merge(variable.session, variable.id, record)
                 failed += variable.error is not None
         return failed
+
+    def held(self, session_id: str) -> Session | None:
+        """The session if this process holds it (after ``fetch``)."""
+        return self._sessions.get(session_id)
 
     def holdings(self) -> list[Holdings]:
         """Every key's holdings (kept as long as the store: one small record per key that made a session)."""

@@ -18,7 +18,7 @@ import msgspec
 
 from engines.seam import Route
 from http_plumbing.http_errors import engine_error_body, error_payload
-from wire.openai import new_id
+from wire.openai import ErrorBody, new_id
 from wire.sse import SSE_DONE, sse_event
 
 if TYPE_CHECKING:
@@ -91,3 +91,11 @@ class StreamedAnswer:
     @staticmethod
     def failed(exc: Exception) -> bytes:
         return sse_event(error_payload(engine_error_body(exc))) + SSE_DONE
+
+    def cut(self, call_id: str) -> bytes:
+        """The stream ends before its call does (the gateway stops): the call goes on (here, on another replica, or
+        after the restart) and its output variable gets its value."""
+        output = self.parrot.output.id
+        return sse_event(error_payload(ErrorBody(
+            message=f"the stream was cut (the gateway is stopping); call {call_id} goes on: read its output with "
+                    f"GET /v1/vars/{output}?wait=true", type="api_error", code="stream_cut"))) + SSE_DONE

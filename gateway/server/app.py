@@ -20,6 +20,7 @@ from gateway.auth import admin_owners, api_key_guard
 from gateway.circuit import CircuitBreaker
 from gateway.config import GatewayConfig
 from gateway.dashboard.routes import DEFAULT_BENCHMARKS_DIR
+from gateway.engine_registrations import SharedRegistrations
 from gateway.errors import EXCEPTION_HANDLERS
 from gateway.allocator import map_large_blocks_separately
 from gateway.health_checks import health_checks
@@ -94,13 +95,18 @@ def create_app(config: GatewayConfig | None = None) -> Litestar:
             gateway = Gateway(config, registry, GatewayMetrics(), client, transport)
             gateway.add_upstreams()
             app.state.gateway = gateway
+            app.state.registrations = registrations = SharedRegistrations(store, gateway)
+            registrations.start()
+            closing.push_async_callback(registrations.aclose)
             app.state.quotas = quotas = Quotas(config.quotas, store, seat_ttl_s=config.state.seat_ttl_s)
             app.state.semantic = semantic = SemanticService(gateway, config.semantic, limits_of=quotas.limits,
-                                                            tracing=tracing, store=store)
-            app.state.responses = ResponsesService(gateway, quotas, config.responses, semantic)
+                                                            tracing=tracing, store=store,
+                                                            lease_s=config.state.lease_s)
+            app.state.responses = ResponsesService(gateway, quotas, config.responses, semantic, state=store)
             app.state.messages = MessagesService(gateway, quotas, semantic)
-            app.state.batches = BatchService(gateway, BatchStorage(config.files.directory()), config.files, quotas)
-            app.state.batches.resume()  # batches a previous process left running go on
+            app.state.batches = BatchService(gateway, BatchStorage(store), config.files, quotas,
+                                             lease_s=config.state.lease_s)
+            app.state.batches.start()  # batches a previous process (or a replica that died) left running go on
             app.state.semantic.start()
             writer = app.state.semantic.mirror.writer if app.state.semantic.mirror is not None else None
             if writer is not None:

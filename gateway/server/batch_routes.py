@@ -69,14 +69,14 @@ async def upload_file(request: Request, state: State) -> FileObject:
     filename, data = fields["file"]
     if len(data) > limit:
         raise _too_large(limit)
-    return state.batches.storage.put_file(owner(request), filename or "upload.jsonl", purpose, data)
+    return await state.batches.storage.put_file(owner(request), filename or "upload.jsonl", purpose, data)
 
 
 @get("/v1/files")
 async def list_files(request: Request, state: State, purpose: FromQuery[str | None] = None,
                      limit: Annotated[int, QueryParameter(ge=1, le=10_000)] = 10_000,
                      order: FromQuery[Literal["asc", "desc"]] = "desc", after: FromQuery[str | None] = None) -> FileList:
-    files = [f for f in state.batches.storage.files(owner(request)) if purpose is None or f.purpose == purpose]
+    files = [f for f in await state.batches.storage.files(owner(request)) if purpose is None or f.purpose == purpose]
     if order == "asc":
         files.reverse()
     page, more = _page(files, after, limit)
@@ -95,17 +95,17 @@ def _page(items: list, after: str | None, limit: int) -> tuple[list, bool]:
 
 @get("/v1/files/{file_id:str}")
 async def retrieve_file(file_id: FromPath[str], request: Request, state: State) -> FileObject:
-    return state.batches.storage.file(owner(request), file_id)
+    return await state.batches.storage.file(owner(request), file_id)
 
 
 @get("/v1/files/{file_id:str}/content")
 async def file_content(file_id: FromPath[str], request: Request, state: State) -> Response:
-    return Response(state.batches.storage.content(owner(request), file_id), media_type="application/octet-stream")
+    return Response(await state.batches.storage.content(owner(request), file_id), media_type="application/octet-stream")
 
 
 @delete("/v1/files/{file_id:str}", status_code=200)
 async def delete_file(file_id: FromPath[str], request: Request, state: State) -> FileDeleted:
-    state.batches.storage.delete_file(owner(request), file_id)
+    await state.batches.storage.delete_file(owner(request), file_id)
     return FileDeleted(id=file_id)
 
 
@@ -117,18 +117,18 @@ async def create_batch(request: Request, state: State) -> Batch:
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise body_error(exc, raw) from None
     service: BatchService = state.batches
-    return service.create(owner(request), data)
+    return await service.create(owner(request), data)
 
 
 @get("/v1/batches/{batch_id:str}")
 async def retrieve_batch(batch_id: FromPath[str], request: Request, state: State) -> Batch:
-    return state.batches.get(owner(request), batch_id)
+    return await state.batches.get(owner(request), batch_id)
 
 
 @get("/v1/batches")
 async def list_batches(request: Request, state: State, limit: Annotated[int, QueryParameter(ge=1, le=100)] = 20,
                        after: FromQuery[str | None] = None) -> BatchList:
-    page, more = _page(state.batches.list(owner(request)), after, limit)
+    page, more = _page(await state.batches.list(owner(request)), after, limit)
     return BatchList(data=page, has_more=more, first_id=page[0].id if page else None,
                      last_id=page[-1].id if page else None)
 

@@ -34,7 +34,7 @@ async def create_response(request: Request, state: State) -> Response:
 
 @get("/v1/responses/{response_id:str}")
 async def get_response(response_id: FromPath[str], request: Request, state: State) -> ResponseBody:
-    return state.responses.store.get(owner(request), response_id).response
+    return (await state.responses.store.fetch(owner(request), response_id)).response
 
 
 @delete("/v1/responses/{response_id:str}", status_code=200)
@@ -53,7 +53,7 @@ async def list_input_items(response_id: FromPath[str], request: Request, state: 
                            limit: Annotated[int, QueryParameter(ge=1, le=100)] = 20,
                            order: FromQuery[Literal["asc", "desc"]] = "desc",
                            after: FromQuery[str | None] = None) -> InputItemList:
-    items = list(state.responses.store.get(owner(request), response_id).input)
+    items = list((await state.responses.store.fetch(owner(request), response_id)).input)
     if order == "desc":
         items.reverse()
     if after is not None:

@@ -194,8 +194,9 @@ class Registered(msgspec.Struct):
 
 @post("/v1/engines", status_code=201, exclude_from_auth=True, guards=[_require_engine_secret])
 async def register_engine(request: Request, data: JSONBody[EngineRegistration], state: State) -> Registered:
-    record = await state.gateway.register_remote(data.name, data.url, data.models, data.announced_capabilities(),
-                                           presented_key(request))
+    secret = presented_key(request)
+    record = await state.gateway.register_remote(data.name, data.url, data.models, data.announced_capabilities(), secret)
+    await state.registrations.registered(record, data.announced_capabilities(), secret)
     return Registered(id=record.id, token=record.token)
 
 
@@ -203,6 +204,7 @@ async def register_engine(request: Request, data: JSONBody[EngineRegistration], 
       guards=[_require_engine_token, _require_json])
 async def engine_heartbeat(engine_id: FromPath[str], data: JSONBody[EngineStats], state: State) -> EngineRef:
     state.gateway.registry.heartbeat(engine_id, data)
+    await state.registrations.heartbeat(engine_id)
     return EngineRef(id=engine_id)
 
 
@@ -210,6 +212,7 @@ async def engine_heartbeat(engine_id: FromPath[str], data: JSONBody[EngineStats]
 async def deregister_engine(engine_id: FromPath[str], state: State) -> EngineRef:
     """An engine shutting down leaves at once (its URL is free for its successor)."""
     state.gateway.registry.remove(engine_id)
+    await state.registrations.removed(engine_id)
     return EngineRef(id=engine_id)
 
 

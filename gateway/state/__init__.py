@@ -7,9 +7,9 @@ import os
 from pathlib import Path
 
 from gateway.state.memory import MemoryStore
-from gateway.state.store import StateStore, StoreUnavailable, redacted
+from gateway.state.store import StateStore, StoreUnavailable, every, redacted
 
-__all__ = ["MemoryStore", "StateStore", "StoreUnavailable", "data_dir", "open_store"]
+__all__ = ["MemoryStore", "StateStore", "StoreUnavailable", "data_dir", "every", "open_store"]
 
 # The store of a configuration that names none: None, the SQLite file in the data directory. The test suite sets
 # "memory://", so that the many gateways one test process starts do not share one file.

@@ -89,6 +89,13 @@ class MemoryStore:
     async def apply(self, ops: list[tuple]) -> None:
         await apply_one_by_one(self, ops)
 
+    async def lease(self, key: str, holder: str, ttl_s: float) -> bool:
+        record = self._live(key)
+        if record and record.get("holder", holder.encode()) != holder.encode():
+            return False
+        self._write(key, {"holder": holder.encode()}, ttl_s)
+        return True
+
     # ---------------------------------------------------------------- counters
 
     def take_now(self, key: str, capacity: float, per_s: float, cost: float, need: float) -> tuple[bool, float]:

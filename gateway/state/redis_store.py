@@ -75,6 +75,16 @@ return redis.call('HGET', KEYS[1], ARGV[1])
 """
 
 
+# KEYS[1]: the lease. ARGV: holder, TTL in ms. -> 1 held by this holder now, 0 held by another
+_LEASE = """
+local held = redis.call('HGET', KEYS[1], 'holder')
+if held and held ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'holder', ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
+
 def _unavailable(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     @functools.wraps(method)
     async def wrapper(self: "RedisStore", *args: Any, **kwargs: Any) -> T:
@@ -106,6 +116,7 @@ class RedisStore:
         self._unseat = self._redis.register_script(_UNSEAT)
         self._write_new = self._redis.register_script(_WRITE_NEW)
         self._remove_if = self._redis.register_script(_REMOVE_IF)
+        self._lease = self._redis.register_script(_LEASE)
         self._listeners: dict[str, list[Listener]] = {}
         self._pubsub: Any = None
         self._reader: asyncio.Task[None] | None = None
@@ -209,6 +220,10 @@ class RedisStore:
                 else:
                     raise ValueError(f"unknown state operation {kind!r}")
             await pipe.execute()
+
+    @_unavailable
+    async def lease(self, key: str, holder: str, ttl_s: float) -> bool:
+        return bool(await self._lease(keys=[self._key(key)], args=[holder, max(1, int(ttl_s * 1000))]))
 
     # ---------------------------------------------------------------- counters
 

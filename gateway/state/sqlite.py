@@ -169,6 +169,22 @@ class SQLiteStore:
         except sqlite3.Error as exc:
             raise StoreUnavailable(f"the gateway's state store (SQLite) failed: {exc}") from None
 
+    async def lease(self, key: str, holder: str, ttl_s: float) -> bool:
+        try:
+            db = self._conn()
+            with db:
+                db.execute("BEGIN IMMEDIATE")
+                self._expired(db, key)
+                row = db.execute("SELECT value FROM fields WHERE key = ? AND field = 'holder'", (key,)).fetchone()
+                if row is not None and bytes(row[0]) != holder.encode():
+                    return False
+                db.execute("INSERT OR REPLACE INTO fields (key, field, value) VALUES (?, 'holder', ?)",
+                           (key, holder.encode()))
+                self._set_ttl(db, key, ttl_s)
+                return True
+        except sqlite3.Error as exc:
+            raise StoreUnavailable(f"the gateway's state store (SQLite) failed: {exc}") from None
+
     async def apply(self, ops: list[tuple]) -> None:
         """In one transaction (one commit for the batch); wake-ups after it."""
         try:

@@ -11,7 +11,9 @@ A store that cannot be reached raises ``StoreUnavailable``, which the gateway an
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+import asyncio
+import logging
+from typing import Awaitable, Callable, Protocol
 
 Listener = Callable[[bytes], None]
 
@@ -67,6 +69,11 @@ class StateStore(Protocol):
     async def apply(self, ops: list[Op]) -> None:
         """The writes ``ops`` (see ``Op``), in order, in one round trip; each is atomic, not the batch."""
 
+    async def lease(self, key: str, holder: str, ttl_s: float) -> bool:
+        """Takes or renews the lease ``key`` (a record whose field ``holder`` names who holds it) for ``holder``:
+        True when it was free (never taken, released or expired) or ``holder``'s already, and is now ``holder``'s
+        for ``ttl_s``; False while another holds it. Released with the op ("remove_if", key, "holder", holder)."""
+
     # ---- counters
     async def take(self, key: str, capacity: float, per_s: float, cost: float, need: float) -> tuple[bool, float]:
         """A token bucket holding up to ``capacity``, refilled at ``per_s`` a second (full when new): when it holds at
@@ -93,3 +100,16 @@ def redacted(url: str) -> str:
     if "@" in rest:
         rest = "***@" + rest.split("@", 1)[1]
     return f"{scheme}{sep}{rest}"
+
+
+async def every(interval_s: Callable[[], float] | float, work: Callable[[], Awaitable[object]], what: str) -> None:
+    """``work()`` again and again, ``interval_s`` apart, for ever: a store that is away (StoreUnavailable) is tried
+    again at the next turn, any other failure logged as ``what`` failing."""
+    while True:
+        try:
+            await work()
+        except StoreUnavailable:
+            pass
+        except Exception:
+            logging.getLogger("parrot.state").exception("%s failed", what)
+        await asyncio.sleep(interval_s() if callable(interval_s) else interval_s)

@@ -11,6 +11,7 @@ import msgspec
 
 from gateway.batches.service import BatchService
 from gateway.batches.store import BatchStorage
+from gateway.state import MemoryStore
 from gateway.config import FilesConfig, QuotasConfig
 from gateway.quotas import Quotas
 from gateway.service import Answer
@@ -59,8 +60,8 @@ class StubGateway:
 def test_groups_run_their_first_line_alone_then_the_rest(tmp_path):
     async def run():
         gateway = StubGateway()
-        storage = BatchStorage(tmp_path)
-        service = BatchService(gateway, storage, FilesConfig(dir=str(tmp_path), batch_concurrency=3))  # type: ignore[arg-type]
+        storage = BatchStorage(MemoryStore())
+        service = BatchService(gateway, storage, FilesConfig(batch_concurrency=3))  # type: ignore[arg-type]
         lines = [{"custom_id": f"{g}-{i}", "method": "POST", "url": "/v1/chat/completions",
                   "body": {"model": "m", "messages": [{"role": "system", "content": f"shared prompt {g}"},
                                                       {"role": "user", "content": f"{g}-{i}"}]}}
@@ -95,8 +96,8 @@ def test_fewer_lines_run_while_live_requests_do(tmp_path):
 
         gateway.create = create
         gateway.registry.record.in_flight = 1  # a live request, for the whole batch
-        storage = BatchStorage(tmp_path)
-        service = BatchService(gateway, storage, FilesConfig(dir=str(tmp_path), batch_concurrency=4))  # type: ignore[arg-type]
+        storage = BatchStorage(MemoryStore())
+        service = BatchService(gateway, storage, FilesConfig(batch_concurrency=4))  # type: ignore[arg-type]
         return gateway, await completed(service, storage, numbered_lines(8))
 
     gateway, batch = asyncio.run(run())
@@ -112,14 +113,14 @@ def numbered_lines(count: int) -> list[dict]:
 
 async def completed(service: BatchService, storage: BatchStorage, lines: list[dict]) -> Batch:
     """``lines`` uploaded and run as a chat batch of "owner"; the batch once completed (or as it is after 30 s)."""
-    file = storage.put_file("owner", "in.jsonl", "batch", b"".join(json.dumps(l).encode() + b"\n" for l in lines))
-    batch = service.create("owner", BatchCreate(input_file_id=file.id, endpoint="/v1/chat/completions",
+    file = await storage.put_file("owner", "in.jsonl", "batch", b"".join(json.dumps(l).encode() + b"\n" for l in lines))
+    batch = await service.create("owner", BatchCreate(input_file_id=file.id, endpoint="/v1/chat/completions",
                                                 completion_window="24h"))
     for _ in range(3000):
-        if service.get("owner", batch.id).status == "completed":
+        if (await service.get("owner", batch.id)).status == "completed":
             break
         await asyncio.sleep(0.01)
-    return service.get("owner", batch.id)
+    return await service.get("owner", batch.id)
 
 
 def test_a_batch_runs_within_its_keys_quotas(tmp_path):
@@ -128,9 +129,9 @@ def test_a_batch_runs_within_its_keys_quotas(tmp_path):
 
     async def run():
         gateway = StubGateway()
-        storage = BatchStorage(tmp_path)
+        storage = BatchStorage(MemoryStore())
         quotas = Quotas(QuotasConfig(concurrent_requests=1))
-        service = BatchService(gateway, storage, FilesConfig(dir=str(tmp_path), batch_concurrency=4),  # type: ignore[arg-type]
+        service = BatchService(gateway, storage, FilesConfig(batch_concurrency=4),  # type: ignore[arg-type]
                                quotas)
         return gateway, await completed(service, storage, numbered_lines(3))
 

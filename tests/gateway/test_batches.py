@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.config import FilesConfig, UpstreamConfig
+from gateway.config import FilesConfig, StateConfig, UpstreamConfig
 from gateway.server.app import create_app
 from tests.support.fake_upstream import MODEL
 from tests.support.gateways import gateway_config
@@ -28,7 +28,7 @@ def _upstreams(fake_url: str) -> list[UpstreamConfig]:
 
 @pytest.fixture(scope="module")
 def url(serve_module, fake_url, tmp_path_factory) -> str:
-    files = FilesConfig(dir=str(tmp_path_factory.mktemp("files")), max_file_bytes=200_000)
+    files = FilesConfig(max_file_bytes=200_000)
     return serve_module(create_app(gateway_config(_upstreams(fake_url), files=files)))
 
 
@@ -154,7 +154,7 @@ def test_completions_and_embeddings_batches(client):
 def test_lines_run_as_throughput_work(start_gateway, fake_url, fake_stats, tmp_path):
     """An upstream with priority scheduling gets a batch line at the throughput priority, not the latency one."""
     upstream = UpstreamConfig(model=MODEL, base_url=f"{fake_url}/v1", priority_scheduling="lower_first")
-    url = start_gateway([upstream], files=FilesConfig(dir=str(tmp_path)))
+    url = start_gateway([upstream], files=FilesConfig())
     with _client(url) as client:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "live"}])
         live = fake_stats()["last_body"]["priority"]
@@ -165,7 +165,7 @@ def test_lines_run_as_throughput_work(start_gateway, fake_url, fake_stats, tmp_p
 
 
 def test_cancel(start_gateway, fake_url, tmp_path):
-    url = start_gateway(_upstreams(fake_url), files=FilesConfig(dir=str(tmp_path), batch_concurrency=1))
+    url = start_gateway(_upstreams(fake_url), files=FilesConfig(batch_concurrency=1))
     with _client(url) as client:
         lines = [chat_line(i, fake={"delay_s": 0.2}) for i in range(20)]
         uploaded = client.files.create(file=("a.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")
@@ -179,7 +179,8 @@ def test_cancel(start_gateway, fake_url, tmp_path):
 
 
 def test_files_and_a_running_batch_survive_a_restart(fake_url, tmp_path):
-    config = gateway_config(_upstreams(fake_url), files=FilesConfig(dir=str(tmp_path), batch_concurrency=1))
+    config = gateway_config(_upstreams(fake_url), files=FilesConfig(batch_concurrency=1),
+                            state=StateConfig(path=str(tmp_path / "state.sqlite3")))  # what survives a restart
     lines = [chat_line(i, system=f"s{i}", fake={"delay_s": 0.1}) for i in range(12)]
     with serve_in_thread(create_app(config)) as url, _client(url) as client:
         uploaded = client.files.create(file=("a.jsonl", io.BytesIO(jsonl(lines))), purpose="batch")

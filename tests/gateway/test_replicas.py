@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -11,6 +14,9 @@ from typing import Iterator
 import httpx
 import pytest
 
+from engines.builtin.config import EngineConfig
+from engines.builtin.server.app import create_app as create_engine_app
+from tests.support import fake_upstream
 from tests.support.fake_upstream import MODEL
 from tests.support.gateway_process import GatewayProcess
 
@@ -131,19 +137,134 @@ def test_a_variable_produced_on_one_replica_wakes_a_waiter_on_the_other(fake_url
         assert produced["ready"] and "then now" in produced["value"] and 0.9 < took < 5, (produced, took)
 
 
-def test_a_call_lost_with_its_replica_fails_its_output_on_the_other(fake_url, redis_server):
-    """Not taken over (yet): the call is not run again, but a waiter on another replica learns that its
-    producer is gone when the dead replica's heartbeat expires, instead of waiting for its input timeout."""
-    with replicas(fake_url, redis_server.url) as (a, b):
+LEASE_S = 2.0  # short, so that a takeover is quick to wait for
+
+
+def test_a_call_of_a_replica_killed_mid_call_is_taken_over_by_the_other(fake_url, redis_server):
+    """kill -9 A while its call runs: B takes the call over when its lease expires and runs it again; a waiter on B
+    gets the value an uninterrupted run gives."""
+    with replicas(fake_url, redis_server.url, env={"PARROT_STATE_LEASE_S": str(LEASE_S)}) as (a, b):
         session = post(a.url, "/v1/sessions", {})["id"]
-        output = post(a.url, "/v1/chat/completions", chat(
-            fake={"delay_s": 120}, parrot={"session_id": session, "wait": False}))["parrot"]["output"]["id"]
+        body = chat(fake={"delay_s": 1.0}, messages=[{"role": "user", "content": "taken over"}])
+        uninterrupted = post(a.url, "/v1/chat/completions", body)["choices"][0]["message"]["content"]
+        output = post(a.url, "/v1/chat/completions", {**body, "parrot": {"session_id": session, "wait": False}}
+                      )["parrot"]["output"]["id"]
         assert not get(b.url, f"/v1/vars/{output}").json()["ready"]
         a.kill()  # kill -9 mid-call
+        killed = time.monotonic()
+        taken = get(b.url, f"/v1/vars/{output}", wait="true", timeout=40).json()
+        took = time.monotonic() - killed
+        assert taken["ready"] and taken["error"] is None and taken["value"] == uninterrupted, taken
+        assert took <= LEASE_S + 2 + 1.0, took  # the lease, the takeover, then the call's own second
+
+
+def submit_dag(url: str, session: str) -> dict[str, str]:
+    """A three-call DAG, queued: a story about a topic, a retelling of it in a style its client binds later, and a
+    title of the retelling (greedy). Returns the variable ids by name."""
+    def call(prompt: str, vars: dict, max_tokens: int) -> str:
+        return post(url, "/v1/chat/completions", chat(
+            max_tokens=max_tokens, temperature=0, messages=[{"role": "user", "content": prompt}],
+            parrot={"session_id": session, "wait": False, "vars": vars}))["parrot"]["output"]["id"]
+
+    style = post(url, "/v1/vars", {"session_id": session, "name": "style"})["id"]
+    story = call("Tell a story about {{topic}}.", {"topic": {"value": "a parrot"}}, 160)
+    retold = call("Retell it {{style}}: {{story}}", {"style": {"id": style}, "story": {"id": story}}, 48)
+    title = call("A title for: {{retold}}", {"retold": {"id": retold}}, 16)
+    return {"style": style, "story": story, "retold": retold, "title": title}
+
+
+def test_a_dag_of_a_replica_killed_mid_run_is_finished_by_the_other_as_an_uninterrupted_run(
+        serve, tiny_model_dir, redis_server):
+    """kill -9 A with a DAG running on it (a real builtin engine, greedy): B takes its calls over and finishes the
+    DAG with the same outputs as an uninterrupted run."""
+    engine = serve(create_engine_app(EngineConfig(model=str(tiny_model_dir)), model_name=MODEL))
+    with replicas(engine, redis_server.url, env={"PARROT_STATE_LEASE_S": str(LEASE_S)}) as (a, b):
         started = time.monotonic()
-        lost = get(b.url, f"/v1/vars/{output}", wait="true", timeout=40).json()
-        assert lost["ready"] and "lost" in lost["error"], lost
-        assert time.monotonic() - started < 25
+        expected = submit_dag(a.url, post(a.url, "/v1/sessions", {})["id"])
+        story_s = time.monotonic() - started if get(a.url, f"/v1/vars/{expected['story']}", wait="true",
+                                                    timeout=60).json()["ready"] else 60
+        assert httpx.put(f"{a.url}/v1/vars/{expected['style']}", json={"value": "briefly"}, headers=AUTH,
+                         timeout=10).status_code == 200
+        uninterrupted = {name: get(a.url, f"/v1/vars/{var}", wait="true", timeout=60).json()["value"]
+                         for name, var in expected.items()}
+
+        interrupted = submit_dag(a.url, post(a.url, "/v1/sessions", {})["id"])
+        a.kill()  # kill -9 mid-DAG: the story generating (or queued), the rest waiting for it and the style
+        killed = time.monotonic()
+        assert httpx.put(f"{b.url}/v1/vars/{interrupted['style']}", json={"value": "briefly"}, headers=AUTH,
+                         timeout=10).status_code == 200
+        story = get(b.url, f"/v1/vars/{interrupted['story']}", wait="true", timeout=60).json()
+        took = time.monotonic() - killed
+        finished = {name: get(b.url, f"/v1/vars/{var}", wait="true", timeout=60).json() for name, var in
+                    interrupted.items()}
+    assert story["ready"] and story["error"] is None, story
+    assert {name: view["value"] for name, view in finished.items()} == uninterrupted
+    assert took <= LEASE_S + 2 + story_s, (took, story_s)  # taken over within the lease + 2 s, then run again
+
+
+def test_a_response_stored_on_one_replica_is_read_and_continued_on_the_other(fake_url, fake_stats, redis_server):
+    with replicas(fake_url, redis_server.url) as (a, b):
+        first = post(a.url, "/v1/responses", {"model": MODEL, "input": "remember parrots", "max_output_tokens": 8})
+        read = get(b.url, f"/v1/responses/{first['id']}")
+        assert read.status_code == 200 and read.json()["output"] == first["output"], read.text
+        items = get(b.url, f"/v1/responses/{first['id']}/input_items").json()["data"]
+        assert "remember parrots" in str(items[0]["content"])
+        # The next turn on B continues the conversation A stored: the engine gets both turns.
+        post(b.url, "/v1/responses", {"model": MODEL, "input": "and now?", "previous_response_id": first["id"]})
+        sent = [m["content"] for m in fake_stats()["last_body"]["messages"]]
+        assert sent[0] == "remember parrots" and sent[-1] == "and now?", sent
+        assert httpx.delete(f"{b.url}/v1/responses/{first['id']}", headers=AUTH, timeout=10).status_code == 200
+        assert get(a.url, f"/v1/responses/{first['id']}").status_code == 404  # deleted on B: gone on A too
+
+
+def test_a_batch_of_a_replica_killed_mid_run_is_finished_by_the_other_each_line_once(fake_url, redis_server):
+    lines = [{"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": chat(messages=[{"role": "user", "content": f"line {i}"}], fake={"delay_s": 0.3})}
+             for i in range(16)]
+    data = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+    with replicas(fake_url, redis_server.url, env={"PARROT_STATE_LEASE_S": str(LEASE_S)}) as (a, b):
+        uploaded = httpx.post(f"{a.url}/v1/files", headers=AUTH, timeout=30, data={"purpose": "batch"},
+                              files={"file": ("in.jsonl", data)}).json()
+        assert httpx.get(f"{b.url}/v1/files/{uploaded['id']}/content", headers=AUTH, timeout=10).content == data
+        batch = post(a.url, "/v1/batches", {"input_file_id": uploaded["id"], "endpoint": "/v1/chat/completions",
+                                            "completion_window": "24h"})
+        deadline = time.monotonic() + 30
+        while get(b.url, f"/v1/batches/{batch['id']}").json()["request_counts"]["completed"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        a.kill()  # kill -9 mid-batch: B resumes it once A's lease expires
+        deadline = time.monotonic() + 60
+        while (done := get(b.url, f"/v1/batches/{batch['id']}").json())["status"] != "completed":
+            assert time.monotonic() < deadline, done
+            time.sleep(0.2)
+        output = httpx.get(f"{b.url}/v1/files/{done['output_file_id']}/content", headers=AUTH, timeout=10).text
+    answered = sorted(json.loads(line)["custom_id"] for line in output.splitlines())
+    assert answered == sorted(f"req-{i}" for i in range(16)), answered  # each line once
+    assert done["request_counts"] == {"total": 16, "completed": 16, "failed": 0}
+
+
+def test_an_engine_registered_with_one_replica_serves_from_the_other(fake_url, serve, redis_server):
+    secret = {"PARROT_ENGINE_SECRET": "engine-secret", "PARROT_HEARTBEAT_TIMEOUT_S": "3"}
+    far = serve(fake_upstream.app)  # an engine of its own (any OpenAI-compatible server)
+    with replicas(fake_url, redis_server.url, env=secret) as (a, b):
+        registered = httpx.post(f"{a.url}/v1/engines", json={"name": "far", "url": far, "models": ["far-model"]},
+                                headers={"authorization": "Bearer engine-secret"}, timeout=10)
+        assert registered.status_code == 201, registered.text
+        engine, token = registered.json()["id"], registered.json()["token"]
+        deadline = time.monotonic() + 5
+        while "far-model" not in get(b.url, "/v1/models").text:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        answer = post(b.url, "/v1/chat/completions", chat(model="far-model"))
+        assert answer["choices"][0]["message"]["content"]
+        # Its heartbeats are taken by B too (same id, same token); once they stop, it expires on both.
+        beat = httpx.post(f"{b.url}/v1/engines/{engine}/heartbeat", json={}, timeout=10,
+                          headers={"authorization": f"Bearer {token}"})
+        assert beat.status_code == 200, beat.text
+        deadline = time.monotonic() + 15
+        while any("far-model" in get(r.url, "/v1/models").text for r in (a, b)):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
 
 
 def test_the_store_going_away_gives_503s_and_the_gateway_recovers_when_it_is_back(fake_url, tmp_path):
@@ -180,7 +301,7 @@ def test_the_store_going_away_gives_503s_and_the_gateway_recovers_when_it_is_bac
 # ---------------------------------------------------------------- a gateway restarted on its SQLite file
 
 
-def test_a_gateway_killed_and_restarted_keeps_its_sessions_and_finished_variables(fake_url, tmp_path):
+def test_a_gateway_killed_mid_dag_and_restarted_completes_it_and_keeps_every_variable(fake_url, tmp_path):
     state = str(tmp_path / "state.sqlite3")
     gateway = GatewayProcess(fake_url, state, args=("--api-key", KEY))
     gateway.start()
@@ -195,8 +316,15 @@ def test_a_gateway_killed_and_restarted_keeps_its_sessions_and_finished_variable
         produced = answer["parrot"]["output"]["id"]
         produced_value = answer["choices"][0]["message"]["content"]
         default_var = post(gateway.url, "/v1/vars", {"name": "in-default", "value": "kept"})  # the key's default session
-        running = post(gateway.url, "/v1/chat/completions", chat(
-            fake={"delay_s": 60}, parrot={"session_id": session, "wait": False}))["parrot"]["output"]["id"]
+        # A DAG mid-run: a call running, and one that waits for its output.
+        slow = chat(fake={"delay_s": 2.0}, messages=[{"role": "user", "content": "resumed"}])
+        uninterrupted = post(gateway.url, "/v1/chat/completions", slow)["choices"][0]["message"]["content"]
+        running = post(gateway.url, "/v1/chat/completions", {**slow, "parrot": {"session_id": session, "wait": False}}
+                       )["parrot"]["output"]["id"]
+        consumer = post(gateway.url, "/v1/chat/completions", chat(
+            messages=[{"role": "user", "content": "then {{x}}"}],
+            parrot={"session_id": session, "wait": False, "vars": {"x": {"id": running}}}))["parrot"]["output"]["id"]
+        stored = post(gateway.url, "/v1/responses", {"model": MODEL, "input": "kept across a restart"})
         gateway.kill()  # kill -9, with a call running
 
         gateway.start()
@@ -204,9 +332,13 @@ def test_a_gateway_killed_and_restarted_keeps_its_sessions_and_finished_variable
             assert get(gateway.url, f"/v1/vars/{var_id}").json()["value"] == value
         assert get(gateway.url, f"/v1/vars/{produced}").json()["value"] == produced_value
         assert get(gateway.url, f"/v1/vars/{default_var['id']}").json()["value"] == "kept"
+        assert get(gateway.url, f"/v1/responses/{stored['id']}").json()["output"] == stored["output"]
         assert post(gateway.url, "/v1/vars", {"name": "second"})["session_id"] == default_var["session_id"]
-        lost = get(gateway.url, f"/v1/vars/{running}").json()  # its producer died with the process: it failed
-        assert lost["ready"] and "lost" in lost["error"], lost
+        # The calls the killed process ran are run again by the new one: the DAG completes.
+        resumed = get(gateway.url, f"/v1/vars/{running}", wait="true", timeout=30).json()
+        assert resumed["ready"] and resumed["value"] == uninterrupted, resumed
+        then = get(gateway.url, f"/v1/vars/{consumer}", wait="true", timeout=30).json()
+        assert then["ready"] and f"then {uninterrupted}" in then["value"], then
         assert not get(gateway.url, f"/v1/vars/{unbound}").json()["ready"]  # still waits for its client
         assert httpx.put(f"{gateway.url}/v1/vars/{unbound}", json={"value": "bound after"}, headers=AUTH,
                          timeout=10).status_code == 200
@@ -216,5 +348,41 @@ def test_a_gateway_killed_and_restarted_keeps_its_sessions_and_finished_variable
         assert "and bound after" in again["choices"][0]["message"]["content"]
         names = {v["name"] for v in get(gateway.url, f"/v1/sessions/{session}/vars").json()["data"]}
         assert {f"v{i}" for i in range(5)} | {"unbound", "output"} <= names
+    finally:
+        gateway.stop()
+
+
+def test_a_stream_cut_by_a_restart_ends_with_an_error_event_and_its_call_goes_on(fake_url, tmp_path):
+    config = tmp_path / "parrot.toml"
+    config.write_text("[server]\nshutdown_grace_s = 0.5\n")  # streams still open then are cut
+    gateway = GatewayProcess(fake_url, str(tmp_path / "state.sqlite3"), args=("--api-key", KEY),
+                             env={"PARROT_CONFIG": str(config)})
+    body = chat(max_tokens=40, messages=[{"role": "user", "content": "a b c d e f g h i j"}],
+                fake={"chunk_delay_s": 0.5})
+    gateway.start()
+    try:
+        uninterrupted = post(gateway.url, "/v1/chat/completions", body)["choices"][0]["message"]["content"]
+        events: list[dict] = []
+
+        def read() -> None:
+            with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", headers=AUTH, timeout=60,
+                              json={**body, "stream": True, "parrot": {"vars": {}}}) as response:
+                events.extend(json.loads(line[6:]) for line in response.iter_lines()
+                              if line.startswith("data: {"))
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        deadline = time.monotonic() + 30
+        while len(events) < 2:  # it streams
+            assert time.monotonic() < deadline and reader.is_alive()
+            time.sleep(0.05)
+        gateway.process.send_signal(signal.SIGTERM)  # a restart: the process stops cleanly
+        reader.join(30)
+        assert events[-1]["error"]["code"] == "stream_cut", events[-1]
+        output = events[0]["parrot"]["output"]["id"]
+        gateway.process.wait(30)
+        gateway.start()
+        resumed = get(gateway.url, f"/v1/vars/{output}", wait="true", timeout=30).json()
+        assert resumed["ready"] and resumed["value"] == uninterrupted, resumed
     finally:
         gateway.stop()

@@ -49,6 +49,20 @@ async def test_records_keep_their_fields_and_expire(store):
     assert await store.read("gone") == {}
 
 
+async def test_a_lease_is_held_by_one_holder_until_released_or_expired(store):
+    assert await store.lease("lease", "a", 0.3)
+    assert await store.lease("lease", "a", 0.3)  # renewed by its holder
+    assert not await store.lease("lease", "b", 0.3)
+    await store.apply([("remove_if", "lease", "holder", b"b")])  # not b's to release
+    assert not await store.lease("lease", "b", 0.3)
+    await store.apply([("remove_if", "lease", "holder", b"a")])
+    assert await store.lease("lease", "b", 0.3)
+    await asyncio.sleep(0.45)  # b died without releasing it: it expires
+    assert await store.lease("lease", "a", 10)
+    taken = await asyncio.gather(*(store.lease("race", f"h{i}", 10) for i in range(20)))
+    assert sum(taken) == 1
+
+
 async def test_a_bucket_admits_up_to_its_capacity_then_refills(store):
     taken = [await store.take("bucket", 3, 10.0, 1, 1) for _ in range(4)]
     assert [ok for ok, _ in taken] == [True, True, True, False]

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import tempfile
 from typing import Any
 
-from gateway.config import BuiltinConfig, FilesConfig, GatewayConfig, UpstreamConfig
+from gateway.config import BuiltinConfig, GatewayConfig, UpstreamConfig
 from tests.support.fake_upstream import MODEL
 
 
 def gateway_config(upstreams: list[UpstreamConfig], **sections: Any) -> GatewayConfig:
     sections.setdefault("builtin", BuiltinConfig(enabled=False))
-    # Files and batches in a directory of their own (never the user's ~/.local/share/parrot/files).
-    sections.setdefault("files", FilesConfig(dir=tempfile.mkdtemp(prefix="parrot-files-")))
     return GatewayConfig(upstreams=upstreams, **sections)
 
 
