@@ -40,14 +40,17 @@ class PaddedGather:
 def plan_decode(block_tables: torch.Tensor, lengths: torch.Tensor, block_size: int,
                 window: int | None = None) -> PaddedGather:
     """The padded gather of the first ``lengths`` tokens of each row (decodes, and shared-prefix suffixes); with
-    a sliding ``window``, the keys before each row's last ``window`` masked out."""
+    a sliding ``window``, of each row's last ``window`` (from its window's block, the keys before it masked)."""
+    firsts = None
+    if window is not None and len(lengths) and int(lengths.max()) > window:
+        rows = windowed_decode_rows(block_tables, lengths, window, block_size)
+        block_tables, lengths, firsts = rows.own_tables, rows.own_lens, rows.firsts
     lens = lengths.tolist()
     max_len, min_len = max(lens, default=0), min(lens, default=0)
     blocks = block_tables[:, : -(-max_len // block_size)].clamp(min=0).flatten()
-    windowed = window is not None and max_len > window
-    mask = None if min_len == max_len and not windowed else length_mask(lengths, max_len)
-    if windowed:
-        mask = mask & (torch.arange(max_len)[None, :] >= lengths[:, None] - window)
+    mask = None if min_len == max_len and firsts is None else length_mask(lengths, max_len)
+    if firsts is not None:
+        mask = mask & (torch.arange(max_len)[None, :] >= firsts[:, None])
     return PaddedGather(len(lens), max_len, blocks, None if mask is None else mask[:, None, None, :], min_len == 0)
 
 
@@ -336,9 +339,11 @@ def prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale
                                              (rows.prefix_ids, rows.prefix_table, rows.prefix_len), rows.firsts)
             out[chunk.start : chunk.end] = prepared(q[chunk.start : chunk.end], k_cache, v_cache, scale)
             continue
-        first = chunk.first_key  # the keys before every query's window are not read
-        k = _sequence_kv(k_cache, chunk.blocks, chunk.length)[first:].transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
-        v = _sequence_kv(v_cache, chunk.blocks, chunk.length)[first:].transpose(0, 1).unsqueeze(0)
+        # The keys from the first any query's window sees, gathered from its block (those before may be freed).
+        skipped = chunk.first_key // k_cache.shape[1]
+        blocks, length, first = chunk.blocks[skipped:], chunk.length - skipped * k_cache.shape[1], chunk.first_key % k_cache.shape[1]
+        k = _sequence_kv(k_cache, blocks, length)[first:].transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
+        v = _sequence_kv(v_cache, blocks, length)[first:].transpose(0, 1).unsqueeze(0)
         queries = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if chunk.mask is None:  # no cached prefix: the plain causal kernel
             attended = F.scaled_dot_product_attention(queries, k, v, is_causal=True, scale=scale, enable_gqa=True)

@@ -14,7 +14,7 @@ import torch
 from engines.builtin.config import EngineConfig
 from engines.builtin.core import EngineCore
 from tests.engines.builtin.test_core_generation import GREEDY, assert_all_blocks_free, collect, hf_greedy, random_prompts
-from tests.support.models import TINY_FAMILIES, tiny_family_config, tiny_family_model
+from tests.support.models import TINY_FAMILIES, saved_tiny_family, tiny_family_config, tiny_family_model
 from tests.support.gguf_files import add_byte_level_tokenizer, byte_level_vocab
 
 pytestmark = pytest.mark.timeout(240)
@@ -23,14 +23,7 @@ pytestmark = pytest.mark.timeout(240)
 @pytest.fixture(scope="module", params=sorted(TINY_FAMILIES))
 def family(request, tmp_path_factory, smollm2_tokenizer_dir):
     """(checkpoint directory, transformers' model in eager attention: the one that soft-caps as Gemma 2 asks)."""
-    from transformers import AutoModelForCausalLM
-
-    directory = tmp_path_factory.mktemp(f"tiny-{request.param}")
-    tiny_family_model(request.param).save_pretrained(directory)
-    for item in smollm2_tokenizer_dir.iterdir():
-        shutil.copy(item, directory)
-    hf_model = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager").eval()
-    return directory, hf_model
+    return saved_tiny_family(request.param, tmp_path_factory.mktemp(f"tiny-{request.param}"), smollm2_tokenizer_dir)
 
 
 def test_mixed_batch_under_chunked_prefill_and_preemption_matches_transformers(family):
