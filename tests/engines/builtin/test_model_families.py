@@ -13,6 +13,7 @@ import torch
 
 from engines.builtin.config import EngineConfig
 from engines.builtin.core import EngineCore
+from engines.builtin.model import architecture_of
 from tests.engines.builtin.test_core_generation import GREEDY, assert_all_blocks_free, collect, hf_greedy, random_prompts
 from tests.support.models import TINY_FAMILIES, saved_tiny_family, tiny_family_config, tiny_family_model
 from tests.support.gguf_files import add_byte_level_tokenizer, byte_level_vocab
@@ -29,9 +30,12 @@ def family(request, tmp_path_factory, smollm2_tokenizer_dir):
 def test_mixed_batch_under_chunked_prefill_and_preemption_matches_transformers(family):
     directory, hf_model = family
     # 10 blocks of 16 slots for prompts and outputs needing 12 (as test_core_generation's preemption test), and
-    # a 24-token budget: prompts are cut into chunks, and sequences are evicted and recomputed.
-    engine = EngineCore(EngineConfig(model=str(directory), num_blocks=10, max_num_batched_tokens=24))
-    prompts = random_prompts((1, 9, 37, 70), seed=3)
+    # a 24-token budget: prompts are cut into chunks, and sequences are evicted and recomputed. Where every layer
+    # is windowed the blocks behind the windows are freed (test_sliding_window.py): 6 blocks and two more prompts, so
+    # that they still are.
+    windowed = architecture_of(hf_model.config).freeing_window is not None
+    engine = EngineCore(EngineConfig(model=str(directory), num_blocks=6 if windowed else 10, max_num_batched_tokens=24))
+    prompts = random_prompts((1, 9, 37, 70, *((50, 60) if windowed else ())), seed=3)
     outputs = engine.generate_batch(prompts, GREEDY)
     assert engine.scheduler.num_preemptions > 0
     for prompt, output in zip(prompts, outputs):
