@@ -47,10 +47,17 @@ def test_mixed_batch_under_chunked_prefill_and_preemption_matches_transformers(f
 async def test_forks_of_a_shared_prefix_match_transformers(family):
     directory, hf_model = family
     engine = EngineCore(EngineConfig(model=str(directory)))
+    prefix, *suffixes = random_prompts((37, 5, 16, 1), seed=2)  # 37: a partial last block to copy
+    await forks_match_transformers(engine, hf_model, prefix, suffixes)
+
+
+async def forks_match_transformers(engine: EngineCore, hf_model, prefix, suffixes, after_fill=lambda engine: None):
+    """Fills ``prefix`` on the (started here) engine, forks it for each suffix, and checks each fork's greedy output
+    against transformers' for prefix + suffix; ``after_fill(engine)`` once the prefix is filled. All freed after."""
     engine.start()
     try:
-        prefix, *suffixes = random_prompts((37, 5, 16, 1), seed=2)  # 37: a partial last block to copy
         parent = await engine.fill(prefix)
+        after_fill(engine)
         children = [(await engine.fill(suffix, parent_context_id=parent.context_id)).context_id for suffix in suffixes]
         outputs = await asyncio.gather(*(collect(engine.generate(child, GREEDY)) for child in children))
         for suffix, output in zip(suffixes, outputs):

@@ -4,15 +4,14 @@ longer than the whole cache runs in it; greedy output token-identical to transfo
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from engines.builtin import attention
 from engines.builtin.config import EngineConfig
 from engines.builtin.core import EngineCore
 from engines.builtin.model import architecture_of
-from tests.engines.builtin.test_core_generation import GREEDY, assert_all_blocks_free, collect, hf_greedy, random_prompts
+from tests.engines.builtin.test_core_generation import GREEDY, assert_all_blocks_free, hf_greedy, random_prompts
+from tests.engines.builtin.test_model_families import forks_match_transformers
 from tests.support.models import saved_tiny_family, tiny_family_config
 
 pytestmark = pytest.mark.timeout(240)
@@ -59,17 +58,9 @@ async def test_forks_of_a_context_whose_old_blocks_were_freed(mistral, kernels_o
     """A 100-token context keeps only its window's blocks; its forks share those and go on past it."""
     directory, hf_model = mistral
     engine = EngineCore(EngineConfig(model=str(directory), num_blocks=16, max_num_batched_tokens=32))
-    engine.start()
-    try:
-        prefix, *suffixes = random_prompts((100, 5, 30), seed=6)
-        parent = await engine.fill(prefix)
-        assert engine.stats().blocks_free >= 16 - -(-(WINDOW + 16) // 16) - 1, "the blocks behind the window are freed"
-        children = [(await engine.fill(suffix, parent_context_id=parent.context_id)).context_id for suffix in suffixes]
-        outputs = await asyncio.gather(*(collect(engine.generate(child, GREEDY)) for child in children))
-        for suffix, output in zip(suffixes, outputs):
-            assert hf_greedy(hf_model, prefix + suffix).accepts(output), f"suffix of {len(suffix)} tokens"
-        for context_id in [parent.context_id, *children]:
-            await engine.free_context(context_id)
-        assert_all_blocks_free(engine)
-    finally:
-        engine.shutdown()
+    prefix, *suffixes = random_prompts((100, 5, 30), seed=6)
+
+    def blocks_behind_the_window_freed(engine):
+        assert engine.stats().blocks_free >= 16 - -(-(WINDOW + 16) // 16) - 1  # of the prefix's 7, 3 at most held
+
+    await forks_match_transformers(engine, hf_model, prefix, suffixes, blocks_behind_the_window_freed)
