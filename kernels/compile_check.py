@@ -45,11 +45,14 @@ def variants() -> list[tuple[str, object, dict[str, str], dict, int]]:
                 dict(heads, BLOCK_H=16, PAGE=16, BLOCK_N=paged_decode.BLOCK_N, FP32_DOT=fp32_dot, DIRECT=direct),
                 paged_decode.num_warps(head_dim),
             ))
-        found.append((
-            f"prefill {dtype}", paged_prefill._prefill_kernel, {**attn, "out_ptr": dtype},
-            dict(heads, PAGE=16, BLOCK_M=paged_prefill.BLOCK_M, BLOCK_N=paged_prefill.BLOCK_N, FP32_DOT=fp32_dot),
-            paged_prefill.NUM_WARPS,
-        ))
+        for windowed in (False, True):
+            found.append((
+                f"prefill {dtype}" + (" windowed" if windowed else ""), paged_prefill._prefill_kernel,
+                {**attn, "out_ptr": dtype},
+                dict(heads, PAGE=16, BLOCK_M=paged_prefill.BLOCK_M, BLOCK_N=paged_prefill.BLOCK_N, FP32_DOT=fp32_dot,
+                     WINDOWED=windowed),
+                paged_prefill.NUM_WARPS,
+            ))
         found.append((
             f"shared prefix {dtype}", shared_prefix_decode._prefix_split_kernel, {**attn, "out_ptr": "fp32", "lse_ptr": "fp32"},
             dict(heads, PAGE=16, BLOCK_M=shared_prefix_decode.BLOCK_M, BLOCK_N=shared_prefix_decode.tile_tokens(head_dim),

@@ -37,13 +37,21 @@ class PaddedGather:
     any_empty: bool  # some row has no tokens (its softmax would be NaN)
 
 
-def plan_decode(block_tables: torch.Tensor, lengths: torch.Tensor, block_size: int) -> PaddedGather:
-    """The padded gather of the first ``lengths`` tokens of each row (decodes, and shared-prefix suffixes)."""
+def plan_decode(block_tables: torch.Tensor, lengths: torch.Tensor, block_size: int,
+                window: int | None = None) -> PaddedGather:
+    """The padded gather of the first ``lengths`` tokens of each row (decodes, and shared-prefix suffixes); with
+    a sliding ``window``, of each row's last ``window`` (from its window's block, the keys before it masked)."""
+    firsts = None
+    if window is not None and len(lengths) and int(lengths.max()) > window:
+        rows = windowed_decode_rows(block_tables, lengths, window, block_size)
+        block_tables, lengths, firsts = rows.own_tables, rows.own_lens, rows.firsts
     lens = lengths.tolist()
     max_len, min_len = max(lens, default=0), min(lens, default=0)
     blocks = block_tables[:, : -(-max_len // block_size)].clamp(min=0).flatten()
-    mask = None if min_len == max_len else length_mask(lengths, max_len)[:, None, None, :]
-    return PaddedGather(len(lens), max_len, blocks, mask, min_len == 0)
+    mask = None if min_len == max_len and firsts is None else length_mask(lengths, max_len)
+    if firsts is not None:
+        mask = mask & (torch.arange(max_len)[None, :] >= firsts[:, None])
+    return PaddedGather(len(lens), max_len, blocks, None if mask is None else mask[:, None, None, :], min_len == 0)
 
 
 def gather(cache: torch.Tensor, plan: PaddedGather) -> torch.Tensor:
@@ -68,18 +76,20 @@ def length_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
     return torch.arange(max_len, device=lengths.device)[None, :] < lengths[:, None]
 
 
-def decode(q, k_cache, v_cache, block_tables, context_lens, scale, *, out=None, plan: PaddedGather | None = None):
-    """q [B, H, D] -> [B, H, D], zero rows where context_lens is 0.
+def decode(q, k_cache, v_cache, block_tables, context_lens, scale, *, out=None, plan: PaddedGather | None = None,
+           window: int | None = None):
+    """q [B, H, D] -> [B, H, D], zero rows where context_lens is 0; with a sliding ``window``, each over its last
+    ``window`` tokens.
 
     One padded-batch SDPA call with each kv head's query heads as its query rows. With GQA
     through enable_gqa instead, masked bf16 SDPA was slower than one call per sequence;
     grouped this way it is several times faster than that loop in bf16 too.
     """
-    return decode_padded(q, k_cache, v_cache, block_tables, context_lens, scale, out, plan)
+    return decode_padded(q, k_cache, v_cache, block_tables, context_lens, scale, out, plan, window)
 
 
-def decode_padded(q, k_cache, v_cache, block_tables, context_lens, scale, out=None, plan=None):
-    plan = plan or plan_decode(block_tables, context_lens, k_cache.shape[1])
+def decode_padded(q, k_cache, v_cache, block_tables, context_lens, scale, out=None, plan=None, window=None):
+    plan = plan or plan_decode(block_tables, context_lens, k_cache.shape[1], window)
     if plan.max_len == 0:
         return torch.zeros_like(q) if out is None else out.zero_()
     batch, num_heads, head_dim = q.shape
@@ -121,6 +131,9 @@ class NativeRows:
     prefix_len: torch.Tensor  # [prefixes] tokens in each prefix
     own_tables: torch.Tensor  # [n, blocks] the blocks after row j's prefix
     own_lens: torch.Tensor  # [n] tokens row j reads past its prefix, itself included
+    # [n] a sliding window's first key of row j, counted from its prefix's first token (its own run's without one):
+    # the keys before it are not attended (the rows' tables start at the window's block); None: no window
+    firsts: torch.Tensor | None = None
 
 
 def decode_rows(block_tables: torch.Tensor, context_lens: torch.Tensor,
@@ -130,6 +143,21 @@ def decode_rows(block_tables: torch.Tensor, context_lens: torch.Tensor,
     if prefixes is None:
         prefixes = (torch.full((len(context_lens),), -1, dtype=torch.int32), block_tables[:0], context_lens[:0])
     return NativeRows(*prefixes, block_tables, context_lens)
+
+
+def windowed_decode_rows(block_tables: torch.Tensor, context_lens: torch.Tensor, window: int,
+                         block_size: int) -> NativeRows:
+    """Decodes as rows over only their last ``window`` tokens: each row's table starts at the block holding its
+    window's first key (the blocks before are never read, so they may be freed), ``firsts`` that key's offset in it."""
+    lens = context_lens.long()
+    first_key = (lens - window).clamp(min=0)
+    skipped = first_key // block_size
+    own_lens = lens - skipped * block_size
+    width = max(1, -(-int(own_lens.max()) // block_size)) if len(lens) else 1
+    index = (skipped[:, None] + torch.arange(width)[None, :]).clamp_max(block_tables.shape[1] - 1)
+    return NativeRows(torch.full((len(lens),), -1, dtype=torch.int32), block_tables[:0], context_lens[:0],
+                      block_tables.gather(1, index), own_lens.to(torch.int32),
+                      (first_key - skipped * block_size).to(torch.int32))
 
 
 def join_rows(parts: list[NativeRows], block_size: int) -> NativeRows:
@@ -148,12 +176,15 @@ def concatenated_rows(parts: list[NativeRows]) -> NativeRows:
     offsets = torch.tensor([0] + [len(part.prefix_len) for part in parts]).cumsum(0).tolist()
     ids = [torch.where(part.prefix_ids < 0, part.prefix_ids, part.prefix_ids + offset)
            for part, offset in zip(parts, offsets)]
+    windowed = any(part.firsts is not None for part in parts)
     return NativeRows(
         prefix_ids=torch.cat(ids).to(torch.int32),
         prefix_table=_padded_rows([part.prefix_table for part in parts]),
         prefix_len=torch.cat([part.prefix_len for part in parts]).to(torch.int32),
         own_tables=_padded_rows([part.own_tables for part in parts]),
         own_lens=torch.cat([part.own_lens for part in parts]).to(torch.int32),
+        firsts=torch.cat([torch.zeros(len(part.own_lens), dtype=torch.int32) if part.firsts is None else part.firsts
+                          for part in parts]).to(torch.int32) if windowed else None,
     )
 
 
@@ -199,16 +230,25 @@ class PrefillChunk:
     length: int
     blocks: torch.Tensor  # the blocks holding those ``length`` tokens
     cached_rows: NativeRows | None = None  # the chunk in tiles, for the native kernel (native_dtype)
+    window: int | None = None  # a sliding window: each query sees only the last ``window`` tokens up to itself
+
+    @property
+    def first_key(self) -> int:
+        """The first key any of the chunk's queries sees (its first query's window's first)."""
+        return 0 if self.window is None else max(0, self.length - (self.end - self.start) - self.window + 1)
 
     @functools.cached_property
     def mask(self) -> torch.Tensor | None:
-        """[end - start, length] causal over a cached prefix; None: no cached prefix. Made on first use (the
+        """[end - start, length - first_key] over keys from first_key: causal over a cached prefix, and within the
+        window; None: no cached prefix and no window cutting the keys (plain causal). Made on first use (the
         torch path's; a chunk the native kernel takes never needs it), then shared by every layer."""
         n = self.end - self.start
-        if n == self.length:
+        windowed = self.window is not None and self.length > self.window
+        if n == self.length and not windowed:
             return None
-        positions = torch.arange(self.length - n, self.length)
-        return torch.arange(self.length)[None, :] <= positions[:, None]
+        positions = torch.arange(self.length - n, self.length)[:, None]
+        keys = torch.arange(self.first_key, self.length)[None, :]
+        return (keys <= positions) & (keys > positions - self.window) if windowed else keys <= positions
 
 
 def native_tile_tokens() -> int:
@@ -218,9 +258,9 @@ def native_tile_tokens() -> int:
 
 
 def plan_prefill(block_tables, cu_seqlens_q, context_lens, block_size: int, *,
-                 native_dtype: torch.dtype | None = None) -> list[PrefillChunk]:
+                 native_dtype: torch.dtype | None = None, window: int | None = None) -> list[PrefillChunk]:
     """``native_dtype`` (the native kernel's dtype, or None): also lay each chunk out in the kernel's tiles (one
-    size for every dtype)."""
+    size for every dtype). ``window``: a sliding window's (the tiles' tables then start at their window's block)."""
     bounds, chunks = cu_seqlens_q.tolist(), []
     for b, length in enumerate(context_lens.tolist()):
         start, end = bounds[b], bounds[b + 1]
@@ -228,15 +268,17 @@ def plan_prefill(block_tables, cu_seqlens_q, context_lens, block_size: int, *,
             continue
         blocks = block_tables[b, : -(-length // block_size)]
         cached_rows = (None if native_dtype is None else
-                       _tiled_rows(blocks, length - (end - start), end - start, block_size, native_tile_tokens()))
-        chunks.append(PrefillChunk(start, end, length, blocks, cached_rows))
+                       _tiled_rows(blocks, length - (end - start), end - start, block_size, native_tile_tokens(), window))
+        chunks.append(PrefillChunk(start, end, length, blocks, cached_rows, window))
     return chunks
 
 
-def _tiled_rows(blocks: torch.Tensor, cached: int, n: int, block_size: int, tile: int) -> NativeRows:
+def _tiled_rows(blocks: torch.Tensor, cached: int, n: int, block_size: int, tile: int,
+                window: int | None = None) -> NativeRows:
     tiles = -(-n // tile)
     tile_of_row = torch.arange(n) // tile
-    whole = (cached + torch.arange(tiles) * tile) // block_size  # whole blocks before each tile
+    tile_starts = cached + torch.arange(tiles) * tile  # each tile's first query's position
+    whole = tile_starts // block_size  # whole blocks before each tile
     own_start = whole[tile_of_row]  # the block each row's own tokens start in
     own_lens = cached + torch.arange(1, n + 1) - own_start * block_size
     # Host ints from the host ints it was given (no reads of the tensors above): the longest own run is a
@@ -244,6 +286,9 @@ def _tiled_rows(blocks: torch.Tensor, cached: int, n: int, block_size: int, tile
     own_blocks = max(-(-(cached + min(n, (t + 1) * tile) - (cached + t * tile) // block_size * block_size)
                        // block_size) for t in range(tiles))
     own_index = (own_start[:, None] + torch.arange(own_blocks)[None, :]).clamp_max(len(blocks) - 1)
+    if window is not None:
+        return _windowed_tiles(blocks, cached, n, block_size, tile_of_row, tile_starts, window,
+                               own_tables=blocks[own_index].contiguous(), own_lens=own_lens.to(torch.int32))
     return NativeRows(
         prefix_ids=tile_of_row.to(torch.int32),
         prefix_table=blocks[: (cached + (tiles - 1) * tile) // block_size][None].expand(tiles, -1).contiguous(),
@@ -253,8 +298,28 @@ def _tiled_rows(blocks: torch.Tensor, cached: int, n: int, block_size: int, tile
     )
 
 
+def _windowed_tiles(blocks, cached: int, n: int, block_size: int, tile_of_row, tile_starts, window: int,
+                    own_tables, own_lens) -> NativeRows:
+    """_tiled_rows' tiles under a sliding window: a tile's prefix starts at the block of its first query's window's
+    first key (the blocks before are never read), each row's ``firsts`` its own window's first key from there."""
+    whole = tile_starts // block_size
+    skipped = torch.minimum((tile_starts - window + 1).clamp(min=0) // block_size, whole)
+    width = max(1, int((whole - skipped).max()))
+    prefix_index = (skipped[:, None] + torch.arange(width)[None, :]).clamp_max(len(blocks) - 1)
+    positions = cached + torch.arange(n)
+    firsts = ((positions - window + 1).clamp(min=0) - skipped[tile_of_row] * block_size).clamp(min=0)
+    return NativeRows(
+        prefix_ids=tile_of_row.to(torch.int32),
+        prefix_table=blocks[prefix_index].contiguous(),
+        prefix_len=((whole - skipped) * block_size).to(torch.int32),
+        own_tables=own_tables,
+        own_lens=own_lens,
+        firsts=firsts.to(torch.int32),
+    )
+
+
 def prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, *, out=None,
-            plan: list[PrefillChunk] | None = None, native=None):
+            plan: list[PrefillChunk] | None = None, native=None, window: int | None = None):
     """Per-sequence SDPA over the gathered context, causal mask aligned to the context's end; with
     ``native`` (kernels/native.py), chunks planned in tiles go through its kernel instead (faster on a long
     bf16 prefill, as accurate against an fp64 reference).
@@ -265,16 +330,20 @@ def prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale
     """
     out = torch.empty_like(q) if out is None else out
     plan = plan if plan is not None else plan_prefill(block_tables, cu_seqlens_q, context_lens, k_cache.shape[1],
-                                                      native_dtype=q.dtype if native is not None else None)
+                                                      native_dtype=q.dtype if native is not None else None,
+                                                      window=window)
     for chunk in plan:
         if native is not None and chunk.cached_rows is not None:
             rows = chunk.cached_rows
-            out[chunk.start : chunk.end] = native.shared_prefix_decode(
-                q[chunk.start : chunk.end], k_cache, v_cache, rows.prefix_ids, rows.prefix_table, rows.prefix_len,
-                rows.own_tables, rows.own_lens, scale)
+            prepared = native.prepare_decode(rows.own_tables, rows.own_lens,
+                                             (rows.prefix_ids, rows.prefix_table, rows.prefix_len), rows.firsts)
+            out[chunk.start : chunk.end] = prepared(q[chunk.start : chunk.end], k_cache, v_cache, scale)
             continue
-        k = _sequence_kv(k_cache, chunk.blocks, chunk.length).transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
-        v = _sequence_kv(v_cache, chunk.blocks, chunk.length).transpose(0, 1).unsqueeze(0)
+        # The keys from the first any query's window sees, gathered from its block (those before may be freed).
+        skipped = chunk.first_key // k_cache.shape[1]
+        blocks, length, first = chunk.blocks[skipped:], chunk.length - skipped * k_cache.shape[1], chunk.first_key % k_cache.shape[1]
+        k = _sequence_kv(k_cache, blocks, length)[first:].transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
+        v = _sequence_kv(v_cache, blocks, length)[first:].transpose(0, 1).unsqueeze(0)
         queries = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if chunk.mask is None:  # no cached prefix: the plain causal kernel
             attended = F.scaled_dot_product_attention(queries, k, v, is_causal=True, scale=scale, enable_gqa=True)

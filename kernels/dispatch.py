@@ -91,19 +91,24 @@ def decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     plan: cpu_attention.PaddedGather | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """One query token per sequence over its cached context -> [B, num_heads, head_dim].
 
     q [B, num_heads, head_dim]; block_tables [B, max_blocks]; context_lens [B], the number of
     cached tokens each query attends to (its own token included, i.e. written by write_kv first).
-    A row with context_lens 0 (batch padding) comes out as zeros.
+    A row with context_lens 0 (batch padding) comes out as zeros. With a sliding ``window``, each query
+    attends to its last ``window`` tokens only; the blocks before them are not read.
     """
     check_decode_args(q, k_cache, v_cache, block_tables, context_lens)
     if not uses_triton(q.device):
         if kernels := native_decode(q, k_cache):
-            return kernels.decode(q, k_cache, v_cache, block_tables, context_lens, scale)
-        return cpu_attention.decode(q, k_cache, v_cache, block_tables, context_lens, scale, plan=plan)
-    if _flash_attn_fits(q, k_cache):
+            if window is None:
+                return kernels.decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+            rows = cpu_attention.windowed_decode_rows(block_tables, context_lens, window, k_cache.shape[1])
+            return kernels.prepare_decode(rows.own_tables, rows.own_lens, firsts=rows.firsts)(q, k_cache, v_cache, scale)
+        return cpu_attention.decode(q, k_cache, v_cache, block_tables, context_lens, scale, plan=plan, window=window)
+    if _flash_attn_fits(q, k_cache) and window is None:
         from flash_attn import flash_attn_with_kvcache
 
         return flash_attn_with_kvcache(
@@ -112,7 +117,7 @@ def decode_attention(
         ).squeeze(1)
     from kernels.paged_decode import paged_decode
 
-    return paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, window=window)
 
 
 def prefill_attention(
@@ -125,8 +130,10 @@ def prefill_attention(
     max_seqlen_q: int,
     scale: float,
     plan: list[cpu_attention.PrefillChunk] | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of packed new tokens over their sequences' caches -> [T, num_heads, head_dim].
+    """Causal attention of packed new tokens over their sequences' caches -> [T, num_heads, head_dim]; with a
+    sliding ``window``, each over the last ``window`` tokens up to itself.
 
     q [T, num_heads, head_dim] packs the new tokens of B sequences; cu_seqlens_q [B+1] int32 their
     cumulative counts; context_lens [B] each sequence's cached length including the new tokens
@@ -136,10 +143,11 @@ def prefill_attention(
     check_prefill_args(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens)
     if not uses_triton(q.device):
         return cpu_attention.prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, plan=plan,
-                                     native=native_decode(q, k_cache))
+                                     native=native_decode(q, k_cache), window=window)
     from kernels.paged_prefill import paged_prefill
 
-    return paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, scale)
+    return paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, max_seqlen_q, scale,
+                         window=window)
 
 
 def shared_prefix_decode_attention(

@@ -41,7 +41,7 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 DISABLE_ENV = "PARROT_NATIVE_KERNELS"
 
 _INT, _I64, _PTR = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-_DECODE_ARGS = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR,
+_DECODE_ARGS = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR,
                 _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_float, _I64, _INT]
 _WRITE_ARGS = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64]
 _LINEAR_ARGS = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT]
@@ -246,10 +246,13 @@ class NativeKernels:
         return PreparedKvWrite(self, slot_mapping)
 
     def prepare_decode(self, own_tables: torch.Tensor, own_lens: torch.Tensor,
-                       prefixes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> PreparedDecode:
+                       prefixes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                       firsts: torch.Tensor | None = None) -> PreparedDecode:
         """A step's decode for each of its layers (see PreparedDecode): own_tables [B, blocks] and own_lens [B]
-        int32; prefixes (prefix_ids [B], prefix_tables [P, blocks], prefix_lens [P]) int32, or None."""
-        return PreparedDecode(self, own_tables, own_lens, prefixes)
+        int32; prefixes (prefix_ids [B], prefix_tables [P, blocks], prefix_lens [P]) int32, or None; firsts [B]
+        int32, each row's first visible key under a sliding window counted from its prefix's first token (its
+        own run's without one; cpu_attention.NativeRows), or None: every key."""
+        return PreparedDecode(self, own_tables, own_lens, prefixes, firsts)
 
 
 def _int32_rows(tensor: torch.Tensor, name: str, ndim: int, rows: int | None = None) -> torch.Tensor:
@@ -270,7 +273,7 @@ class PreparedDecode:
     full the first time their shapes are seen, then only compared with those.
     """
 
-    def __init__(self, kernels: NativeKernels, own_tables, own_lens, prefixes=None):
+    def __init__(self, kernels: NativeKernels, own_tables, own_lens, prefixes=None, firsts=None):
         own_tables = _int32_rows(own_tables, "block_tables", 2)
         own_lens = _int32_rows(own_lens, "context_lens", 1, own_tables.shape[0])
         self.batch = own_tables.shape[0]
@@ -282,9 +285,11 @@ class PreparedDecode:
             lens = _int32_rows(prefixes[2], "prefix_lens", 1, tables.shape[0])
             self.prefixes = (ids, tables, lens)
             prefix_args = (ids.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(), len(lens))
+        self.firsts = None if firsts is None else _int32_rows(firsts, "firsts", 1, self.batch)
         # Held: the kernel reads them by pointer (and torch_ops' set_step takes them as tensors).
         self._kernels, self.own_tables, self.own_lens = kernels, own_tables, own_lens
-        self._table_args = (*prefix_args, own_tables.data_ptr(), own_tables.stride(0), own_lens.data_ptr())
+        self._table_args = (*prefix_args, own_tables.data_ptr(), own_tables.stride(0), own_lens.data_ptr(),
+                            None if self.firsts is None else self.firsts.data_ptr())
         self._fits: tuple | None = None  # the (query, cache) shapes and dtype already checked
 
     @property

@@ -32,7 +32,7 @@ def _decode_split_kernel(
     stride_bt,
     stride_ob, stride_oh, stride_os,
     stride_lb, stride_lh,
-    scale, tokens_per_split, split_offset,
+    scale, tokens_per_split, split_offset, window,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr, DIRECT: tl.constexpr,
 ):
@@ -43,6 +43,8 @@ def _decode_split_kernel(
     context_len = tl.load(context_lens_ptr + b)
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, context_len)
+    if window > 0:  # a sliding window: the query (the last token) sees only the last `window` keys
+        start = tl.maximum(start, context_len - window)
 
     rows = tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP + rows
@@ -88,10 +90,12 @@ def tokens_per_split(max_context_len: int, num_splits: int) -> int:
 
 
 def launch_decode_splits(
-    q, k_cache, v_cache, block_tables, context_lens, scale, out, lse, *, num_splits: int, split_offset: int = 0
+    q, k_cache, v_cache, block_tables, context_lens, scale, out, lse, *, num_splits: int, split_offset: int = 0,
+    window: int | None = None,
 ) -> None:
     """Stage 1 only: write splits [split_offset, split_offset + num_splits) of out [B, H, S, D]
-    and lse [B, H, S]; with lse None, num_splits must be 1 and out is the final [B, H, D]."""
+    and lse [B, H, S]; with lse None, num_splits must be 1 and out is the final [B, H, D]. A split wholly
+    before a row's ``window`` reads nothing (its lse -inf)."""
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -106,7 +110,7 @@ def launch_decode_splits(
         block_tables.stride(0),
         out.stride(0), out.stride(1), 0 if direct else out.stride(2),
         0 if direct else lse.stride(0), 0 if direct else lse.stride(1),
-        scale, tokens_per_split(max_context_len, num_splits), split_offset,
+        scale, tokens_per_split(max_context_len, num_splits), split_offset, window or 0,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         PAGE=block_size, BLOCK_N=BLOCK_N, FP32_DOT=use_fp32_dot(q.dtype), DIRECT=direct,
@@ -124,8 +128,10 @@ def paged_decode(
     *,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Attention of q [B, H, D] over each sequence's first context_lens[b] cached tokens -> [B, H, D].
+    """Attention of q [B, H, D] over each sequence's first context_lens[b] cached tokens -> [B, H, D]; with a
+    sliding ``window``, over only the last ``window`` of them (the blocks before it are not read, and may be freed).
 
     block_tables [B, max_blocks] int32 lists each sequence's cache blocks; entries past the
     sequence's length are never read. k_cache/v_cache [num_blocks, block_size, KVH, D] with
@@ -142,11 +148,13 @@ def paged_decode(
         max_context_len = block_tables.shape[1] * k_cache.shape[1]
         num_splits = choose_num_splits(batch, k_cache.shape[2], max_context_len, device_sms(q))
     if num_splits == 1:
-        launch_decode_splits(q, k_cache, v_cache, block_tables, context_lens, scale, out, None, num_splits=1)
+        launch_decode_splits(q, k_cache, v_cache, block_tables, context_lens, scale, out, None, num_splits=1,
+                             window=window)
         return out
     partial_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     partial_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     launch_decode_splits(
-        q, k_cache, v_cache, block_tables, context_lens, scale, partial_out, partial_lse, num_splits=num_splits
+        q, k_cache, v_cache, block_tables, context_lens, scale, partial_out, partial_lse, num_splits=num_splits,
+        window=window,
     )
     return merge_splits(partial_out, partial_lse, out)

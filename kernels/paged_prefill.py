@@ -30,9 +30,9 @@ def _prefill_kernel(
     stride_kb, stride_kt, stride_kh,
     stride_bt,
     stride_ot, stride_oh,
-    scale,
+    scale, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr, WINDOWED: tl.constexpr,
 ):
     tile = tl.program_id(0)
     b = tl.program_id(1)
@@ -59,11 +59,14 @@ def _prefill_kernel(
     qk_scale = scale * LOG2E
 
     end = tl.minimum(context_len, prefix_len + (tile + 1) * BLOCK_M)  # causal: nothing past the tile's last query
-    # key 0 is visible to every query, so every row sees a key and row_sum > 0
+    start = 0
+    if WINDOWED:  # nothing before the tile's first query's window (each row masks its own)
+        start = tl.maximum(prefix_len + tile * BLOCK_M - window + 1, 0)
+    # every query sees itself, so every row sees a key and row_sum > 0
     row_max, row_sum, acc = attend_pages(
-        q, block_tables_ptr + b * stride_bt, 0, end, k_cache_ptr, v_cache_ptr, kv_head, dims, dim_mask,
+        q, block_tables_ptr + b * stride_bt, start, end, k_cache_ptr, v_cache_ptr, kv_head, dims, dim_mask,
         stride_kb, stride_kt, stride_kh, qk_scale, BLOCK_M, BLOCK_D, PAGE, BLOCK_N, FP32_DOT,
-        positions=positions, CAUSAL=True,
+        positions=positions, CAUSAL=True, window=window, WINDOWED=WINDOWED,
     )
 
     out = acc / row_sum[:, None]
@@ -85,8 +88,10 @@ def paged_prefill(
     scale: float,
     *,
     out: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of packed new tokens q [T, H, D] over cache + themselves -> [T, H, D].
+    """Causal attention of packed new tokens q [T, H, D] over cache + themselves -> [T, H, D]; with a sliding
+    ``window``, each query over only the last ``window`` tokens up to itself.
 
     cu_seqlens_q [B+1] int32 (cumulative new-token counts, cu_seqlens_q[-1] == T);
     context_lens [B] int32, each sequence's cached length including its new tokens (>= its q_len);
@@ -107,8 +112,9 @@ def paged_prefill(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        scale,
+        scale, window or 0,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PAGE=k_cache.shape[1],
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, FP32_DOT=use_fp32_dot(q.dtype), num_warps=NUM_WARPS,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, FP32_DOT=use_fp32_dot(q.dtype), WINDOWED=bool(window),
+        num_warps=NUM_WARPS,
     )
     return out

@@ -34,8 +34,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask
     return out, lse.transpose(0, 1)
 
 
-def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
-    """q [B, H, D] -> [B, H, D]: each sequence's query over its whole cached context."""
+def visible(positions: torch.Tensor, length: int, window: int | None) -> torch.Tensor:
+    """[n, length] True where the query at positions[i] sees key j: causal, and with a sliding ``window`` only the
+    last ``window`` keys up to itself (``j > position - window``, as transformers masks)."""
+    keys = torch.arange(length, device=positions.device)[None, :]
+    seen = keys <= positions[:, None]
+    return seen if window is None else seen & (keys > positions[:, None] - window)
+
+
+def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, window: int | None = None):
+    """q [B, H, D] -> [B, H, D]: each sequence's query over its cached context (its last ``window`` tokens)."""
     out = torch.zeros_like(q)
     for b in range(q.shape[0]):
         length = int(context_lens[b])
@@ -43,12 +51,14 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
             continue
         k = gather_kv(k_cache, block_tables[b], length)
         v = gather_kv(v_cache, block_tables[b], length)
-        out[b] = attend(q[b : b + 1], k, v, scale)[0][0].to(q.dtype)
+        mask = visible(torch.tensor([length - 1], device=q.device), length, window)
+        out[b] = attend(q[b : b + 1], k, v, scale, mask)[0][0].to(q.dtype)
     return out
 
 
-def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale):
-    """q [T, H, D] packed new tokens -> [T, H, D]: causal attention over prefix + new tokens.
+def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, window: int | None = None):
+    """q [T, H, D] packed new tokens -> [T, H, D]: causal attention over prefix + new tokens (with a sliding
+    ``window``, each query over the last ``window`` of them up to itself).
 
     Sequence b owns q rows cu_seqlens_q[b]:cu_seqlens_q[b+1]; its context (already in the cache,
     new tokens included) has context_lens[b] tokens, so its new tokens sit at the end of it.
@@ -61,7 +71,7 @@ def paged_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
         k = gather_kv(k_cache, block_tables[b], length)
         v = gather_kv(v_cache, block_tables[b], length)
         positions = torch.arange(length - (end - start), length, device=q.device)
-        mask = torch.arange(length, device=q.device)[None, :] <= positions[:, None]
+        mask = visible(positions, length, window)
         out[start:end] = attend(q[start:end], k, v, scale, mask)[0].to(q.dtype)
     return out
 

@@ -31,9 +31,11 @@ def mma(a, b, FP32_DOT: tl.constexpr):
 def attend_pages(q, table, start, end, k_cache_ptr, v_cache_ptr, kv_head, dims, dim_mask,
                  stride_kb, stride_kt, stride_kh, qk_scale,
                  ROWS: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 FP32_DOT: tl.constexpr, positions=None, CAUSAL: tl.constexpr = False):
+                 FP32_DOT: tl.constexpr, positions=None, CAUSAL: tl.constexpr = False, window=0,
+                 WINDOWED: tl.constexpr = False):
     """Online softmax of q [ROWS, BLOCK_D] over the paged keys [start, end) of one block table and kv head.
-    With CAUSAL, row r sees only keys at or before positions[r] (prefill).
+    With CAUSAL, row r sees only keys at or before positions[r] (prefill); WINDOWED too, only keys after
+    positions[r] - window (a sliding window: each row's own first key, where ``start`` is the first row's).
 
     Returns (row_max, row_sum, acc): base-2 running max, sum of exp2, and the unnormalised output."""
     row_max = tl.full([ROWS], float("-inf"), tl.float32)
@@ -52,6 +54,8 @@ def attend_pages(q, table, start, end, k_cache_ptr, v_cache_ptr, kv_head, dims, 
         visible = token_mask[None, :]
         if CAUSAL:
             visible = visible & (tokens[None, :] <= positions[:, None])
+        if WINDOWED:
+            visible = visible & (tokens[None, :] > positions[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, axis=1))
         probs = tl.exp2(scores - new_max[:, None])

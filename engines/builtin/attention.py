@@ -16,11 +16,13 @@ sequences share leading KV blocks (forks of one context, prefix-cache hits) carr
 and then go through the shared-prefix kernel, which reads each shared prefix's KV once for its
 group.
 
-Layers with soft-capped scores (Gemma 2), and in steps where some sequence is longer than its window layers with a
-sliding window (Gemma 2 and 3, Mistral, Phi-3), run ``windowed_attention``,
-a torch path over the same metadata: each sequence's visible keys gathered once per step and window (a
-``WindowPlan``), then masked, capped attention in one batched call per layer. The kernels above attend to the
-whole context without a cap, so they serve only layers that need neither.
+Layers with a sliding window (Gemma 2 and 3, Mistral, Phi-3), in a step where some sequence is longer than the
+window, read the step's metadata for that window (``AttentionMetadata.windows``, made by the model runner once a
+step for all such layers): the same rows, each decode on its own (no shared prefix: the window cuts it), their
+tables starting at the block of each row's window's first key, so the kernels (C++, Triton, the torch paths)
+never read a key before it and the blocks before may be freed (block_manager.py). Layers with soft-capped scores
+(Gemma 2) run ``windowed_attention``, a torch path over the same metadata: each sequence's visible keys gathered
+once per step and window (a ``WindowPlan``), then masked, capped attention in one batched call per layer.
 """
 
 from __future__ import annotations
@@ -72,6 +74,10 @@ class AttentionMetadata:
     prefill: PrefillMetadata | None = None
     # windowed_attention's plans, made by the first layer that needs one (by window; None: the whole context)
     window_plans: dict[int | None, WindowPlan] = field(default_factory=dict)
+    window: int | None = None  # this metadata's sliding window (each query sees its last `window` keys), or None
+    # The step's metadata for each sliding window shorter than its longest sequence (window set, kv_write None:
+    # the keys are written once, through this one)
+    windows: dict[int, AttentionMetadata] = field(default_factory=dict)
 
 
 def paged_attention(
@@ -87,8 +93,11 @@ def paged_attention(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     if meta.kv_write is None or not meta.kv_write(k, v, k_cache, v_cache):
         dispatch.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    if softcap is not None or (window is not None and meta.longest_context > window):
+    windowed = window is not None and meta.longest_context > window
+    if softcap is not None or (windowed and window not in meta.windows):
         return windowed_attention(q, k_cache, v_cache, meta, scale, window, softcap)
+    if windowed:
+        meta = meta.windows[window]
     if meta.native is not None:
         return meta.native(q, k_cache, v_cache, scale)
     num_decodes = meta.num_decodes
@@ -97,7 +106,7 @@ def paged_attention(
     prefill = meta.prefill
     prefilled = dispatch.prefill_attention(
         q[num_decodes:], k_cache, v_cache, prefill.block_tables, prefill.cu_seqlens_q, prefill.context_lens,
-        prefill.max_seqlen_q, scale, prefill.plan,
+        prefill.max_seqlen_q, scale, prefill.plan, meta.window,
     )
     if not num_decodes:
         return prefilled
@@ -112,7 +121,8 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch
             shared.suffix_block_tables, shared.suffix_lens, scale, shared.plan,
         )
     decode = meta.decode
-    return dispatch.decode_attention(q, k_cache, v_cache, decode.block_tables, decode.context_lens, scale, decode.plan)
+    return dispatch.decode_attention(q, k_cache, v_cache, decode.block_tables, decode.context_lens, scale, decode.plan,
+                                     meta.window)
 
 
 @dataclass

@@ -12,6 +12,12 @@ the rows of the rest into a fresh block (unless the parent is still filling: the
 matches its next blocks); the child's own tokens then find cached blocks as any sequence's do, the
 first one (holding the copied rows) taking the copy's place. With ``prefix_caching`` off, blocks are
 never published or looked up; forks still share explicitly.
+
+Where every layer of the model has a sliding window (Mistral, Phi-3), a sequence's blocks that lie wholly before
+what its next token's window can see are freed as it moves on (``free_outside_window``): its table keeps
+``FREED`` in their place, which no kernel reads (the windowed layers' tables start at the window's block,
+attention.py). One table serves all layers, so a model with some global layers (Gemma 2 and 3 alternate them)
+frees nothing: per-layer-group tables would, at the cost of a pool, a prefix cache and forks per group.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing import Callable
 from engines.builtin.context import Context
 
 NO_HASH = None
+FREED = -1  # a block-table entry whose block a sliding window let go: nothing before the window reads it
 
 
 class Block:
@@ -46,9 +53,13 @@ class BlockManager:
         copy_rows: Callable[[int, int, int], None] | None = None,
         *,
         prefix_caching: bool = True,
+        window: int | None = None,
     ):
         self.block_size = block_size
         self.prefix_caching = prefix_caching
+        # Every layer's sliding window, the widest (model.Architecture.freeing_window): keys further back than it
+        # from a sequence's next token are seen by no layer. None: some layer sees the whole context.
+        self.window = window
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.cached: dict[int, int] = {}  # chain hash -> block id
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # oldest first
@@ -99,7 +110,7 @@ class BlockManager:
             reused = self._match_partial(ctx, max_tokens)
             if not reused:
                 return 0
-        previous = self.blocks[ctx.block_table[-1]].hash if ctx.block_table else None
+        previous = self._hash_at(ctx, len(ctx.block_table) - 1) if ctx.block_table else None
         while start + reused + size <= min(len(ctx), start + max_tokens):
             if ctx.block_table and previous is NO_HASH:
                 break
@@ -124,7 +135,7 @@ class BlockManager:
         start = ctx.num_computed_tokens
         index, end = start // size, (start // size + 1) * size
         partial = self.blocks[ctx.block_table[-1]]
-        previous = self.blocks[ctx.block_table[index - 1]].hash if index else None
+        previous = self._hash_at(ctx, index - 1) if index else None
         if (partial.ref_count != 1 or partial.hash is not NO_HASH or (index and previous is NO_HASH)
                 or end > min(len(ctx), start + max_tokens)):
             return 0
@@ -148,9 +159,9 @@ class BlockManager:
             block = self.blocks[ctx.block_table[index]]
             if block.hash is not NO_HASH:
                 continue
-            previous = self.blocks[ctx.block_table[index - 1]].hash if index else None
+            previous = self._hash_at(ctx, index - 1) if index else None
             if index and previous is NO_HASH:
-                return  # a chain with a gap names no prefix
+                return  # a chain with a gap names no prefix (a block freed by a window is one)
             block.token_ids = tuple(ctx.token_ids[index * size : (index + 1) * size])
             block.hash = chain_hash(previous, block.token_ids)
             if block.hash not in self.cached:  # another block with this prefix stays the one found
@@ -183,7 +194,8 @@ class BlockManager:
             # child starts at a block boundary, so it matches the parent's next blocks as they are scheduled.
             remainder = 0
         for block_id in parent.block_table[:num_full]:
-            self._reference(block_id)
+            if block_id != FREED:  # the child's windows start later than the parent's: it never reads those
+                self._reference(block_id)
             child.block_table.append(block_id)
         if remainder:
             block = self._take_free_block()
@@ -213,17 +225,39 @@ class BlockManager:
 
     def release(self, ctx: Context) -> int:
         """Drops ``ctx``'s blocks (its KV is then recomputed if needed); returns blocks freed."""
-        freed = 0
-        for block_id in reversed(ctx.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                # Tail blocks go in first so that a prefix's head outlives its tail under LRU.
-                self.free[block_id] = None
-                freed += 1
+        # Tail blocks go in first so that a prefix's head outlives its tail under LRU.
+        freed = sum(self._unreference(block_id) for block_id in reversed(ctx.block_table) if block_id != FREED)
         ctx.block_table = []
         ctx.num_computed_tokens = 0
         return freed
+
+    def free_outside_window(self, ctx: Context) -> int:
+        """Frees ``ctx``'s blocks that no layer's window reaches any more (``window`` set: every layer has one);
+        returns blocks freed. Its next token, at num_computed_tokens, sees the keys after num_computed_tokens -
+        window, later tokens fewer; the block holding that boundary stays. Their KV stays in the prefix cache
+        until reused, as a released block's does."""
+        if self.window is None:
+            return 0
+        freed, index = 0, (ctx.num_computed_tokens - self.window) // self.block_size - 1
+        while index >= 0 and ctx.block_table[index] != FREED:  # the ones before were freed at an earlier step
+            freed += self._unreference(ctx.block_table[index])
+            ctx.block_table[index] = FREED
+            index -= 1
+        return freed
+
+    def _unreference(self, block_id: int) -> int:
+        """Drops one reference to the block; 1 if that freed it."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count:
+            return 0
+        self.free[block_id] = None
+        return 1
+
+    def _hash_at(self, ctx: Context, index: int) -> int | None:
+        """The chain hash of ctx's block at ``index`` (NO_HASH where a window freed it: a gap in the chain)."""
+        block_id = ctx.block_table[index]
+        return NO_HASH if block_id == FREED else self.blocks[block_id].hash
 
     def _reference(self, block_id: int) -> None:
         block = self.blocks[block_id]

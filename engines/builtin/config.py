@@ -33,9 +33,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # (refused when the model loads).
     compile: bool = False
     block_size: int = 16
-    # KV cache size: num_blocks wins when set, else as many blocks as kv_cache_memory bytes hold.
+    # KV cache size, planned by bytes (engines/builtin/kv_capacity.py): num_blocks wins when set, else as many
+    # blocks as kv_cache_memory_fraction of the memory available once the weights are loaded holds (0.5: half),
+    # else as many as kv_cache_memory bytes hold; a block's bytes follow from the model's layers, kv heads, head
+    # size and dtype. The longest sequence a request may make is at most what the cache holds of it alone.
     num_blocks: int | None = None
     kv_cache_memory: int = 512 * 2**20
+    kv_cache_memory_fraction: float | None = None
     max_num_seqs: int = 64
     # A latency-tuned batch: while latency-critical work runs or waits (any generation not sent with
     # criteria "throughput"), a step serves at most this many generations, the latency-critical ones
@@ -72,6 +76,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"quantization {self.quantization!r} runs on CPU only, not on {self.device!r}")
         if self.compile and self.device != "cpu":
             raise ValueError("compile is for a model on CPU")
+        if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction < 1:
+            raise ValueError(f"kv_cache_memory_fraction must be between 0 and 1, not {self.kv_cache_memory_fraction}")
 
 
     def _check_cpu_cores(self) -> None:

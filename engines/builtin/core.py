@@ -22,7 +22,9 @@ from engines.builtin.context_registry import ContextRegistry
 from engines.builtin.errors import ContextBusy
 from engines.builtin.grammar import GrammarCompiler
 from engines.builtin.loader import DTYPES, ModelSource, build_model, load_checkpoint, load_tokenizer, resolve_dtype
-from engines.builtin.model_runner import ModelRunner, kv_block_bytes
+from engines.builtin.kv_capacity import longest_sequence, planned_blocks
+from engines.builtin.model import architecture_of
+from engines.builtin.model_runner import ModelRunner
 from engines.builtin.cpu_linear import prepare_cpu_linears
 from engines.builtin.prometheus_metrics import EngineMetrics
 from engines.builtin.quantization import UntraceableError, quantize_linears, untraceable_linears
@@ -47,7 +49,8 @@ class EngineCore(StepLoop):
         self.eos_token_ids = eos_token_ids(hf_config, self.tokenizer, source)
         self.grammars = GrammarCompiler(self.tokenizer, self.eos_token_ids)
         self.block_manager = BlockManager(
-            self.runner.num_blocks, config.block_size, self.runner.copy_rows, prefix_caching=config.enable_prefix_caching
+            self.runner.num_blocks, config.block_size, self.runner.copy_rows, prefix_caching=config.enable_prefix_caching,
+            window=self.runner.model.architecture.freeing_window,
         )
         self.scheduler = Scheduler(config, self.block_manager)
         self.registry = ContextRegistry(self.scheduler, self.block_manager, self.max_model_len)
@@ -70,9 +73,9 @@ class EngineCore(StepLoop):
         config = self.config
         hf_config, hf_state = load_checkpoint(source)
         self.dtype = resolve_dtype(config.dtype, config.device)
-        num_blocks = config.num_blocks or config.kv_cache_memory // kv_block_bytes(hf_config, config.block_size, DTYPES[self.dtype])
-        # One sequence must always fit in the cache on its own, or preemption could not help it.
-        self.max_model_len = min(config.max_model_len or hf_config.max_position_embeddings, num_blocks * config.block_size)
+        # The weights are in memory (the model takes hf_state's tensors): a budget by fraction sees what is left.
+        num_blocks = planned_blocks(config, hf_config, DTYPES[self.dtype])
+        self.max_model_len = longest_sequence(config, hf_config, num_blocks, architecture_of(hf_config).freeing_window)
         model = build_model(hf_config, hf_state, self.dtype, self.max_model_len)
         del hf_state
         if config.quantization:

@@ -66,6 +66,14 @@ class Architecture:
     o_bias: bool
     experts: Experts | None
 
+    @property
+    def freeing_window(self) -> int | None:
+        """The widest sliding window where every layer has one: keys further back than it from a sequence's next
+        token are seen by no layer, so their KV blocks may be freed (block_manager.py); None where some layer
+        attends to the whole context (Gemma's global layers: one block table serves every layer)."""
+        windows = self.layer_windows
+        return max(windows) if windows and all(windows) else None
+
     def needs_general_attention(self, max_len: int) -> bool:
         """Whether some layer's attention is soft-capped, or windowed more narrowly than ``max_len`` tokens (a
         window as long as the context is none): the torch path that takes both."""

@@ -4,7 +4,7 @@ model over the paged KV cache and samples the sequences that are due a token."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -61,11 +61,6 @@ class StepResult:
 SCORE_ROWS_PER_PASS = 256
 
 
-def kv_block_bytes(hf_config, block_size: int, dtype: torch.dtype) -> int:
-    per_token = 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim_of(hf_config)
-    return per_token * block_size * torch.finfo(dtype).bits // 8
-
-
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, seed: int, device: str = "cpu",
                  *, compile: bool = False):
@@ -108,6 +103,10 @@ class ModelRunner:
         # Whether decodes run the torch CPU paths, whose reads are planned once per step (prefills always do on
         # CPU: their chunks laid out in tiles for the native kernel where it runs).
         self.plans_torch_decode = not triton and not native
+        # The layers' sliding windows, each read through metadata of its own in a step with a longer sequence
+        # (attention.py); none where every layer's scores are soft-capped (windowed_attention takes them all).
+        arch = model.architecture
+        self.windows = () if arch.attention_softcap else tuple(sorted({w for w in arch.layer_windows if w}))
 
     def copy_rows(self, src_block: int, dst_block: int, num_rows: int) -> None:
         for layer in self.model.model.layers:
@@ -184,6 +183,9 @@ class ModelRunner:
             meta.prefill = self._prefill(prefills)
         if self.native_kernels:
             meta.native = self._native(meta)
+        for window in self.windows:
+            if meta.longest_context > window:
+                meta.windows[window] = self._windowed(meta, decodes, window)
         logit_rows += score_rows
         rows = self._tensor(logit_rows, torch.long) if logit_rows else None
         return self._tensor(token_ids, torch.long), self._tensor(positions, torch.long), meta, rows, sampled, scored
@@ -208,13 +210,29 @@ class ModelRunner:
     def _blocks(self, length: int) -> int:
         return -(-length // self.block_size)
 
-    def _decode(self, seqs: list[Context]) -> DecodeMetadata:
+    def _decode(self, seqs: list[Context], window: int | None = None) -> DecodeMetadata:
         lens = [ctx.num_computed_tokens + 1 for ctx in seqs]
         tables = [ctx.block_table[: self._blocks(n)] for ctx, n in zip(seqs, lens)]
         meta = DecodeMetadata(self._tables(tables), self._tensor(lens))
         if self.plans_torch_decode:
-            meta.plan = cpu_attention.plan_decode(meta.block_tables, meta.context_lens, self.block_size)
+            meta.plan = cpu_attention.plan_decode(meta.block_tables, meta.context_lens, self.block_size, window)
         return meta
+
+    def _windowed(self, meta: AttentionMetadata, decodes: list[Context], window: int) -> AttentionMetadata:
+        """The step's metadata for layers with a sliding ``window``: the same rows, each decode on its own, the
+        reads planned (and on the C++ kernel laid out) from each row's window's first key."""
+        windowed = AttentionMetadata(slot_mapping=meta.slot_mapping, num_decodes=meta.num_decodes,
+                                     longest_context=meta.longest_context, window=window)
+        if decodes:
+            windowed.decode = self._decode(decodes, window)
+        if meta.prefill is not None:
+            prefill = meta.prefill
+            windowed.prefill = replace(prefill, plan=None if not self.plans_cpu_attention else cpu_attention.plan_prefill(
+                prefill.block_tables, prefill.cu_seqlens_q, prefill.context_lens, self.block_size,
+                native_dtype=self.native_dtype, window=window))
+        if self.native_kernels:
+            windowed.native = self._native(windowed)
+        return windowed
 
     def _shared_prefix(self, seqs: list[Context], groups: list[PrefixGroup]) -> SharedPrefixMetadata:
         prefix_ids = [-1] * len(seqs)
@@ -261,10 +279,13 @@ class ModelRunner:
             shared = meta.shared_prefix
             parts.append(cpu_attention.decode_rows(shared.suffix_block_tables, shared.suffix_lens,
                                                    (shared.prefix_ids, shared.prefix_block_tables, shared.prefix_lens)))
+        elif meta.decode is not None and meta.window is not None:
+            parts.append(cpu_attention.windowed_decode_rows(meta.decode.block_tables, meta.decode.context_lens,
+                                                            meta.window, self.block_size))
         elif meta.decode is not None:
             parts.append(cpu_attention.decode_rows(meta.decode.block_tables, meta.decode.context_lens))
         if meta.prefill is not None:
             parts += [chunk.cached_rows for chunk in meta.prefill.plan]
         rows = cpu_attention.join_rows(parts, self.block_size)
         return self.native_kernels.prepare_decode(rows.own_tables, rows.own_lens,
-                                                  (rows.prefix_ids, rows.prefix_table, rows.prefix_len))
+                                                  (rows.prefix_ids, rows.prefix_table, rows.prefix_len), rows.firsts)

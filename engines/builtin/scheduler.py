@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engines.builtin.block_manager import BlockManager
+from engines.builtin.block_manager import FREED, BlockManager
 from engines.builtin.config import EngineConfig
 from engines.builtin.model_runner import PrefixGroup, ScheduledBatch
 from engines.builtin.context import Context, Status, next_arrival
@@ -55,7 +55,7 @@ def prefix_groups(decodes: list[Context], block_size: int) -> list[PrefixGroup]:
     """
     by_first_block: dict[int, list[int]] = {}
     for i, ctx in enumerate(decodes):
-        if ctx.num_computed_tokens >= block_size:
+        if ctx.num_computed_tokens >= block_size and ctx.block_table[0] != FREED:  # freed: windowed, never shared
             by_first_block.setdefault(ctx.block_table[0], []).append(i)
     groups = []
     for members in by_first_block.values():

@@ -155,6 +155,7 @@ class StepLoop:
             self.block_manager.commit()
             for ctx, n in batch.entries:
                 ctx.num_computed_tokens += n
+                self.block_manager.free_outside_window(ctx)
                 ctx.num_computed_by_request += n
                 ctx.last_used = self._step_count
                 if ctx.is_fill and ctx.num_pending_tokens == 0:

@@ -56,8 +56,9 @@ int parrot_pack_q8(const uint8_t *codes, const float *scales, const float *minim
     int NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *prefix_ids,                     \
              const int32_t *prefix_tables, int64_t prefix_stride, const int32_t *prefix_lens,                \
              int64_t num_prefixes, const int32_t *own_tables, int64_t own_stride, const int32_t *own_lens,   \
-             T *out, int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,               \
-             int64_t block_size, int64_t num_blocks, float scale, int64_t q_stride, int num_threads)
+             const int32_t *firsts, T *out, int64_t batch, int64_t num_heads, int64_t num_kv_heads,          \
+             int64_t head_dim, int64_t block_size, int64_t num_blocks, float scale, int64_t q_stride,        \
+             int num_threads)
 PARROT_DECODE_SIGNATURE(parrot_decode_f32, float);
 PARROT_DECODE_SIGNATURE(parrot_decode_bf16, uint16_t);
 

@@ -745,10 +745,11 @@ inline const float *const *fp32_rows(const BFloat16 *const *cache_rows, int64_t 
 }
 
 // Rows [first, first + count) over a segment's tokens (key and value rows of one kv head), row r over its
-// first row_ends[r]: all scores, then each row's softmax step, then the values.
+// first row_ends[r], from its row_starts[r]-th on (a sliding window's first key; null: from the first): all
+// scores, then each row's softmax step, then the values.
 template <int64_t DIM, typename T>
 void attend_segment(Scratch &s, int64_t first, int64_t count, const SegmentRows<T> &rows, const SegmentRows<T> &next,
-                    const int64_t *row_ends, bool pairs, float scale) {
+                    const int64_t *row_ends, const int64_t *row_starts, bool pairs, float scale) {
     const T *const *key_rows = rows.keys, *const *value_rows = rows.values;
     const int64_t n = rows.n;
     prefetch_rows<DIM>(value_rows, n);
@@ -777,6 +778,10 @@ void attend_segment(Scratch &s, int64_t first, int64_t count, const SegmentRows<
             score_chunk<DIM>(s, first, count, chunk, std::min(kChunk, n - chunk), pairs, scale, key_fp32);
         }
     }
+    if (row_starts) {  // keys before a row's window: scored with the rest, masked out before its softmax step
+        for (int64_t r = 0; r < count; r++)
+            if (row_ends[r] > 0) std::fill_n(s.scores.data() + (first + r) * kStride, row_starts[r], -INFINITY);
+    }
     float rescale[kTileRows];
     const float *const *value_fp32 = nullptr;  // the value rows as fp32, off the pair paths
     if (pairs) {
@@ -797,17 +802,19 @@ void attend_segment(Scratch &s, int64_t first, int64_t count, const SegmentRows<
 
 // Attends rows [first, first + count) of the scratch state over `tokens` of one kv head; with `row_lengths`,
 // row r over only the first row_lengths[r] of them (runs nested in one table: a prefill tile's rows, each
-// causal up to itself).
+// causal up to itself); with `row_firsts`, row r over none before its row_firsts[r]-th (a sliding window's
+// first key, which may lie before these tokens: <= 0).
 template <int64_t DIM, typename T>
 void attend(Scratch &s, int64_t first, int64_t count, const T *k_cache, const T *v_cache, Tokens tokens,
-            int64_t kv_head, const Shape &shape, const int64_t *row_lengths = nullptr) {
+            int64_t kv_head, const Shape &shape, const int64_t *row_lengths = nullptr,
+            const int64_t *row_firsts = nullptr) {
     // bf16 scores and sums values through the CPU's bf16 dot product where it has one: the keys and values
     // rearranged into pairs (in registers) once for all rows. Worth it for many rows (a prefix's tile) or a
     // run of a chunk or more; a short run of few rows (a decode's last tokens) converts its keys to fp32 for
     // less. A decode of 16 x 3 rows over 150 tokens: 107 -> 73 us.
     const bool pairs = kBf16Dot && std::is_same_v<T, BFloat16> && (count >= kScoreRows || tokens.length >= kChunk);
     SegmentRows<T> segments[2];  // this segment's rows and the next's
-    int64_t row_ends[kTileRows], block = 0, offset = 0, start = 0;
+    int64_t row_ends[kTileRows], row_starts[kTileRows], block = 0, offset = 0, start = 0;
     const auto gather = [&](SegmentRows<T> &rows) {  // the next segment's token rows, walking the block table
         rows.n = std::min(kSegment, tokens.length - start);
         for (int64_t t = 0; t < rows.n; t++) {
@@ -822,9 +829,17 @@ void attend(Scratch &s, int64_t first, int64_t count, const T *k_cache, const T 
     for (int64_t i = 0, done = 0; segments[i % 2].n > 0; done += segments[i % 2].n, i++) {
         SegmentRows<T> &rows = segments[i % 2], &next = segments[(i + 1) % 2];
         gather(next);
-        for (int64_t r = 0; r < count; r++)
+        bool any = false;
+        for (int64_t r = 0; r < count; r++) {
             row_ends[r] = row_lengths ? std::max<int64_t>(0, std::min(row_lengths[r] - done, rows.n)) : rows.n;
-        attend_segment<DIM>(s, first, count, rows, next, row_ends, pairs, shape.scale);
+            if (row_firsts) {  // a row whose window starts past this segment sees none of it: as a run that ended
+                row_starts[r] = std::clamp<int64_t>(row_firsts[r] - done, 0, rows.n);
+                if (row_starts[r] >= row_ends[r]) row_ends[r] = 0;
+            }
+            any |= row_ends[r] > 0;
+        }
+        if (any) attend_segment<DIM>(s, first, count, rows, next, row_ends, row_firsts ? row_starts : nullptr, pairs,
+                                     shape.scale);
     }
 }
 
@@ -849,6 +864,7 @@ struct Task {
     // for merge_parts. -1: not split.
     int part = -1;
     int64_t states = 0;  // the pair's first float in the call's partial states
+    int64_t prefix_offset = 0;  // the prefix's first token within the whole prefix (part 1: where part 0 ended)
 };
 
 // A row's softmax state as a split task leaves it: the running max, the total, then the dim sums.
@@ -890,10 +906,20 @@ void save_partial(const Scratch &s, int64_t rows, float *to) {
     }
 }
 
+// Each of the task's rows' first visible token within a run that starts `offset` tokens into the members' prefix
+// ++ own tokens (firsts: per member, from the prefix's start), or null where the call has no windows.
+inline const int64_t *run_firsts(const Task &task, const int32_t *firsts, int64_t offset, int64_t group,
+                                 int64_t *to) {
+    if (!firsts) return nullptr;
+    for (size_t m = 0; m < task.members.size(); m++)
+        for (int64_t g = 0; g < group; g++) to[m * group + g] = firsts[task.members[m]] - offset;
+    return to;
+}
+
 template <int64_t DIM, typename T>
 void run_task(const Task &task, Scratch &s, const T *q, const T *k_cache, const T *v_cache,
-              const int32_t *own_tables, int64_t own_stride, const int32_t *own_lens, T *out, const Shape &shape,
-              float *states) {
+              const int32_t *own_tables, int64_t own_stride, const int32_t *own_lens, const int32_t *firsts, T *out,
+              const Shape &shape, float *states) {
     constexpr int64_t dim = DIM;
     const int64_t group = shape.group();
     const int64_t rows = group * static_cast<int64_t>(task.members.size());
@@ -913,8 +939,12 @@ void run_task(const Task &task, Scratch &s, const T *q, const T *k_cache, const 
             prefetch_run<DIM>(k_cache, v_cache, Tokens{own_tables + longest * own_stride, own_lens[longest]},
                               task.kv_head, shape);
         });
-        attend<DIM>(s, 0, rows, k_cache, v_cache, task.prefix, task.kv_head, shape);
+        int64_t prefix_firsts[kTileRows];
+        attend<DIM>(s, 0, rows, k_cache, v_cache, task.prefix, task.kv_head, shape, nullptr,
+                    run_firsts(task, firsts, task.prefix_offset, group, prefix_firsts));
     }
+    int64_t own_firsts[kTileRows];  // the own runs start after the whole prefix
+    const int64_t *row_firsts = run_firsts(task, firsts, task.prefix_offset + task.prefix.length, group, own_firsts);
     float *const own_states = task.part < 0 ? nullptr : states + task.states + task.part * partial_floats(rows, DIM);
     if (task.part == 0) return save_partial<DIM>(s, rows, own_states);
     for_each_table_group(task, own_tables, own_stride, own_lens, [&](size_t m, size_t count, int64_t longest) {
@@ -923,7 +953,8 @@ void run_task(const Task &task, Scratch &s, const T *q, const T *k_cache, const 
             for (int64_t g = 0; g < group; g++) lengths[(i - m) * group + g] = own_lens[task.members[i]];
         const Tokens own{own_tables + longest * own_stride, own_lens[longest]};
         if (own.length > 0)
-            attend<DIM>(s, m * group, count * group, k_cache, v_cache, own, task.kv_head, shape, count > 1 ? lengths : nullptr);
+            attend<DIM>(s, m * group, count * group, k_cache, v_cache, own, task.kv_head, shape, count > 1 ? lengths : nullptr,
+                        row_firsts ? row_firsts + m * group : nullptr);
         if (task.part == 1) return;
         for (size_t i = m; i < m + count; i++) {
             const int64_t b = task.members[i];
@@ -1030,7 +1061,7 @@ Plan plan_tasks(int64_t batch, const int32_t *prefix_ids, const int32_t *prefix_
             const int64_t split = split_at[p], floats = partial_floats(shape.group() * tiles[i].size(), shape.head_dim);
             tasks.push_back({h, Tokens{prefix.table, split}, tiles[i], 0, state_floats});
             tasks.push_back({h, Tokens{prefix.table + split / shape.block_size, prefix.length - split}, tiles[i], 1,
-                             state_floats});
+                             state_floats, split});
             state_floats += 2 * floats;
         }
     }
@@ -1052,8 +1083,8 @@ Plan plan_tasks(int64_t batch, const int32_t *prefix_ids, const int32_t *prefix_
 
 template <int64_t DIM, typename T>
 void run_tasks(const Plan &plan, const T *q, const T *k_cache, const T *v_cache,
-               const int32_t *own_tables, int64_t own_stride, const int32_t *own_lens, T *out, const Shape &shape,
-               int num_threads) {
+               const int32_t *own_tables, int64_t own_stride, const int32_t *own_lens, const int32_t *firsts, T *out,
+               const Shape &shape, int num_threads) {
     const std::vector<Task> &tasks = plan.tasks;
     // The split tasks' states, kept between calls as the scratch is.
     thread_local std::vector<float> state_buffer;
@@ -1068,7 +1099,8 @@ void run_tasks(const Plan &plan, const T *q, const T *k_cache, const T *v_cache,
         if (scratch.tiles) configure_attention_tiles();
 #pragma omp for schedule(dynamic, 1)
         for (size_t i = 0; i < tasks.size(); i++)
-            run_task<DIM>(tasks[i], scratch, q, k_cache, v_cache, own_tables, own_stride, own_lens, out, shape, states);
+            run_task<DIM>(tasks[i], scratch, q, k_cache, v_cache, own_tables, own_stride, own_lens, firsts, out, shape,
+                          states);
         if (scratch.tiles) release_tiles();
         if (plan.state_floats > 0) {  // the same on every thread: all of them meet the loop's barrier or none does
 #pragma omp for schedule(dynamic, 1)
@@ -1081,7 +1113,8 @@ void run_tasks(const Plan &plan, const T *q, const T *k_cache, const T *v_cache,
 template <typename T>
 int decode(const T *q, const T *k_cache, const T *v_cache, const int32_t *prefix_ids, const int32_t *prefix_tables,
            int64_t prefix_stride, const int32_t *prefix_lens, int64_t num_prefixes, const int32_t *own_tables,
-           int64_t own_stride, const int32_t *own_lens, T *out, int64_t batch, const Shape &shape, int num_threads) {
+           int64_t own_stride, const int32_t *own_lens, const int32_t *firsts, T *out, int64_t batch, const Shape &shape,
+           int num_threads) {
     if (shape.group() > kTileRows) return -1;
     const auto blocks_valid = [&](const int32_t *table, int64_t length) {
         for (int64_t i = 0; i < (length + shape.block_size - 1) / shape.block_size; i++)
@@ -1095,7 +1128,7 @@ int decode(const T *q, const T *k_cache, const T *v_cache, const int32_t *prefix
     const Plan plan = plan_tasks(batch, prefix_ids, prefix_tables, prefix_stride, prefix_lens, num_prefixes, own_lens,
                                   shape, kTileRows, num_threads);
     const auto run = [&](auto dim) {
-        run_tasks<decltype(dim)::value>(plan, q, k_cache, v_cache, own_tables, own_stride, own_lens, out, shape,
+        run_tasks<decltype(dim)::value>(plan, q, k_cache, v_cache, own_tables, own_stride, own_lens, firsts, out, shape,
                                         num_threads);
         return 0;
     };
@@ -1115,7 +1148,8 @@ int decode(const T *q, const T *k_cache, const T *v_cache, const int32_t *prefix
 extern "C" {
 
 // Each sequence b attends to prefix prefix_ids[b] (rows of prefix_tables / prefix_lens; -1 or a null
-// prefix_ids: none), then to the first own_lens[b] tokens of own_tables' row b; its queries are at
+// prefix_ids: none), then to the first own_lens[b] tokens of own_tables' row b, none before its firsts[b]-th
+// token counted from its prefix's first (a sliding window's first key; a null firsts: all); its queries are at
 // q + b * q_stride, out is contiguous [batch, num_heads, head_dim]. Returns 0; -1 when
 // this build has no kernel for head_dim or the query group; -2 when a table names a block past
 // num_blocks (nothing is read then).
@@ -1125,8 +1159,8 @@ extern "C" {
         const Shape shape{num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, q_stride};      \
         return decode(reinterpret_cast<const T *>(q), reinterpret_cast<const T *>(k_cache),                  \
                       reinterpret_cast<const T *>(v_cache), prefix_ids, prefix_tables, prefix_stride, prefix_lens, \
-                      num_prefixes, own_tables, own_stride, own_lens, reinterpret_cast<T *>(out), batch, shape, \
-                      num_threads);                                                                          \
+                      num_prefixes, own_tables, own_stride, own_lens, firsts, reinterpret_cast<T *>(out), batch, \
+                      shape, num_threads);                                                                   \
     }
 
 PARROT_DECODE(parrot_decode_f32, float, float)

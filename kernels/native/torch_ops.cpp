@@ -225,7 +225,7 @@ int write_and_attend(const at::Tensor &q, const at::Tensor &k, const at::Tensor 
                            int32s_or_null(step.prefix_tables), step.prefix_tables ? step.prefix_tables->stride(0) : 0,
                            int32s_or_null(step.prefix_lens), step.prefix_lens ? step.prefix_lens->size(0) : 0,
                            step.own_tables.const_data_ptr<int32_t>(), step.own_tables.stride(0),
-                           step.own_lens.const_data_ptr<int32_t>(), mutable_values<T>(out), q.size(0), q.size(1),
+                           step.own_lens.const_data_ptr<int32_t>(), nullptr, mutable_values<T>(out), q.size(0), q.size(1),
                            kv_heads, dim, block_size, num_blocks, static_cast<float>(scale), q.stride(0),
                            at::get_num_threads());
 }

@@ -96,6 +96,39 @@ def test_runs_longer_than_a_segment(kernels, kv, tol):
     torch.testing.assert_close(out, reference.paged_prefill(q, kv.k_cache, kv.v_cache, tables, cu, context, kv.scale), **tol)
 
 
+@pytest.mark.parametrize("window", [1, 20, 64, 300])
+def test_sliding_window_decode(kernels, kv, tol, window):
+    """Each row over its last `window` tokens, its table starting at the window's block and the keys before its
+    first masked (cpu_attention.windowed_decode_rows); the torch path's mask says the same."""
+    lens = torch.tensor([600, 257, 37, 0, 64, 16], dtype=torch.int32)
+    q, tables = kv.queries(len(lens)), kv.block_tables(lens.tolist())
+    expected = reference.paged_decode(q, kv.k_cache, kv.v_cache, tables, lens, kv.scale, window)
+
+    rows = cpu_attention.windowed_decode_rows(tables, lens, window, kv.block_size)
+    out = kernels.prepare_decode(rows.own_tables, rows.own_lens, firsts=rows.firsts)(q, kv.k_cache, kv.v_cache, kv.scale)
+
+    torch.testing.assert_close(out, expected, **tol)
+    assert torch.all(out[3] == 0)
+    assert rows.own_lens[0] <= window + kv.block_size - 1, "the blocks before the window are not in the row's table"
+    torch.testing.assert_close(cpu_attention.decode(q, kv.k_cache, kv.v_cache, tables, lens, kv.scale, window=window),
+                               expected, **tol)
+
+
+@pytest.mark.parametrize("window", [7, 40, 260])
+@pytest.mark.parametrize(("new", "cached"), [(300, 200), (10, 500), (33, 0)], ids=["segments", "split", "fresh"])
+def test_sliding_window_prefill(kernels, kv, tol, window, new, cached, two_threads):
+    """Prefill tiles under a window: a tile's prefix from its first query's window's block, each row masked from
+    its own first key; across segment ends, a prefix split by tokens into two tasks, and a fresh prompt."""
+    length = new + cached
+    tables, cu = kv.block_tables([length]), torch.tensor([0, new], dtype=torch.int32)
+    context, q = torch.tensor([length], dtype=torch.int32), kv.queries(new)
+    expected = reference.paged_prefill(q, kv.k_cache, kv.v_cache, tables, cu, context, kv.scale, window)
+    for native_kernels in (kernels, None):
+        out = cpu_attention.prefill(q, kv.k_cache, kv.v_cache, tables, cu, context, kv.scale, native=native_kernels,
+                                    window=window)
+        torch.testing.assert_close(out, expected, **tol)
+
+
 @pytest.mark.parametrize("block_size", [16], ids=["page16"])
 def test_peaked_scores(kernels, kv, tol):
     """Queries 30x as large: scores far apart, most weights deep in exp's underflow (bf16's exp clamps at

@@ -23,6 +23,22 @@ def test_matches_reference(kv, tol, num_splits):
     assert torch.all(out[3] == 0), "a row with no context must be zeros, not NaN"
 
 
+@pytest.mark.parametrize("window", [1, 20, 64], ids=["window1", "window20", "window64"])
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["direct", "split3"])
+def test_sliding_window_matches_reference(kv, tol, window, num_splits):
+    """Each query sees only its last `window` keys; splits wholly before the window stay empty."""
+    lens = torch.tensor(RAGGED, dtype=torch.int32)
+    tables = kv.block_tables(RAGGED)
+    q = kv.queries(len(RAGGED))
+
+    out = paged_decode(q, kv.k_cache, kv.v_cache, tables, lens, kv.scale, num_splits=num_splits, window=window)
+
+    expected = reference.paged_decode(q, kv.k_cache, kv.v_cache, tables, lens, kv.scale, window)
+    torch.testing.assert_close(out, expected, **tol)
+    whole = reference.paged_decode(q, kv.k_cache, kv.v_cache, tables, lens, kv.scale)
+    assert not torch.allclose(out[-1], whole[-1], **tol), "the window must cut the longest row's context"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32], ids=["fp32"])
 @pytest.mark.parametrize("block_size", [16], ids=["page16"])
 def test_more_splits_than_tokens_leaves_empty_splits_harmless(kv, tol):

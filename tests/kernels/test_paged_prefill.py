@@ -31,6 +31,21 @@ def test_matches_reference(kv, tol):
     torch.testing.assert_close(out, expected, **tol)
 
 
+@pytest.mark.parametrize("window", [1, 24, 70], ids=["window1", "window24", "window70"])
+def test_sliding_window_matches_reference(kv, tol, window):
+    """Each query sees the last `window` tokens up to itself, over a cached prefix and across 64-query tiles."""
+    q_lens, context = [c[0] for c in CASES], [c[1] for c in CASES]
+    tables = kv.block_tables(context)
+    cu_seqlens_q, context_lens = packed(q_lens), torch.tensor(context, dtype=torch.int32)
+    q = kv.queries(sum(q_lens))
+
+    out = paged_prefill(q, kv.k_cache, kv.v_cache, tables, cu_seqlens_q, context_lens, max(q_lens), kv.scale,
+                        window=window)
+
+    expected = reference.paged_prefill(q, kv.k_cache, kv.v_cache, tables, cu_seqlens_q, context_lens, kv.scale, window)
+    torch.testing.assert_close(out, expected, **tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32], ids=["fp32"])
 @pytest.mark.parametrize("block_size", [16], ids=["page16"])
 def test_last_prefill_row_equals_decode_of_that_token(kv, tol):

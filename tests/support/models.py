@@ -56,6 +56,19 @@ def tiny_family_model(family: str):
     return model_class(config)
 
 
+def saved_tiny_family(family: str, directory, tokenizer_dir):
+    """(``directory`` holding a tiny random ``family`` checkpoint with SmolLM2's tokenizer, transformers' model of it
+    in eager attention: the one that soft-caps as Gemma 2 asks)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    tiny_family_model(family).save_pretrained(directory)
+    for item in tokenizer_dir.iterdir():
+        shutil.copy(item, directory)
+    return directory, AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager").eval()
+
+
 TINY_FAMILIES = {
     "qwen3": ("Qwen3Config", dict(tie_word_embeddings=True)),
     "mistral": ("MistralConfig", dict(sliding_window=24, tie_word_embeddings=False)),

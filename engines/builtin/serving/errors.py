@@ -26,6 +26,13 @@ class EngineBadRequest(EngineError):
         self.param = param
 
 
+class ContextLengthExceeded(EngineBadRequest):
+    """A prompt, or a prompt and the tokens asked for, past the longest sequence this engine can ever hold: the
+    model's context, or what its KV cache holds of one sequence (engines/builtin/kv_capacity.py). OpenAI's code."""
+
+    code = "context_length_exceeded"
+
+
 class EngineNotFound(EngineError):
     """A context id the engine does not hold."""
 
@@ -83,7 +90,7 @@ def translate(exc: Exception) -> Exception:
     if isinstance(exc, InvalidRequest):
         return EngineBadRequest(str(exc), exc.param)
     if isinstance(exc, PromptTooLong):
-        return EngineBadRequest(str(exc))
+        return ContextLengthExceeded(str(exc))
     if isinstance(exc, ValueError) and not isinstance(exc, EngineError):
         return EngineBadRequest(str(exc))  # a value the core cannot take (the request's, as it was checked)
     return exc

@@ -8,7 +8,7 @@ from typing import Any, Iterable, TypeVar
 import msgspec
 
 from engines.builtin.types import SamplingParams
-from engines.builtin.serving.errors import EngineBadRequest
+from engines.builtin.serving.errors import ContextLengthExceeded, EngineBadRequest
 from wire.openai import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     CompletionRequest,
@@ -22,11 +22,11 @@ def sampling_params(request: Any, prompt_len: int, *, max_model_len: int, vocab_
     """A request's fields (unset = None) as normalised ``SamplingParams`` for a prompt of ``prompt_len``."""
     remaining = max_model_len - prompt_len
     if remaining < (0 if request.token_limit() == 0 else 1):  # 0: an echoed prompt only scored
-        raise EngineBadRequest(f"the prompt is {prompt_len} tokens; this model's context window is {max_model_len}",
-                               prompt_param)
+        raise ContextLengthExceeded(f"the prompt is {prompt_len} tokens; this model's context window is {max_model_len}",
+                                    prompt_param)
     limit = request.token_limit()
     if limit is not None and limit > remaining:  # as vLLM and OpenAI: an error, not a silently shorter answer
-        raise EngineBadRequest(
+        raise ContextLengthExceeded(
             f"this model's context window is {max_model_len} tokens; the prompt is {prompt_len} and "
             f"{limit} more were asked for: reduce the prompt or max_tokens",
             "max_completion_tokens" if getattr(request, "max_completion_tokens", None) else "max_tokens")

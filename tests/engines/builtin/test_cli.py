@@ -31,6 +31,13 @@ def test_flags_and_environment_override_defaults(monkeypatch):
     assert args.port == 9
 
 
+def test_the_kv_cache_budget_by_flag_or_environment(monkeypatch):
+    monkeypatch.setenv("PARROT_ENGINE_KV_CACHE_MEMORY_FRACTION", "0.4")
+    assert engine_config(build_parser().parse_args([])).kv_cache_memory_fraction == 0.4
+    args = build_parser().parse_args(["--kv-cache-memory-fraction", "0.25", "--kv-cache-memory", "1073741824"])
+    assert (engine_config(args).kv_cache_memory_fraction, engine_config(args).kv_cache_memory) == (0.25, 2**30)
+
+
 @pytest.mark.parametrize("field", [f.name for f in msgspec.structs.fields(EngineConfig) if f.type is bool])
 def test_every_boolean_is_a_switch_with_a_no_form(field, monkeypatch):
     """``--compile`` alone turns it on (it once wanted ``--compile true``, which still works), ``--no-compile``

@@ -282,6 +282,7 @@ def test_asking_for_more_tokens_than_the_window_holds_is_a_400(http, field):
     error = _error(http.post("/v1/chat/completions", json={"model": MODEL, "messages": FRANCE, field: 10**6}), 400)
 
     assert error["param"] == field and "context window" in error["message"]
+    assert error["code"] == "context_length_exceeded"
 
 
 # ---------------------------------------------------------------- Parrot primitives

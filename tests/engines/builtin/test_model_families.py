@@ -13,8 +13,9 @@ import torch
 
 from engines.builtin.config import EngineConfig
 from engines.builtin.core import EngineCore
+from engines.builtin.model import architecture_of
 from tests.engines.builtin.test_core_generation import GREEDY, assert_all_blocks_free, collect, hf_greedy, random_prompts
-from tests.support.models import TINY_FAMILIES, tiny_family_config, tiny_family_model
+from tests.support.models import TINY_FAMILIES, saved_tiny_family, tiny_family_config, tiny_family_model
 from tests.support.gguf_files import add_byte_level_tokenizer, byte_level_vocab
 
 pytestmark = pytest.mark.timeout(240)
@@ -23,22 +24,18 @@ pytestmark = pytest.mark.timeout(240)
 @pytest.fixture(scope="module", params=sorted(TINY_FAMILIES))
 def family(request, tmp_path_factory, smollm2_tokenizer_dir):
     """(checkpoint directory, transformers' model in eager attention: the one that soft-caps as Gemma 2 asks)."""
-    from transformers import AutoModelForCausalLM
-
-    directory = tmp_path_factory.mktemp(f"tiny-{request.param}")
-    tiny_family_model(request.param).save_pretrained(directory)
-    for item in smollm2_tokenizer_dir.iterdir():
-        shutil.copy(item, directory)
-    hf_model = AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager").eval()
-    return directory, hf_model
+    return saved_tiny_family(request.param, tmp_path_factory.mktemp(f"tiny-{request.param}"), smollm2_tokenizer_dir)
 
 
 def test_mixed_batch_under_chunked_prefill_and_preemption_matches_transformers(family):
     directory, hf_model = family
     # 10 blocks of 16 slots for prompts and outputs needing 12 (as test_core_generation's preemption test), and
-    # a 24-token budget: prompts are cut into chunks, and sequences are evicted and recomputed.
-    engine = EngineCore(EngineConfig(model=str(directory), num_blocks=10, max_num_batched_tokens=24))
-    prompts = random_prompts((1, 9, 37, 70), seed=3)
+    # a 24-token budget: prompts are cut into chunks, and sequences are evicted and recomputed. Where every layer
+    # is windowed the blocks behind the windows are freed (test_sliding_window.py): 6 blocks and two more prompts, so
+    # that they still are.
+    windowed = architecture_of(hf_model.config).freeing_window is not None
+    engine = EngineCore(EngineConfig(model=str(directory), num_blocks=6 if windowed else 10, max_num_batched_tokens=24))
+    prompts = random_prompts((1, 9, 37, 70, *((50, 60) if windowed else ())), seed=3)
     outputs = engine.generate_batch(prompts, GREEDY)
     assert engine.scheduler.num_preemptions > 0
     for prompt, output in zip(prompts, outputs):
@@ -50,10 +47,17 @@ def test_mixed_batch_under_chunked_prefill_and_preemption_matches_transformers(f
 async def test_forks_of_a_shared_prefix_match_transformers(family):
     directory, hf_model = family
     engine = EngineCore(EngineConfig(model=str(directory)))
+    prefix, *suffixes = random_prompts((37, 5, 16, 1), seed=2)  # 37: a partial last block to copy
+    await forks_match_transformers(engine, hf_model, prefix, suffixes)
+
+
+async def forks_match_transformers(engine: EngineCore, hf_model, prefix, suffixes, after_fill=lambda engine: None):
+    """Fills ``prefix`` on the (started here) engine, forks it for each suffix, and checks each fork's greedy output
+    against transformers' for prefix + suffix; ``after_fill(engine)`` once the prefix is filled. All freed after."""
     engine.start()
     try:
-        prefix, *suffixes = random_prompts((37, 5, 16, 1), seed=2)  # 37: a partial last block to copy
         parent = await engine.fill(prefix)
+        after_fill(engine)
         children = [(await engine.fill(suffix, parent_context_id=parent.context_id)).context_id for suffix in suffixes]
         outputs = await asyncio.gather(*(collect(engine.generate(child, GREEDY)) for child in children))
         for suffix, output in zip(suffixes, outputs):
