@@ -48,7 +48,6 @@ async def test_an_agent_runs_its_function_tool_to_completion(async_openai, api, 
                                                                           max_tokens=48))
     result = await run_to_completion(agent, "What is the weather in Paris?", streamed)
 
-
     calls = [item for item in result.new_items if isinstance(item, agents.ToolCallItem)]
     outputs = [item for item in result.new_items if isinstance(item, agents.ToolCallOutputItem)]
     assert len(asked) >= 1 and len(calls) == len(outputs) == len(asked)
