@@ -1,7 +1,8 @@
 """A chat completion stream as the Responses API streams it: ``response.created`` and ``.in_progress``, then
 for the text an output message (``output_item.added``, ``content_part.added``, ``output_text.delta``s,
 ``output_text.done``, ``content_part.done``, ``output_item.done``) and for each tool call a function_call item
-(``output_item.added``, ``function_call_arguments.delta``s and ``.done``, ``output_item.done``), and last
+(``output_item.added``, ``function_call_arguments.delta``s and ``.done``, ``output_item.done``, each item done
+before the next one is added), and last
 ``response.completed`` (``.incomplete`` at max_output_tokens, ``.failed`` when the engine failed) with the
 usage and its cached tokens. Every event is numbered (``sequence_number``)."""
 
@@ -101,7 +102,9 @@ class ResponseStream:
     def _call_delta(self, index: int, call_id: str | None, name: str | None, arguments: str | None) -> bytes:
         out = b""
         if index not in self._calls:
-            out += self._close_text("completed")  # the text comes before the calls
+            # The text comes before the calls, and a call is done when the next one starts: items finish in order,
+            # as OpenAI streams them (chat upstreams send one call's arguments after the other's).
+            out += self._close_text("completed") + self._close_calls("completed")
             item = FunctionCallItem(id=new_item_id("fc"), call_id=call_id or new_item_id("call"), name=name or "",
                                 arguments="", status="in_progress")
             self._calls[index] = (len(self.response.output), item)

@@ -9,6 +9,7 @@ like any unknown field):
   chunk_delay_s sleep between streamed chunks
   status        answer with this HTTP status and an OpenAI error body
   die_after     streaming: drop the connection after this many chunks (mid-stream failure)
+  chunks        streaming: exactly these chat chunks (an upstream's own way of splitting tool calls and usage)
 POST /v1/embeddings answers a deterministic unit vector per input (``embedding``), a token per word.
 ``GET /fake/stats`` reports requests seen (and abandoned by their client during a delay) and streams
 opened/finished/cancelled, and the last request body: counters of this process, shared by every fake it serves.
@@ -64,7 +65,7 @@ async def _stream(send, receive, body: dict[str, Any], fake: dict[str, Any]) -> 
     gone = asyncio.Event()
     watcher = asyncio.create_task(_watch_disconnect(receive, gone))
     try:
-        for k, chunk in enumerate(chunks(body)):
+        for k, chunk in enumerate(fake.get("chunks") or chunks(body)):
             if gone.is_set():
                 raise ConnectionResetError("the client closed the stream")
             if "die_after" in fake and k >= int(fake["die_after"]):
