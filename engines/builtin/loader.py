@@ -122,8 +122,12 @@ def converted_gguf(source: ModelSource) -> Path | None:
 def cached_source(source: ModelSource) -> ModelSource:
     """``source`` itself, or for a GGUF its converted cache when it can have one."""
     if source.gguf_file:
-        refusal = checkpoint_refusal(str(Path(source.directory, source.gguf_file)))
-        if refusal:  # before transformers parses all of it, which would fail with its own words
+        cache = gguf_cache_dir(source)
+        # The converted cache's config.json says as much as the GGUF's header, which the gguf package reads by
+        # parsing every field (the whole vocabulary: seconds); the header is read only before the first conversion,
+        # before transformers parses all of it, which would fail with its own words.
+        refusal = checkpoint_refusal(str(cache) if cache.is_dir() else str(Path(source.directory, source.gguf_file)))
+        if refusal:
             raise UnsupportedArchitecture(refusal)
         converted = converted_gguf(source)
         if converted is not None:
