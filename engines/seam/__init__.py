@@ -4,7 +4,10 @@ engine's torch-free command line (engines/builtin/server/cli.py), which gateway/
 interface.py     ``Engine`` (create / stream / health / stats / aclose) and the optional capabilities
                  ``ContextEngine`` (contexts + prompt split), ``HintedEngine`` (scheduling fields),
                  ``PrioritizedEngine`` (criteria as vLLM's / SGLang's ``priority``) and ``PrefillEngine``
-                 (prefill-only requests that warm a server's prefix cache)
+                 (prefill-only requests that warm a server's prefix cache), ``TokenizingEngine`` (a prompt's
+                 token ids, to match against the engine's KV-cache events)
+kv_events.py     vLLM's KV-cache events (blocks stored, removed, all cleared): the schema the builtin engine
+                 publishes and the gateway consumes
 contexts.py      what the context capability answers: FillResult, Generation (GenerationChunk), PromptSplit;
                  ForkPart (a fork's text as pieces: text, or an earlier generation's output by name)
 errors.py        ``EngineError`` and its kinds, each with the HTTP status it becomes
@@ -34,9 +37,10 @@ from engines.seam.interface import (
     PrefillEngine,
     PrioritizedEngine,
     Route,
+    TokenizingEngine,
 )
 
 __all__ = ["ContextEngine", "Count", "EmbeddingEngine", "Engine", "EngineError", "EngineOverloaded", "EngineRefusedGateway", "EngineRejected", "EngineStats",
            "EngineTimeout", "EngineUnavailable", "FillResult", "ForkPart", "Generation", "GenerationChunk", "HintedEngine", "PrefillEngine", "PrioritizedEngine",
-           "PromptSplit", "Route",
+           "PromptSplit", "Route", "TokenizingEngine",
            "Segment"]

@@ -131,6 +131,16 @@ class PrefillEngine(Engine, Protocol):
 
 
 @runtime_checkable
+class TokenizingEngine(Engine, Protocol):
+    """Answers a prompt's token ids as it would compute them (vLLM's ``POST /tokenize``, the builtin engine's
+    too): what the gateway matches against the blocks an engine's KV-cache events say it holds."""
+
+    async def tokenize(self, route: Route, body: dict[str, Any]) -> list[int]:
+        """The token ids of ``body``'s prompt (a chat request's rendered with its template, as ``body`` asks:
+        the generation prompt added, or its last message continued)."""
+        ...
+
+
 @runtime_checkable
 class EmbeddingEngine(Engine, Protocol):
     """An engine that computes embeddings (POST /v1/embeddings) for the models it serves: an upstream

@@ -93,6 +93,8 @@ def create_app(config: GatewayConfig | None = None) -> Litestar:
                                                                     config.routing.breaker_cooldown_s))
             gateway = Gateway(config, registry, GatewayMetrics(), client, transport)
             gateway.add_upstreams()
+            gateway.events.start()
+            closing.push_async_callback(gateway.events.aclose)
             app.state.gateway = gateway
             app.state.quotas = quotas = Quotas(config.quotas, store, seat_ttl_s=config.state.seat_ttl_s)
             app.state.responses = ResponsesService(gateway, quotas, config.responses)
