@@ -43,9 +43,11 @@ class HeldBlocks:
     def __len__(self) -> int:
         return len(self._held)
 
-    def on_removed(self, watcher: Callable[[set[int]], None]) -> None:
-        """``watcher(chain hashes)`` after each batch of events that took blocks out of the cache."""
+    def on_removed(self, watcher: Callable[[set[int]], None]) -> Callable[[], None]:
+        """``watcher(chain hashes)`` after each batch of events that took blocks out of the cache; returns the
+        function that stops it."""
         self._watchers.append(watcher)
+        return lambda: self._watchers.remove(watcher) if watcher in self._watchers else None
 
     def apply(self, events: Iterable[KVEvent]) -> None:
         removed: set[int] = set()
@@ -59,7 +61,7 @@ class HeldBlocks:
                 self.clear()
         if removed:
             gone = {h for h in removed if h not in self._held}
-            for watcher in self._watchers:
+            for watcher in list(self._watchers):
                 watcher(gone)
 
     def clear(self) -> None:
