@@ -172,3 +172,27 @@ def test_placement_levels_order_latency_before_urgent_groups_before_throughput()
     assert Placement().level == 0
     assert Placement(latency=False, urgent=True, group="g").level == 1
     assert Placement(latency=False).level == 2
+
+
+def test_an_engine_with_live_kv_events_is_matched_by_them_and_the_others_by_the_mirror():
+    from engines.seam.kv_events import BlockRemoved, BlockStored
+    from gateway.held_blocks import HeldBlocks
+
+    scheduler, engines = Scheduler(), views()
+    tokens = tuple(range(400))
+    item = work(SYSTEM_A)._replace(token_ids=tokens, prompt_tokens=len(tokens))
+    first = place(scheduler, item, engines)  # the mirror: it holds the prompt now
+    held = {view.id: HeldBlocks() for view in engines}
+    other = next(view for view in engines if view.id != first.id)
+    held[other.id].apply([BlockStored(list(range(25)), None, list(tokens), 16, None, "GPU", None)])
+    live = {first.id, other.id}
+    scheduler.exact = lambda engine_id: held[engine_id] if engine_id in live else None
+    # The first engine's events say it evicted the prompt (it holds nothing): the engine whose events say it
+    # holds all of it wins, and the third engine's mirror (nothing placed there) counts as nothing.
+    assert scheduler.held_tokens(item, engines) == {first.id: 0, other.id: 400}
+    assert {place(scheduler, item, engines).id for _ in range(3)} == {other.id}
+    held[other.id].apply([BlockRemoved([0], "GPU")])
+    assert scheduler.held_tokens(item, engines)[other.id] == 0
+    live.clear()  # the streams went silent: the mirror again
+    assert scheduler.held_tokens(item, engines) == {first.id: len(item.prefix) * TOKENS_PER_CHUNK,
+                                                    other.id: len(item.prefix) * TOKENS_PER_CHUNK}
