@@ -225,6 +225,8 @@ async def drive(url: str, apps: Apps, rate: float, args: argparse.Namespace, see
                 ) -> list[tuple[float, float, bool]]:
     bodies, gaps = arrivals(apps, rate, args, seed)
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=1000)) as client:
+        if args.sequential:  # one at a time: placement by what each engine holds alone, no queue to weigh
+            return [await one(client, url, body) for body in bodies]
         tasks = []
         for body, gap in zip(bodies, gaps):
             await asyncio.sleep(gap)
@@ -319,6 +321,10 @@ def main() -> None:
     parser.add_argument("--vllm-router-args", default="", help="more vllm-router options")
     parser.add_argument("--sglang-router-args", default="", help="more sglang-router options, e.g. '--model-path DIR'")
     parser.add_argument("--rounds", type=int, default=1, help="rounds over the rates, policies alternating; medians")
+    parser.add_argument("--sequential", action="store_true",
+                        help="send each run's requests one after another (the rate only seeds the trace): the hit "
+                             "rate then measures what the policy knows of the caches, not how it weighs queues; "
+                             "its latencies are not a timed result")
     parser.add_argument("--keep-engines", action="store_true",
                         help="start the engines once (a loaded host takes minutes to start them) and give each run "
                              "apps of its own instead of empty caches: what earlier runs left is evicted as it goes")
