@@ -81,6 +81,7 @@ class EngineEvents:
         if stream is None or not token_ids:
             return
         blocks = stream.blocks
+        blocks.placed(token_ids)
         if not blocks.block_size or len(token_ids) - blocks.held_tokens(token_ids) >= blocks.block_size:
             stream.expect()
 

@@ -4,7 +4,12 @@ against it block by block without vLLM's hash seed or algorithm.
 
 An event names blocks by the engine's hashes; a block's chain hash here is ``hash((its parent's, its tokens,
 its extra keys))``, its parent found by the engine's ``parent_block_hash``. A block whose parent is not known here
-(its store was missed) cannot be placed in a chain and is left out, with every block after it in that event. A
+(its store was missed: the consumer joined after it, or lost track) is placed by the prompts recently sent to the
+engine (``placed``): one whose full blocks contain the event's first block after k others names the parent's chain,
+and those k blocks are then known held too (the engine chained onto them), tied to the parent's hash: its removal
+takes them out as well (a prefix's head outlives its tail in the engines' LRU; if not, under-knowing costs a miss).
+Without such a prompt the block is left out, with every block after it in that event. (A hot prefix stored once
+and hit ever since is never stored again: without this a late consumer would never place anything under it.) A
 block stored with extra keys (a LoRA, a cache salt, multimodal inputs) gets a chain of its own that a plain
 prompt's tokens never match, as in the engine. Only the accelerator's tier counts (``medium`` "GPU", or none):
 what was offloaded to CPU or storage is not a hit at prefill.
@@ -14,12 +19,13 @@ Pure data: the consumer applies events, the scheduler reads ``held_tokens``; no 
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from typing import Any, Callable, Iterable, Sequence
 
 from engines.seam.kv_events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
 
 _ROOT = 0
+_RECENT_PROMPTS = 256
 _FAST_TIER = (None, "GPU")
 
 
@@ -39,6 +45,12 @@ class HeldBlocks:
         self._ours: dict[BlockHash, int] = {}  # the engine's block hash -> our chain hash
         self._held: Counter[int] = Counter()  # our chain hash -> engine blocks holding it (several with extra keys)
         self._watchers: list[Callable[[set[int]], None]] = []
+        self._inferred: dict[BlockHash, list[int]] = {}  # a parent's engine hash -> the ancestors known through it
+        self._recent: deque[tuple[int, ...]] = deque(maxlen=_RECENT_PROMPTS)  # prompts sent there, newest last
+
+    def placed(self, token_ids: Sequence[int]) -> None:
+        """A prompt of these token ids was sent to the engine (what places a block whose parent was missed)."""
+        self._recent.append(tuple(token_ids))
 
     def __len__(self) -> int:
         return len(self._held)
@@ -69,6 +81,7 @@ class HeldBlocks:
         learnt again from the next events)."""
         self._ours.clear()
         self._held.clear()
+        self._inferred.clear()
 
     def held_tokens(self, token_ids: Sequence[int]) -> int:
         """Tokens of ``token_ids``' prefix held in full blocks here."""
@@ -91,7 +104,14 @@ class HeldBlocks:
         elif event.parent_block_hash in self._ours:
             previous = self._ours[event.parent_block_hash]
         else:
-            return  # its parent's store was missed: no chain to place it in
+            ancestors = self._ancestors(event)
+            if not ancestors:
+                return  # its parent's store was missed, and no prompt sent there places it
+            previous = ancestors[-1]
+            self._ours[event.parent_block_hash] = previous
+            self._inferred[event.parent_block_hash] = ancestors[:-1]
+            for h in ancestors:
+                self._held[h] += 1
         self.block_size = event.block_size
         size = event.block_size
         for i, engine_hash in enumerate(event.block_hashes):
@@ -112,11 +132,25 @@ class HeldBlocks:
             ours = self._ours.pop(engine_hash, None)
             if ours is None:
                 continue
-            self._held[ours] -= 1
-            if self._held[ours] <= 0:
-                del self._held[ours]
-            removed.add(ours)
+            for h in [*self._inferred.pop(engine_hash, ()), ours]:
+                self._held[h] -= 1
+                if self._held[h] <= 0:
+                    del self._held[h]
+                removed.add(h)
         return removed
+
+    def _ancestors(self, event: BlockStored) -> list[int]:
+        """The chain hashes of the blocks before ``event``'s first, from a prompt recently sent to the engine that
+        has that block at a block boundary after them (empty: none has it, or the event's blocks have extra keys)."""
+        size = event.block_size
+        first = tuple(event.token_ids[:size])
+        if len(first) < size or event.extra_keys or event.lora_name is not None or event.lora_id is not None:
+            return []
+        for tokens in reversed(self._recent):
+            for k in range(1, len(tokens) // size):
+                if tokens[k * size:(k + 1) * size] == first:
+                    return chain_hashes(tokens[:k * size], size)
+        return []
 
 
 def _extra(event: BlockStored, i: int) -> Any:

@@ -89,6 +89,7 @@ class Prefills:
             self.gateway.outcomes.prefilled(model, record.engine.name)
             await record.engine.prefill(step.route, body)  # type: ignore[attr-defined]
             self.gateway.placed(work, record)  # its prefix is there now (not when skipped or failed)
+            self.gateway.events.expect(record, work.token_ids)
             call.timings.warmed = time.time()
             self._retain(step, call, record, body, work.token_ids)
             if self.extend_chars:

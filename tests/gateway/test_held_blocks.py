@@ -108,3 +108,17 @@ def test_vllms_captured_events_build_a_view_of_its_prompts_blocks():
     assert view.held_tokens(prompt.token_ids) == 3 * 128  # its last four evicted, last block first
     view.apply(cleared.events)
     assert len(view) == 0
+
+
+def test_a_block_whose_parent_was_missed_is_placed_by_a_prompt_sent_there():
+    """A consumer that joined late never sees a hot prefix stored (it was stored once, and hit since): the blocks
+    stored after it are placed by the prompt the gateway sent, and the prefix before them is then known held."""
+    view = HeldBlocks()
+    tokens = list(range(16))
+    view.placed(tokens)
+    view.apply([BlockStored([11, 12], 99, tokens[8:16], 4, None, "GPU", None)])  # parent 99: blocks 0-1, never seen
+    assert view.held_tokens(tokens) == 16 and view.held_tokens(tokens[:8] + [0, 0, 0, 0]) == 8
+    view.apply([BlockRemoved([99], "GPU")])  # the parent evicted: what was known through it goes too
+    assert view.held_tokens(tokens) == 0
+    view.apply([BlockStored([21], 98, [7, 7, 7, 7], 4, None, "GPU", None)])  # in no prompt sent there
+    assert view.held_tokens([0, 1, 2, 3, 7, 7, 7, 7]) == 0
