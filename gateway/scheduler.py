@@ -11,7 +11,8 @@ Each engine is scored by what the work would cost there, in prompt tokens comput
 
     queue   = load × queue_tokens_per_request × (1, or throughput_queue_weight for throughput work)
     prefill = the prompt's tokens − the tokens of its prefix the engine holds
-    score   = queue + prefill  (+ the prompt again when the engine's KV cache is nearly full: it would preempt)
+    evicted = of that prefill, what does not fit in the room its cache has left (engines with live KV events)
+    score   = queue + prefill + evicted  (+ the prompt again when the KV cache is nearly full: it would preempt)
 
 and the lowest score wins. So a request goes where its prefix is, unless that engine's queue costs more than
 computing the prefix again elsewhere; then the prefix is replicated to a second engine, which holds it from
@@ -143,7 +144,8 @@ class Scheduler:
         group_engine = self._groups.get(placement.group) if placement.group is not None else None
         scores = []
         for view, load in zip(views, loads):
-            score = load * queue_cost + max(0, work.prompt_tokens - held.get(view.id, 0))
+            uncached = max(0, work.prompt_tokens - held.get(view.id, 0))
+            score = load * queue_cost + uncached + self._evicted(view, uncached)
             if view.stats.kv_use() >= config.kv_full:
                 score += work.prompt_tokens + config.queue_tokens_per_request
             if load - floor > config.balance_abs_threshold and load > floor * config.balance_ratio:
@@ -152,6 +154,16 @@ class Scheduler:
                 score -= 0.5  # wins ties: members batch together
             scores.append(score)
         return scores
+
+    def _evicted(self, view: EngineView, uncached: int) -> int:
+        """Tokens others hold that computing ``uncached`` tokens on ``view``'s engine would evict, where its live
+        KV events say how full its cache is (0 elsewhere): without it, a new prompt sharing one block with what
+        a full engine holds went there rather than to an empty one, and evicted a prefix in use."""
+        blocks = self.exact(view.id)
+        capacity = view.stats.kv_capacity_tokens()
+        if blocks is None or not capacity:
+            return 0
+        return max(0, uncached - (capacity - len(blocks) * blocks.block_size))
 
     def held_tokens(self, work: Work, views: Sequence[EngineView] = ()) -> dict[str, int]:
         """Engine → tokens of the work's prefix it holds: of ``views``, those with live KV events by them (the
