@@ -27,7 +27,7 @@ from engines.seam.kv_events import END_SEQ, KVEventBatch, binds, decode_batch, s
 from gateway.held_blocks import HeldBlocks
 
 logger = logging.getLogger(__name__)
-_REPLAY_TIMEOUT_S = 2.0
+_REPLAY_TIMEOUT_S = 10.0  # a loaded publisher (its thread shares a GIL with the engine) may take seconds
 
 
 class KVEventStream:
