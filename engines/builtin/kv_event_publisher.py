@@ -31,6 +31,7 @@ class KVEventPublisher:
         self._hwm = hwm
         self._queue: queue.Queue[KVEventBatch | None] = queue.Queue()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self.sent = 0  # messages sent so far (the next one's sequence number)
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="kv-event-publisher", daemon=True)
@@ -82,6 +83,7 @@ class KVEventPublisher:
                 pub.send_multipart((self._topic, seq_frame(seq), payload))
                 self._buffer.append((seq, payload))
                 seq += 1
+                self.sent = seq
         finally:
             pub.close(linger=0)
             if replay is not None:

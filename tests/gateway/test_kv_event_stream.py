@@ -65,7 +65,7 @@ async def test_a_subscriber_that_joined_late_is_replayed_what_it_missed():
     try:
         publisher.publish([stored([1, 2], None, TOKENS[:8])])  # before anyone listens: lost on the PUB socket
         publisher.publish([stored([3], 2, TOKENS[8:12])])
-        await asyncio.sleep(0)
+        await eventually(lambda: publisher.sent == 2)  # gone out before anyone subscribed
         stream.start()
         extra = 0
         while stream.messages == 0:  # until the SUB socket is connected, messages are dropped
