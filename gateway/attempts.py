@@ -12,7 +12,7 @@ import asyncio
 import logging
 import random
 import time
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable, Sequence
 
 from engines.seam import EngineError
 from gateway.config import RoutingConfig
@@ -32,18 +32,21 @@ class Attempts:
     """Used as ``while (attempt := await attempts.next()) is not None``, reporting each failure to
     ``failed``, each success to the engine's breaker."""
 
-    __slots__ = ("_registry", "_scheduler", "_describe", "_usable", "_work", "_routing", "_models", "_at", "_body",
-                 "_tries", "_tried", "_skipped", "_waits", "_deadline", "last_error")
+    __slots__ = ("_registry", "_scheduler", "_describe", "_usable", "_placed", "_work", "_routing", "_models", "_at",
+                 "_body", "_tries", "_tried", "_skipped", "_waits", "_deadline", "last_error")
 
     def __init__(self, registry: EngineRegistry, scheduler: Scheduler, routing: RoutingConfig, model: str,
-                 body: dict[str, Any], describe: Callable[[], Work],
-                 usable: Callable[[EngineRecord], bool] | None = None):
-        """``describe()``: the request as the scheduler sees it, made when there is a choice to make;
-        ``usable``: which of a model's engines can serve it (None: all)."""
+                 body: dict[str, Any], describe: Callable[[Sequence[EngineRecord]], Awaitable[Work]],
+                 usable: Callable[[EngineRecord], bool] | None = None,
+                 placed: Callable[[Work, EngineRecord], None] = lambda work, record: None):
+        """``describe(engines)``: the request as the scheduler sees it, made when there is a choice among
+        ``engines`` to make; ``usable``: which of a model's engines can serve it (None: all); ``placed``: told
+        where the scheduler put it."""
         self._registry = registry
         self._scheduler = scheduler
         self._describe = describe
         self._usable = usable
+        self._placed = placed
         self._work: Work | None = None
         self._routing = routing
         self._models = [model, *routing.fallbacks[model]] if model in routing.fallbacks else [model]
@@ -60,7 +63,7 @@ class Attempts:
         """The engine for the next attempt and the body to send it (after waiting its backoff);
         None when none is left, the retries are spent or the deadline passed."""
         while self._at < len(self._models):
-            record = self._choose() if self._tries <= self._routing.num_retries else None
+            record = await self._choose() if self._tries <= self._routing.num_retries else None
             if record is None:
                 self._next_model()
                 continue
@@ -88,7 +91,7 @@ class Attempts:
                        self._models[self._at], exc, f" ({exc.__cause__!r})" if exc.__cause__ else "")
         return True
 
-    def _choose(self) -> EngineRecord | None:
+    async def _choose(self) -> EngineRecord | None:
         """The scheduler's pick among the model's engines this request has not tried yet, else among
         those it tried; on the last model, one whose circuit is open rather than none."""
         records = self._registry.routable(self._models[self._at], last_resort=self._at == len(self._models) - 1)
@@ -100,8 +103,11 @@ class Attempts:
         if len(choice) <= 1:
             return choice[0] if choice else None
         if self._work is None:
-            self._work = self._describe()
-        return self._scheduler.place(self._work, choice)
+            self._work = await self._describe(choice)
+        record = self._scheduler.place(self._work, choice)
+        if record is not None:
+            self._placed(self._work, record)
+        return record
 
     def _next_model(self) -> None:
         self._at += 1

@@ -63,6 +63,14 @@ class UpstreamConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # The server speaks OpenAI's Responses API itself (vLLM, OpenAI, another Parrot): POST /v1/responses for the
     # model is passed through to it, not run over chat completions (docs/apis.md).
     responses: bool = False
+    # A vLLM server (or a builtin engine) publishing its KV-cache events (docs/kv-events.md): the ZMQ endpoint
+    # to subscribe to, e.g. "tcp://10.0.0.7:5557" for an engine started with --kv-events-config
+    # '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}' (a wildcard endpoint
+    # here, "tcp://*:5557", is bound instead: the engine then connects to it). What the engine holds is then
+    # read from its events instead of mirrored from what was placed there.
+    kv_events: str | None = None
+    kv_events_replay: str | None = None  # its replay endpoint (vLLM's replay_endpoint): what a gap missed, resent
+    kv_events_topic: str = ""  # vLLM's topic ("" in vLLM's default config)
 
     def served_model(self) -> str:
         return self.upstream_model or self.model
@@ -287,6 +295,18 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                 raise ValueError(f"scheduler.{name} must not be negative")
 
 
+class KVEventsConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Engines' KV-cache events ([[upstreams]] kv_events): when to stop believing them, what to do on an eviction."""
+
+    # Work that should have stored blocks on an engine and no event from it for this long: its stream is
+    # taken as silent (the publisher stopped, a network path broke) and the mirror of placements counts again.
+    silence_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+    # A waiting semantic call's prefix prefilled ahead on an engine and evicted there before its inputs came
+    # is prefilled again, once per eviction, unless the engine is saturated (DAG-aware retention).
+    rewarm: bool = True
+    tokenized_prompts: Annotated[int, msgspec.Meta(ge=0)] = 4096  # prompts' token ids remembered (LRU)
+
+
 class TracingConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """OpenTelemetry spans (gateway/tracing.py): one per request and one per semantic call, parented by
     the request that submitted it. Needs the ``tracing`` extra; without it, off at no cost."""
@@ -311,6 +331,7 @@ class GatewayConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     quotas: QuotasConfig = msgspec.field(default_factory=QuotasConfig)
     routing: RoutingConfig = msgspec.field(default_factory=RoutingConfig)
     scheduler: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+    kv_events: KVEventsConfig = msgspec.field(default_factory=KVEventsConfig)
     tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
     state: StateConfig = msgspec.field(default_factory=StateConfig)
     dashboard: DashboardConfig = msgspec.field(default_factory=DashboardConfig)
@@ -350,6 +371,8 @@ ENV_OVERRIDES: dict[str, tuple[str, str]] = {
     "PARROT_ENGINE_SECRET": ("engines", "registration_secret"),  # `parrot engine` reads it too
     "PARROT_HEARTBEAT_TIMEOUT_S": ("engines", "heartbeat_timeout_s"),
     "PARROT_SCHEDULER_POLICY": ("scheduler", "policy"),
+    "PARROT_KV_EVENTS_SILENCE_S": ("kv_events", "silence_s"),
+    "PARROT_KV_EVENTS_REWARM": ("kv_events", "rewarm"),
     "PARROT_TRACING": ("tracing", "enabled"),
     "PARROT_STATE": ("state", "url"),  # the store's URL; a path (no "://"): the SQLite file
     "PARROT_STATE_PATH": ("state", "path"),
@@ -379,7 +402,7 @@ def _set(raw: dict[str, Any], section: str, key: str, value: Any) -> None:
 def _env_value(key: str, text: str) -> Any:
     if key in ("api_keys", "admin_keys"):
         return [k.strip() for k in text.split(",") if k.strip()]
-    if key in ("enabled", "access_log", "token_handoff"):
+    if key in ("enabled", "access_log", "token_handoff", "rewarm"):
         return text.strip().lower() not in ("0", "false", "no", "off")
     return text  # msgspec.convert(strict=False) turns "8000" into 8000
 

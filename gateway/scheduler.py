@@ -3,13 +3,16 @@
 
 Pure: work and engine views in, a placement out. It remembers only what it placed: which prefix chunks each
 engine holds (a segmented LRU mirror per engine, sized from the KV capacity it reports) and where each task group
-went. No I/O, no clock, no awaits: the simulator (benchmarks/scheduler_sim.py) runs this same code.
+went. No I/O, no clock, no awaits: the simulator (benchmarks/scheduler_sim.py) runs this same code. Where an engine
+publishes its KV-cache events and they are live (gateway/kv_events.py), what it holds is read from them instead
+(``exact``: the blocks it holds, matched against the work's token ids) and the mirror is only the fallback.
 
 Each engine is scored by what the work would cost there, in prompt tokens computed:
 
     queue   = load × queue_tokens_per_request × (1, or throughput_queue_weight for throughput work)
     prefill = the prompt's tokens − the tokens of its prefix the engine holds
-    score   = queue + prefill  (+ the prompt again when the engine's KV cache is nearly full: it would preempt)
+    evicted = of that prefill, what does not fit in the room its cache has left (engines with live KV events)
+    score   = queue + prefill + evicted  (+ the prompt again when the KV cache is nearly full: it would preempt)
 
 and the lowest score wins. So a request goes where its prefix is, unless that engine's queue costs more than
 computing the prefix again elsewhere; then the prefix is replicated to a second engine, which holds it from
@@ -28,10 +31,11 @@ nearly full); otherwise the work is scored as any, and the key moves to where it
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import NamedTuple, Sequence, TypeVar
+from typing import Callable, NamedTuple, Sequence, TypeVar
 
 from gateway.config import SchedulerConfig
 from gateway.engine_view import EngineView
+from gateway.held_blocks import HeldBlocks
 from gateway.prompt_prefix import TOKENS_PER_CHUNK
 
 View = TypeVar("View", bound=EngineView)
@@ -69,6 +73,12 @@ class Work(NamedTuple):
     prompt_tokens: int = 0
     placement: Placement = Placement()
     prefix_tokens: int = 0  # what placement.held_by hold: its whole prefix, in tokens (0: its full chunks)
+    # Its prompt's token ids, where an engine it may go to publishes KV events (empty: matched by ``prefix``).
+    token_ids: tuple[int, ...] = ()
+
+
+def _no_events(engine_id: str) -> HeldBlocks | None:
+    return None
 
 
 class Scheduler:
@@ -83,6 +93,8 @@ class Scheduler:
         self._groups: OrderedDict[str, str] = OrderedDict()  # task group → the engine its first member went to
         self._affinity: OrderedDict[str, str] = OrderedDict()  # affinity key → the engine its work went to last
         self._turn = 0  # round-robin among equal scores
+        # engine → the blocks its live KV events say it holds; None: no events (or not live), the mirror counts
+        self.exact: Callable[[str], HeldBlocks | None] = _no_events
 
     def place(self, work: Work, views: Sequence[View]) -> View | None:
         """``best``, remembered as placed there; None if there is no view."""
@@ -104,7 +116,7 @@ class Scheduler:
             pinned = self._pinned(work.placement.affinity, views)
             if pinned is not None:
                 return pinned
-            scores = self._scores(work, views, self.held_tokens(work))
+            scores = self._scores(work, views, self.held_tokens(work, views))
         low = min(scores)
         ties = [i for i, score in enumerate(scores) if score == low]
         return views[ties[self._turn % len(ties)]]
@@ -132,7 +144,8 @@ class Scheduler:
         group_engine = self._groups.get(placement.group) if placement.group is not None else None
         scores = []
         for view, load in zip(views, loads):
-            score = load * queue_cost + max(0, work.prompt_tokens - held.get(view.id, 0))
+            uncached = max(0, work.prompt_tokens - held.get(view.id, 0))
+            score = load * queue_cost + uncached + self._evicted(view, uncached)
             if view.stats.kv_use() >= config.kv_full:
                 score += work.prompt_tokens + config.queue_tokens_per_request
             if load - floor > config.balance_abs_threshold and load > floor * config.balance_ratio:
@@ -142,13 +155,31 @@ class Scheduler:
             scores.append(score)
         return scores
 
-    def held_tokens(self, work: Work) -> dict[str, int]:
-        """Engine → tokens of the work's prefix it holds (its longest run of the chain)."""
-        exact = work.prefix_tokens or len(work.prefix) * TOKENS_PER_CHUNK
-        held = {engine: exact for engine in work.placement.held_by}
+    def _evicted(self, view: EngineView, uncached: int) -> int:
+        """Tokens others hold that computing ``uncached`` tokens on ``view``'s engine would evict, where its live
+        KV events say how full its cache is (0 elsewhere): without it, a new prompt sharing one block with what
+        a full engine holds went there rather than to an empty one, and evicted a prefix in use."""
+        blocks = self.exact(view.id)
+        capacity = view.stats.kv_capacity_tokens()
+        if blocks is None or not capacity:
+            return 0
+        return max(0, uncached - (capacity - len(blocks) * blocks.block_size))
+
+    def held_tokens(self, work: Work, views: Sequence[EngineView] = ()) -> dict[str, int]:
+        """Engine → tokens of the work's prefix it holds: of ``views``, those with live KV events by them (the
+        blocks of its token ids they hold), the others by the mirror (its longest run of the chain)."""
+        whole = work.prefix_tokens or len(work.prefix) * TOKENS_PER_CHUNK
+        held = {engine: whole for engine in work.placement.held_by}
+        told: set[str] = set()
+        if work.token_ids:
+            for view in views:
+                blocks = self.exact(view.id)
+                if blocks is not None:
+                    told.add(view.id)
+                    held[view.id] = max(held.get(view.id, 0), blocks.held_tokens(work.token_ids))
         for i in range(len(work.prefix) - 1, -1, -1):
             for engine in self._holders.get(work.prefix[i], ()):
-                if engine not in held:
+                if engine not in held and engine not in told:
                     held[engine] = (i + 1) * TOKENS_PER_CHUNK
         return held
 
@@ -192,6 +223,9 @@ class Scheduler:
 
     def held_prefix_tokens(self, engine_id: str) -> int:
         """The prompt-prefix tokens the scheduler counts on that engine holding."""
+        blocks = self.exact(engine_id)
+        if blocks is not None:
+            return len(blocks) * blocks.block_size
         return (len(self._once.get(engine_id, ())) + len(self._again.get(engine_id, ()))) * TOKENS_PER_CHUNK
 
     def _drop(self, engine_id: str, chunk: int) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Any, AsyncIterator, Callable, NamedTuple
+from typing import Any, AsyncIterator, Callable, NamedTuple, Sequence
 
 import httpx
 import msgspec
@@ -17,6 +17,7 @@ from wire.sse import SSE_DONE, sse_event
 from engines.seam.upstream import upstream_class
 from gateway.attempts import Attempts, retryable
 from gateway.config import GatewayConfig
+from gateway.engine_events import EngineEvents
 from gateway.domain_errors import Conflict, Invalid, model_not_found
 from gateway.errors import engine_error_body, error_payload
 from gateway.metrics import GatewayMetrics, RouteMetrics, carries_token
@@ -90,6 +91,8 @@ class Gateway:
         self.registry = registry
         self.scheduler = Scheduler(config.scheduler)
         registry.on_removed(self.scheduler.forget)
+        self.events = EngineEvents(config.kv_events)  # engines' KV-cache events, where configured
+        self.scheduler.exact = self.events.exact
         self.metrics = metrics
         self.outcomes = Outcomes(metrics)
         self.client = client
@@ -106,7 +109,9 @@ class Gateway:
             engine_class = upstream_class(prioritized=prioritized, prefill=upstream.prefill_ahead,
                                           responses=upstream.responses)
             engine = engine_class(name, upstream.base_url, self.client, **options)
-            self.registry.add(engine, [upstream.model], url=upstream.base_url)
+            record = self.registry.add(engine, [upstream.model], url=upstream.base_url)
+            if upstream.kv_events:
+                self.events.add(record, upstream)
 
     async def register_remote(self, name: str, url: str, models: list[str], capabilities: list[str],
                               secret: str) -> EngineRecord:
@@ -269,12 +274,20 @@ class Gateway:
 
     def _attempts(self, route: Route | ResponsesRoute, model: str, body: dict[str, Any], placement: Placement
                   ) -> Attempts:
-        def describe() -> Work:
-            prefix, tokens = prompt_prefix(route, body)
-            return Work(prefix, tokens, placement)
+        async def describe(records: Sequence[EngineRecord]) -> Work:
+            return await self.work(route, body, placement, records)
 
         usable = _speaks_responses if route == "responses" else None  # that API's requests go only where it is spoken
-        return Attempts(self.registry, self.scheduler, self.config.routing, model, body, describe, usable)
+        return Attempts(self.registry, self.scheduler, self.config.routing, model, body, describe, usable,
+                        lambda work, record: self.events.expect(record, work.token_ids))
+
+    async def work(self, route: Route | ResponsesRoute, body: dict[str, Any], placement: Placement,
+                   records: Sequence[EngineRecord]) -> Work:
+        """The request as the scheduler sees it: its prompt's chain of byte chunks, and its token ids where some
+        of ``records`` publish live KV events (a chat or completions prompt: an engine tokenizes those)."""
+        prefix, tokens = prompt_prefix(route, body)
+        token_ids = await self.events.token_ids(route, body, records) if route != "responses" else ()
+        return Work(prefix, len(token_ids) or tokens, placement, token_ids=token_ids)
 
     async def create(self, route: Route | ResponsesRoute, model: str, body: dict[str, Any],
                      hints: dict[str, Any] | None = None, placement: Placement = Placement(),

@@ -11,7 +11,9 @@ Partial blocks are never shared: ``fork`` shares the parent's fully computed blo
 the rows of the rest into a fresh block (unless the parent is still filling: then the child
 matches its next blocks); the child's own tokens then find cached blocks as any sequence's do, the
 first one (holding the copied rows) taking the copy's place. With ``prefix_caching`` off, blocks are
-never published or looked up; forks still share explicitly.
+never published or looked up; forks still share explicitly. With ``events`` a list, the cache's changes are
+recorded there as vLLM's KV events (blocks stored, blocks removed; engines/seam/kv_events.py), for the step loop
+to publish (kv_event_publisher.py).
 
 Where every layer of the model has a sliding window (Mistral, Phi-3), a sequence's blocks that lie wholly before
 what its next token's window can see are freed as it moves on (``free_outside_window``): its table keeps
@@ -26,6 +28,7 @@ from collections import OrderedDict
 from typing import Callable
 
 from engines.builtin.context import Context
+from engines.seam.kv_events import UINT64, BlockRemoved, BlockStored, KVEvent
 
 NO_HASH = None
 FREED = -1  # a block-table entry whose block a sliding window let go: nothing before the window reads it
@@ -67,6 +70,7 @@ class BlockManager:
         self.copy_rows = copy_rows or (lambda src, dst, n: None)
         self.prefix_hit_tokens = 0  # tokens served from cache or parent instead of computed
         self._in_flight: list[int] = []  # blocks published this step, computed once it ran
+        self.events: list[KVEvent] | None = None  # a list: the prefix cache's changes recorded there
 
     @property
     def num_blocks(self) -> int:
@@ -155,18 +159,41 @@ class BlockManager:
         if not self.prefix_caching:
             return
         size = self.block_size
+        stored: list[Block] = []  # a run of blocks newly cached, announced as one event
         for index in range(ctx.num_computed_tokens // size, computed_after // size):
             block = self.blocks[ctx.block_table[index]]
             if block.hash is not NO_HASH:
                 continue
             previous = self._hash_at(ctx, index - 1) if index else None
             if index and previous is NO_HASH:
-                return  # a chain with a gap names no prefix (a block freed by a window is one)
+                break  # a chain with a gap names no prefix (a block freed by a window is one)
             block.token_ids = tuple(ctx.token_ids[index * size : (index + 1) * size])
             block.hash = chain_hash(previous, block.token_ids)
             if block.hash not in self.cached:  # another block with this prefix stays the one found
                 self.cached[block.hash] = block.block_id
+                stored.append(block)
+            else:
+                self._stored(stored, ctx)
             self._in_flight.append(block.block_id)
+        self._stored(stored, ctx)
+
+    def _stored(self, run: list[Block], ctx: Context) -> None:
+        """Records ``run`` (consecutive blocks of ``ctx``, newly cached) as one BlockStored, and empties it."""
+        if self.events is None or not run:
+            run.clear()
+            return
+        first = ctx.block_table.index(run[0].block_id)
+        parent = self.blocks[ctx.block_table[first - 1]].hash if first else None
+        self.events.append(BlockStored(
+            [block.hash & UINT64 for block in run], None if parent is None else parent & UINT64,
+            [token for block in run for token in block.token_ids], self.block_size, None, "GPU", None))
+        run.clear()
+
+    def _removed(self, block: Block) -> None:
+        """``block`` leaves the prefix cache."""
+        del self.cached[block.hash]
+        if self.events is not None:
+            self.events.append(BlockRemoved([block.hash & UINT64], "GPU"))
 
     def commit(self) -> None:
         """The step ran: the blocks published for it hold their KV."""
@@ -179,7 +206,7 @@ class BlockManager:
         for block_id in untrusted:
             block = self.blocks[block_id]
             if self.cached.get(block.hash) == block_id:
-                del self.cached[block.hash]
+                self._removed(block)
             block.hash, block.token_ids = NO_HASH, ()
         self._in_flight.clear()
         return untrusted
@@ -269,7 +296,7 @@ class BlockManager:
         block_id, _ = self.free.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash is not NO_HASH and self.cached.get(block.hash) == block_id:
-            del self.cached[block.hash]  # evicted: its KV is about to be overwritten
+            self._removed(block)  # evicted: its KV is about to be overwritten
         block.hash, block.token_ids = NO_HASH, ()
         block.ref_count = 1
         return block

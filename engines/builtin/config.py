@@ -56,6 +56,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Off: full blocks are never published to or looked up in the prefix cache (forked contexts
     # still share their parent's blocks explicitly). `--no-prefix-caching` on the command line.
     enable_prefix_caching: bool = True
+    # Publish the prefix cache's changes (blocks stored, removed) as vLLM 0.32's KV-cache events (docs/kv-events.md):
+    # a ZMQ PUB socket at this endpoint, bound when it has a wildcard (tcp://*:5557) or is ipc:// / inproc://,
+    # else connected to; with a replay endpoint, a ROUTER socket there resends what a subscriber missed.
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = ""
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     num_threads: int | None = None  # None: leave torch's default (len(cpu_cores) where those are set)
     # The cores the engine computes on, e.g. "0-3" or "0,2": its intra-op threads one to a core, its HTTP

@@ -21,6 +21,7 @@ from engines.builtin.context import Context, Status
 from engines.builtin.context_registry import ContextRegistry
 from engines.builtin.errors import ContextBusy
 from engines.builtin.grammar import GrammarCompiler
+from engines.builtin.kv_event_publisher import KVEventPublisher
 from engines.builtin.loader import DTYPES, ModelSource, build_model, load_checkpoint, load_tokenizer, resolve_dtype
 from engines.builtin.kv_capacity import longest_sequence, planned_blocks
 from engines.builtin.model import architecture_of
@@ -52,6 +53,10 @@ class EngineCore(StepLoop):
             self.runner.num_blocks, config.block_size, self.runner.copy_rows, prefix_caching=config.enable_prefix_caching,
             window=self.runner.model.architecture.freeing_window,
         )
+        if config.kv_events_endpoint:
+            self.block_manager.events = []
+            self.kv_events = KVEventPublisher(config.kv_events_endpoint, replay_endpoint=config.kv_events_replay_endpoint,
+                                              topic=config.kv_events_topic)
         self.scheduler = Scheduler(config, self.block_manager)
         self.registry = ContextRegistry(self.scheduler, self.block_manager, self.max_model_len)
         self.metrics = EngineMetrics(served_model_name(config), self.stats)

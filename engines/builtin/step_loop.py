@@ -21,6 +21,7 @@ import torch
 from engines.builtin.block_manager import BlockManager
 from engines.builtin.context import Context, Status
 from engines.builtin.context_registry import ContextRegistry
+from engines.builtin.kv_event_publisher import KVEventPublisher
 from engines.builtin.cpu_affinity import ComputeThreads
 from engines.builtin.model_runner import ModelRunner, ScheduledBatch, StepResult
 from engines.builtin.prometheus_metrics import EngineMetrics
@@ -42,6 +43,7 @@ class StepLoop:
     max_model_len: int
     metrics: EngineMetrics
     step_stall_timeout_s: float
+    kv_events: KVEventPublisher | None = None  # the prefix cache's changes published as vLLM's KV events
 
     def __init__(self, num_threads: int | None = None, cores: tuple[int, ...] | None = None) -> None:
         self._num_threads = num_threads  # torch's intra-op threads for the step thread; None: torch's default
@@ -72,6 +74,8 @@ class StepLoop:
             self._thread.join()
             self._thread = None
         self._abort_all()
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
 
     def _discard_step(self, done_fills: list[Context]) -> None:
         """After a failed step no KV it was to write can be trusted: its blocks leave the prefix cache,
@@ -84,6 +88,14 @@ class StepLoop:
                     self.block_manager.release(ctx)
             for fill in done_fills:
                 self.registry.finish(fill, "abort")
+            self._publish_kv_events()
+
+    def _publish_kv_events(self) -> None:
+        """What the prefix cache recorded since the last step (engines/builtin/block_manager.py), as one batch."""
+        events = self.block_manager.events
+        if self.kv_events is not None and events:
+            self.kv_events.publish(events[:])
+            events.clear()
 
     def _abort_all(self) -> None:
         with self._lock:
@@ -153,6 +165,7 @@ class StepLoop:
             for ctx, first, scores in result.scores:  # by position: a recomputed (preempted) chunk rewrites its own
                 ctx.scores.update(zip(range(first, first + len(scores)), scores))
             self.block_manager.commit()
+            self._publish_kv_events()
             for ctx, n in batch.entries:
                 ctx.num_computed_tokens += n
                 self.block_manager.free_outside_window(ctx)

@@ -5,7 +5,10 @@ interface.py     ``Engine`` (create / stream / health / stats / aclose) and the 
                  ``ContextEngine`` (contexts + prompt split), ``HintedEngine`` (scheduling fields),
                  ``PrioritizedEngine`` (criteria as vLLM's / SGLang's ``priority``) and ``PrefillEngine``
                  (prefill-only requests that warm a server's prefix cache), ``ResponsesEngine`` (serves
-                 POST /v1/responses itself: Responses requests are passed through to it)
+                 POST /v1/responses itself: Responses requests are passed through to it), ``TokenizingEngine`` (a
+                 prompt's token ids, to match against the engine's KV-cache events)
+kv_events.py     vLLM's KV-cache events (blocks stored, removed, all cleared): the schema the builtin engine
+                 publishes and the gateway consumes
 contexts.py      what the context capability answers: FillResult, Generation (GenerationChunk), PromptSplit;
                  ForkPart (a fork's text as pieces: text, or an earlier generation's output by name)
 errors.py        ``EngineError`` and its kinds, each with the HTTP status it becomes
@@ -37,9 +40,10 @@ from engines.seam.interface import (
     ResponsesEngine,
     ResponsesRoute,
     Route,
+    TokenizingEngine,
 )
 
 __all__ = ["ContextEngine", "Count", "EmbeddingEngine", "Engine", "EngineError", "EngineOverloaded", "EngineRefusedGateway", "EngineRejected", "EngineStats",
            "EngineTimeout", "EngineUnavailable", "FillResult", "ForkPart", "Generation", "GenerationChunk", "HintedEngine", "PrefillEngine", "PrioritizedEngine",
-           "PromptSplit", "ResponsesEngine", "ResponsesRoute", "Route",
+           "PromptSplit", "ResponsesEngine", "ResponsesRoute", "Route", "TokenizingEngine",
            "Segment"]

@@ -145,6 +145,14 @@ class ResponsesEngine(Engine, Protocol):
     async def create(self, route: Route | ResponsesRoute, body: dict[str, Any]) -> bytes: ...
 
     def stream(self, route: Route | ResponsesRoute, body: dict[str, Any]) -> AsyncIterator[bytes]: ...
+class TokenizingEngine(Engine, Protocol):
+    """Answers a prompt's token ids as it would compute them (vLLM's ``POST /tokenize``, the builtin engine's
+    too): what the gateway matches against the blocks an engine's KV-cache events say it holds."""
+
+    async def tokenize(self, route: Route, body: dict[str, Any]) -> list[int]:
+        """The token ids of ``body``'s prompt (a chat request's rendered with its template, as ``body`` asks:
+        the generation prompt added, or its last message continued)."""
+        ...
 
 
 @runtime_checkable

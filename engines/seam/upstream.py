@@ -99,6 +99,14 @@ def _rejected(name: str, response: httpx.Response, body: bytes) -> EngineError:
     return engine_answered(name, response.status_code, body, retry_after_s=retry_after_s(response.headers))
 
 
+_CHAT_RENDERING = ("messages", "tools", "chat_template", "chat_template_kwargs", "add_generation_prompt",
+                   "continue_final_message")
+
+
+class _Tokenized(msgspec.Struct):
+    tokens: list[int]
+
+
 class UpstreamEngine:
     """Forwards requests to ``base_url`` (which ends in /v1), rewriting ``model`` to ``upstream_model``."""
 
@@ -208,6 +216,24 @@ class UpstreamEngine:
         if response.status_code >= 400:
             raise _rejected(self.name, response, response.content)
         return msgspec.json.decode(response.content)
+
+    async def tokenize(self, route: Route, body: dict[str, Any]) -> list[int]:
+        """vLLM's ``POST /tokenize`` (beside /v1): a completions prompt, or chat messages with the fields that
+        shape their rendering (TokenizingEngine)."""
+        sent: dict[str, Any] = {"model": self.upstream_model or body.get("model")}
+        if route == "completions":
+            sent["prompt"] = body.get("prompt")
+        else:
+            sent |= {key: body[key] for key in _CHAT_RENDERING if key in body}
+        with translate_errors(self.name):
+            response = await self._client.post(f"{self.base_url.removesuffix('/v1')}/tokenize", headers=self._headers,
+                                               content=msgspec.json.encode(sent))
+        if response.status_code >= 400:
+            raise _rejected(self.name, response, response.content)
+        try:
+            return list(msgspec.json.decode(response.content, type=_Tokenized).tokens)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise EngineError(f"engine {self.name!r} answered /tokenize with something else") from exc
 
     async def health(self) -> bool:
         try:

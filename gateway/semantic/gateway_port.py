@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Callable, Protocol
+from typing import Any, AsyncIterator, Callable, Protocol, Sequence
 
 from engines.seam import Engine, Route
+from gateway.engine_events import EngineEvents
 from gateway.outcomes import Outcomes, Reported
 from gateway.registry import EngineRecord
 from gateway.scheduler import Placement, Work
@@ -13,6 +14,11 @@ from gateway.service import Answer, OpenedStream
 
 class GatewayPort(Protocol):
     outcomes: Outcomes  # requests' latency, tokens and errors, counted as the plain path counts them
+    events: EngineEvents  # engines' KV-cache events, where configured: what they hold, exactly
+
+    async def work(self, route: Route, body: dict[str, Any], placement: Placement,
+                   records: Sequence[EngineRecord]) -> Work:
+        """A request as the scheduler sees it among ``records`` (its token ids where they publish KV events)."""
 
     @property
     def retries(self) -> int:

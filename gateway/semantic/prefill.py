@@ -13,18 +13,24 @@ KV blocks: a prefix cache keeps full blocks only (``_under_a_block``). With
 producer of the first pending input streams, and with each value bound (the cut moves on to the next pending
 input), so that when the last input is bound most of the prompt is cached too. What the engine computed
 is its own to keep or evict; the answer is the plain request's either way.
+
+DAG-aware retention, where the engine publishes KV-cache events (``[[upstreams]] kv_events``, gateway/kv_events.py):
+the warmed prefix is watched there, block by block, and when the engine evicts any of it while the call still
+waits for an input, it is prefilled again, once per eviction (``[kv_events] rewarm``; at most ``_MAX_REWARMS``
+times per call, and not on a saturated engine): the engine's LRU cannot know that a call is about to need it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from engines.seam import EngineError, PrefillEngine, PrioritizedEngine, Route
 from engines.seam.connect import has_capability
-from gateway.prompt_prefix import prompt_prefix
 from gateway.config import SemanticConfig
+from gateway.held_blocks import chain_hashes
 from gateway.registry import EngineRecord
 from gateway.scheduler import Work
 from gateway.semantic import template
@@ -36,11 +42,16 @@ from wire.placeholders import PLACEHOLDER
 logger = logging.getLogger(__name__)
 _FRESH_S = 0.25  # how old an engine's stats may be for deciding whether it is saturated
 _RENDERING = ("model", "tools", "chat_template", "chat_template_kwargs")  # what shapes a chat prompt beside messages
+_MAX_REWARMS = 3  # re-warms of one call's prefix after evictions: a cache that keeps evicting it is left alone
 
 
 class Prefills:
-    def __init__(self, gateway: GatewayPort, config: SemanticConfig, kv_full: float = 0.95):
+    def __init__(self, gateway: GatewayPort, config: SemanticConfig, kv_full: float = 0.95, rewarm: bool = True):
         self.gateway = gateway
+        self.rewarm = rewarm
+        self._watches: dict[str, Callable[[], None]] = {}  # call id -> the end of its warmed prefix's watch
+        self._rewarms: dict[str, int] = {}  # call id -> its prefix's re-warms so far
+        self._tasks: set[asyncio.Task[None]] = set()
         self.min_prefix_chars = config.min_prefix_chars
         self.extend_chars = config.prefill_extend_chars
         self.input_timeout_s = config.input_timeout_s
@@ -63,13 +74,12 @@ class Prefills:
             return
         body = cut.body
         placement = call.placement(step.body)
-        prefix, tokens = prompt_prefix(step.route, body)
-        work = Work(prefix, tokens, placement)
+        work = await self.gateway.work(step.route, as_prefilled(step.route, body), placement, records)
         record = self.gateway.best(work, records)
         if record is None:
             return
         model = step.body["model"]
-        if await _saturated(record, self.max_waiting, self.kv_full) or _under_a_block(record, tokens):
+        if await _saturated(record, self.max_waiting, self.kv_full) or _under_a_block(record, work.prompt_tokens):
             self.gateway.outcomes.prefilled(model, record.engine.name, skipped=True)
             return
         if has_capability(record.engine, PrioritizedEngine):
@@ -79,7 +89,9 @@ class Prefills:
             self.gateway.outcomes.prefilled(model, record.engine.name)
             await record.engine.prefill(step.route, body)  # type: ignore[attr-defined]
             self.gateway.placed(work, record)  # its prefix is there now (not when skipped or failed)
+            self.gateway.events.expect(record, work.token_ids)
             call.timings.warmed = time.time()
+            self._retain(step, call, record, body, work.token_ids)
             if self.extend_chars:
                 await self._extend(step, call, record, _prefix_chars(step.route, body), body.get("priority"))
         except EngineError as exc:
@@ -114,12 +126,84 @@ class Prefills:
                     self.gateway.outcomes.prefilled(model, record.engine.name)
                     await record.engine.prefill(step.route, cut.body)  # type: ignore[attr-defined]
                     call.timings.warmed = time.time()
+                    if self.rewarm and self.gateway.events.exact(record.id) is not None:
+                        tokens = await self.gateway.events.token_ids(
+                            step.route, as_prefilled(step.route, cut.body), [record])
+                        self._retain(step, call, record, cut.body, tokens)
                 continue
             try:  # until its producer streamed enough more, or it is bound (or failed)
                 await variable.grown(len(partial) + sent + self.extend_chars - size,
                                      max(0.0, deadline - time.monotonic()))
             except TimeoutError:
                 return  # the call's own wait for its inputs reports it
+
+
+    # ------------------------------------------------------------ DAG-aware retention
+
+    def forget(self, call: Call) -> None:
+        """The call runs (or ended): its warmed prefix is no longer watched."""
+        self.forget_watch(call)
+        self._rewarms.pop(call.id, None)
+
+    def _retain(self, step: Step, call: Call, record: EngineRecord, body: dict[str, Any],
+                token_ids: tuple[int, ...]) -> None:
+        """Watches the blocks of ``body`` (prefilled on ``record``'s engine, ``token_ids`` its prompt) in the
+        engine's KV events: evicted while the call waits, they are prefilled again (``_rewarm``)."""
+        blocks = self.gateway.events.exact(record.id)
+        if not self.rewarm or blocks is None or not token_ids or not blocks.block_size:
+            return
+        chain = set(chain_hashes(token_ids, blocks.block_size))
+        if not chain:
+            return
+        self.forget_watch(call)
+        self._rewarms.setdefault(call.id, 0)
+
+        def evicted(gone: set[int]) -> None:
+            if chain & gone:
+                self.forget_watch(call)
+                task = asyncio.get_running_loop().create_task(self._rewarm(step, call, record, body, token_ids))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+        self._watches[call.id] = blocks.on_removed(evicted)
+
+    def forget_watch(self, call: Call) -> None:
+        stop = self._watches.pop(call.id, None)
+        if stop is not None:
+            stop()
+
+    async def _rewarm(self, step: Step, call: Call, record: EngineRecord, body: dict[str, Any],
+                      token_ids: tuple[int, ...]) -> None:
+        """The call's warmed prefix was evicted: prefilled again while the call still waits for an input, the
+        engine is not saturated and the call was not re-warmed ``_MAX_REWARMS`` times already."""
+        values = {name: v.value for name, v in call.inputs.items() if v.value is not None}
+        done = self._rewarms.get(call.id, 0)
+        if (call.state != "waiting" or prefix_body(step.route, step.body, values) is None or done >= _MAX_REWARMS
+                or call.id not in self._rewarms):
+            self.forget(call)
+            return  # its inputs came (it runs, or ran), it ended, or it was re-warmed enough
+        model = step.body["model"]
+        if await _saturated(record, self.max_waiting, self.kv_full):
+            self.gateway.outcomes.prefilled(model, record.engine.name, skipped=True)
+            return
+        self._rewarms[call.id] = done + 1
+        self.gateway.outcomes.prefilled(model, record.engine.name)
+        logger.debug("call %s: its prefix was evicted on %r before its inputs came; prefilled again", call.id,
+                     record.engine.name)
+        try:
+            await record.engine.prefill(step.route, body)  # type: ignore[attr-defined]
+        except EngineError as exc:
+            logger.debug("re-warming call %s on %r failed: %s", call.id, record.engine.name, exc)
+            return
+        call.timings.warmed = time.time()
+        self._retain(step, call, record, body, token_ids)
+
+
+def as_prefilled(route: Route, body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` as the prefill sends it, for its token ids: a chat prompt's last message left open."""
+    if route == "chat/completions":
+        return {**body, "add_generation_prompt": False, "continue_final_message": True}
+    return body
 
 
 async def _saturated(record: EngineRecord, max_waiting: int, kv_full: float) -> bool:

@@ -31,10 +31,10 @@ from gateway.tracing import Tracing
 
 class Runner:
     def __init__(self, gateway: GatewayPort, prefixes: PrefixCache, config: SemanticConfig, tracing: Tracing,
-                 kv_full: float = 0.95):
+                 kv_full: float = 0.95, rewarm: bool = True):
         self.gateway = gateway
         self.forks = Forks(gateway, prefixes, config.min_prefix_chars)
-        self.prefills = Prefills(gateway, config, kv_full)
+        self.prefills = Prefills(gateway, config, kv_full, rewarm)
         self.config = config
         self.tracing = tracing
 
@@ -51,6 +51,7 @@ class Runner:
             await self.prefills.warm(first, call)
 
     async def run(self, call: Call, values: dict[str, str]) -> dict[str, str]:
+        self.prefills.forget(call)  # its inputs came: what was warmed for it is no longer watched
         with self.tracing.call(call):
             return await self._steps(call, values)
 

@@ -94,7 +94,8 @@ class SemanticService:
                                      finished_calls_kept=config.finished_calls_kept)
         self.prefixes = PrefixCache(config.max_prefixes_per_engine)
         gateway.registry.on_removed(self.prefixes.forget_engine)  # its contexts went with it
-        self.runner = Runner(gateway, self.prefixes, config, self.tracing, gateway.config.scheduler.kv_full)
+        self.runner = Runner(gateway, self.prefixes, config, self.tracing, gateway.config.scheduler.kv_full,
+                             gateway.config.kv_events.rewarm)
         self.mirror = Mirror(store, config.session_idle_ttl_s) if store is not None and (
             store.shared or store.durable) else None
         if self.mirror is not None:

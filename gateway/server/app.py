@@ -94,6 +94,8 @@ def create_app(config: GatewayConfig | None = None) -> Litestar:
                                                                     config.routing.breaker_cooldown_s))
             gateway = Gateway(config, registry, GatewayMetrics(), client, transport)
             gateway.add_upstreams()
+            gateway.events.start()
+            closing.push_async_callback(gateway.events.aclose)
             app.state.gateway = gateway
             app.state.registrations = registrations = SharedRegistrations(store, gateway)
             registrations.start()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import time
@@ -29,6 +30,10 @@ def _serve_parser() -> argparse.ArgumentParser:
                              "(also PARROT_ADMIN_KEYS)")
     parser.add_argument("--upstream", action="append", default=[], metavar="MODEL=BASE_URL",
                         help="serve MODEL from an OpenAI-compatible server at BASE_URL (ending in /v1)")
+    parser.add_argument("--upstream-kv-events", action="append", default=[], metavar="ENDPOINT",
+                        help="the KV-cache events endpoint (ZMQ) of the --upstream given in the same position "
+                             "('' for none): e.g. tcp://127.0.0.1:5557 for vLLM's --kv-events-config "
+                             "endpoint tcp://*:5557 (also PARROT_UPSTREAM_KV_EVENTS, comma-separated)")
     parser.add_argument("--model", dest="builtin_model", help="builtin engine model: HF dir or .gguf file")
     builtin = parser.add_mutually_exclusive_group()
     builtin.add_argument("--builtin", dest="builtin_enabled", action="store_true", default=None,
@@ -51,6 +56,20 @@ def _upstream(spec: str) -> dict[str, str]:
     return {"model": model, "base_url": url}
 
 
+def _upstreams(args: argparse.Namespace) -> list[dict[str, str]]:
+    """``--upstream`` specs, each with the ``--upstream-kv-events`` endpoint in its position (or
+    PARROT_UPSTREAM_KV_EVENTS's, comma-separated, when no flag gives them)."""
+    upstreams = [_upstream(s) for s in args.upstream]
+    from_env = os.environ.get("PARROT_UPSTREAM_KV_EVENTS")
+    endpoints = args.upstream_kv_events or (from_env.split(",") if from_env else [])
+    if len(endpoints) > len(upstreams):
+        raise SystemExit(f"{len(endpoints)} KV-events endpoints for {len(upstreams)} --upstream")
+    for upstream, endpoint in zip(upstreams, endpoints):
+        if endpoint.strip():
+            upstream["kv_events"] = endpoint.strip()
+    return upstreams
+
+
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return load_config(args.config, overrides={
         "server": {"host": args.host, "port": args.port, "log_level": args.log_level, "log_format": args.log_format,
@@ -60,7 +79,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         "builtin": {"enabled": args.builtin_enabled, "model": args.builtin_model, "port": args.engine_port,
                     "replicas": args.replicas},
         "state": {"url": args.state},
-        "upstreams": [_upstream(s) for s in args.upstream],
+        "upstreams": _upstreams(args),
     })
 
 

@@ -174,7 +174,7 @@ class EngineInfo(msgspec.Struct):
     in_flight: int
     load: int  # what the scheduler counts: requests on it now, ours and (when reported) other clients'
     kv_use: float  # the fraction of its KV cache in use, as it reported
-    held_prefix_tokens: int  # the prompt prefixes the scheduler placed there and counts on it holding
+    held_prefix_tokens: int  # the prompt prefixes the scheduler counts on it holding: by its KV events where live, else placed
     prefix_contexts: int  # shared prefixes the gateway pinned there as contexts (semantic requests fork them)
     prefix_hit_rate: float  # of the prompt tokens it reported, the fraction served from its prefix cache or a fork
     requests_per_s: float  # requests the gateway sent it, per second over the last 10 seconds

@@ -168,3 +168,23 @@ def test_engine_log_flags_from_env_and_command_line(monkeypatch):
     args = build_parser().parse_args([])
     assert (args.log_format, args.access_log) == ("json", True)
     assert build_parser().parse_args(["--log-format", "text"]).log_format == "text"
+
+
+def test_an_upstreams_kv_events_endpoint_from_the_file_the_flags_or_the_environment(tmp_path, monkeypatch):
+    toml_file = tmp_path / "parrot.toml"
+    toml_file.write_text('[[upstreams]]\nmodel = "m"\nbase_url = "http://a/v1"\nkv_events = "tcp://a:5557"\n'
+                         'kv_events_replay = "tcp://a:5558"\n[kv_events]\nsilence_s = 2.5\nrewarm = false\n')
+    config = load_config(toml_file, env={})
+    assert (config.upstreams[0].kv_events, config.upstreams[0].kv_events_replay) == ("tcp://a:5557", "tcp://a:5558")
+    assert (config.kv_events.silence_s, config.kv_events.rewarm) == (2.5, False)
+    assert load_config(env={"PARROT_KV_EVENTS_REWARM": "0", "PARROT_KV_EVENTS_SILENCE_S": "1"}).kv_events == \
+        msgspec.convert({"silence_s": 1.0, "rewarm": False}, type(config.kv_events))
+    flags = ["--upstream", "m=http://a/v1", "--upstream", "m=http://b/v1", "--upstream-kv-events", "",
+             "--upstream-kv-events", "tcp://b:5557"]
+    config = config_from_args(_serve_parser().parse_args(flags))
+    assert [u.kv_events for u in config.upstreams] == [None, "tcp://b:5557"]
+    monkeypatch.setenv("PARROT_UPSTREAM_KV_EVENTS", "tcp://a:5557,")
+    config = config_from_args(_serve_parser().parse_args(flags[:4]))
+    assert [u.kv_events for u in config.upstreams] == ["tcp://a:5557", None]
+    with pytest.raises(SystemExit):
+        config_from_args(_serve_parser().parse_args([*flags[:2], *flags[4:]]))  # two endpoints, one upstream

@@ -172,3 +172,44 @@ def test_placement_levels_order_latency_before_urgent_groups_before_throughput()
     assert Placement().level == 0
     assert Placement(latency=False, urgent=True, group="g").level == 1
     assert Placement(latency=False).level == 2
+
+
+def test_an_engine_with_live_kv_events_is_matched_by_them_and_the_others_by_the_mirror():
+    from engines.seam.kv_events import BlockRemoved, BlockStored
+    from gateway.held_blocks import HeldBlocks
+
+    scheduler, engines = Scheduler(), views()
+    tokens = tuple(range(400))
+    item = work(SYSTEM_A)._replace(token_ids=tokens, prompt_tokens=len(tokens))
+    first = place(scheduler, item, engines)  # the mirror: it holds the prompt now
+    held = {view.id: HeldBlocks() for view in engines}
+    other = next(view for view in engines if view.id != first.id)
+    held[other.id].apply([BlockStored(list(range(25)), None, list(tokens), 16, None, "GPU", None)])
+    live = {first.id, other.id}
+    scheduler.exact = lambda engine_id: held[engine_id] if engine_id in live else None
+    # The first engine's events say it evicted the prompt (it holds nothing): the engine whose events say it
+    # holds all of it wins, and the third engine's mirror (nothing placed there) counts as nothing.
+    assert scheduler.held_tokens(item, engines) == {first.id: 0, other.id: 400}
+    assert {place(scheduler, item, engines).id for _ in range(3)} == {other.id}
+    held[other.id].apply([BlockRemoved([0], "GPU")])
+    assert scheduler.held_tokens(item, engines)[other.id] == 0
+    live.clear()  # the streams went silent: the mirror again
+    assert scheduler.held_tokens(item, engines) == {first.id: len(item.prefix) * TOKENS_PER_CHUNK,
+                                                    other.id: len(item.prefix) * TOKENS_PER_CHUNK}
+
+
+def test_a_new_prompt_goes_to_an_engine_with_room_not_one_that_holds_only_its_first_block():
+    from engines.seam.kv_events import BlockStored
+    from gateway.held_blocks import HeldBlocks
+
+    scheduler, engines = Scheduler(), views(2)
+    for view in engines:
+        view.stats = EngineStats(blocks_total=100, block_size=16)
+    full, empty = HeldBlocks(), HeldBlocks()
+    shared = list(range(16))  # the first block every prompt has (a chat template's header)
+    full.apply([BlockStored(list(range(100)), None, shared + [1000 + i for i in range(99 * 16)], 16, None, "GPU",
+                            None)])
+    scheduler.exact = {"e0": full, "e1": empty}.get
+    item = work(SYSTEM_A)._replace(token_ids=tuple(shared + [5] * 800), prompt_tokens=816)
+    assert scheduler.held_tokens(item, engines) == {"e0": 16, "e1": 0}
+    assert place(scheduler, item, engines).id == "e1"  # e0 would evict 800 tokens of what it holds

@@ -43,8 +43,11 @@ from engines.builtin.serving.completions import Completions
 from engines.seam.contexts import FillResult
 from engines.seam import PromptSplit
 from wire.sse import SSE_DONE, sse_event
+from engines.builtin.tokenizer import text_tokens
 from wire.openai import (
     ChatCompletionRequest,
+    ChatMessage,
+    Tool,
     CompletionRequest,
     ModelCard,
     ModelList,
@@ -167,6 +170,35 @@ async def prompt_split(request: Request, data: JSONBody[PromptSplitRequest]) -> 
         raise EngineBadRequest(f"body: {exc}") from exc
 
 
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """vLLM's POST /tokenize: a completions prompt, or chat messages rendered with the generation prompt."""
+
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
+
+
+class Tokenized(msgspec.Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+@post("/tokenize", status_code=200)
+async def tokenize(request: Request, data: JSONBody[TokenizeRequest]) -> Tokenized:
+    """The prompt's token ids as a request with it would compute them (a gateway matches them against the KV
+    events this engine publishes)."""
+    engine = _engine_serving(request, data.model)
+    if data.messages is not None:
+        tokens = await asyncio.to_thread(engine.chats.prompt_tokens, data.messages, data.tools)
+    elif data.prompt is not None:
+        tokens = await asyncio.to_thread(text_tokens, engine.tokenizer, data.prompt)
+    else:
+        raise EngineBadRequest("give prompt or messages", "prompt")
+    return Tokenized(len(tokens), engine.llm.max_model_len, tokens)
+
+
 @get("/v1/models")
 async def models(request: Request) -> ModelList:
     return ModelList(data=[ModelCard(id=_engine(request).model_name)])
@@ -270,7 +302,7 @@ def create_app(
                 await asyncio.to_thread(core.shutdown)
 
     app = Litestar(
-        route_handlers=[chat_completions, completions, prompt_split, models, health, stats, metrics,
+        route_handlers=[chat_completions, completions, prompt_split, tokenize, models, health, stats, metrics,
                         fill_context, generate_in_context, free_context],
         lifespan=[lifespan],
         exception_handlers=OPENAI_EXCEPTION_HANDLERS,

@@ -91,6 +91,10 @@ class ChatCompletions(ModelServing):
         at variable boundaries to share prefixes)."""
         return chat_prompt_text(self.tokenizer, self._with_tools(messages, tools), tools)
 
+    def prompt_tokens(self, messages: list[ChatMessage], tools: list[Tool] | None = None) -> list[int]:
+        """The token ids a chat request's prompt is here (POST /tokenize)."""
+        return chat_prompt_tokens(self.tokenizer, self._with_tools(messages, tools), tools)
+
     def _job(self, request: ChatCompletionRequest) -> PromptJob:
         validate_request(request)
         _check_text_only(request.messages, self.model_name)
