@@ -28,14 +28,15 @@ SETTLE_S = 3.0
 
 class LaunchedVLLM:
     def __init__(self, python: str, dtype: str, log_path: Path, *, model: str | None = None, threads: int = 2,
-                 ready_timeout_s: float = 900):
+                 ready_timeout_s: float = 900, extra_args: tuple[str, ...] = ()):
+        """``extra_args``: more of vLLM's flags (``--scheduling-policy priority``)."""
         self.model = cached_source(ModelSource(model)).directory  # vLLM names the model by this path
         port = free_port()
         self.url = f"http://127.0.0.1:{port}/v1"
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "OMP_NUM_THREADS": str(threads),
                "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
         command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--dtype", dtype,
-                   "--max-model-len", "4096", "--port", str(port)]
+                   "--max-model-len", "4096", "--port", str(port), *extra_args]
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log_path
         with log_path.open("wb") as log:
