@@ -230,6 +230,7 @@ async def run_all(apps: list[str], modes_of: dict[str, list[Mode]], args: argpar
                     before = [(await client.get(url)).text for url in metrics]
                     async with httpx.AsyncClient(base_url=mode.url, timeout=args.timeout,
                                                  event_hooks=record.hooks()) as app_client:
+                        record.start()
                         result = await run(app_client, mode.model, app_config(app, args, seed, mode), args.rtt_ms)
                         if mode.parrot and runs is not None:
                             record.calls_from_graph(await default_session_graph(app_client))
@@ -250,9 +251,13 @@ class RunRecord:
 
     def __init__(self, app: str, mode: str, repeat: int, seed: int):
         self.entry: dict[str, Any] = {"app": app, "mode": mode, "repeat": repeat, "seed": seed}
-        self.started_wall, self.started = time.time(), time.perf_counter()
+        self.start()
         self.requests: list[dict[str, Any]] = []
         self.calls: list[dict[str, Any]] = []
+
+    def start(self) -> None:
+        """Times count from now: the app's start."""
+        self.started_wall, self.started = time.time(), time.perf_counter()
 
     def hooks(self) -> dict[str, list]:
         async def sent(request: httpx.Request) -> None:

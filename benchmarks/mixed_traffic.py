@@ -50,7 +50,8 @@ async def measure(args: argparse.Namespace, modes: list[Mode]) -> dict[str, list
             for mode in modes if round_ % 2 == 0 else modes[::-1]:
                 await asyncio.sleep(SETTLE_S)  # the previous mode's server may still spin (vllm_server.SETTLE_S)
                 async with httpx.AsyncClient(base_url=mode.url, timeout=args.timeout) as mode_client:
-                    result = await mixed.run(mode_client, mode.model, replace(cfg, seed=args.seed + round_),
+                    job = replace(cfg.job, **dict(mode.config))  # a mode's own job settings (its service tier)
+                    result = await mixed.run(mode_client, mode.model, replace(cfg, seed=args.seed + round_, job=job),
                                              parrot=mode.parrot)
                 row = summary(result) | {"load_average": os.getloadavg()[0]}  # a shared host: its load then
                 runs[mode.name].append(row)
@@ -160,7 +161,9 @@ def fronting_vllm(args: argparse.Namespace, out: Path) -> Iterator[list[Mode]]:
         if args.throughput_hold_s is not None:
             config = f"[scheduler]\nthroughput_hold_s = {args.throughput_hold_s}\n" + config
         gateway = LaunchedGateway(args.model, [], out.with_suffix(".serve.log"), 600, config=config)
-        yield [Mode("parrot", gateway.url, args.model), Mode("compare", vllm.url, vllm.model)]
+        yield [Mode("parrot", gateway.url, args.model),  # jobs as the app marks them: its reduce waited on
+               Mode("parrot_flex", gateway.url, args.model, (("service_tier", "flex"),)),  # jobs as background work
+               Mode("compare", vllm.url, vllm.model)]
     finally:
         if gateway is not None:
             gateway.close()
