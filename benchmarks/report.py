@@ -42,6 +42,7 @@ class Row:
     vs: str
     ratio: Callable[[dict[str, Any]], str]
     detail: Callable[[dict[str, Any]], list[str]]
+    readme: bool = True  # its row in the README's table too (which stays short), not only in docs/benchmarks.md
 
 
 def _x(value: float) -> str:
@@ -164,7 +165,7 @@ def entries(root: Path) -> list[dict[str, Any]]:
         png = Path(row.file).with_suffix(".png").name
         rows.append({"what": row.what, "vs": row.vs, "ratio": row.ratio(data), "host": data["host"],
                      "date": data["date"][:10], "command": data["command"], "json": row.file,
-                     "png": png if (root / RESULTS_DIR / png).is_file() else None})
+                     "png": png if (root / RESULTS_DIR / png).is_file() else None, "readme": row.readme})
     return rows
 
 
@@ -180,7 +181,7 @@ def readme_section(rows: list[dict[str, Any]]) -> str:
     lines = ["Ratios > 1 favour Parrot: its throughput or accuracy over theirs, their time over its time. "
              "Engine columns: one greedy stream, 16 concurrent requests of 64 tokens, 16 requests sharing a "
              "~900-token prompt, prefill of fresh ~1,000-token prompts.", "",
-             *table(rows, f"{RESULTS_DIR.as_posix()}/")]
+             *table([r for r in rows if r["readme"]], f"{RESULTS_DIR.as_posix()}/")]
     return "\n".join(lines)
 
 
