@@ -8,15 +8,10 @@ load-balance thresholds: what it offers closest to Parrot's placement).
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import time
 from pathlib import Path
 
-import httpx
-
 from benchmarks.gateway_overhead import free_port
+from benchmarks.vllm_server import launch, stop_group
 
 
 class LaunchedRouter:
@@ -28,35 +23,8 @@ class LaunchedRouter:
         workers = [url.removesuffix("/v1") for url in engine_urls]
         command = [executable, "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
                    "--log-level", "warning", "--worker-urls", *workers]
-        log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log_path
-        with log_path.open("wb") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            self._wait_serving(ready_timeout_s)
-        except BaseException:
-            self.close()
-            raise
-
-    def _wait_serving(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"vllm-router exited ({self.process.returncode}); see {self.log_path}")
-            try:
-                if httpx.get(f"{self.url}/models", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise RuntimeError(f"vllm-router did not serve within {timeout_s:.0f}s; see {self.log_path}")
+        self.process = launch(command, log_path, self.url, "vllm-router", ready_timeout_s, poll_s=1)
 
     def close(self) -> None:
-        try:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            self.process.wait(timeout=10)
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        stop_group(self.process, 10)
