@@ -152,6 +152,9 @@ CURRENT = [
     Row("apps_vs_vllm_fronted_rtt250_2026-12-02.json", "the same run: prefill ahead next in line (chain / "
         "map-reduce / multi-agent)", "prefill ahead of every waiting call at submission (the earlier policy)",
         apps_ratio("parrot_submitted", FRONTED), apps_detail, readme=False),
+    Row("apps_vs_vllm_fronted_rtt0_2026-12-02.json", "the same at 0 RTT (chain / map-reduce / multi-agent); the "
+        "documents of the 250 ms rounds again, so cached for every mode alike", "the same apps client-orchestrated "
+        "on that vLLM", apps_ratio("baseline", FRONTED), apps_detail, readme=False),
     Row("splicing_cost.json", "a semantic call's exact prompt on the engine: healing its seam, time per fork "
         "(~500 / ~1,000 / ~2,000-token shared prefix)", "tokenizing the whole prompt for each fork",
         splicing_ratio, splicing_detail),

@@ -33,15 +33,3 @@ def test_each_prefill_variant_fronts_the_engine_as_its_name_says():
     assert seen == {"next_in_line": ("next_in_line", True), "submitted": ("submitted", True),
                     "off": ("next_in_line", False)}
 
-
-def test_a_stopped_runs_figures_are_read_back_from_its_lines_for_one_round_trip():
-    from benchmarks.apps_log import read_runs
-
-    log = "\n".join([
-        "modes: parrot http://a/v1, baseline http://b/v1; rtt 250 ms, 3 repeats, load average (1, 2, 3)",
-        "  chain          parrot                     repeat 1:   69.51s (3 calls)  'x'",
-        "  chain          baseline                   repeat 1:   80.00s (3 calls)  'x'",
-        "modes: parrot http://a/v1, baseline http://b/v1; rtt 0 ms, 3 repeats, load average (1, 2, 3)",
-        "  chain          parrot                     repeat 1:   60.00s (3 calls)  'x'"])
-    assert read_runs(log, 250.0) == {"chain": {"parrot": [69.51], "baseline": [80.0]}}
-    assert read_runs(log, 0.0) == {"chain": {"parrot": [60.0]}}
