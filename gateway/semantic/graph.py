@@ -60,9 +60,11 @@ class Variable:
         self._grew = asyncio.Event()  # set (and replaced) each time partial grows, and when it is bound or fails
         self._ready = asyncio.Event()
         self._announced = asyncio.Event()  # ready, or pending on an engine
+        self._produced = asyncio.Event()  # ready, or its producer running (prefill.py's next in line)
         if value is not None:
             self._ready.set()
             self._announced.set()
+            self._produced.set()
 
     @property
     def ready(self) -> bool:
@@ -75,6 +77,7 @@ class Variable:
         self.pending = None
         self._ready.set()
         self._announced.set()
+        self._produced.set()
         self._grown()
         self.session.changed(self)
 
@@ -101,6 +104,7 @@ class Variable:
         self.withdraw()
         self._ready.set()
         self._announced.set()
+        self._produced.set()
         self._grown()
         self.session.changed(self)
 
@@ -115,6 +119,7 @@ class Variable:
         self.value, self.error = value, error
         self._ready.set()
         self._announced.set()
+        self._produced.set()
         self._grown()
 
     @property
@@ -145,6 +150,16 @@ class Variable:
         if self.pending is not None:
             self.pending.withdrawn.set()
             self.pending = None
+
+    def producing(self) -> None:
+        """Its producer started running (sent to an engine with its inputs bound)."""
+        self._produced.set()
+
+    async def being_produced(self, timeout_s: float) -> None:
+        """Returns once the variable is ready, or its producer runs (TimeoutError after ``timeout_s``). One with no
+        producer here (the client binds it) counts as produced: nothing says when its value comes."""
+        if self.producer is not None and not self._produced.is_set():
+            await asyncio.wait_for(self._produced.wait(), timeout_s)
 
     async def announced(self, timeout_s: float) -> None:
         """Returns once the variable is ready, or generating on an engine (TimeoutError after ``timeout_s``)."""
@@ -316,6 +331,8 @@ class Call:
 
     def mark_running(self) -> None:
         self.state, self.started = "running", time.time()
+        for output in self.outputs.values():
+            output.producing()  # its consumers are next in line now (prefill.py)
 
     def hand_to_engine(self) -> None:
         """It goes to an engine before its inputs are ready (the handoff): it is waiting there, and

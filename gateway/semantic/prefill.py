@@ -4,7 +4,8 @@ The upstream counterpart of a context fill (forks.py's ``warm``): while a call w
 step's prompt up to the first input that is still pending (the inputs already bound substituted, as the plain
 request will have them) is sent to the engine the global scheduler picks for the call, as one prefill-only
 request; that engine's prefix cache keeps it. The call is then placed there (its placement names the engine as
-holding its prefix), so when its inputs land only the rest of its prompt is computed. A saturated engine is not
+holding its prefix), so when its inputs land only the rest of its prompt is computed. By default only calls next
+in line are warmed (``[semantic] prefill_when``): those whose inputs' producers run. A saturated engine is not
 warmed (more than ``[semantic] prefill_max_waiting`` requests in its queue, or its KV cache full; its stats asked
 for then, not the last health check's): the prefill would wait in line with everything else and delay the work
 ahead of it, for a prefix the call computes anyway, or evict what others hold. Nor is a prefix shorter than one of the engine's
@@ -56,6 +57,7 @@ class Prefills:
         self.extend_chars = config.prefill_extend_chars
         self.input_timeout_s = config.input_timeout_s
         self.max_waiting = config.prefill_max_waiting
+        self.next_in_line = config.prefill_when == "next_in_line"
         self.kv_full = kv_full
 
     def engines(self, model: str) -> list[EngineRecord]:
@@ -66,7 +68,7 @@ class Prefills:
         """Prefills ``step``'s prompt up to its first pending input on the engine the call will run on, and
         remembers that engine on the call (``warmed_on``). Errors are left for the run itself to meet."""
         records = self.engines(step.body["model"])
-        if not records:
+        if not records or (self.next_in_line and not await self._next_in_line(call)):
             return
         values = {name: v.value for name, v in call.inputs.items() if v.value is not None}
         cut = prefix_body(step.route, step.body, values)
@@ -96,6 +98,17 @@ class Prefills:
                 await self._extend(step, call, record, _prefix_chars(step.route, body), body.get("priority"))
         except EngineError as exc:
             logger.debug("prefill ahead of call %s on %r failed: %s", call.id, record.engine.name, exc)
+
+    async def _next_in_line(self, call: Call) -> bool:
+        """Waits until the producer of each of the call's inputs runs (or the input is bound): its inputs come
+        next. False when one failed or did not start within the input timeout (the call's own wait reports it)."""
+        deadline = time.monotonic() + self.input_timeout_s
+        try:
+            for variable in call.inputs.values():
+                await variable.being_produced(max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            return False
+        return not any(v.error is not None for v in call.inputs.values())
 
     async def _extend(self, step: Step, call: Call, record: EngineRecord, sent: int, priority: int | None) -> None:
         """The prefilled prompt extended as the call's inputs come, until the last is bound: with the text their

@@ -78,4 +78,4 @@ def test_a_result_must_say_how_when_and_where(checkout: Path):
 
 
 def test_the_table_stays_short():
-    assert len(report.CURRENT) <= 12
+    assert sum(row.readme for row in report.CURRENT) <= 12  # the README's; docs/benchmarks.md lists them all

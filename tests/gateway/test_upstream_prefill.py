@@ -179,6 +179,35 @@ def test_as_inputs_are_bound_the_prefill_moves_on_to_the_next_pending_one(http, 
                                                          "note. Merge.")
 
 
+@pytest.mark.parametrize("when", ["next_in_line", "submitted"])
+def test_a_chain_step_is_prefilled_once_the_step_before_it_runs_not_at_submission(http, serve, start_gateway, when):
+    """Next in line (the default): the third step of a chain is prefilled when the second one starts, after the
+    first answered, not at once with the whole chain (on a compute-bound engine that prefill slowed the first
+    step, minutes before the third could run); "submitted" prefills it at once."""
+    server = FakeVLLM("vllm")
+    server.delays["Step 1: go"] = 0.6
+    server.delays["Step 2: vllm"] = 0.3  # (the fake answers with its name) time to prefill the third ahead of it
+    gateway = start_gateway([UpstreamConfig(model=SMOLLM, base_url=f"{serve(server.app)}/v1", prefill_ahead=True)],
+                            semantic=SemanticConfig(prefill_when=when))
+
+    def step(n: int, before: dict[str, Any]) -> list[dict[str, str]] | dict[str, Any]:
+        return {"model": SMOLLM, "max_tokens": 8, "messages": [
+            {"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Step {n}: {{{{prev}}}}"}],
+            "parrot": {"vars": {"prev": before}}}
+
+    second = step(2, {"call": step(1, {"value": "go"})})
+    answer = http.post(f"{gateway}/v1/chat/completions", json={**step(3, {"call": second})})
+    assert answer.status_code == 200, answer.text
+    prefilled = [b["messages"][1]["content"] for b in server.bodies if b.get("max_tokens") == 1]
+    assert sorted(prefilled) == ["Step 2: ", "Step 3: "]
+    first_answered = server.arrived["Step 1: go"] + 0.6
+    if when == "next_in_line":
+        assert server.arrived["Step 3: "] >= first_answered  # the second step ran by then
+    else:
+        assert server.arrived["Step 3: "] < first_answered  # at submission, with the first step still running
+    assert server.arrived["Step 2: "] < first_answered  # next in line from the start: its producer runs
+
+
 ENGINE_KEY_ENV = "PARROT_PREFILL_ENGINE_KEY"
 
 
