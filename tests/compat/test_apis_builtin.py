@@ -122,3 +122,33 @@ def test_a_stored_conversation_is_forked_from_its_pinned_context(client, gateway
         assert later.usage.input_tokens > covered
         print(f"turn usage: input {later.usage.input_tokens}, cached {later.usage.input_tokens_details.cached_tokens}")
     client.responses.delete(pinned[-1].id)  # frees its context (the engine's count is not visible from here)
+
+
+def test_a_streamed_conversation_is_forked_too(client, gateway_url):
+    """Streamed turns 2-3 through previous_response_id stream as forks of the pinned conversation: the same text
+    as the plain path's (greedy), their cached tokens covering the earlier conversation."""
+    questions = ["What is the capital of France?", "And of Italy?", "And of Spain?"]
+    instructions = "Answer in one short sentence."
+    forks_before = _forks(gateway_url)
+    streamed, previous = [], None
+    for question in questions:
+        with client.responses.stream(model=SMOLLM, input=question, previous_response_id=previous, temperature=0,
+                                     max_output_tokens=20, instructions=instructions) as stream:
+            deltas = "".join(event.delta for event in stream if event.type == "response.output_text.delta")
+            response = stream.get_final_response()
+        assert deltas == response.output_text
+        streamed.append(response)
+        previous = response.id
+    assert _forks(gateway_url) - forks_before == len(questions) - 1
+
+    history: list = []
+    for question, forked in zip(questions, streamed):
+        history.append({"role": "user", "content": question})
+        plain = client.responses.create(model=SMOLLM, input=history, store=False, temperature=0,
+                                        max_output_tokens=20, instructions=instructions)
+        assert plain.output_text == forked.output_text
+        history.append({"role": "assistant", "content": plain.output_text})
+    for earlier, later in zip(streamed, streamed[1:]):
+        covered = earlier.usage.input_tokens + earlier.usage.output_tokens
+        assert later.usage.input_tokens_details.cached_tokens >= covered - 1, (earlier.usage, later.usage)
+    client.responses.delete(streamed[-1].id)
