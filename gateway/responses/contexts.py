@@ -17,15 +17,18 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from typing import Any, NamedTuple
+from typing import Any, AsyncIterator, NamedTuple
 
 import msgspec
 
 from engines.seam import ContextEngine, EngineError, PromptSplit
+from engines.seam.contexts import Generation, GenerationChunk
 from engines.seam.connect import has_capability
 from gateway.config import ResponsesConfig
 from gateway.quotas import count_tokens
 from gateway.service import Gateway
+from http_plumbing.http_errors import engine_error_body
+from gateway.translation.chat import Chunk
 from wire.sampling import sampling_of
 
 log = logging.getLogger("parrot.responses")
@@ -39,6 +42,16 @@ class Pinned(NamedTuple):
     engine_id: str
     context_id: str
     prefix: str  # the rendered conversation the context holds
+
+
+class ForkTarget(NamedTuple):
+    """A next turn's fork: the pinned conversation, its engine, the turn's sampling and what follows the context."""
+
+    pinned: Pinned
+    engine: ContextEngine
+    record: Any  # the engine's registry record (in-flight and request counts)
+    sampling: dict[str, Any]
+    fork_with: str
 
 
 def _probe(chat: dict[str, Any], messages: list[dict[str, Any]]) -> dict[str, Any]:
@@ -123,10 +136,9 @@ class ConversationContexts:
         self._pinned.move_to_end(response_id)
         return found[0]
 
-    async def fork(self, previous_id: str, chat: dict[str, Any]) -> tuple[bytes, str] | None:
-        """The next turn (``chat``, whose last message is its new user message) run as a fork of the pinned
-        conversation of ``previous_id``: a chat completion body and the engine's id; None when it cannot be
-        (nothing pinned, another prompt start, tools...): the turn then runs as usual."""
+    async def _fork_target(self, previous_id: str, chat: dict[str, Any]) -> ForkTarget | None:
+        """Where the next turn (``chat``, whose last message is its new user message) forks the pinned
+        conversation of ``previous_id``; None when it cannot (nothing pinned, another prompt start, tools...)."""
         text = new_user_text(chat)
         if text is None or not forkable(chat) or not self.config.pin_contexts:
             return None
@@ -144,30 +156,88 @@ class ConversationContexts:
         if split.prefix != pinned.prefix:
             return None  # other instructions or history than the pinned ones: not the same prompt
         sampling = sampling_of(chat) | self.gateway.token_defaults("chat/completions", chat, record.engine)
-        record.in_flight += 1
-        record.requests.add()
-        try:
-            generation = await engine.generate_in_context(pinned.context_id, sampling,
-                                                          fork_with=split.rest_with({NEXT: text}),
-                                                          context_text=pinned.prefix)
-        except EngineError as exc:  # the context is gone (the engine restarted): the turn runs as usual
-            log.info("forking the conversation of %s failed: %s", previous_id, exc)
-            self._pinned.pop(previous_id, None)
-            return None
-        finally:
-            record.in_flight -= 1
+        return ForkTarget(pinned, engine, record, sampling, split.rest_with({NEXT: text}))
+
+    def _forked(self, previous_id: str, target: ForkTarget, exc: EngineError) -> None:
+        log.info("forking the conversation of %s failed: %s", previous_id, exc)
+        self._pinned.pop(previous_id, None)  # the context is gone (the engine restarted)
+
+    def _count(self, model: str, target: ForkTarget, generation: Generation) -> dict[str, Any]:
+        """A fork's chat usage, counted as the chat path counts a request's (forks, the key's token quota)."""
         self.forks += 1
-        self.gateway.outcomes.forked(chat["model"], record.engine.name)
+        self.gateway.outcomes.forked(model, target.record.engine.name)
         prompt, cached = generation.prompt_usage()
         completion = generation.usage.get("completion_tokens", len(generation.token_ids))
-        count_tokens(prompt + completion)  # the key's token quota, as the chat path charges it
+        count_tokens(prompt + completion)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    async def fork(self, previous_id: str, chat: dict[str, Any]) -> tuple[bytes, str] | None:
+        """The next turn run as a fork of the pinned conversation of ``previous_id``: a chat completion body
+        and the engine's id; None when it cannot be: the turn then runs as usual."""
+        target = await self._fork_target(previous_id, chat)
+        if target is None:
+            return None
+        target.record.in_flight += 1
+        target.record.requests.add()
+        try:
+            generation = await target.engine.generate_in_context(
+                target.pinned.context_id, target.sampling, fork_with=target.fork_with,
+                context_text=target.pinned.prefix)
+        except EngineError as exc:
+            self._forked(previous_id, target, exc)
+            return None
+        finally:
+            target.record.in_flight -= 1
+        used = self._count(chat["model"], target, generation)
         body = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": chat["model"],
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": generation.text},
                              "finish_reason": generation.finish_reason or "stop"}],
-                "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
-                          "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": cached}}}
-        return msgspec.json.encode(body), record.id
+                "usage": used}
+        return msgspec.json.encode(body), target.record.id
+
+    async def fork_stream(self, previous_id: str, chat: dict[str, Any]) -> tuple[AsyncIterator[Chunk], str] | None:
+        """The next turn streamed as a fork of the pinned conversation of ``previous_id``: its chat chunks
+        (the usage in the last) and the engine's id, once the engine's stream has started; None when it cannot
+        be (the turn then streams as usual)."""
+        target = await self._fork_target(previous_id, chat)
+        if target is None:
+            return None
+        target.record.in_flight += 1
+        target.record.requests.add()
+        generated = target.engine.stream_in_context(target.pinned.context_id, target.sampling,
+                                                    fork_with=target.fork_with, context_text=target.pinned.prefix)
+        try:
+            first = await anext(generated)
+        except (EngineError, StopAsyncIteration) as exc:
+            target.record.in_flight -= 1
+            await generated.aclose()
+            self._forked(previous_id, target, exc if isinstance(exc, EngineError) else EngineError("no output"))
+            return None
+        return self._fork_chunks(chat["model"], target, first, generated), target.record.id
+
+    async def _fork_chunks(self, model: str, target: ForkTarget, first: GenerationChunk,
+                           generated: AsyncIterator[GenerationChunk]) -> AsyncIterator[Chunk]:
+        """The engine's generation chunks as chat chunks; an engine failure mid-stream is the chunk's error."""
+        token_ids: list[int] = []
+        try:
+            step: GenerationChunk | None = first
+            while step is not None:
+                token_ids += step.token_ids
+                used = None
+                if step.finish_reason is not None:  # the last: the whole generation's usage
+                    used = self._count(model, target, Generation(
+                        "", token_ids, step.finish_reason, step.usage or {}, step.context_tokens or 0))
+                yield msgspec.convert({"choices": [{"index": 0, "delta": {"content": step.text},
+                                                    "finish_reason": step.finish_reason}], "usage": used}, Chunk)
+                step = await anext(generated, None)
+        except EngineError as exc:
+            self.gateway.outcomes.failed(model, exc)
+            yield Chunk(error=engine_error_body(exc))
+        finally:
+            target.record.in_flight -= 1
+            await generated.aclose()
 
     def release(self, response_id: str) -> None:
         """Frees the context of ``response_id`` (deleted, forgotten, idle or evicted), in the background."""

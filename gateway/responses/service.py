@@ -28,7 +28,7 @@ from gateway.semantic.service import SemanticService, Submitted
 from gateway.service import ENGINE_HEADER, Gateway
 from gateway.state import StateStore, StoreUnavailable
 from gateway.chat_path import ROUTE, check_chat, chunks_of, extension_of
-from gateway.translation.chat import completion_decoder
+from gateway.translation.chat import Chunk, completion_decoder
 from gateway.translation.response_stream import ResponseStream
 from gateway.translation.responses import (
     CHAT_PARAMS,
@@ -312,14 +312,12 @@ class ResponsesService:
             if prepared.parrot is not None:
                 submitted = await self._submit(prepared, stream=True)
                 answered = await self.semantic.answer(submitted)  # its first text generated (or its end)
-                events, engine_id = answered.iterator, answered.headers.get(ENGINE_HEADER, "")
+                stream, engine_id = chunks_of(answered.iterator), answered.headers.get(ENGINE_HEADER, "")
             else:
-                opened = await self.gateway.open_stream(ROUTE, prepared.request.model, prepared.chat)
-                events, engine_id = self.gateway.sse_events(prepared.request.model, opened), opened.record.id
+                stream, engine_id = await self._open_stream(prepared)
             stored = await self._store(prepared)  # in progress: GET finds it while it streams
             try:
                 yield writer.start()
-                stream = chunks_of(events)
                 try:
                     async for chunk in stream:
                         if chunk.error is not None:
@@ -338,10 +336,22 @@ class ResponsesService:
                         stored.input = prepared.input
                     await self.store.saved(prepared.owner, stored)
                     self._pin(prepared, engine_id)
+                    if prepared.request.previous_response_id:  # as in create: the conversation goes on from here
+                        self.contexts.release(prepared.request.previous_response_id)
                 yield writer.last()
             finally:
                 if prepared.response.status == "in_progress":  # the client left before the end
                     writer.fail("client_disconnected", "the client closed the stream before the response ended")
+
+    async def _open_stream(self, prepared: Prepared) -> tuple[AsyncIterator[Chunk], str]:
+        """The chat chunks of a plain streamed response and its engine's id: a next turn of a conversation
+        pinned on an engine streams as a fork of it there (contexts.py), else as a chat stream."""
+        if prepared.request.previous_response_id:
+            forked = await self.contexts.fork_stream(prepared.request.previous_response_id, prepared.chat)
+            if forked is not None:
+                return forked
+        opened = await self.gateway.open_stream(ROUTE, prepared.request.model, prepared.chat)
+        return chunks_of(self.gateway.sse_events(prepared.request.model, opened)), opened.record.id
 
     async def _stream_through(self, prepared: Prepared) -> AsyncIterator[bytes]:
         """The engine's own Responses stream, passed through (passthrough.UpstreamEvents); the response is

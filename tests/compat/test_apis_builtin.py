@@ -112,17 +112,41 @@ def test_a_stored_conversation_is_forked_from_its_pinned_context(client, gateway
         pinned.append(response)
         previous = response.id
     assert _forks(gateway_url) - forks_before == len(questions) - 1
+    _assert_plain_path_agrees(client, questions, instructions, pinned)
+    client.responses.delete(pinned[-1].id)  # frees its context (the engine's count is not visible from here)
 
+
+def _assert_plain_path_agrees(client, questions: list[str], instructions: str, turns: list) -> None:
+    """The conversation's ``turns`` answered as the plain path answers it (greedy), which gets the same
+    conversation as input items with store=false; each turn's cached tokens cover the conversation before it."""
     history: list = []
-    for question, forked in zip(questions, pinned):
+    for question, forked in zip(questions, turns):
         history.append({"role": "user", "content": question})
         plain = client.responses.create(model=SMOLLM, input=history, store=False, temperature=0,
                                         max_output_tokens=20, instructions=instructions)
         assert plain.output_text == forked.output_text
         history.append({"role": "assistant", "content": plain.output_text})
-    for earlier, later in zip(pinned, pinned[1:]):
+    for earlier, later in zip(turns, turns[1:]):
         covered = earlier.usage.input_tokens + earlier.usage.output_tokens
         assert later.usage.input_tokens_details.cached_tokens >= covered - 1, (earlier.usage, later.usage)
         assert later.usage.input_tokens > covered
-        print(f"turn usage: input {later.usage.input_tokens}, cached {later.usage.input_tokens_details.cached_tokens}")
-    client.responses.delete(pinned[-1].id)  # frees its context (the engine's count is not visible from here)
+
+
+def test_a_streamed_conversation_is_forked_too(client, gateway_url):
+    """Streamed turns 2-3 through previous_response_id stream as forks of the pinned conversation: the same text
+    as the plain path's (greedy), their cached tokens covering the earlier conversation."""
+    questions = ["What is the capital of France?", "And of Italy?", "And of Spain?"]
+    instructions = "Answer in one short sentence."
+    forks_before = _forks(gateway_url)
+    streamed, previous = [], None
+    for question in questions:
+        with client.responses.stream(model=SMOLLM, input=question, previous_response_id=previous, temperature=0,
+                                     max_output_tokens=20, instructions=instructions) as stream:
+            deltas = "".join(event.delta for event in stream if event.type == "response.output_text.delta")
+            response = stream.get_final_response()
+        assert deltas == response.output_text
+        streamed.append(response)
+        previous = response.id
+    assert _forks(gateway_url) - forks_before == len(questions) - 1
+    _assert_plain_path_agrees(client, questions, instructions, streamed)
+    client.responses.delete(streamed[-1].id)

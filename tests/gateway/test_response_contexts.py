@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 
 from engines.seam import EngineStats, Generation, PromptSplit, Segment
+from engines.seam.contexts import GenerationChunk
 from gateway.config import GatewayConfig, ResponsesConfig
 from gateway.metrics import GatewayMetrics
 from gateway.registry import EngineRegistry
@@ -44,7 +45,11 @@ class StubContextEngine:
         return Generation(text="answer", token_ids=[1], finish_reason="stop",
                           usage={"prompt_tokens": 3, "completion_tokens": 1}, context_tokens=10)
 
-    def stream_in_context(self, context_id, sampling, **kwargs): raise AssertionError
+    async def stream_in_context(self, context_id, sampling, *, fork_with=None, context_text=None, output_id=None):
+        self.forked.append((context_id, fork_with))
+        yield GenerationChunk(text="ans", token_ids=[1])
+        yield GenerationChunk(text="wer", token_ids=[2], finish_reason="stop",
+                              usage={"prompt_tokens": 3, "completion_tokens": 2}, context_tokens=10)
 
     async def free_context(self, context_id: str) -> int:
         self.freed.append(context_id)
@@ -113,5 +118,24 @@ def test_a_streamed_turn_pins_too():
         streamed = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
         contexts.pin_later("resp_s", record.id, streamed, ANSWER)
         assert await contexts.pinned("resp_s") is not None
+
+    asyncio.run(run())
+
+
+def test_a_streamed_next_turn_forks_the_pinned_conversation_chunk_by_chunk():
+    async def run():
+        engine, record, contexts, _ = _setup()
+        contexts.pin_later("resp_1", record.id, CHAT, ANSWER)
+        streamed = {**NEXT_CHAT, "stream": True, "stream_options": {"include_usage": True}}
+        chunks, engine_id = await contexts.fork_stream("resp_1", streamed)
+        assert engine_id == record.id and record.in_flight == 1  # the engine's stream has started
+        got = [chunk async for chunk in chunks]
+        assert "".join(c.choices[0].delta.content for c in got) == "answer"
+        assert got[-1].choices[0].finish_reason == "stop"
+        assert got[-1].usage.prompt_tokens == 13 and got[-1].usage.prompt_tokens_details.cached_tokens == 10
+        assert record.in_flight == 0 and contexts.forks == 1
+        [(_, text)] = engine.forked
+        assert text == "q2</><assistant>"
+        assert await contexts.fork_stream("resp_unknown", streamed) is None
 
     asyncio.run(run())
