@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install serve test test-fast bench clean chromium redis
+.PHONY: install serve test test-fast test-langchain-standard bench clean chromium redis
 
 # pytest-xdist: TEST_WORKERS processes, each a test module at a time (--dist loadfile keeps a module's tests, and
 # the servers and engines its module-scoped fixtures start, on one worker). Many tests wait on engine processes
@@ -42,10 +42,19 @@ serve: install
 test test-fast: export PYTHONDONTWRITEBYTECODE :=
 
 test: install chromium redis
-	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) --ignore=$(LANGCHAIN_STANDARD) $(PYTEST_ARGS)
 
 test-fast: install
 	$(PY) -m pytest $(FAST_XDIST) -m "$(FAST_TESTS)" $(PYTEST_ARGS)
+
+# langchain-tests' standard chat-model suites against a real gateway and SmolLM2 (minutes on two cores, so not part
+# of `make test`). langchain-tests goes to a folder of its own, not into the venv: it brings pytest plugins
+# (benchmark, codspeed, socket...) that every other test run would then load.
+LANGCHAIN_STANDARD := tests/compat/test_langchain_standard.py
+LANGCHAIN_TESTS_DIR := .langchain-tests
+test-langchain-standard: install
+	@[ -d $(LANGCHAIN_TESTS_DIR)/langchain_tests ] || $(PY) -m pip install -q --target $(LANGCHAIN_TESTS_DIR) 'langchain-tests>=1.1,<2'
+	PYTHONPATH=.:$(LANGCHAIN_TESTS_DIR) $(PY) -m pytest -p no:xdist -rA $(LANGCHAIN_STANDARD) $(PYTEST_ARGS)
 
 # The dashboard's browser test drives Debian's chromium through Playwright (never `playwright install`):
 # installed here when missing (as root, or through sudo); a machine that has it skips apt.
