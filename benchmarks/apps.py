@@ -52,7 +52,7 @@ import httpx
 
 from benchmarks.breakdown import default_session_graph, engine_counters, engine_phases, rows
 from benchmarks.gateway_overhead import free_port
-from benchmarks.results_file import TRACKED, write_results
+from benchmarks.results_file import TRACKED, write_results, save_figure
 from benchmarks.vllm_router import LaunchedRouter
 from benchmarks.vllm_server import SETTLE_S, LaunchedVLLM
 from benchmarks.workloads import WORKLOADS, chain, map_reduce, multi_agent, shared_prompt
@@ -347,9 +347,7 @@ def plot(summary: dict[str, Any], path: Path, title: str) -> None:
     axes.set_ylabel("end-to-end seconds (median)")
     axes.set_title(title, fontsize=9)
     axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 # ---------------------------------------------------------------- main

@@ -27,7 +27,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.apps import Mode, served, warm_up
-from benchmarks.results_file import TRACKED, write_results
+from benchmarks.results_file import TRACKED, write_results, save_figure
 from benchmarks.workloads import chain
 
 RUNS = {"parrot": chain.run_parrot, "sequential": chain.run_baseline}
@@ -75,9 +75,7 @@ def plot(seconds: dict[str, list[float]], summary: dict[str, float], calls: int,
         axes.scatter([mode] * len(values), [v * 1e3 / calls for v in values], color="black", s=10, zorder=3)
     axes.set_ylabel("ms per dependent call (median)")
     axes.set_title(f"{title}\nsequential / parrot: {summary['sequential_over_parrot']:.2f}x", fontsize=9)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def parse_args() -> argparse.Namespace:

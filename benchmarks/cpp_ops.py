@@ -22,7 +22,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from benchmarks.results_file import write_results  # noqa: E402
+from benchmarks.results_file import save_figure, write_results  # noqa: E402
 from engines.builtin.config import EngineConfig  # noqa: E402
 from engines.builtin.core import EngineCore  # noqa: E402
 from engines.builtin.types import SamplingParams  # noqa: E402
@@ -129,9 +129,7 @@ def plot(rows: dict[str, dict[str, float]], path: Path) -> None:
         ax.bar_label(bars, fmt="%.1f", fontsize=7)
         ax.set_xticks(range(len(SIDES)), ["C++-bodied ops", "Python-bodied ops"], fontsize=7)
         ax.set_title(f"{name}: ms a step (x{row['cpp/python']:.3f})", fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from engines.builtin.core import EngineCore  # noqa: E402
 from engines.builtin.quantization import UntraceableError  # noqa: E402
 from engines.builtin.types import SamplingParams  # noqa: E402
 from benchmarks.machine_limits import STORED_BITS, MachineLimits, ModelCost, best_of, measure  # noqa: E402
-from benchmarks.results_file import write_results  # noqa: E402
+from benchmarks.results_file import save_figure, write_results  # noqa: E402
 from benchmarks.vllm_server import SETTLE_S, LaunchedVLLM  # noqa: E402
 
 TOPICS = ["parrots", "the ocean", "volcanoes", "chess", "bread", "rain", "trains", "music", "bees", "clocks",
@@ -389,9 +389,7 @@ def plot(columns: dict[str, dict[str, float]], path: Path) -> None:
         ax.bar_label(bars, fmt="%.0f", fontsize=7)
         ax.set_xticks(range(len(shown)), shown, rotation=30, ha="right", fontsize=7)
         ax.set_title(workload + (" (prompt tok/s)" if workload == "prefill" else " (tok/s)"), fontsize=9)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def alternating_rates(runs: dict[str, dict[str, Callable[[], None]]], loads, repeats: int) -> dict[str, dict[str, float]]:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.results_file import write_results
+from benchmarks.results_file import write_results, save_figure
 from http_plumbing.aiohttp_transport import AiohttpTransport
 
 
@@ -164,9 +164,7 @@ def plot(results: dict, path: Path, title: str) -> None:
     axes.set_ylabel("p50 over in-memory (ms); dashed: target")
     axes.set_title(title, fontsize=9)
     axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    save_figure(figure, path, dpi=110)
 
 
 def main() -> None:

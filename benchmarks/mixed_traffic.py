@@ -30,7 +30,7 @@ from typing import Iterator
 import httpx
 
 from benchmarks.apps import LaunchedGateway, Mode, engine_dtype, served, upstream_config, warm_up
-from benchmarks.results_file import TRACKED, write_results
+from benchmarks.results_file import TRACKED, write_results, save_figure
 from benchmarks.vllm_server import SETTLE_S, LaunchedVLLM
 from benchmarks.workloads import mixed
 
@@ -90,9 +90,7 @@ def plot(table: dict[str, dict[str, float]], path: Path, title: str) -> None:
     jobs.bar(modes, [table[m]["job_mean"] for m in modes], color="tab:grey")
     jobs.set_ylabel("map-reduce job completion time (s)")
     figure.suptitle(title, fontsize=9)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def parse_args() -> argparse.Namespace:

@@ -30,7 +30,7 @@ from typing import Any
 import httpx
 
 from benchmarks.apps import LaunchedGateway
-from benchmarks.results_file import TRACKED, write_results
+from benchmarks.results_file import TRACKED, write_results, save_figure
 from benchmarks.vllm_server import SETTLE_S, LaunchedVLLM
 
 INSTRUCTIONS = (
@@ -142,9 +142,7 @@ def plot(summary: dict[str, Any], path: Path, title: str) -> None:
     axes.set_ylabel("time to first token, ms (median)")
     axes.set_title(title, fontsize=9)
     axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -53,3 +53,12 @@ def _program() -> list[str]:
     file path, wherever the checkout lies), else the script as given."""
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     return ["python", "-m", spec.name] if spec is not None else ["python", sys.argv[0]]
+
+
+def save_figure(figure: Any, path: Path | str, dpi: int = 120) -> None:
+    """A finished matplotlib figure written beside its results file, and its memory let go."""
+    import matplotlib.pyplot as plt
+
+    figure.tight_layout()
+    figure.savefig(path, dpi=dpi)
+    plt.close(figure)

@@ -46,6 +46,7 @@ import httpx
 import psutil
 
 from benchmarks.apps import LaunchedGateway
+from benchmarks.results_file import save_figure
 
 # Statuses and failures an engine killed mid-request (or still restarting) can cause; anything else,
 # and any of these outside an outage, is unexpected.
@@ -552,9 +553,7 @@ def plot(record: Record, path: Path, title: str) -> None:
         for kill in record.kills:
             axes.axvline(kill.t, color="red", alpha=0.4)
     latency.set_title(title, fontsize=9)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    save_figure(figure, path, dpi=110)
 
 
 # ---------------------------------------------------------------- main

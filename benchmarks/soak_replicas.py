@@ -32,7 +32,7 @@ import httpx
 import psutil
 
 from benchmarks.soak import Kill, Record, Sample, Soak, print_table, summarize
-from benchmarks.results_file import write_results
+from benchmarks.results_file import write_results, save_figure
 
 KINDS = ("chat", "stream", "dag", "semantic_call")
 
@@ -243,6 +243,4 @@ def _plot(record: Record, path: Path, title: str) -> None:
         for kill in record.kills:
             axes.axvline(kill.t, color="red", alpha=0.4)
     latency.set_title(title, fontsize=9)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    save_figure(figure, path, dpi=110)
