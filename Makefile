@@ -12,13 +12,14 @@ export TRANSFORMERS_OFFLINE := 1
 
 # pytest-xdist: TEST_WORKERS processes, each a test module at a time (--dist loadfile keeps a module's tests, and
 # the servers and engines its module-scoped fixtures start, on one worker). Many tests wait on engine processes
-# and loopback I/O, so two workers pay even on two cores. TEST_WORKERS=0 runs in this process.
+# and loopback I/O, so two workers pay even on two cores. TEST_WORKERS=0 runs in this process. Modules go out
+# longest first, by the last run's seconds (tests/support/module_order.py), not by xdist's count of tests.
 TEST_WORKERS ?= 2
-XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 # The fast subset's tests mostly wait on loopback servers and timeouts: a third worker overlaps those waits
 # (2026-12-02, 2 cores: 78 s against 98 s with two; a fourth gave no more, each worker collects everything).
 FAST_WORKERS ?= 3
-FAST_XDIST := $(if $(filter 0,$(FAST_WORKERS)),,-n $(FAST_WORKERS) --dist loadfile)
+FAST_XDIST := $(if $(filter 0,$(FAST_WORKERS)),,-n $(FAST_WORKERS) --dist loadfile --no-loadscope-reorder)
 FAST_TESTS := not (model or subprocess or browser or slow or gpu)
 
 $(PY):

@@ -16,6 +16,7 @@ from tests.support import fake_upstream
 from tests.support.markers import MARKS_OF_FIXTURES, marks_users
 from tests.support.models import SMOLLM, tiny_llama_config
 from tests.support.module_marks import deselects_whole_module
+from tests.support.module_order import ModuleTimer, longest_first
 from tests.support.servers import free_port, serve_in_thread
 from tests.support.waiting import wait_until
 
@@ -59,10 +60,16 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return None
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # the controlling process sees every worker's reports
+        config.pluginmanager.register(ModuleTimer(), "parrot-module-timer")
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by markers
 def pytest_collection_modifyitems(config, items):
     """Each test gets the markers of the fixtures it uses (tests/support/markers.py); a gpu test is skipped on a
-    machine without a CUDA GPU (hardware, not a missing feature)."""
+    machine without a CUDA GPU (hardware, not a missing feature); modules go longest first
+    (tests/support/module_order.py)."""
     for item in items:
         for fixture in item.fixturenames:
             for mark in MARKS_OF_FIXTURES.get(fixture, ()):
@@ -74,6 +81,7 @@ def pytest_collection_modifyitems(config, items):
             for item in items:
                 if item.get_closest_marker("gpu"):
                     item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+    longest_first(config, items)
 
 
 def _serve_fixture(scope: str):

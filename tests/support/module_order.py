@@ -1,0 +1,58 @@
+"""The order xdist hands test modules out in: longest first, by what each module took in the last run here.
+
+`--dist loadfile` gives each worker a module at a time, in the collection's order; pytest-xdist's own reordering (by
+number of tests, on unless `--no-loadscope-reorder`) put the one-test modules that take minutes (a compile, a 16k
+prefill) last, so one worker ran them alone while the other idled. Longest first (the LPT rule) leaves the short
+modules to even the workers out at the end. The seconds come from pytest's cache (.pytest_cache, per marker
+expression, written by the controlling process at the end of a run without -k); a module never timed, as on a fresh
+clone, is placed by its marks: those that load models or start processes before those that do not."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+
+import pytest
+
+HEAVY_MARKS = ("model", "subprocess", "browser", "slow")
+UNTIMED_HEAVY_S = 30.0  # a guess that places an untimed heavy module among the timed heavy ones
+UNTIMED_TEST_S = 0.1
+
+
+def cache_key(config: pytest.Config) -> str:
+    expression = config.option.markexpr or ""
+    return "parrot/module_seconds/" + hashlib.sha1(expression.encode()).hexdigest()[:12]
+
+
+def module_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def longest_first(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Sorts ``items`` in place: whole modules, longest first; the tests of a module keep their order."""
+    timed: dict[str, float] = config.cache.get(cache_key(config), {}) if config.cache else {}
+    guessed: dict[str, float] = defaultdict(float)
+    for item in items:
+        heavy = any(item.get_closest_marker(mark) for mark in HEAVY_MARKS)
+        guessed[module_of(item.nodeid)] += UNTIMED_HEAVY_S if heavy else UNTIMED_TEST_S
+    seconds = {module: timed.get(module, guess) for module, guess in guessed.items()}
+    position = {module: index for index, module in enumerate(dict.fromkeys(module_of(i.nodeid) for i in items))}
+    items.sort(key=lambda item: (-seconds[module_of(item.nodeid)], position[module_of(item.nodeid)]))
+
+
+class ModuleTimer:
+    """Registered in the controlling process (or a run without xdist): sums each module's setup, call and
+    teardown seconds from the reports and keeps them in the cache at the end of a run without -k."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.seconds[module_of(report.nodeid)] += report.duration
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        config = session.config
+        if config.cache is None or config.option.keyword or not self.seconds:
+            return
+        kept = config.cache.get(cache_key(config), {})
+        config.cache.set(cache_key(config), kept | {module: round(s, 2) for module, s in self.seconds.items()})

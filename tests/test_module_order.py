@@ -1,0 +1,54 @@
+"""Modules go to the workers longest first: by the seconds the last run kept, else heavy-marked modules first."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from tests.support.module_order import ModuleTimer, cache_key, longest_first
+
+
+class Cache(dict):
+    def get(self, key, default):
+        return super().get(key, default)
+
+    def set(self, key, value):
+        self[key] = value
+
+
+class Item(SimpleNamespace):
+    def get_closest_marker(self, name):
+        return name if name in self.marks else None
+
+
+def config(cache: Cache, markexpr: str = "", keyword: str = "") -> SimpleNamespace:
+    return SimpleNamespace(cache=cache, option=SimpleNamespace(markexpr=markexpr, keyword=keyword))
+
+
+def items(*spec: tuple[str, tuple[str, ...]]) -> list[Item]:
+    return [Item(nodeid=nodeid, marks=marks) for nodeid, marks in spec]
+
+
+def test_timed_modules_go_longest_first_and_keep_their_tests_order():
+    run = config(Cache())
+    run.cache.set(cache_key(run), {"a.py": 1.0, "b.py": 90.0, "c.py": 5.0})
+    collected = items(("a.py::one", ()), ("b.py::one", ()), ("b.py::two", ()), ("c.py::one", ()), ("a.py::two", ()))
+    longest_first(run, collected)
+    assert [item.nodeid for item in collected] == ["b.py::one", "b.py::two", "c.py::one", "a.py::one", "a.py::two"]
+
+
+def test_untimed_modules_that_start_processes_or_load_models_go_before_the_others():
+    collected = items(*[(f"light.py::t{i}", ()) for i in range(50)], ("engine.py::t", ("subprocess",)))
+    longest_first(config(Cache()), collected)
+    assert collected[0].nodeid == "engine.py::t"
+
+
+def test_the_timer_keeps_each_modules_seconds_per_marker_expression_and_not_for_a_k_run():
+    cache = Cache()
+    for run, kept in ((config(cache, keyword="one"), False), (config(cache, markexpr="not model"), True)):
+        timer = ModuleTimer()
+        for nodeid, seconds in (("a.py::one", 1.5), ("a.py::two", 2.0), ("b.py::one", 0.5)):
+            timer.pytest_runtest_logreport(SimpleNamespace(nodeid=nodeid, duration=seconds))
+        timer.pytest_sessionfinish(SimpleNamespace(config=run))
+        assert (cache.get(cache_key(run), None) == {"a.py": 3.5, "b.py": 0.5}) is kept
+    assert cache_key(config(cache, markexpr="not model")) != cache_key(config(cache))
+
