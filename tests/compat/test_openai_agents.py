@@ -11,6 +11,8 @@ import pytest
 
 from tests.support.models import SMOLLM
 
+pytestmark = [pytest.mark.model, pytest.mark.subprocess]  # every test runs on smollm_gateway: `make test-fast` skips importing the SDK
+
 
 @pytest.fixture
 async def async_openai(smollm_gateway):

@@ -5,7 +5,6 @@ either way. Through the real openai and anthropic SDKs, against a real gateway i
 
 from __future__ import annotations
 
-import anthropic
 import httpx
 import openai
 import pytest
@@ -117,6 +116,7 @@ def test_another_keys_semantic_response_and_variables_are_404(client, gateway_ur
 
 
 def test_messages_bind_placeholders_whole_and_streamed(gateway_url, fake_stats):
+    import anthropic  # here, not at the top: seconds of import for each worker that collects this module
     with anthropic.Anthropic(base_url=gateway_url, api_key="sk-a", max_retries=0, timeout=10) as client:
         message = client.messages.create(model=MODEL, max_tokens=20, system="Be {{tone}}.",
                                          messages=[{"role": "user", "content": "Hi {{name}}"}],
@@ -150,6 +150,7 @@ def test_a_semantic_turn_continues_a_stored_conversation(client, fake_stats):
 
 
 def test_a_streamed_semantic_call_with_tools_comes_whole_in_each_api(client, gateway_url):
+    import anthropic
     tool = {"type": "function", "name": "lookup", "parameters": {"type": "object", "properties": {}}}
     with client.responses.stream(model=MODEL, input="Find {{what}}", tools=[tool], tool_choice="required",
                                  extra_body={"parrot": {"vars": {"what": {"value": "it"}}}}) as stream:
