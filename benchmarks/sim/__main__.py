@@ -224,7 +224,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fronted", nargs="*", default=[], help="benchmarks/apps.py --upstream-vllm result files")
     parser.add_argument("--engines", type=int, nargs="+", default=[8, 16, 32, 64])
-    parser.add_argument("--rtt-ms", type=float, nargs="+", default=[20.0, 250.0], help="the apps workload's RTTs")
+    parser.add_argument("--rtt-ms", type=float, nargs="+", default=[0.0, 20.0, 250.0], help="the apps workload's RTTs")
     parser.add_argument("--mixed-rtt-ms", type=float, nargs="*", default=[20.0])
     parser.add_argument("--apps-rate", type=float, nargs="+", default=[1.0, 8.0],
                         help="apps arriving per engine per second (8: about 2/3 of an engine's prefill capacity)")
