@@ -10,7 +10,7 @@ keeps them out of the results table).
    of 8-64 engines under many concurrent apps, Parrot vs the client-orchestrated apps through a round-robin
    balancer and through vllm-router's cache_aware policy. A prediction, labelled so.
 
-    python -m benchmarks.sim                                 # both, ~1-2 minutes
+    python -m benchmarks.sim                                 # both, a few minutes
     python -m benchmarks.sim --fronted docs/benchmarks/apps_vs_vllm_fronted_rtt250.json
 """
 
