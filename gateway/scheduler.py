@@ -32,10 +32,10 @@ batch at the next step, so what delays it is the requests queued beyond what tha
     score   = wait + prefill + evicted  (+ the KV-full penalty), the warmed engine winning ties
 
 the one trade made explicit, in the time one prompt token's prefill takes: the prefix tokens it saves there (what
-it holds less what another holds) against the wait there less the wait elsewhere. The balance thresholds do not pass it over: a
-bigger running batch is no wait (its engine is saturated when requests queue, or its KV cache fills). Scored by
-load, a warmed call left the engine it was warmed on two times in three (one request more running there
-outweighed a 200-token prefix), and computed its prefix twice.
+it holds less what another holds) against the wait there less the wait elsewhere. The balance thresholds do not
+pass it over: a bigger running batch is no wait (its engine is saturated when requests queue, or its KV cache
+fills). Scored by load, a warmed call left the engine it was warmed on two times in three in the simulator (one
+request more running there outweighed a 200-token prefix), and computed its prefix twice.
 
 An affinity key (OpenAI's ``prompt_cache_key``) pins work to the engine its key's first request went to, while
 that engine is among the healthy ones offered and not overloaded (past the balance thresholds, or its KV cache
