@@ -281,6 +281,9 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # computed: a held prefix of more tokens than this outweighs one more request in line.
     queue_tokens_per_request: float = 256.0
     throughput_queue_weight: float = 0.25  # throughput work minds the queue this much less: it packs
+    # Requests waiting in an engine's queue that its next step takes in (a continuous batch admits them at once,
+    # within its token budget): a call prefilled ahead there waits only behind those beyond.
+    next_step_requests: int = 8
     # Balance: an engine this many requests above the least loaded one, and balance_ratio times its load,
     # is passed over whatever it holds (sglang-router's cache_aware thresholds, by request count).
     balance_abs_threshold: int = 8
@@ -294,8 +297,8 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     throughput_hold_s: Annotated[float, msgspec.Meta(ge=0)] = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("queue_tokens_per_request", "throughput_queue_weight", "balance_abs_threshold",
-                     "balance_ratio", "kv_full", "default_capacity_tokens"):
+        for name in ("queue_tokens_per_request", "throughput_queue_weight", "next_step_requests",
+                     "balance_abs_threshold", "balance_ratio", "kv_full", "default_capacity_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"scheduler.{name} must not be negative")
 

@@ -22,3 +22,8 @@ class EngineView(msgspec.Struct, kw_only=True):
     def load(self) -> int:
         """Requests on it now, ours and (when it reports them) other clients' too."""
         return max(self.in_flight, self.stats.running + self.stats.waiting)
+
+    def waiting(self) -> int:
+        """Requests in its queue, not yet running: what it reports waiting, or more where ours outnumber what it
+        reports running (sent since its last report)."""
+        return max(self.stats.waiting, self.in_flight - self.stats.running)

@@ -23,6 +23,20 @@ loaded one (``balance_abs_threshold`` requests and ``balance_ratio`` times) is p
 holds. A task group's members share the engine the first of them went to when it scores as well as any (so
 they batch and finish together); without a shared prefix they spread like any work. Ties go round-robin.
 
+A call prefilled ahead of its inputs (``Placement.warmed``: gateway/semantic/prefill.py) is scored by the cost
+of the wait it would meet instead of the load: on a continuous-batching engine a newcomer joins the running
+batch at the next step, so what delays it is the requests queued beyond what that step admits
+(``next_step_requests``), each of which computes its prompt first (``queue_tokens_per_request``). So
+
+    wait    = max(0, waiting − next_step_requests) × queue_tokens_per_request  (× the throughput discount)
+    score   = wait + prefill + evicted  (+ the KV-full penalty), the warmed engine winning ties
+
+the one trade made explicit, in the time one prompt token's prefill takes: the prefix tokens it saves there (what
+it holds less what another holds) against the wait there less the wait elsewhere. The balance thresholds do not
+pass it over: a bigger running batch is no wait (its engine is saturated when requests queue, or its KV cache
+fills). Scored by load, a warmed call left the engine it was warmed on two times in three in the simulator (one
+request more running there outweighed a 200-token prefix), and computed its prefix twice.
+
 An affinity key (OpenAI's ``prompt_cache_key``) pins work to the engine its key's first request went to, while
 that engine is among the healthy ones offered and not overloaded (past the balance thresholds, or its KV cache
 nearly full); otherwise the work is scored as any, and the key moves to where it went.
@@ -46,6 +60,13 @@ _MAX_GROUPS = 100_000  # task groups (and affinity keys) remembered (the oldest 
 LATENCY_LEVEL, URGENT_GROUP_LEVEL, THROUGHPUT_LEVEL = 0, 1, 2
 
 
+class Warmed(NamedTuple):
+    """Where a call's prompt was prefilled ahead of its inputs (gateway/semantic/prefill.py), and how far."""
+
+    engine: str
+    tokens: int  # its prompt's tokens prefilled there (0: its full chunks)
+
+
 class Placement(NamedTuple):
     """What a caller knows of a request's scheduling beyond its prompt."""
 
@@ -56,6 +77,7 @@ class Placement(NamedTuple):
     # but ahead of throughput work.
     urgent: bool = False
     affinity: str | None = None  # an affinity key (OpenAI's prompt_cache_key): same key, same engine
+    warmed: Warmed | None = None  # its prompt prefilled ahead there: it runs there unless a wait costs more
 
     @property
     def level(self) -> int:
@@ -142,18 +164,28 @@ class Scheduler:
         placement = work.placement
         queue_cost = config.queue_tokens_per_request * (1.0 if placement.latency else config.throughput_queue_weight)
         group_engine = self._groups.get(placement.group) if placement.group is not None else None
+        warmed = placement.warmed.engine if placement.warmed is not None else None
         scores = []
         for view, load in zip(views, loads):
             uncached = max(0, work.prompt_tokens - held.get(view.id, 0))
-            score = load * queue_cost + uncached + self._evicted(view, uncached)
+            queue = self._queued_beyond_next_step(view) if warmed is not None else load
+            score = queue * queue_cost + uncached + self._evicted(view, uncached)
             if view.stats.kv_use() >= config.kv_full:
                 score += work.prompt_tokens + config.queue_tokens_per_request
-            if load - floor > config.balance_abs_threshold and load > floor * config.balance_ratio:
+            if (warmed is None and load - floor > config.balance_abs_threshold
+                    and load > floor * config.balance_ratio):
                 score += _PASSED_OVER
+            if view.id == warmed:
+                score -= 1  # wins ties, before a group's engine: its prefill is there
             if view.id == group_engine:
                 score -= 0.5  # wins ties: members batch together
             scores.append(score)
         return scores
+
+    def _queued_beyond_next_step(self, view: EngineView) -> int:
+        """Requests a newcomer on ``view``'s engine would wait behind: those waiting there beyond what its next
+        step admits (a continuous batch takes the rest in at once)."""
+        return max(0, view.waiting() - self.config.next_step_requests)
 
     def _evicted(self, view: EngineView, uncached: int) -> int:
         """Tokens others hold that computing ``uncached`` tokens on ``view``'s engine would evict, where its live
@@ -167,20 +199,27 @@ class Scheduler:
 
     def held_tokens(self, work: Work, views: Sequence[EngineView] = ()) -> dict[str, int]:
         """Engine → tokens of the work's prefix it holds: of ``views``, those with live KV events by them (the
-        blocks of its token ids they hold), the others by the mirror (its longest run of the chain)."""
-        whole = work.prefix_tokens or len(work.prefix) * TOKENS_PER_CHUNK
-        held = {engine: whole for engine in work.placement.held_by}
+        blocks of its token ids they hold), the others by the mirror (its longest run of the chain); at least
+        what its placement says is held there (its whole prefix) or was warmed there."""
+        held: dict[str, int] = {}
         told: set[str] = set()
         if work.token_ids:
             for view in views:
                 blocks = self.exact(view.id)
                 if blocks is not None:
                     told.add(view.id)
-                    held[view.id] = max(held.get(view.id, 0), blocks.held_tokens(work.token_ids))
+                    held[view.id] = blocks.held_tokens(work.token_ids)
         for i in range(len(work.prefix) - 1, -1, -1):
             for engine in self._holders.get(work.prefix[i], ()):
                 if engine not in held and engine not in told:
                     held[engine] = (i + 1) * TOKENS_PER_CHUNK
+        chunks = len(work.prefix) * TOKENS_PER_CHUNK
+        known = {engine: work.prefix_tokens or chunks for engine in work.placement.held_by}
+        warmed = work.placement.warmed
+        if warmed is not None:
+            known[warmed.engine] = max(known.get(warmed.engine, 0), warmed.tokens or chunks)
+        for engine, tokens in known.items():
+            held[engine] = max(held.get(engine, 0), tokens)
         return held
 
     def placed(self, work: Work, view: EngineView) -> None:

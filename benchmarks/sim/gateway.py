@@ -10,7 +10,8 @@ takes to make its variables), and the gateway runs it server-side, as gateway/se
 - admission: throughput work waits (up to ``[scheduler] throughput_hold_s``) while latency-critical requests of
   the gateway are on its engine and the engine has a queue;
 - prefill ahead (gateway/semantic/prefill.py): a call waiting for inputs has its prompt up to its first pending
-  input sent as a prefill-only request to the engine the scheduler picks for it, and then runs there; skipped
+  input sent as a prefill-only request to the engine the scheduler picks for it, and then runs there unless the
+  scheduler finds the wait there costs more than that prefix computed elsewhere (``Placement.warmed``); skipped
   when that engine has more than ``prefill_max_waiting`` requests waiting or a full KV cache, or the prefix is
   shorter than one KV block (a prefix cache keeps full blocks only) or ``min_prefix_chars`` (~4 characters a
   token). ``prefill_when``: ``submitted`` warms every waiting call at once, ``next_in_line`` a call once the
@@ -34,7 +35,7 @@ from benchmarks.sim.prompt import Piece, chain, tokens
 from benchmarks.sim.sequence import Sequence
 from gateway.config import SchedulerConfig, SemanticConfig
 from gateway.prompt_prefix import TOKENS_PER_CHUNK
-from gateway.scheduler import LATENCY_LEVEL, THROUGHPUT_LEVEL, Placement, Scheduler, Work
+from gateway.scheduler import LATENCY_LEVEL, THROUGHPUT_LEVEL, Placement, Scheduler, Warmed, Work
 
 HOLD_POLL_S = 0.02  # gateway/service.py's _HOLD_POLL_S
 CHARS_PER_TOKEN = 4
@@ -44,8 +45,8 @@ class ParrotGateway:
     def __init__(self, clock: Clock, fleet: Fleet, rtt_s: float, *, prefill_when: str = "next_in_line",
                  scheduler: SchedulerConfig | None = None, semantic: SemanticConfig | None = None,
                  gap_s: float = 0.0004, pin_warmed: bool = False):
-        """``pin_warmed``: a what-if, not the gateway's policy today: a warmed call runs where it was warmed
-        (the scheduler is not asked again), as an affinity key pins work."""
+        """``pin_warmed``: a what-if, not the gateway's policy: a warmed call runs where it was warmed whatever
+        the wait there (the scheduler is not asked again), as an affinity key pins work."""
         self.clock, self.fleet, self.rtt_s, self.gap_s = clock, fleet, rtt_s, gap_s
         self.prefill_when = prefill_when
         self.pin_warmed = pin_warmed
@@ -91,8 +92,8 @@ class ParrotGateway:
         name = run.seq_name(call.name)
         warmed = self.warmed.pop(name, None)
         if warmed is not None:
-            placement = placement._replace(held_by=frozenset({warmed[0]}))
-        work = Work(chain(pieces, TOKENS_PER_CHUNK), tokens(pieces), placement, warmed[1] if warmed else 0)
+            placement = placement._replace(warmed=Warmed(*warmed))
+        work = Work(chain(pieces, TOKENS_PER_CHUNK), tokens(pieces), placement)
         seats = self.fleet.seats()
         pinned = [s for s in seats if warmed is not None and s.id == warmed[0]] if self.pin_warmed else []
         seat = pinned[0] if pinned else self.scheduler.place(work, seats)

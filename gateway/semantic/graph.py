@@ -20,7 +20,7 @@ from engines.seam import EngineError
 from gateway.config import QuotaLimits
 from gateway.domain_errors import Conflict, DomainError, Invalid, NotFound, NotReady, QuotaExceeded, TooLarge
 from gateway.errors import engine_error_body
-from gateway.scheduler import Placement
+from gateway.scheduler import Placement, Warmed
 from gateway.semantic.handoff import PendingOutput
 from gateway.semantic.holdings import Holdings
 from gateway.semantic.schema import CallNode, CallState
@@ -248,7 +248,7 @@ class Call:
         self.span_context = None  # its tracing span's, once it ran traced (gateway/tracing.py)
         self.finished: float | None = None
         self.engine_id: str | None = None  # set by the runner once the scheduler placed it
-        self.warmed_on: str | None = None  # the engine its prompt was prefilled on ahead of its inputs (prefill.py)
+        self.warmed: Warmed | None = None  # where its prompt was prefilled ahead of its inputs, how far (prefill.py)
         self.timings = CallTimings()
         self.error: str | None = None
 

@@ -3,8 +3,9 @@
 The upstream counterpart of a context fill (forks.py's ``warm``): while a call waits for its inputs, its first
 step's prompt up to the first input that is still pending (the inputs already bound substituted, as the plain
 request will have them) is sent to the engine the global scheduler picks for the call, as one prefill-only
-request; that engine's prefix cache keeps it. The call is then placed there (its placement names the engine as
-holding its prefix), so when its inputs land only the rest of its prompt is computed. By default only calls next
+request; that engine's prefix cache keeps it. The call is then placed there (its placement names the engine and
+the tokens warmed: the scheduler keeps it there unless the wait there costs more than that prefix computed
+again elsewhere), so when its inputs land only the rest of its prompt is computed. By default only calls next
 in line are warmed (``[semantic] prefill_when``): those whose inputs' producers run. A saturated engine is not
 warmed (more than ``[semantic] prefill_max_waiting`` requests in its queue, or its KV cache full; its stats asked
 for then, not the last health check's): the prefill would wait in line with everything else and delay the work
@@ -33,7 +34,8 @@ from engines.seam.connect import has_capability
 from gateway.config import SemanticConfig
 from gateway.held_blocks import chain_hashes
 from gateway.registry import EngineRecord
-from gateway.scheduler import Work
+from gateway.prompt_prefix import prompt_prefix
+from gateway.scheduler import Warmed, Work
 from gateway.semantic import template
 from gateway.semantic.call_spec import Step
 from gateway.semantic.gateway_port import GatewayPort
@@ -66,7 +68,7 @@ class Prefills:
 
     async def warm(self, step: Step, call: Call) -> None:
         """Prefills ``step``'s prompt up to its first pending input on the engine the call will run on, and
-        remembers that engine on the call (``warmed_on``). Errors are left for the run itself to meet."""
+        remembers that engine on the call (``warmed``). Errors are left for the run itself to meet."""
         records = self.engines(step.body["model"])
         if not records or (self.next_in_line and not await self._next_in_line(call)):
             return
@@ -86,7 +88,7 @@ class Prefills:
             return
         if has_capability(record.engine, PrioritizedEngine):
             body["priority"] = record.engine.priority_of(placement.level)  # type: ignore[attr-defined]
-        call.warmed_on = record.id
+        call.warmed = Warmed(record.id, work.prompt_tokens)
         try:
             self.gateway.outcomes.prefilled(model, record.engine.name)
             await record.engine.prefill(step.route, body)  # type: ignore[attr-defined]
@@ -139,6 +141,7 @@ class Prefills:
                     self.gateway.outcomes.prefilled(model, record.engine.name)
                     await record.engine.prefill(step.route, cut.body)  # type: ignore[attr-defined]
                     call.timings.warmed = time.time()
+                    call.warmed = Warmed(record.id, prompt_prefix(step.route, as_prefilled(step.route, cut.body))[1])
                     if self.rewarm and self.gateway.events.exact(record.id) is not None:
                         tokens = await self.gateway.events.token_ids(
                             step.route, as_prefilled(step.route, cut.body), [record])

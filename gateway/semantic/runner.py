@@ -91,8 +91,8 @@ class Runner:
         split = await self.forks.split(step, records) if records and self.forks.forkable(step) else None
         if split is not None:
             return await self._fork(step, call, split, split.rest_with(values), records, hints, placement, started)
-        if call.warmed_on is not None and call.spec is not None and step is call.spec.steps[0]:
-            placement = placement._replace(held_by=frozenset({call.warmed_on}))  # where its prefix was prefilled
+        if call.warmed is not None and call.spec is not None and step is call.spec.steps[0]:
+            placement = placement._replace(warmed=call.warmed)  # where its prefix was prefilled: it runs there
         answer = await run_plain(self.gateway, step, values, hints, placement, _sink(call), call.timings,
                                  stream=self.config.stream_steps or self.config.prefill_extend_chars > 0,
                                  output=call.outputs[step.output])

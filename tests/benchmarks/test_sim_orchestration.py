@@ -65,3 +65,10 @@ def test_a_warmed_call_pinned_where_it_was_warmed_runs_there():
     starts = [(i * 0.01, chain(4, system=200)._replace(name=f"chain{i}")) for i in range(12)]
     pinned = simulate("parrot", starts, COST, SHAPE, 4, 0.0, prefill_when="next_in_line", pin_warmed=True)
     assert pinned.prefills > 0 and pinned.warmed_placed == pinned.prefills
+
+
+def test_the_gateway_runs_a_warmed_call_where_it_was_warmed_while_that_engine_takes_it_in():
+    # 12 chains on 4 engines: the warmed engines run bigger batches than the others, and no queue builds up.
+    starts = [(i * 0.01, chain(4, system=200)._replace(name=f"chain{i}")) for i in range(12)]
+    shipped = simulate("parrot", starts, COST, SHAPE, 4, 0.0, prefill_when="next_in_line")
+    assert shipped.prefills > 0 and shipped.warmed_placed == shipped.prefills

@@ -6,7 +6,7 @@ from engines.seam import EngineStats
 from gateway.config import SchedulerConfig
 from gateway.engine_view import EngineView
 from gateway.prompt_prefix import CHUNK_BYTES, TOKENS_PER_CHUNK, chain, prompt_prefix
-from gateway.scheduler import Placement, Scheduler, Work
+from gateway.scheduler import Placement, Scheduler, Warmed, Work
 
 SYSTEM_A = "You are the travel agent of Parrot Airways. " * 40  # ~1,760 bytes: 6 full chunks
 SYSTEM_B = "You are the librarian of the Parrot Library. " * 40
@@ -119,6 +119,41 @@ def test_a_pinned_context_counts_as_held_whatever_the_mirror_says():
     scheduler, engines = Scheduler(), views()
     item = work(SYSTEM_B, held_by=frozenset({"e2"}))
     assert scheduler.best(item, engines) is engines[2]
+
+
+def warmed_call(engine: str) -> Work:
+    """A reduce whose instructions (~200 tokens) were prefilled ahead on ``engine``, its summaries since bound."""
+    return work("Summarize these notes. " * 35, "The notes: " + "some summary text. " * 40,
+                warmed=Warmed(engine, 200))
+
+
+def test_a_warmed_call_runs_where_it_was_warmed_though_that_engine_is_somewhat_busier():
+    scheduler, engines = Scheduler(), views()
+    # The warmed engine runs a bigger batch and has a few requests just in: its next step takes them all in.
+    engines[1].stats = EngineStats(running=20, waiting=3)
+    engines[0].stats = engines[2].stats = EngineStats(running=8)
+    item = warmed_call("e1")
+    assert scheduler.best(item, engines) is engines[1]
+    # Scored by load as any call, the same prompt goes elsewhere (12 requests more outweigh a 200-token prefix).
+    assert scheduler.best(item._replace(placement=Placement()), engines) is not engines[1]
+
+
+def test_a_warmed_call_leaves_a_saturated_engine_for_a_prefix_computed_again():
+    scheduler, engines = Scheduler(), views()
+    engines[1].stats = EngineStats(running=20, waiting=12)  # 4 beyond its next step: 1,024 tokens' wait > 200
+    engines[0].stats = engines[2].stats = EngineStats(running=8)
+    assert scheduler.best(warmed_call("e1"), engines) is not engines[1]
+    engines[1].stats = EngineStats(running=8, blocks_total=100, blocks_free=2, block_size=16)  # KV cache full
+    assert scheduler.best(warmed_call("e1"), engines) is not engines[1]
+
+
+def test_a_warmed_call_weighs_the_prefix_it_saves_against_the_wait_it_meets():
+    config = SchedulerConfig(next_step_requests=0, queue_tokens_per_request=100.0)
+    scheduler, engines = Scheduler(config), views(2)
+    engines[0].stats = EngineStats(running=4, waiting=1)  # one request ahead: 100 tokens' wait, 200 saved: stays
+    assert scheduler.best(warmed_call("e0"), engines) is engines[0]
+    engines[0].stats = EngineStats(running=4, waiting=3)  # 300 tokens' wait, 200 saved: computed again elsewhere
+    assert scheduler.best(warmed_call("e0"), engines) is engines[1]
 
 
 def test_what_an_engine_holds_is_bounded_by_its_kv_capacity():
