@@ -10,6 +10,8 @@ import pytest
 
 from tests.support.models import SMOLLM
 
+pytestmark = [pytest.mark.model, pytest.mark.subprocess]  # smollm_gateway: `make test-fast` leaves it unimported
+
 SYSTEM = "Answer in one short sentence."
 GREEDY = {"temperature": 0}
 
