@@ -102,6 +102,7 @@ def test_torch_compile_settings(module, setting):
         pass
 
 
+@pytest.mark.model  # imports transformers: seconds
 def test_transformers_rope_table():
     """engines/builtin/model.py's ``rope_inverse_frequencies`` takes scaled ropes from transformers' table."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

@@ -41,6 +41,7 @@ def test_a_fraction_of_the_available_memory():
         EngineConfig(kv_cache_memory_fraction=1.5)
 
 
+@pytest.mark.model  # transformers' configs: importing transformers takes seconds
 def test_the_longest_sequence_is_the_models_unless_the_cache_holds_less():
     llama, mistral = tiny_llama_config(), tiny_family_config("mistral")  # mistral: every layer's window is 24
     config = EngineConfig(max_num_batched_tokens=24)

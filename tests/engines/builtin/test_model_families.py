@@ -154,6 +154,7 @@ def test_grouped_experts_equal_the_per_expert_loop_with_idle_experts():
                                looped_experts(x, chosen, weights, gate_up, down, F.silu))
 
 
+@pytest.mark.model  # transformers' configs: importing transformers takes seconds
 def test_an_architecture_the_engine_cannot_run_is_refused_by_name(tmp_path):
     from transformers import GPT2Config
 
@@ -187,6 +188,7 @@ def test_a_gguf_of_an_architecture_the_engine_cannot_run_is_refused_from_its_hea
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.model  # builds a tiny random Qwen2-MoE
 def test_quantizing_a_mixture_of_experts_leaves_its_router_and_shared_gate(scheme):
     from torch import nn
 

@@ -33,6 +33,7 @@ def kernels_only(monkeypatch):
     monkeypatch.setattr(attention, "windowed_attention", refuse)
 
 
+@pytest.mark.model  # transformers' configs: importing transformers takes seconds
 def test_every_layer_windowed_frees_blocks_and_alternating_layers_free_none():
     assert architecture_of(tiny_family_config("mistral")).freeing_window == WINDOW
     assert architecture_of(tiny_family_config("phi3")).freeing_window == 40
