@@ -23,6 +23,9 @@ def test_matches_reference(kv, tol, num_splits):
     assert torch.all(out[3] == 0), "a row with no context must be zeros, not NaN"
 
 
+# fp32 only: the window is which keys a row reads, the same in either dtype (bf16's arithmetic: test_matches_reference);
+# under Triton's interpreter each case takes seconds.
+@pytest.mark.parametrize("dtype", [torch.float32], ids=["fp32"])
 @pytest.mark.parametrize("window", [1, 20, 64], ids=["window1", "window20", "window64"])
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["direct", "split3"])
 def test_sliding_window_matches_reference(kv, tol, window, num_splits):

@@ -31,6 +31,9 @@ def test_matches_reference(kv, tol):
     torch.testing.assert_close(out, expected, **tol)
 
 
+# fp32 only: the window is which keys a row reads, the same in either dtype (bf16's arithmetic: test_matches_reference);
+# under Triton's interpreter each case takes seconds.
+@pytest.mark.parametrize("dtype", [torch.float32], ids=["fp32"])
 @pytest.mark.parametrize("window", [1, 24, 70], ids=["window1", "window24", "window70"])
 def test_sliding_window_matches_reference(kv, tol, window):
     """Each query sees the last `window` tokens up to itself, over a cached prefix and across 64-query tiles."""
