@@ -357,8 +357,9 @@ def test_a_stream_cut_by_a_restart_ends_with_an_error_event_and_its_call_goes_on
     config.write_text("[server]\nshutdown_grace_s = 0.5\n")  # streams still open then are cut
     gateway = GatewayProcess(fake_url, str(tmp_path / "state.sqlite3"), args=("--api-key", KEY),
                              env={"PARROT_CONFIG": str(config)})
-    body = chat(max_tokens=40, messages=[{"role": "user", "content": "a b c d e f g h i j"}],
-                fake={"chunk_delay_s": 0.5})
+    # 16 chunks 0.25 s apart: still streaming when the 0.5 s grace that follows the SIGTERM ends
+    body = chat(max_tokens=16, messages=[{"role": "user", "content": "a b c d e f g h i j"}],
+                fake={"chunk_delay_s": 0.25})
     gateway.start()
     try:
         uninterrupted = post(gateway.url, "/v1/chat/completions", body)["choices"][0]["message"]["content"]
