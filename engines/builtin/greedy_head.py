@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from engines.builtin.context import Context
+from engines.builtin import screen_cache
 from engines.builtin.cpu_linear import NativeLinear
 from engines.builtin.model import CausalLM
 from engines.builtin.sampler import takes_argmax
@@ -34,7 +35,7 @@ class GreedyHead:
     def __init__(self, head_input: Callable[[torch.Tensor], torch.Tensor], head: NativeLinear,
                  kernels: native.NativeKernels):
         self.head_input, self.packed, self.kernels = head_input, head.packed, kernels
-        self.screen = native.head_screen(head.packed)
+        self.screen = screen_cache.head_screen(head.packed)
         self.max_rows = min(SCREENED_ROWS.get(head.packed.dtype, 0), native.MAX_SCREENED_ROWS)
 
     @classmethod
