@@ -250,6 +250,33 @@ class BlockManager:
         self.blocks[block_id].ref_count -= 1  # still shared by others, so never reaches zero here
         ctx.block_table[index] = copy.block_id
 
+    def truncate(self, ctx: Context, length: int) -> None:
+        """Keeps the KV of ``ctx``'s first ``length`` tokens, dropping its blocks after them. A last block kept in
+        part is copied first when others share it or the prefix cache names it (the rows after ``length`` will be
+        rewritten with other tokens), or dropped with its rows when there is no block to copy into."""
+        size = self.block_size
+        computed = min(ctx.num_computed_tokens, length)
+        if FREED in ctx.block_table:  # a window freed some: recompute it all, helped by the prefix cache
+            self.release(ctx)
+            return
+        kept = -(-computed // size)
+        for block_id in reversed(ctx.block_table[kept:]):
+            self._unreference(block_id)
+        del ctx.block_table[kept:]
+        rows = computed % size
+        if rows:
+            block = self.blocks[ctx.block_table[-1]]
+            if block.ref_count > 1 or block.hash is not NO_HASH:
+                if self.free:
+                    copy = self._take_free_block()
+                    self.copy_rows(block.block_id, copy.block_id, rows)
+                    ctx.block_table[-1] = copy.block_id
+                else:
+                    computed -= rows
+                    ctx.block_table.pop()
+                self._unreference(block.block_id)
+        ctx.num_computed_tokens = computed
+
     def release(self, ctx: Context) -> int:
         """Drops ``ctx``'s blocks (its KV is then recomputed if needed); returns blocks freed."""
         # Tail blocks go in first so that a prefix's head outlives its tail under LRU.

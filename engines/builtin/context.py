@@ -36,6 +36,9 @@ class Context:
         self.block_table: list[int] = []
         self.status = Status.IDLE
         self.temporary = temporary  # freed as soon as its one request ends
+        # A temporary one kept when its generation finishes (stop or length), holding its prompt and output: a
+        # gateway continues a conversation from it (an aborted or failed one is freed as any temporary one).
+        self.kept_when_finished = False
         self.last_used = 0  # engine step of last activity, to evict idle contexts LRU
         self.num_released_blocks = 0  # set when the context is freed
         self.on_released: Callable[[int], None] | None = None  # told when it is (engine thread)

@@ -65,10 +65,17 @@ class ContextRegistry:
             outcome = None if delivered else TokenEvent(ctx.token_ids[-1] if ctx.token_ids else 0, finish_reason=reason)
         self.scheduler.remove(ctx)
         ctx.clear_request()
+        if ctx.kept_when_finished and reason in ("stop", "length"):
+            ctx.temporary = ctx.kept_when_finished = False
         if ctx.temporary or self.scheduler.contexts.get(ctx.context_id) is not ctx:  # freed (maybe the id reused)
             self.drop(ctx)
         if deliver is not None and (outcome is not None or reason == "abort"):
             deliver(outcome)
+
+    def truncate(self, ctx: Context, length: int) -> None:
+        """Keeps ``ctx``'s first ``length`` tokens (and their KV); the rest are forgotten."""
+        del ctx.token_ids[length:]
+        self.block_manager.truncate(ctx, length)
 
     def drop(self, ctx: Context) -> int:
         if self.scheduler.contexts.get(ctx.context_id) is ctx:

@@ -195,6 +195,27 @@ class EngineCore(StepLoop):
             raise RuntimeError(aborted)
         return result
 
+    def trim_context(self, context_id: str, tokens: list[int]) -> int:
+        """Keeps the longest common prefix of the context's tokens and ``tokens`` (their KV too); returns its length."""
+        with self._lock:
+            ctx = self.registry.get(context_id)
+            if ctx.status is not Status.IDLE:
+                raise ContextBusy(f"context {context_id!r} is busy")
+            common = next((i for i, (a, b) in enumerate(zip(ctx.token_ids, tokens)) if a != b),
+                          min(len(ctx), len(tokens)))
+            if common < len(ctx):
+                self.registry.truncate(ctx, common)
+            return common
+
+    def holds_prefix(self, context_id: str, tokens: list[int]) -> int | None:
+        """Tokens the context holds when they are the first of ``tokens`` (-1 when they are not); None when there is
+        no such context."""
+        with self._lock:
+            ctx = self.scheduler.contexts.get(context_id)
+            if ctx is None:
+                return None
+            return len(ctx) if ctx.token_ids == tokens[:len(ctx)] else -1
+
     async def free_context(self, context_id: str) -> int:
         released: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         with self._lock:
@@ -213,17 +234,18 @@ class EngineCore(StepLoop):
 
     def generate_from_prompt(
         self, prompt_tokens: list[int], params: SamplingParams, *, parent_context_id: str | None = None,
-        parent_tokens: list[int] | None = None,
+        parent_tokens: list[int] | None = None, keep_as: str | None = None,
     ) -> AsyncIterator[TokenEvent]:
         """Generates after ``prompt_tokens``, or after the parent context's tokens plus them. With
         ``parent_tokens`` the parent is created from them if it does not exist, its fill queued with
         this generation (under one lock, so that a step takes both): the step that computes the
-        parent's blocks shares them with its forks."""
+        parent's blocks shares them with its forks. ``keep_as``: the generation's context is kept under that
+        id once it finishes (stop or length), holding its prompt and output; else it is freed."""
         return self._stream(params, prompt_tokens=prompt_tokens, parent_context_id=parent_context_id,
-                            parent_tokens=parent_tokens)
+                            parent_tokens=parent_tokens, keep_as=keep_as)
 
     async def _stream(self, params: SamplingParams, *, context_id=None, prompt_tokens=None, parent_context_id=None,
-                      parent_tokens=None):
+                      parent_tokens=None, keep_as=None):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         # Compiling a grammar (the first one also builds llguidance's view of the vocabulary, which takes longer)
@@ -231,7 +253,7 @@ class EngineCore(StepLoop):
         grammar = await asyncio.to_thread(self._grammar_matcher, params) if params.grammar is not None else None
         ctx, arrival = self._start_generation(
             params, lambda event: loop.call_soon_threadsafe(queue.put_nowait, event), context_id, prompt_tokens,
-            parent_context_id, grammar, parent_tokens=parent_tokens,
+            parent_context_id, grammar, parent_tokens=parent_tokens, keep_as=keep_as,
         )
         self._wake_after_this_tick(loop)
         finished = False
@@ -252,7 +274,7 @@ class EngineCore(StepLoop):
         return self.grammars.matcher(params.grammar) if params.grammar is not None else None
 
     def _start_generation(self, params, deliver, context_id, prompt_tokens, parent_context_id,
-                          grammar, *, parent_tokens=None) -> tuple[Context, int]:
+                          grammar, *, parent_tokens=None, keep_as=None) -> tuple[Context, int]:
         with self._lock:
             if parent_tokens is not None and parent_context_id not in self.scheduler.contexts:
                 if parent_context_id is None:
@@ -269,7 +291,8 @@ class EngineCore(StepLoop):
                     self._needed(parent_context_id, params.priority)
                 else:
                     self.registry.check_prompt_length(prompt_tokens)
-                ctx = self.registry.new(None, parent_context_id, temporary=True, step=self._step_count)
+                ctx = self.registry.new(keep_as, parent_context_id, temporary=True, step=self._step_count)
+                ctx.kept_when_finished = keep_as is not None
                 ctx.token_ids += prompt_tokens
                 self._prompt_tokens += len(prompt_tokens)
             if not ctx.token_ids:

@@ -79,15 +79,16 @@ class BuiltinEngineClient(UpstreamEngine):
 
     async def generate_in_context(self, context_id: str, sampling: dict[str, Any], *,
                                   fork_with: str | list[ForkPart] | None = None, context_text: str | None = None,
-                                  output_id: str | None = None) -> Generation:
-        body = _generate_body(sampling, False, fork_with, context_text, output_id)
+                                  output_id: str | None = None, keep_as: str | None = None) -> Generation:
+        body = _generate_body(sampling, False, fork_with, context_text, output_id, keep_as)
         return msgspec.json.decode(await self._call("POST", f"contexts/{context_id}/generate", body),
                                    type=Generation)
 
     async def stream_in_context(self, context_id: str, sampling: dict[str, Any], *,
                                 fork_with: str | list[ForkPart] | None = None, context_text: str | None = None,
-                                output_id: str | None = None) -> AsyncIterator[GenerationChunk]:
-        body = msgspec.json.encode(_generate_body(sampling, True, fork_with, context_text, output_id))
+                                output_id: str | None = None, keep_as: str | None = None
+                                ) -> AsyncIterator[GenerationChunk]:
+        body = msgspec.json.encode(_generate_body(sampling, True, fork_with, context_text, output_id, keep_as))
         path = f"contexts/{context_id}/generate"
         with translate_errors(self.name):
             async with self._client.stream("POST", f"{self.base_url}/{path}", content=body,
@@ -103,12 +104,16 @@ class BuiltinEngineClient(UpstreamEngine):
                         return
         raise EngineError(f"engine {self.name!r} ended a context stream without [DONE]")
 
+    async def trim_context(self, context_id: str, text: str) -> FillResult:
+        return msgspec.json.decode(await self._call("POST", f"contexts/{context_id}/trim", {"text": text}),
+                                   type=FillResult)
+
     async def free_context(self, context_id: str) -> int:
         return msgspec.json.decode(await self._call("DELETE", f"contexts/{context_id}"))["freed_blocks"]
 
 
 def _generate_body(sampling: dict[str, Any], stream: bool, fork_with: str | list[ForkPart] | None,
-                   context_text: str | None, output_id: str | None) -> dict[str, Any]:
+                   context_text: str | None, output_id: str | None, keep_as: str | None = None) -> dict[str, Any]:
     body = {**sampling, "stream": stream}
     if output_id is not None:
         body["output_id"] = output_id
@@ -116,6 +121,8 @@ def _generate_body(sampling: dict[str, Any], stream: bool, fork_with: str | list
         body |= {"text" if isinstance(fork_with, str) else "parts": fork_with, "fork": True}
         if context_text is not None:
             body["context_text"] = context_text
+        if keep_as is not None:
+            body["keep_as"] = keep_as
     return body
 
 

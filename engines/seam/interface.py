@@ -183,19 +183,27 @@ class ContextEngine(Engine, Protocol):
 
     async def generate_in_context(self, context_id: str, sampling: dict[str, Any], *,
                                   fork_with: str | list[ForkPart] | None = None, context_text: str | None = None,
-                                  output_id: str | None = None) -> Generation:
+                                  output_id: str | None = None, keep_as: str | None = None) -> Generation:
         """Generates after the context (appending to it), or with ``fork_with``: after the context plus that
         text, in a temporary child the engine frees itself. ``context_text`` (with ``fork_with``): the
         context's text, to create it from if it does not exist yet; the prompt is then exactly the
         tokenization of that text and the fork's as one text. ``fork_with`` as parts may name earlier
         generations' outputs (``output_id``), which the engine puts in as their text once produced
-        (EngineRejected, status 424, if one is not: its generation failed)."""
+        (EngineRejected, status 424, if one is not: its generation failed). ``keep_as`` (with ``fork_with``): the
+        child is not freed once its generation finishes (stop or length) but kept under that id, holding the
+        prompt and the output (``trim_context`` then makes it the start of a next prompt); a failed one is freed."""
         ...
 
     def stream_in_context(self, context_id: str, sampling: dict[str, Any], *,
                           fork_with: str | list[ForkPart] | None = None, context_text: str | None = None,
-                          output_id: str | None = None) -> AsyncIterator[GenerationChunk]:
+                          output_id: str | None = None, keep_as: str | None = None) -> AsyncIterator[GenerationChunk]:
         """``generate_in_context``, its tokens yielded as they are generated. Closing it cancels the generation."""
+        ...
+
+    async def trim_context(self, context_id: str, text: str) -> FillResult:
+        """Keeps the longest common prefix of the context's tokens and ``text``'s (tokenized as a fork's
+        ``context_text``), and their KV; ``num_tokens``: those kept. A fork with ``context_text=text`` then follows
+        it and computes the rest of that text's tokens itself: its prompt is still exactly the plain one."""
         ...
 
     async def free_context(self, context_id: str) -> int:

@@ -6,7 +6,10 @@ user message's text would start) is filled into a named context there and pinned
 context: the engine computes only the new message and what follows it. The prompt is cut by the engine itself
 (``split_prompt`` with the next message as a variable), and a fork is made only when the next turn's prompt
 starts with exactly the pinned text (same instructions, same conversation), so its answer is the unpinned
-path's. Pinned contexts are bounded (``[responses] max_pinned_contexts``, the least recently used freed first),
+path's. A turn run as such a fork keeps its own context on the engine (the conversation with its answer, as
+generated): its pin is that context trimmed to where the next prompt's tokens differ from it (the template may
+render the answer otherwise than it was generated, e.g. its end-of-turn token), so nothing is filled again and
+the next fork computes only what follows the common prefix. Pinned contexts are bounded (``[responses] max_pinned_contexts``, the least recently used freed first),
 freed after ``context_idle_ttl_s`` unused and when their response is deleted or forgotten by the store.
 """
 
@@ -17,7 +20,7 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from typing import Any, AsyncIterator, NamedTuple
+from typing import Any, AsyncIterator, Callable, NamedTuple
 
 import msgspec
 
@@ -44,6 +47,14 @@ class Pinned(NamedTuple):
     prefix: str  # the rendered conversation the context holds
 
 
+class Kept(NamedTuple):
+    """A forked turn's own context, kept on the engine until its response is pinned (or not)."""
+
+    engine_id: str
+    context_id: str
+    since: float
+
+
 class ForkTarget(NamedTuple):
     """A next turn's fork: the pinned conversation, its engine, the turn's sampling and what follows the context."""
 
@@ -59,6 +70,10 @@ def _probe(chat: dict[str, Any], messages: list[dict[str, Any]]) -> dict[str, An
     body = {k: v for k, v in chat.items() if k not in ("stream", "stream_options")}
     body["messages"] = [*messages, PLACEHOLDER]
     return body
+
+
+def _new_context_id() -> str:
+    return f"resp-{uuid.uuid4().hex}"
 
 
 def forkable(chat: dict[str, Any]) -> bool:
@@ -85,6 +100,7 @@ class ConversationContexts:
         self._clock = clock
         self._pinned: OrderedDict[str, tuple[Pinned, float]] = OrderedDict()  # response id -> pin, last used
         self._pending: dict[str, asyncio.Task] = {}
+        self._kept: dict[str, Kept] = {}  # response id -> its fork's context, until pinned (or released)
         self.forks = 0  # turns run as a fork of a pinned conversation
 
     def _engine(self, engine_id: str) -> ContextEngine | None:
@@ -95,30 +111,43 @@ class ConversationContexts:
 
     def pin_later(self, response_id: str, engine_id: str, chat: dict[str, Any],
                   answer: list[dict[str, Any]]) -> None:
-        """After a stored turn ran on ``engine_id``: fills its conversation (``chat``'s messages and the
-        ``answer``'s) into a context there, in a task a next turn waits for."""
+        """After a stored turn ran on ``engine_id``: pins its conversation (``chat``'s messages and the
+        ``answer``'s) in a context there, in a task a next turn waits for: the turn's own context when it
+        was a fork that kept it (trimmed to the next prompt's start), else one filled with it."""
+        kept = self._kept.pop(response_id, None)
+        if kept is not None and kept.engine_id != engine_id:
+            self._free_kept(kept)
+            kept = None
         if not self.config.pin_contexts or not forkable(chat) or self._engine(engine_id) is None:
+            if kept is not None:
+                self._free_kept(kept)
             return
-        task = asyncio.create_task(self._pin(response_id, engine_id, chat, answer))
+        task = asyncio.create_task(self._pin(response_id, engine_id, chat, answer, kept))
         self._pending[response_id] = task
         task.add_done_callback(lambda _: self._pending.pop(response_id, None))
 
-    async def _pin(self, response_id: str, engine_id: str, chat: dict[str, Any], answer: list[dict[str, Any]]) -> None:
+    async def _pin(self, response_id: str, engine_id: str, chat: dict[str, Any], answer: list[dict[str, Any]],
+                   kept: Kept | None) -> None:
         engine = self._engine(engine_id)
         if engine is None:
             return
+        context_id = kept.context_id if kept is not None else _new_context_id()
         try:
             split = await engine.split_prompt("chat/completions", _probe(chat, [*chat["messages"], *answer]))
             if not split.prefix:
-                return
-            context_id = f"resp-{uuid.uuid4().hex}"
-            try:
+                raise EngineError("no place to cut the conversation for its next turn")
+            if kept is not None:  # nothing computed: the next fork computes what follows the common prefix
+                if (await engine.trim_context(context_id, split.prefix)).num_tokens == 0:
+                    raise EngineError("the turn's context has nothing in common with its conversation")
+            else:
                 await engine.fill(text=split.prefix, context_id=context_id)
-            except asyncio.CancelledError:  # released meanwhile: whatever the engine filled is freed
-                asyncio.get_running_loop().create_task(self._free(engine, context_id))
-                raise
+        except asyncio.CancelledError:  # released meanwhile: whatever the engine holds for it is freed
+            asyncio.get_running_loop().create_task(self._free(engine, context_id))
+            raise
         except EngineError as exc:
             log.info("pinning the conversation of %s failed: %s", response_id, exc)
+            if kept is not None:
+                self._free_kept(kept)
             return
         self._pinned[response_id] = (Pinned(engine_id, context_id, split.prefix), self._clock())
         while len(self._pinned) > self.config.max_pinned_contexts:
@@ -172,23 +201,33 @@ class ConversationContexts:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
-    async def fork(self, previous_id: str, chat: dict[str, Any]) -> tuple[bytes, str] | None:
+    def _kept_by(self, keep_for: str | None, target: ForkTarget, context_id: str | None,
+                 finish_reason: str | None) -> None:
+        """Remembers the fork's context the engine kept (it keeps one that finished) for its response."""
+        if keep_for is not None and context_id is not None and finish_reason in ("stop", "length"):
+            self._kept[keep_for] = Kept(target.pinned.engine_id, context_id, self._clock())
+
+    async def fork(self, previous_id: str, chat: dict[str, Any], keep_for: str | None = None
+                   ) -> tuple[bytes, str] | None:
         """The next turn run as a fork of the pinned conversation of ``previous_id``: a chat completion body
-        and the engine's id; None when it cannot be: the turn then runs as usual."""
+        and the engine's id; None when it cannot be: the turn then runs as usual. ``keep_for``: the id of the
+        turn's response, when it will be stored: the fork's context is kept for its pin (``pin_later``)."""
         target = await self._fork_target(previous_id, chat)
         if target is None:
             return None
+        keep_as = None if keep_for is None else _new_context_id()
         target.record.in_flight += 1
         target.record.requests.add()
         try:
             generation = await target.engine.generate_in_context(
                 target.pinned.context_id, target.sampling, fork_with=target.fork_with,
-                context_text=target.pinned.prefix)
+                context_text=target.pinned.prefix, keep_as=keep_as)
         except EngineError as exc:
             self._forked(previous_id, target, exc)
             return None
         finally:
             target.record.in_flight -= 1
+        self._kept_by(keep_for, target, keep_as, generation.finish_reason)
         used = self._count(chat["model"], target, generation)
         body = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": chat["model"],
@@ -197,17 +236,20 @@ class ConversationContexts:
                 "usage": used}
         return msgspec.json.encode(body), target.record.id
 
-    async def fork_stream(self, previous_id: str, chat: dict[str, Any]) -> tuple[AsyncIterator[Chunk], str] | None:
+    async def fork_stream(self, previous_id: str, chat: dict[str, Any], keep_for: str | None = None
+                          ) -> tuple[AsyncIterator[Chunk], str] | None:
         """The next turn streamed as a fork of the pinned conversation of ``previous_id``: its chat chunks
         (the usage in the last) and the engine's id, once the engine's stream has started; None when it cannot
-        be (the turn then streams as usual)."""
+        be (the turn then streams as usual). ``keep_for``: as ``fork``'s."""
         target = await self._fork_target(previous_id, chat)
         if target is None:
             return None
+        keep_as = None if keep_for is None else _new_context_id()
         target.record.in_flight += 1
         target.record.requests.add()
         generated = target.engine.stream_in_context(target.pinned.context_id, target.sampling,
-                                                    fork_with=target.fork_with, context_text=target.pinned.prefix)
+                                                    fork_with=target.fork_with, context_text=target.pinned.prefix,
+                                                    keep_as=keep_as)
         try:
             first = await anext(generated)
         except (EngineError, StopAsyncIteration) as exc:
@@ -215,10 +257,13 @@ class ConversationContexts:
             await generated.aclose()
             self._forked(previous_id, target, exc if isinstance(exc, EngineError) else EngineError("no output"))
             return None
-        return self._fork_chunks(chat["model"], target, first, generated), target.record.id
+        chunks = self._fork_chunks(chat["model"], target, first, generated, lambda finish_reason: self._kept_by(
+            keep_for, target, keep_as, finish_reason))
+        return chunks, target.record.id
 
     async def _fork_chunks(self, model: str, target: ForkTarget, first: GenerationChunk,
-                           generated: AsyncIterator[GenerationChunk]) -> AsyncIterator[Chunk]:
+                           generated: AsyncIterator[GenerationChunk],
+                           finished: Callable[[str], None]) -> AsyncIterator[Chunk]:
         """The engine's generation chunks as chat chunks; an engine failure mid-stream is the chunk's error."""
         token_ids: list[int] = []
         try:
@@ -227,6 +272,7 @@ class ConversationContexts:
                 token_ids += step.token_ids
                 used = None
                 if step.finish_reason is not None:  # the last: the whole generation's usage
+                    finished(step.finish_reason)
                     used = self._count(model, target, Generation(
                         "", token_ids, step.finish_reason, step.usage or {}, step.context_tokens or 0))
                 yield msgspec.convert({"choices": [{"index": 0, "delta": {"content": step.text},
@@ -244,12 +290,20 @@ class ConversationContexts:
         task = self._pending.pop(response_id, None)
         if task is not None:
             task.cancel()
+        kept = self._kept.pop(response_id, None)
+        if kept is not None:
+            self._free_kept(kept)
         found = self._pinned.pop(response_id, None)
         if found is None:
             return
         engine = self._engine(found[0].engine_id)
         if engine is not None:
             asyncio.get_running_loop().create_task(self._free(engine, found[0].context_id))
+
+    def _free_kept(self, kept: Kept) -> None:
+        engine = self._engine(kept.engine_id)
+        if engine is not None:
+            asyncio.get_running_loop().create_task(self._free(engine, kept.context_id))
 
     @staticmethod
     async def _free(engine: ContextEngine, context_id: str) -> None:
@@ -262,6 +316,8 @@ class ConversationContexts:
         """Frees the contexts unused for ``context_idle_ttl_s``."""
         deadline = self._clock() - self.config.context_idle_ttl_s
         for response_id in [r for r, (_, used) in self._pinned.items() if used < deadline]:
+            self.release(response_id)
+        for response_id in [r for r, kept in self._kept.items() if kept.since < deadline]:  # never pinned
             self.release(response_id)
 
     def __len__(self) -> int:

@@ -196,7 +196,8 @@ class ResponsesService:
     async def _plain(self, prepared: Prepared) -> Ran:
         forked = None
         if prepared.request.previous_response_id:
-            forked = await self.contexts.fork(prepared.request.previous_response_id, prepared.chat)
+            forked = await self.contexts.fork(prepared.request.previous_response_id, prepared.chat,
+                                              _kept_for(prepared))
         if forked is None:
             answer = await self.gateway.create(ROUTE, prepared.request.model, prepared.chat)
             forked = (answer.body, answer.engine_id)
@@ -217,9 +218,13 @@ class ResponsesService:
         return submitted
 
     def _pin(self, prepared: Prepared, engine_id: str) -> None:
-        if prepared.response.status == "completed":
+        """A stored turn's conversation pinned for its next turn; one cut short by ``max_output_tokens`` too (the
+        conversation goes on from what it answered), not a failed one (whose fork's context is freed)."""
+        if prepared.response.status in ("completed", "incomplete"):
             self.contexts.pin_later(prepared.response.id, engine_id, prepared.chat,
                                     chat_messages(None, prepared.response.output))
+        else:
+            self.contexts.release(prepared.response.id)
 
     async def start_background(self, prepared: Prepared) -> bytes:
         """A response queued and run by a task of its own; answered (as it stands now) at once."""
@@ -347,7 +352,8 @@ class ResponsesService:
         """The chat chunks of a plain streamed response and its engine's id: a next turn of a conversation
         pinned on an engine streams as a fork of it there (contexts.py), else as a chat stream."""
         if prepared.request.previous_response_id:
-            forked = await self.contexts.fork_stream(prepared.request.previous_response_id, prepared.chat)
+            forked = await self.contexts.fork_stream(prepared.request.previous_response_id, prepared.chat,
+                                                     _kept_for(prepared))
             if forked is not None:
                 return forked
         opened = await self.gateway.open_stream(ROUTE, prepared.request.model, prepared.chat)
@@ -377,6 +383,11 @@ class ResponsesService:
                     prepared.response.status = "failed"
                     prepared.response.error = ResponseError(
                         code="client_disconnected", message="the client closed the stream before the response ended")
+
+
+def _kept_for(prepared: Prepared) -> str | None:
+    """The response a forked turn keeps its context for (its next turn's pin): a stored one's."""
+    return prepared.response.id if prepared.response.store else None
 
 
 def semantic_extension(body: dict[str, Any], request: ResponsesRequest) -> dict[str, Any] | None:

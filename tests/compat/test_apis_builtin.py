@@ -98,6 +98,14 @@ def _forks(gateway_url: str) -> float:
     return sum(float(line.split()[-1]) for line in lines if line.startswith("parrot:forks_total") and SMOLLM in line)
 
 
+def _engine_prompt_tokens(smollm_gateway) -> float:
+    """Prompt tokens the engine was given to compute (fills and generations; a fork's context not included)."""
+    import httpx
+
+    lines = httpx.get(f"{smollm_gateway['engine']}/metrics").text.splitlines()
+    return sum(float(line.split()[-1]) for line in lines if line.startswith("vllm:prompt_tokens_total"))
+
+
 def test_a_stored_conversation_is_forked_from_its_pinned_context(client, gateway_url):
     """Turns 2-4 through previous_response_id run as forks of the conversation pinned on the engine: their
     cached tokens cover the earlier conversation, and the answers are the plain path's (greedy), which gets
@@ -116,14 +124,15 @@ def test_a_stored_conversation_is_forked_from_its_pinned_context(client, gateway
     client.responses.delete(pinned[-1].id)  # frees its context (the engine's count is not visible from here)
 
 
-def _assert_plain_path_agrees(client, questions: list[str], instructions: str, turns: list) -> None:
+def _assert_plain_path_agrees(client, questions: list[str], instructions: str, turns: list,
+                              max_output_tokens: int = 20) -> None:
     """The conversation's ``turns`` answered as the plain path answers it (greedy), which gets the same
     conversation as input items with store=false; each turn's cached tokens cover the conversation before it."""
     history: list = []
     for question, forked in zip(questions, turns):
         history.append({"role": "user", "content": question})
         plain = client.responses.create(model=SMOLLM, input=history, store=False, temperature=0,
-                                        max_output_tokens=20, instructions=instructions)
+                                        max_output_tokens=max_output_tokens, instructions=instructions)
         assert plain.output_text == forked.output_text
         history.append({"role": "assistant", "content": plain.output_text})
     for earlier, later in zip(turns, turns[1:]):
@@ -132,21 +141,54 @@ def _assert_plain_path_agrees(client, questions: list[str], instructions: str, t
         assert later.usage.input_tokens > covered
 
 
-def test_a_streamed_conversation_is_forked_too(client, gateway_url):
-    """Streamed turns 2-3 through previous_response_id stream as forks of the pinned conversation: the same text
-    as the plain path's (greedy), their cached tokens covering the earlier conversation."""
-    questions = ["What is the capital of France?", "And of Italy?", "And of Spain?"]
+def test_a_streamed_conversation_is_forked_too(client, gateway_url, smollm_gateway):
+    """Streamed turns 2-4 through previous_response_id stream as forks of the pinned conversation: the same text
+    as the plain path's (greedy), their cached tokens covering the earlier conversation. A forked turn's own
+    context is the next turn's pin (trimmed to where the template renders the answer otherwise), nothing filled
+    again: the engine is given only each turn's new tokens to compute."""
+    questions = ["What is the capital of France?", "And of Italy?", "And of Spain?", "Which is the largest?"]
     instructions = "Answer in one short sentence."
     forks_before = _forks(gateway_url)
-    streamed, previous = [], None
+    streamed, previous, computed = [], None, []
     for question in questions:
+        before = _engine_prompt_tokens(smollm_gateway)
         with client.responses.stream(model=SMOLLM, input=question, previous_response_id=previous, temperature=0,
                                      max_output_tokens=20, instructions=instructions) as stream:
             deltas = "".join(event.delta for event in stream if event.type == "response.output_text.delta")
             response = stream.get_final_response()
         assert deltas == response.output_text
+        computed.append(_engine_prompt_tokens(smollm_gateway) - before)  # the turn's, and the last one's pin
         streamed.append(response)
         previous = response.id
     assert _forks(gateway_url) - forks_before == len(questions) - 1
+    for earlier, later, given in zip(streamed[1:], streamed[2:], computed[2:]):  # a fork pinned by a fork
+        usage = later.usage
+        # followed, not given: the earlier turn's prompt and answer as generated (its end-of-turn token included,
+        # which the template renders the same); given: only what follows them, the new message
+        assert usage.input_tokens - given == earlier.usage.input_tokens + earlier.usage.output_tokens, computed
+        assert usage.input_tokens_details.cached_tokens >= usage.input_tokens - given
     _assert_plain_path_agrees(client, questions, instructions, streamed)
     client.responses.delete(streamed[-1].id)
+
+
+def test_a_conversation_cut_short_by_max_output_tokens_is_forked_too(client, gateway_url, smollm_gateway):
+    """Turns cut short (status incomplete) are pinned as well: the conversation goes on from what they answered.
+    Their output has no end-of-turn token, which the template adds: the next fork computes it, and answers as the
+    plain path does (greedy)."""
+    questions = ["Tell me about Paris.", "And about Rome?", "And about Madrid?"]
+    instructions = "Answer at length."
+    forks_before = _forks(gateway_url)
+    turns, previous, computed = [], None, []
+    for question in questions:
+        before = _engine_prompt_tokens(smollm_gateway)
+        response = client.responses.create(model=SMOLLM, input=question, previous_response_id=previous,
+                                           temperature=0, max_output_tokens=6, instructions=instructions)
+        assert response.status == "incomplete"
+        computed.append(_engine_prompt_tokens(smollm_gateway) - before)
+        turns.append(response)
+        previous = response.id
+    assert _forks(gateway_url) - forks_before == len(questions) - 1
+    earlier, later = turns[1:]
+    assert later.usage.input_tokens - computed[2] >= earlier.usage.input_tokens  # followed, not filled again
+    _assert_plain_path_agrees(client, questions, instructions, turns, max_output_tokens=6)
+    client.responses.delete(turns[-1].id)

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 
 from engines.seam import EngineStats, Generation, PromptSplit, Segment
-from engines.seam.contexts import GenerationChunk
+from engines.seam.contexts import FillResult, GenerationChunk
 from gateway.config import GatewayConfig, ResponsesConfig
 from gateway.metrics import GatewayMetrics
 from gateway.registry import EngineRegistry
@@ -26,6 +26,7 @@ class StubContextEngine:
         self.filled: dict[str, str] = {}
         self.freed: list[str] = []
         self.forked: list[tuple[str, str]] = []
+        self.kept: dict[str, str] = {}  # context id -> the text it was trimmed to
 
     async def create(self, route, body): raise AssertionError("not the plain path")
     def stream(self, route, body): raise AssertionError("not the plain path")
@@ -40,16 +41,26 @@ class StubContextEngine:
     async def fill(self, *, text=None, tokens=None, parent_context_id=None, context_id=None, if_absent=False):
         self.filled[context_id] = text
 
-    async def generate_in_context(self, context_id, sampling, *, fork_with=None, context_text=None, output_id=None):
+    async def generate_in_context(self, context_id, sampling, *, fork_with=None, context_text=None, output_id=None,
+                                  keep_as=None):
         self.forked.append((context_id, fork_with))
+        if keep_as is not None:
+            self.kept[keep_as] = ""
         return Generation(text="answer", token_ids=[1], finish_reason="stop",
                           usage={"prompt_tokens": 3, "completion_tokens": 1}, context_tokens=10)
 
-    async def stream_in_context(self, context_id, sampling, *, fork_with=None, context_text=None, output_id=None):
+    async def stream_in_context(self, context_id, sampling, *, fork_with=None, context_text=None, output_id=None,
+                                keep_as=None):
         self.forked.append((context_id, fork_with))
+        if keep_as is not None:
+            self.kept[keep_as] = ""
         yield GenerationChunk(text="ans", token_ids=[1])
         yield GenerationChunk(text="wer", token_ids=[2], finish_reason="stop",
                               usage={"prompt_tokens": 3, "completion_tokens": 2}, context_tokens=10)
+
+    async def trim_context(self, context_id: str, text: str) -> FillResult:
+        self.kept[context_id] = text
+        return FillResult(context_id, 7, 7)
 
     async def free_context(self, context_id: str) -> int:
         self.freed.append(context_id)
@@ -137,5 +148,46 @@ def test_a_streamed_next_turn_forks_the_pinned_conversation_chunk_by_chunk():
         [(_, text)] = engine.forked
         assert text == "q2</><assistant>"
         assert await contexts.fork_stream("resp_unknown", streamed) is None
+
+    asyncio.run(run())
+
+
+NEXT_ANSWER = [{"role": "assistant", "content": "answer"}]
+THIRD_CHAT = {"model": "m", "messages": [*NEXT_CHAT["messages"], *NEXT_ANSWER, {"role": "user", "content": "q3"}]}
+
+
+def test_a_forked_turn_is_pinned_as_its_own_context_trimmed_not_filled_again():
+    async def run():
+        engine, record, contexts, _ = _setup()
+        contexts.pin_later("resp_1", record.id, CHAT, ANSWER)
+        chunks, _ = await contexts.fork_stream("resp_1", {**NEXT_CHAT, "stream": True}, keep_for="resp_2")
+        [_ async for _ in chunks]
+        [kept] = engine.kept
+        contexts.pin_later("resp_2", record.id, NEXT_CHAT, NEXT_ANSWER)
+        pinned = await contexts.pinned("resp_2")
+        assert pinned.context_id == kept and kept not in engine.filled  # trimmed, not filled
+        assert engine.kept[kept] == pinned.prefix == "<system>be brief</><user>q1</><assistant>a1</><user>q2</><assistant>answer</><user>"
+        await contexts.fork("resp_2", THIRD_CHAT)
+        assert engine.forked[-1] == (kept, "q3</><assistant>")
+        # a kept context its response never pins (not stored after all, failed) is freed with it, or when idle
+        chunks, _ = await contexts.fork_stream("resp_2", {**THIRD_CHAT, "stream": True}, keep_for="resp_3")
+        [_ async for _ in chunks]
+        contexts.release("resp_3")
+        await asyncio.sleep(0)
+        assert engine.freed[-1] == list(engine.kept)[-1]
+
+    asyncio.run(run())
+
+
+def test_a_kept_context_never_pinned_is_freed_when_idle():
+    async def run():
+        engine, record, contexts, now = _setup(context_idle_ttl_s=60)
+        contexts.pin_later("resp_1", record.id, CHAT, ANSWER)
+        await contexts.fork("resp_1", NEXT_CHAT, keep_for="resp_2")
+        [kept] = engine.kept
+        now[0] = 61.0
+        contexts.sweep()
+        await asyncio.sleep(0)
+        assert kept in engine.freed
 
     asyncio.run(run())

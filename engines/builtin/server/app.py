@@ -35,6 +35,7 @@ from engines.builtin.serving import (
     EngineBadRequest,
     ContextFillRequest,
     ContextGenerateRequest,
+    ContextTrimRequest,
 )
 from engines.builtin.server.membership import GatewayMembership, GatewayRegistration
 from engines.builtin.prompt_split import PromptSplitRequest, split_prompt
@@ -242,6 +243,11 @@ async def generate_in_context(request: Request, context_id: FromPath[str], data:
     return await _answer(request, engine.contexts.generate(context_id, data))
 
 
+@post("/v1/contexts/{context_id:str}/trim", status_code=200)
+async def trim_context(request: Request, context_id: FromPath[str], data: JSONBody[ContextTrimRequest]) -> FillResult:
+    return await _engine(request).contexts.trim(context_id, data)
+
+
 @delete("/v1/contexts/{context_id:str}", status_code=200)
 async def free_context(request: Request, context_id: FromPath[str]) -> dict[str, int]:
     return {"freed_blocks": await _engine(request).contexts.free(context_id)}
@@ -303,7 +309,7 @@ def create_app(
 
     app = Litestar(
         route_handlers=[chat_completions, completions, prompt_split, tokenize, models, health, stats, metrics,
-                        fill_context, generate_in_context, free_context],
+                        fill_context, generate_in_context, trim_context, free_context],
         lifespan=[lifespan],
         exception_handlers=OPENAI_EXCEPTION_HANDLERS,
         guards=[_require_secret(secret)] if secret else None,

@@ -18,8 +18,9 @@ from engines.builtin.serving.contexts import (
     ContextGenerateRequest,
     ContextGeneration,
     ContextGenerationChunk,
+    ContextTrimRequest,
 )
 from engines.builtin.serving.errors import EngineBadRequest, EngineConflict, EngineNotFound
 
 __all__ = ["BuiltinEngine", "ContextFillRequest", "ContextGenerateRequest", "ContextGeneration",
-           "ContextGenerationChunk", "EngineBadRequest", "EngineConflict", "EngineNotFound"]
+           "ContextGenerationChunk", "ContextTrimRequest", "EngineBadRequest", "EngineConflict", "EngineNotFound"]

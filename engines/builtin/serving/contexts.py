@@ -54,6 +54,10 @@ class ContextGenerateRequest(SamplingWithHints, kw_only=True, omit_defaults=True
     # tokenization of this text and the fork's as one text (splicing.py); without it, the fork's text is
     # tokenized on its own.
     context_text: str | None = None
+    # With fork: the fork's context is kept under this id once its generation finishes (stop or length), holding
+    # its prompt and output, instead of freed: how a gateway continues a conversation from where its turn ended
+    # (then trimmed to the next prompt's start, ``trim``). An aborted or failed one is freed.
+    keep_as: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] = 0
     stream: bool = False
@@ -65,6 +69,10 @@ class ContextGenerateRequest(SamplingWithHints, kw_only=True, omit_defaults=True
 
     def token_limit(self) -> int | None:
         return self.max_tokens
+
+
+class ContextTrimRequest(msgspec.Struct, kw_only=True):
+    text: str  # the text the context should hold: it keeps the longest common prefix of its tokens and this text's
 
 
 class ContextGeneration(msgspec.Struct):
@@ -111,8 +119,14 @@ class Seam(NamedTuple):
     healed: bool  # whether the seam is healed (the context's text given)
 
     def holds(self, keep: int) -> bool:
-        """Whether the fork can follow the context: the splice keeps its every token."""
-        return not self.healed or (self.length == len(self.tokens) and keep == len(self.tokens))
+        """Whether the fork can follow the context: the splice keeps its every token (those of the context's text
+        after the ones the context holds, a trimmed context's, are then the fork's to compute)."""
+        return not self.healed or (0 < self.length <= keep)
+
+    @property
+    def whole(self) -> bool:
+        """Whether the context holds all its text's tokens."""
+        return not self.healed or self.length == len(self.tokens)
 
 
 class Started(NamedTuple):
@@ -170,6 +184,17 @@ class ContextPrimitives(ModelServing):
         except Exception as exc:
             raise translate(exc) from exc
 
+    async def trim(self, context_id: str, request: ContextTrimRequest) -> FillResult:
+        """Keeps the longest common prefix of the context's tokens and ``request.text``'s (as a fork with that text as
+        its ``context_text`` tokenizes it), and their KV: a kept generation's context made the start of the next
+        prompt, whose fork computes the rest (where the template renders the output otherwise than it was generated)."""
+        tokens = self.splicer.left_tokens(request.text)
+        try:
+            kept = self.llm.trim_context(context_id, tokens)
+        except Exception as exc:
+            raise translate(exc) from exc
+        return FillResult(context_id, kept, kept)
+
     async def free(self, context_id: str) -> int:
         try:
             return await self.llm.free_context(context_id)
@@ -218,7 +243,7 @@ class ContextPrimitives(ModelServing):
             params = self.sampling_params(request, prompt.own_tokens, logprobs=request.logprobs,
                                           top_logprobs=request.top_logprobs)
             events = (self.llm.generate_from_prompt(prompt.tokens, params, parent_context_id=prompt.parent,
-                                                    parent_tokens=prompt.parent_tokens)
+                                                    parent_tokens=prompt.parent_tokens, keep_as=request.keep_as)
                       if request.fork else self.llm.generate(context_id, params))
         except BaseException as exc:
             if request.output_id is not None:
@@ -250,6 +275,7 @@ class ContextPrimitives(ModelServing):
             if seam.create is not None:
                 self.llm.ensure_context(context_id, seam.create)  # the requests after this one fork it
             return Prompt(None, seam.tokens[:keep] + tail), inputs_step
+        tail = seam.tokens[seam.length:keep] + tail if seam.healed else tail
         if ahead is not None:
             computed = await ahead.tokens()
             if computed is not None and tail[:len(computed)] == computed:
@@ -267,7 +293,7 @@ class ContextPrimitives(ModelServing):
         seam = self._seam(context_id, request)
         keep, tail = self.splicer.splice(request.context_text or "", "".join(part.text or "" for part in parts[:waits]))
         lead = tail[:-SEAM_TOKENS]
-        if not seam.holds(keep) or not lead:
+        if not seam.holds(keep) or not seam.whole or not lead:
             return None
         if seam.create is not None:
             self.llm.ensure_context(context_id, seam.create)
@@ -276,13 +302,14 @@ class ContextPrimitives(ModelServing):
             self.llm.fill(lead, context_id=child, parent_context_id=context_id, priority=request.priority or 0)), self)
 
     def _seam(self, context_id: str, request: ContextGenerateRequest) -> "Seam":
-        length = self.llm.context_length(context_id)
         if not request.context_text:
-            return Seam([], length or 0, None, healed=False)
+            return Seam([], self.llm.context_length(context_id) or 0, None, healed=False)
         tokens = self.splicer.left_tokens(request.context_text)
-        if length not in (None, len(tokens)):  # the context holds other tokens than its text's
-            return Seam(tokens, 0, None, healed=True)
-        return Seam(tokens, len(tokens), tokens if length is None else None, healed=True)
+        length = self.llm.holds_prefix(context_id, tokens)
+        if length is None:
+            return Seam(tokens, len(tokens), tokens, healed=True)
+        # -1: the context holds other tokens than its text's first ones
+        return Seam(tokens, max(length, 0), None, healed=True)
 
     @staticmethod
     def _check_suffix(request: ContextGenerateRequest) -> None:
@@ -294,8 +321,9 @@ class ContextPrimitives(ModelServing):
             raise EngineBadRequest(f"'{given[0]}' needs 'fork': true (fill a context to append to it)", "fork")
         if request.fork and not has_suffix:
             raise EngineBadRequest("'fork' needs 'text', 'tokens' or 'parts' to generate from", "text")
-        if request.context_text is not None and not request.fork:
-            raise EngineBadRequest("'context_text' needs 'fork': true", "context_text")
+        for name in ("context_text", "keep_as"):
+            if getattr(request, name) is not None and not request.fork:
+                raise EngineBadRequest(f"'{name}' needs 'fork': true", name)
         for i, part in enumerate(request.parts or ()):
             if (part.text is None) == (part.output_of is None):
                 raise EngineBadRequest("each part is one of 'text' and 'output_of'", f"parts.{i}")

@@ -164,3 +164,29 @@ def test_a_failed_step_unpublishes_its_blocks_and_keeps_earlier_ones():
     assert manager.match_prefix(Context("c", list(range(12))), 12) == 4
     assert all(manager.blocks[b].hash is None for b in ctx.block_table[1:])
     assert earlier.block_table[0] == ctx.block_table[0]
+
+
+def test_truncate_keeps_the_first_tokens_kv_and_copies_a_last_block_others_may_find():
+    copies = []
+    manager = BlockManager(8, SIZE, copy_rows=lambda src, dst, n: copies.append((src, dst, n)))
+    ctx = computed(manager, list(range(14)))  # 0-3, 4-7, 8-11 published; 12-13 private
+    table = list(ctx.block_table)
+    del ctx.token_ids[6:]
+    manager.truncate(ctx, 6)
+    # Block 4-7 is in the prefix cache: rows 6-7 will hold other tokens, so its first two rows are copied.
+    assert ctx.num_computed_tokens == 6 and ctx.block_table[0] == table[0] and ctx.block_table[1] not in table
+    assert copies == [(table[1], ctx.block_table[1], 2)]
+    assert [manager.blocks[b].ref_count for b in table] == [1, 0, 0, 0]
+    assert manager.match_prefix(Context("other", list(range(13))), 12) == 12  # the dropped blocks stay cached
+
+
+def test_truncate_inside_a_private_block_keeps_it_and_past_the_computed_tokens_keeps_all():
+    manager = BlockManager(8, SIZE)
+    ctx = computed(manager, list(range(14)))
+    table = list(ctx.block_table)
+    del ctx.token_ids[13:]
+    manager.truncate(ctx, 13)  # 12-13 was nobody else's: written over in place later
+    assert ctx.block_table == table and ctx.num_computed_tokens == 13
+    ctx.token_ids.append(99)  # a generated last token, its KV not computed yet
+    manager.truncate(ctx, 14)
+    assert ctx.block_table == table and ctx.num_computed_tokens == 13

@@ -377,6 +377,36 @@ def test_an_if_absent_fill_creates_once_and_needs_a_context_id(http):
     assert http.get("/v1/stats").json()["blocks_free"] == baseline
 
 
+def test_a_kept_fork_trimmed_to_the_next_prompt_is_what_the_next_fork_follows(http):
+    """A conversation's turn forked with keep_as keeps its context (prompt + output); trimmed to the next prompt's
+    start, rendered with an ending other than the generated one, it keeps only the common prefix; the next fork
+    follows it, computing only the rest, and answers as a fork of a context made from that text does (greedy)."""
+    baseline = settled_stats(http)["blocks_free"]
+    system = ("You are a geography expert. Answer in one short sentence. " * 3).rstrip()
+    question = "\nQ: What is the capital of France?\nA:"
+    context_id, kept_id, fresh_id = (f"{name}-{os.urandom(8).hex()}" for name in ("prefix", "kept", "fresh"))
+    first = http.post(f"/v1/contexts/{context_id}/generate", json={
+        **GREEDY, "fork": True, "text": question, "context_text": system, "keep_as": kept_id}).json()
+    prompt_tokens = first["context_tokens"] + first["usage"]["prompt_tokens"]
+    # The next prompt renders the answer, then its own turn markers where the generation went on otherwise.
+    next_text = system + question + first["text"].rstrip() + " <end>\n"
+    trimmed = http.post(f"/v1/contexts/{kept_id}/trim", json={"text": next_text}).json()
+    assert prompt_tokens < trimmed["num_tokens"] < prompt_tokens + len(first["token_ids"])
+    follow_up = {**GREEDY, "fork": True, "text": "Q: And of Italy?\nA:", "context_text": next_text}
+    forked = http.post(f"/v1/contexts/{kept_id}/generate", json=follow_up).json()
+    fresh = http.post(f"/v1/contexts/{fresh_id}/generate", json=follow_up).json()
+    assert forked["text"] == fresh["text"] and forked["token_ids"] == fresh["token_ids"]
+    assert forked["context_tokens"] == trimmed["num_tokens"]  # followed, not recomputed
+    assert (forked["context_tokens"] + forked["usage"]["prompt_tokens"]
+            == fresh["context_tokens"] + fresh["usage"]["prompt_tokens"])  # the same prompt
+    assert _error(http.post(f"/v1/contexts/{kept_id}/generate", json={**GREEDY, "keep_as": "x"}),
+                  400)["param"] == "keep_as"
+    for name in (context_id, kept_id, fresh_id):
+        http.delete(f"/v1/contexts/{name}")
+    assert settled_stats(http)["blocks_free"] == baseline
+    _error(http.post("/v1/contexts/nope/trim", json={"text": "hi"}), 404)
+
+
 def test_unknown_context_is_a_404(http):
     assert _error(http.post("/v1/contexts/nope/generate", json={"max_tokens": 2}), 404)["code"] == "context_not_found"
     _error(http.post("/v1/contexts/nope/generate", json={"max_tokens": 2, "stream": True}), 404)
