@@ -1,6 +1,9 @@
 """A batch through the openai SDK on a real gateway in front of a real builtin engine process on SmolLM2-135M: lines
 sharing a system prompt make the engine compute that prompt once, counted by the engine's own prompt and
-prefix-hit counters (its /v1/stats), not by what the gateway reports."""
+prefix-hit counters (its /v1/stats), not by what the gateway reports. The gateway runs the group's first line
+alone and the rest after it (tests/gateway/test_batch_runner.py checks that order); the builtin engine would also
+share the prompt's blocks between lines admitted in one step, so this checks the issue's target end to end (its
+prefix cache kept and hit across the batch), not the order."""
 
 from __future__ import annotations
 
