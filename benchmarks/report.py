@@ -194,6 +194,9 @@ CURRENT = [
         splicing_ratio, splicing_detail),
     Row("engine_accuracy.json", "builtin engine's fast modes, cloze accuracy (bf16 / int8 / int4)", "fp32 on the same items",
         accuracy_ratio, accuracy_detail),
+    Row("batch_live_p90.json", "live chat p90 beside a Batch API batch (1 line beside live calls), builtin engine "
+        "fp32 (`parrot serve` defaults); a shared host at load 3-7: noise-dominated", "the same live chat alone, "
+        "rounds alternating", batch_live_ratio, batch_live_detail, readme=False),
     Row("batch_count_1000.json", "a 1,000-line batch sharing a system prompt: times the engine computed that "
         "prompt (a count, untimed)", "one computation per line without sharing", batch_count_ratio,
         batch_count_detail, readme=False),
