@@ -27,15 +27,15 @@ import openai
 
 from benchmarks.apps import LaunchedGateway
 from benchmarks.mixed_traffic import percentile
-from benchmarks.results_file import write_results
+from benchmarks.results_file import save_figure, write_results
 
 SYSTEM = ("You are a careful assistant for a travel agency. Answer every question in one short sentence, name the "
           "country when you name a city, never invent prices, and say so when you do not know. ") * 4
 
 
-def batch_lines(model: str, count: int) -> bytes:
+def batch_lines(model: str, count: int, max_tokens: int) -> bytes:
     lines = [json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
-                         "body": {"model": model, "max_tokens": 12, "temperature": 0,
+                         "body": {"model": model, "max_tokens": max_tokens, "temperature": 0,
                                   "messages": [{"role": "system", "content": SYSTEM},
                                                {"role": "user", "content": f"Name a city worth visiting, number {i}."}]}})
              for i in range(count - 3)]
@@ -78,8 +78,9 @@ def shared_prompt_computed(client: openai.OpenAI, batch) -> dict[str, float]:
             "batch_cached_tokens": sum(cached)}
 
 
-def run_batch(client: openai.OpenAI, model: str, lines: int):
-    upload = client.files.create(file=("batch.jsonl", io.BytesIO(batch_lines(model, lines))), purpose="batch")
+def run_batch(client: openai.OpenAI, model: str, lines: int, max_tokens: int):
+    upload = client.files.create(file=("batch.jsonl", io.BytesIO(batch_lines(model, lines, max_tokens))),
+                                 purpose="batch")
     return client.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
 
 
@@ -94,16 +95,20 @@ def main() -> None:
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
     parser.add_argument("--start", action="store_true", help="launch `parrot serve` here (the only way for now)")
     parser.add_argument("--engine-args", default="--latency-max-num-seqs 4")
+    parser.add_argument("--config", default="", help="more of the gateway's config file (TOML), e.g. '[files]\\n"
+                                                     "batch_live_quiet_s = 0'")
     parser.add_argument("--lines", type=int, default=200, help="the first round's batch, run to its end")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of live requests alone, then beside a batch")
     parser.add_argument("--beside-lines", type=int, default=200,
                         help="later rounds' batches, cancelled once their live requests are measured")
+    parser.add_argument("--line-max-tokens", type=int, default=12, help="each batch line's max_tokens")
     parser.add_argument("--live", type=int, default=20)
     parser.add_argument("--out", default="benchmarks/results/batch_live.json")
     args = parser.parse_args()
     load = {"start": [round(x, 2) for x in os.getloadavg()]}
     launched = LaunchedGateway(args.model, args.engine_args.split(), Path(args.out).with_suffix(".serve.log"), 600,
-                               env={"PARROT_STATE": "memory://"})  # files and batches: this run's only
+                               env={"PARROT_STATE": "memory://"},  # files and batches: this run's only
+                               config=args.config.replace("\\n", "\n"))
     rounds = []
     try:
         client = openai.OpenAI(base_url=launched.url, api_key="unused", max_retries=0, timeout=300)
@@ -112,7 +117,8 @@ def main() -> None:
             alone = live_latencies(client, args.model, args.live, f"alone {round_}")
             prompt_before, hit_before = engine_tokens(launched.url)
             started = time.perf_counter()
-            batch = run_batch(client, args.model, args.lines if round_ == 0 else args.beside_lines)
+            lines = args.lines if round_ == 0 else args.beside_lines
+            batch = run_batch(client, args.model, lines, args.line_max_tokens)
             time.sleep(1.0)  # the batch under way
             beside = live_latencies(client, args.model, args.live, f"beside {round_}")
             running_at_end = client.batches.retrieve(batch.id).status == "in_progress"
@@ -121,7 +127,8 @@ def main() -> None:
                         "beside_p50_s": round(statistics.median(beside), 4),
                         "beside_p90_s": round(percentile(beside, 0.9), 4),
                         "p90_ratio": round(percentile(beside, 0.9) / percentile(alone, 0.9), 3),
-                        "batch_still_running_after_live_requests": running_at_end}
+                        "batch_still_running_after_live_requests": running_at_end,
+                        "load_average": [round(x, 2) for x in os.getloadavg()]}
             if round_ == 0:  # the whole batch: its time, counts and how often it computed its shared prompt
                 batch = wait_batch(client, batch)
                 prompt_after, hit_after = engine_tokens(launched.url)
@@ -149,6 +156,32 @@ def main() -> None:
               "target_shared_prompt_computed_times": 3}
     print(json.dumps(result, indent=2))
     write_results(args.out, {"args": vars(args), **result})
+    plot(result, Path(args.out).with_suffix(".png"))
+
+
+def plot(result: dict, path: Path) -> None:
+    """Each round's live p90 alone and beside a batch, the ratio over each pair."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rounds = result["rounds"]
+    figure, axes = plt.subplots(figsize=(7, 4))
+    width = 0.38
+    for offset, (key, label) in enumerate((("alone_p90_s", "live alone"), ("beside_p90_s", "live beside a batch"))):
+        axes.bar([i + (offset - 0.5) * width for i in range(len(rounds))], [r[key] for r in rounds], width,
+                 label=label)
+    for i, measured in enumerate(rounds):
+        axes.annotate(f"{measured['p90_ratio']:.2f}x", (i, max(measured["alone_p90_s"], measured["beside_p90_s"])),
+                      textcoords="offset points", xytext=(0, 3), ha="center", fontsize=8)
+    axes.set_xticks(range(len(rounds)), [f"round {i + 1}" for i in range(len(rounds))])
+    axes.set_ylabel("live chat p90 latency, s")
+    axes.set_title(f"live p90 beside a batch: median {result['live_p90_ratio_median']:.2f}x (target <= 1.2x); "
+                   f"shared prompt computed {result['shared_prompt_computed_times']}x (target <= 3)", fontsize=8)
+    axes.margins(y=0.15)
+    axes.legend(fontsize=8, loc="lower right")
+    save_figure(figure, path)
 
 
 if __name__ == "__main__":

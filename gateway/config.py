@@ -173,6 +173,10 @@ class FilesConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     batch_concurrency: Annotated[int, msgspec.Meta(ge=1)] = 4
     # ... and while live requests are in flight on the engines (each new line waits until fewer batch lines run).
     batch_concurrency_beside_live: Annotated[int, msgspec.Meta(ge=1)] = 1
+    # ... and for this long after the last live request was seen: a client's calls one after another leave gaps
+    # of milliseconds, in which the batch would otherwise fill its seats, and the next call then shares the engine
+    # with all of them.
+    batch_live_quiet_s: Annotated[float, msgspec.Meta(ge=0)] = 2.0
 
 
 class DashboardConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

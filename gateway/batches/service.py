@@ -76,6 +76,7 @@ class BatchService:
         self._slots = asyncio.Semaphore(config.batch_concurrency)  # lines of all batches in flight
         self._tasks: dict[str, asyncio.Task] = {}
         self._in_flight = 0  # batch lines on the engines now
+        self._live_seen_at = float("-inf")  # when live requests were last seen in flight (time.monotonic)
         self._save_lock = asyncio.Lock()
 
     # ------------------------------------------------------------ the API
@@ -242,6 +243,7 @@ class BatchService:
                     status, body = await self._send(batch.endpoint, dict(item["body"]), batch.id)
             finally:
                 self._in_flight -= 1
+                self._live_lately()  # notes the live requests this line ran beside
         await self._record(stored, index, custom_id,
                            response=LineResponse(status_code=status, request_id=new_id("req"), body=body))
 
@@ -259,10 +261,20 @@ class BatchService:
         return max(0, sum(r.in_flight for r in self.gateway.registry.records()) - self._in_flight)
 
     async def _beside_live(self) -> None:
-        """Waits while live requests run and already ``batch_concurrency_beside_live`` batch lines do: live
-        traffic shares the engines with fewer batch lines than an idle gateway gives them."""
-        while self._in_flight >= self.config.batch_concurrency_beside_live and self.live_in_flight() > 0:
+        """Waits while live requests run (or ran within ``batch_live_quiet_s``) and already
+        ``batch_concurrency_beside_live`` batch lines do: live traffic shares the engines with fewer batch lines
+        than an idle gateway gives them."""
+        while self._live_lately() and self._in_flight >= self.config.batch_concurrency_beside_live:
             await asyncio.sleep(0.02)
+
+    def _live_lately(self) -> bool:
+        """Whether live requests are in flight now or were seen within ``batch_live_quiet_s`` (they are looked
+        for as lines start and end, and while lines wait)."""
+        now = time.monotonic()
+        if self.live_in_flight() > 0:
+            self._live_seen_at = now
+            return True
+        return now - self._live_seen_at < self.config.batch_live_quiet_s
 
     async def _send(self, endpoint: str, body: dict[str, Any], batch_id: str) -> tuple[int, Any]:
         """A line's request as a live one of ``endpoint`` would run, as throughput work: its status and body."""

@@ -8,6 +8,7 @@ import asyncio
 import json
 
 import msgspec
+import pytest
 
 from gateway.batches.service import BatchService
 from gateway.batches.store import BatchStorage
@@ -40,6 +41,7 @@ class StubGateway:
         self.hints: list = []
         self.placements: list = []
         self.registry = Registry()  # one engine; requests in flight on it as the test sets them
+        self.seconds = 0.01  # each request's time
 
     def check(self, request) -> None:
         pass
@@ -51,7 +53,7 @@ class StubGateway:
         self.events.append(("start", system, user))
         self.running += 1
         self.most_running = max(self.most_running, self.running)
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(self.seconds)
         self.running -= 1
         self.events.append(("end", system, user))
         return Answer(msgspec.json.encode({"choices": [{"message": {"content": user}}]}), "e")
@@ -103,6 +105,37 @@ def test_fewer_lines_run_while_live_requests_do(tmp_path):
     gateway, batch = asyncio.run(run())
     assert batch.request_counts.completed == 8
     assert gateway.most_running == 1
+
+
+@pytest.mark.parametrize("quiet_s, most_running", [(60.0, 1), (0.0, 4)])
+def test_lines_stay_fewer_a_while_after_live_requests_end(tmp_path, quiet_s, most_running):
+    """A client's calls one after another leave gaps of milliseconds between live requests: for
+    batch_live_quiet_s after one was seen in flight, batch lines stay at batch_concurrency_beside_live (so the
+    next call does not find the engine full of them); with no quiet time they fill their seats at once."""
+
+    async def run():
+        gateway = StubGateway()
+        gateway.seconds = 0.2  # long enough for every waiting line to look again while one runs
+        original = gateway.create
+        live = [1]  # a live request in flight when the batch starts, which ends with the batch's first line
+
+        async def create(*args, **kwargs):
+            gateway.registry.record.in_flight += 1
+            try:
+                return await original(*args, **kwargs)
+            finally:
+                gateway.registry.record.in_flight -= 1 + (live.pop() if live else 0)
+
+        gateway.create = create
+        gateway.registry.record.in_flight = 1
+        storage = BatchStorage(MemoryStore())
+        config = FilesConfig(batch_concurrency=4, batch_live_quiet_s=quiet_s)
+        service = BatchService(gateway, storage, config)  # type: ignore[arg-type]
+        return gateway, await completed(service, storage, numbered_lines(6))
+
+    gateway, batch = asyncio.run(run())
+    assert batch.request_counts.completed == 6
+    assert gateway.most_running == most_running
 
 
 def numbered_lines(count: int) -> list[dict]:
