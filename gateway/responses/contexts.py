@@ -207,17 +207,26 @@ class ConversationContexts:
         if keep_for is not None and context_id is not None and finish_reason in ("stop", "length"):
             self._kept[keep_for] = Kept(target.pinned.engine_id, context_id, self._clock())
 
+    async def _start_fork(self, previous_id: str, chat: dict[str, Any], keep_for: str | None
+                          ) -> tuple[ForkTarget, str | None] | None:
+        """The engine and pinned context a turn forks (counted in flight from here), and the id its context is kept
+        under when the turn will be stored; None when the turn cannot fork."""
+        target = await self._fork_target(previous_id, chat)
+        if target is None:
+            return None
+        target.record.in_flight += 1
+        target.record.requests.add()
+        return target, None if keep_for is None else _new_context_id()
+
     async def fork(self, previous_id: str, chat: dict[str, Any], keep_for: str | None = None
                    ) -> tuple[bytes, str] | None:
         """The next turn run as a fork of the pinned conversation of ``previous_id``: a chat completion body
         and the engine's id; None when it cannot be: the turn then runs as usual. ``keep_for``: the id of the
         turn's response, when it will be stored: the fork's context is kept for its pin (``pin_later``)."""
-        target = await self._fork_target(previous_id, chat)
-        if target is None:
+        started = await self._start_fork(previous_id, chat, keep_for)
+        if started is None:
             return None
-        keep_as = None if keep_for is None else _new_context_id()
-        target.record.in_flight += 1
-        target.record.requests.add()
+        target, keep_as = started
         try:
             generation = await target.engine.generate_in_context(
                 target.pinned.context_id, target.sampling, fork_with=target.fork_with,
@@ -241,12 +250,10 @@ class ConversationContexts:
         """The next turn streamed as a fork of the pinned conversation of ``previous_id``: its chat chunks
         (the usage in the last) and the engine's id, once the engine's stream has started; None when it cannot
         be (the turn then streams as usual). ``keep_for``: as ``fork``'s."""
-        target = await self._fork_target(previous_id, chat)
-        if target is None:
+        started = await self._start_fork(previous_id, chat, keep_for)
+        if started is None:
             return None
-        keep_as = None if keep_for is None else _new_context_id()
-        target.record.in_flight += 1
-        target.record.requests.add()
+        target, keep_as = started
         generated = target.engine.stream_in_context(target.pinned.context_id, target.sampling,
                                                     fork_with=target.fork_with, context_text=target.pinned.prefix,
                                                     keep_as=keep_as)
