@@ -52,3 +52,14 @@ def test_the_timer_keeps_each_modules_seconds_per_marker_expression_and_not_for_
         assert (cache.get(cache_key(run), None) == {"a.py": 3.5, "b.py": 0.5}) is kept
     assert cache_key(config(cache, markexpr="not model")) != cache_key(config(cache))
 
+
+
+def test_a_run_without_the_cache_plugin_orders_by_marks_and_keeps_nothing():
+    """`-p no:cacheprovider` (CI's run) leaves the config without a `cache` attribute at all."""
+    run = SimpleNamespace(option=SimpleNamespace(markexpr="", keyword=""))
+    collected = items(("light.py::t", ()), ("engine.py::t", ("subprocess",)))
+    longest_first(run, collected)
+    assert collected[0].nodeid == "engine.py::t"
+    timer = ModuleTimer()
+    timer.pytest_runtest_logreport(SimpleNamespace(nodeid="light.py::t", duration=1.0))
+    timer.pytest_sessionfinish(SimpleNamespace(config=run))

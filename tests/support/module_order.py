@@ -19,6 +19,11 @@ UNTIMED_HEAVY_S = 30.0  # a guess that places an untimed heavy module among the 
 UNTIMED_TEST_S = 0.1
 
 
+def cache_of(config: pytest.Config):
+    """pytest's cache, or None: `-p no:cacheprovider` (as CI runs) leaves the config without the attribute."""
+    return getattr(config, "cache", None)
+
+
 def cache_key(config: pytest.Config) -> str:
     expression = config.option.markexpr or ""
     return "parrot/module_seconds/" + hashlib.sha1(expression.encode()).hexdigest()[:12]
@@ -30,7 +35,8 @@ def module_of(nodeid: str) -> str:
 
 def longest_first(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Sorts ``items`` in place: whole modules, longest first; the tests of a module keep their order."""
-    timed: dict[str, float] = config.cache.get(cache_key(config), {}) if config.cache else {}
+    cache = cache_of(config)
+    timed: dict[str, float] = cache.get(cache_key(config), {}) if cache is not None else {}
     guessed: dict[str, float] = defaultdict(float)
     for item in items:
         heavy = any(item.get_closest_marker(mark) for mark in HEAVY_MARKS)
@@ -52,7 +58,8 @@ class ModuleTimer:
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         config = session.config
-        if config.cache is None or config.option.keyword or not self.seconds:
+        cache = cache_of(config)
+        if cache is None or config.option.keyword or not self.seconds:
             return
-        kept = config.cache.get(cache_key(config), {})
-        config.cache.set(cache_key(config), kept | {module: round(s, 2) for module, s in self.seconds.items()})
+        kept = cache.get(cache_key(config), {})
+        cache.set(cache_key(config), kept | {module: round(s, 2) for module, s in self.seconds.items()})
