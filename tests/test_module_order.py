@@ -63,3 +63,26 @@ def test_a_run_without_the_cache_plugin_orders_by_marks_and_keeps_nothing():
     timer = ModuleTimer()
     timer.pytest_runtest_logreport(SimpleNamespace(nodeid="light.py::t", duration=1.0))
     timer.pytest_sessionfinish(SimpleNamespace(config=run))
+
+
+def test_without_kept_seconds_the_committed_file_orders_the_modules(tmp_path, monkeypatch):
+    from tests.support import module_order
+
+    run = SimpleNamespace(option=SimpleNamespace(markexpr="", keyword=""))
+    committed = tmp_path / "module_seconds.json"
+    committed.write_text('{"%s": {"a.py": 2.0, "b.py": 40.0}}' % cache_key(run))
+    monkeypatch.setattr(module_order, "MODULE_SECONDS", committed)
+    collected = items(("a.py::t", ("subprocess",)), ("b.py::t", ()))
+    longest_first(run, collected)
+    assert [item.nodeid for item in collected] == ["b.py::t", "a.py::t"]
+
+
+def test_the_committed_file_is_what_a_save_writes(tmp_path, monkeypatch):
+    from tests.support import module_order
+
+    kept = tmp_path / "v" / "parrot" / "module_seconds"
+    kept.mkdir(parents=True)
+    (kept / "abc").write_text('{"a.py": 1.5}')
+    monkeypatch.setattr(module_order, "MODULE_SECONDS", tmp_path / "module_seconds.json")
+    module_order.save_committed(tmp_path)
+    assert module_order.committed_seconds() == {"parrot/module_seconds/abc": {"a.py": 1.5}}

@@ -4,19 +4,24 @@
 number of tests, on unless `--no-loadscope-reorder`) put the one-test modules that take minutes (a compile, a 16k
 prefill) last, so one worker ran them alone while the other idled. Longest first (the LPT rule) leaves the short
 modules to even the workers out at the end. The seconds come from pytest's cache (.pytest_cache, per marker
-expression, written by the controlling process at the end of a run without -k); a module never timed, as on a fresh
-clone, is placed by its marks: those that load models or start processes before those that do not."""
+expression, written by the controlling process at the end of a run without -k); where the cache has none (a fresh
+clone, or CI's `-p no:cacheprovider`), from the committed MODULE_SECONDS file, which
+`python -m tests.support.module_order` refreshes from this checkout's cache. A module timed in neither is placed by
+its marks: those that load models or start processes before those that do not."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 
 HEAVY_MARKS = ("model", "subprocess", "browser", "slow")
 UNTIMED_HEAVY_S = 30.0  # a guess that places an untimed heavy module among the timed heavy ones
 UNTIMED_TEST_S = 0.1
+MODULE_SECONDS = Path(__file__).with_name("module_seconds.json")  # {cache key: {module: seconds}}
 
 
 def cache_of(config: pytest.Config):
@@ -33,10 +38,20 @@ def module_of(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
+def committed_seconds() -> dict[str, dict[str, float]]:
+    return json.loads(MODULE_SECONDS.read_text()) if MODULE_SECONDS.exists() else {}
+
+
+def timed_seconds(config: pytest.Config) -> dict[str, float]:
+    """Each module's seconds in the last run here of this marker expression, else in the committed file's."""
+    cache = cache_of(config)
+    kept = cache.get(cache_key(config), {}) if cache is not None else {}
+    return kept or committed_seconds().get(cache_key(config), {})
+
+
 def longest_first(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Sorts ``items`` in place: whole modules, longest first; the tests of a module keep their order."""
-    cache = cache_of(config)
-    timed: dict[str, float] = cache.get(cache_key(config), {}) if cache is not None else {}
+    timed = timed_seconds(config)
     guessed: dict[str, float] = defaultdict(float)
     for item in items:
         heavy = any(item.get_closest_marker(mark) for mark in HEAVY_MARKS)
@@ -63,3 +78,14 @@ class ModuleTimer:
             return
         kept = cache.get(cache_key(config), {})
         cache.set(cache_key(config), kept | {module: round(s, 2) for module, s in self.seconds.items()})
+
+
+def save_committed(cache_dir: Path = Path(".pytest_cache")) -> None:
+    """Copies this checkout's kept module seconds (every marker expression) into the committed file."""
+    kept_dir = cache_dir / "v" / "parrot" / "module_seconds"
+    seconds = {f"parrot/module_seconds/{path.name}": json.loads(path.read_text()) for path in sorted(kept_dir.iterdir())}
+    MODULE_SECONDS.write_text(json.dumps(seconds, indent=1, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    save_committed()
