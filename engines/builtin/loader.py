@@ -16,10 +16,13 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+import contextlib
 import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Iterator
+from unittest import mock
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -28,7 +31,7 @@ from tqdm import tqdm
 from engines.builtin.config import default_model_path
 from engines.builtin.errors import UnsupportedArchitecture
 from engines.builtin.families import checkpoint_refusal
-from engines.builtin.model import CausalLM, RotaryEmbedding
+from engines.builtin.model import CausalLM
 
 log = logging.getLogger(__name__)
 
@@ -224,15 +227,29 @@ def stacked_experts(hf_state: dict[str, torch.Tensor], name: str) -> torch.Tenso
     return torch.stack(stacked)
 
 
+# The initialisers torch's modules call in their constructors (Linear, Embedding), which meta tensors make pointless.
+WEIGHT_INITS = ("normal_", "uniform_", "kaiming_uniform_", "zeros_", "ones_")
+
+
+@contextlib.contextmanager
+def no_weight_init() -> Iterator[None]:
+    """Modules built without their random initialisation, as transformers' `no_init_weights` does: the checkpoint's
+    tensors replace them (``assign=True``), so their own are left as allocated and never touched, hence never paged
+    in. Not on the meta device: there torch's ops go through torch._refs, whose first call imports dynamo and
+    inductor, about 2 s of an eager engine's start."""
+    with contextlib.ExitStack() as stack:
+        for name in WEIGHT_INITS:
+            stack.enter_context(mock.patch.object(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor))
+        yield
+
+
 def build_model(config, hf_state: dict[str, torch.Tensor], dtype: str, max_len: int) -> CausalLM:
-    with torch.device("meta"):
+    with no_weight_init():
         model = CausalLM(config, max_len)
     state = fuse_state_dict(hf_state, model)
     model.load_state_dict(state, strict=True, assign=True)
     if getattr(config, "tie_word_embeddings", False):
         model.lm_head.weight = model.model.embed_tokens.weight
-    # The rope table is computed, not loaded: build it for real after the meta construction.
-    model.model.rotary = RotaryEmbedding(config, max_len)
     model.to(DTYPES[dtype])
     model.eval()
     log.info("built %s model (%.1fM parameters)", dtype, sum(p.numel() for p in model.parameters()) / 1e6)
