@@ -18,7 +18,6 @@ from typing import Sequence
 import httpx
 
 from benchmarks.gateway_overhead import free_port
-from engines.builtin.loader import ModelSource, cached_source
 
 
 # Idle seconds before each timed run of a side-by-side benchmark: a server's threads may still spin on
@@ -31,6 +30,8 @@ class LaunchedVLLM:
     def __init__(self, python: str, dtype: str, log_path: Path, *, model: str | None = None, threads: int = 2,
                  ready_timeout_s: float = 900, extra_args: Sequence[str] = ()):
         """``extra_args``: more of vLLM's flags (``--scheduling-policy priority``, a tool parser)."""
+        from engines.builtin.loader import ModelSource, cached_source  # here: the loader imports torch
+
         self.model = cached_source(ModelSource(model)).directory  # vLLM names the model by this path
         port = free_port()
         self.url = f"http://127.0.0.1:{port}/v1"
