@@ -45,6 +45,9 @@ test test-fast: export PYTHONDONTWRITEBYTECODE :=
 test: install chromium redis
 	$(PY) -m pytest $(XDIST) --ignore=$(LANGCHAIN_STANDARD) $(PYTEST_ARGS)
 
+# The fuzz test's examples per operation (tests/gateway/test_fuzz.py): most of its time is drawing them.
+FAST_FUZZ_EXAMPLES ?= 8
+test-fast: export PARROT_FUZZ_EXAMPLES := $(FAST_FUZZ_EXAMPLES)
 test-fast: install
 	$(PY) -m pytest $(FAST_XDIST) -m "$(FAST_TESTS)" $(PYTEST_ARGS)
 

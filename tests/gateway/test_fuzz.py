@@ -7,6 +7,8 @@ status and content type, and its body must match the documented schema: a spec t
 
 from __future__ import annotations
 
+import os
+
 import schemathesis
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
@@ -23,9 +25,12 @@ from tests.support.gateways import gateway_config
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 
-# Few examples per operation: the whole module must stay well under a minute on a 2-core box.
+# Examples per operation: generating them (hypothesis drawing bodies from the document's schemas) is most of this
+# module's time, not the requests. `make test` draws 30; `make test-fast` fewer (PARROT_FUZZ_EXAMPLES), as
+# hypothesis' own settings profiles do for a quick loop against a thorough CI run.
+EXAMPLES = int(os.environ.get("PARROT_FUZZ_EXAMPLES", "30"))
 CONFIG = schemathesis.Config.from_dict({
-    "generation": {"max-examples": 30, "database": "none", "mode": "all"},
+    "generation": {"max-examples": EXAMPLES, "database": "none", "mode": "all"},
     "phases": {"coverage": {"enabled": False}, "stateful": {"enabled": False}},
     "request-timeout": 20,
 })
