@@ -16,7 +16,7 @@ from tests.support import fake_upstream
 from tests.support.markers import MARKS_OF_FIXTURES, marks_users
 from tests.support.models import SMOLLM, tiny_llama_config
 from tests.support.module_marks import deselects_whole_module
-from tests.support.module_order import ModuleTimer, longest_first
+from tests.support.module_order import CpuMeter, ModuleTimer, longest_first
 from tests.support.servers import free_port, serve_in_thread
 from tests.support.waiting import wait_until
 
@@ -61,6 +61,7 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(CpuMeter(), "parrot-cpu-meter")
     if not hasattr(config, "workerinput"):  # the controlling process sees every worker's reports
         config.pluginmanager.register(ModuleTimer(), "parrot-module-timer")
 

@@ -47,7 +47,7 @@ def test_the_timer_keeps_each_modules_seconds_per_marker_expression_and_not_for_
     for run, kept in ((config(cache, keyword="one"), False), (config(cache, markexpr="not model"), True)):
         timer = ModuleTimer()
         for nodeid, seconds in (("a.py::one", 1.5), ("a.py::two", 2.0), ("b.py::one", 0.5)):
-            timer.pytest_runtest_logreport(SimpleNamespace(nodeid=nodeid, duration=seconds))
+            timer.pytest_runtest_logreport(SimpleNamespace(nodeid=nodeid, duration=seconds, user_properties=[]))
         timer.pytest_sessionfinish(SimpleNamespace(config=run))
         assert (cache.get(cache_key(run), None) == {"a.py": 3.5, "b.py": 0.5}) is kept
     assert cache_key(config(cache, markexpr="not model")) != cache_key(config(cache))
@@ -61,7 +61,7 @@ def test_a_run_without_the_cache_plugin_orders_by_marks_and_keeps_nothing():
     longest_first(run, collected)
     assert collected[0].nodeid == "engine.py::t"
     timer = ModuleTimer()
-    timer.pytest_runtest_logreport(SimpleNamespace(nodeid="light.py::t", duration=1.0))
+    timer.pytest_runtest_logreport(SimpleNamespace(nodeid="light.py::t", duration=1.0, user_properties=[]))
     timer.pytest_sessionfinish(SimpleNamespace(config=run))
 
 
@@ -86,3 +86,37 @@ def test_the_committed_file_is_what_a_save_writes(tmp_path, monkeypatch):
     monkeypatch.setattr(module_order, "MODULE_SECONDS", tmp_path / "module_seconds.json")
     module_order.save_committed(tmp_path)
     assert module_order.committed_seconds() == {"parrot/module_seconds/abc": {"a.py": 1.5}}
+
+
+def test_each_phase_reports_the_cpu_its_process_and_reaped_children_spent_and_modules_sum_it():
+    """A child process run and waited for inside a test counts towards that test's module."""
+    import subprocess
+    import sys
+
+    from tests.support.module_order import CpuMeter
+
+    meter, item, phases = CpuMeter(), SimpleNamespace(), []
+
+    class Outcome:
+        def __init__(self):
+            self.report = SimpleNamespace(user_properties=[])
+
+        def get_result(self):
+            return self.report
+
+    meter.pytest_runtest_setup(item)
+    for work in (lambda: None, lambda: subprocess.run([sys.executable, "-c", "sum(range(3_000_000))"], check=True)):
+        work()
+        wrapper, outcome = meter.pytest_runtest_makereport(item, None), Outcome()
+        next(wrapper)
+        try:
+            wrapper.send(outcome)
+        except StopIteration:
+            pass
+        phases.append(dict(outcome.report.user_properties)["cpu_s"])
+    assert phases[1] > 0.05 and phases[1] > phases[0]
+
+    timer = ModuleTimer()
+    for cpu in phases:
+        timer.pytest_runtest_logreport(SimpleNamespace(nodeid="a.py::t", duration=0.1, user_properties=[("cpu_s", cpu)]))
+    assert timer.cpu["a.py"] == sum(phases)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import resource
 from collections import defaultdict
 from pathlib import Path
 
@@ -61,15 +62,53 @@ def longest_first(config: pytest.Config, items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: (-seconds[module_of(item.nodeid)], position[module_of(item.nodeid)]))
 
 
+def cpu_seconds() -> float:
+    """This process's CPU time and that of the children it has waited for (the engine and gateway processes a
+    fixture started and stopped)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+class CpuMeter:
+    """Registered in every process that runs tests: each report carries the CPU seconds its phase took, so that
+    the suite's cost can be read per module (the suite is CPU-bound on two cores: wall seconds hide who pays)."""
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        started = getattr(item, "_parrot_cpu_mark", None)
+        outcome = yield
+        now = cpu_seconds()
+        if started is not None:
+            outcome.get_result().user_properties.append(("cpu_s", now - started))
+        item._parrot_cpu_mark = now
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item):
+        item._parrot_cpu_mark = cpu_seconds()
+
+
 class ModuleTimer:
     """Registered in the controlling process (or a run without xdist): sums each module's setup, call and
-    teardown seconds from the reports and keeps them in the cache at the end of a run without -k."""
+    teardown seconds from the reports and keeps them in the cache at the end of a run without -k; lists the
+    modules that took the most CPU at the end of the run."""
+
+    SHOWN = 12
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        self.cpu: dict[str, float] = defaultdict(float)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.seconds[module_of(report.nodeid)] += report.duration
+        self.cpu[module_of(report.nodeid)] += sum(value for name, value in report.user_properties if name == "cpu_s")
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if not self.cpu or not any(self.cpu.values()):
+            return
+        terminalreporter.write_sep("-", f"CPU seconds (with their processes) of the {self.SHOWN} costliest modules")
+        for module, cpu in sorted(self.cpu.items(), key=lambda kv: -kv[1])[:self.SHOWN]:
+            terminalreporter.write_line(f"{cpu:8.1f} cpu s {self.seconds[module]:8.1f} s  {module}")
+        terminalreporter.write_line(f"{sum(self.cpu.values()):8.1f} cpu s in all")
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         config = session.config
