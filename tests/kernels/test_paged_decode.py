@@ -3,14 +3,17 @@ import torch
 
 from kernels import reference
 from kernels.paged_decode import choose_num_splits, paged_decode
-from tests.triton_mode import TRITON_MARKS
+from tests.triton_mode import TRITON_MARKS, pairwise
 
 pytestmark = TRITON_MARKS
 
 RAGGED = [1, 37, 100, 0, 64, 16, 129]  # one token, mid-block, block edges, an empty (padding) row
 
 
-@pytest.mark.parametrize("num_splits", [1, 3, None], ids=["direct", "split3", "auto"])
+# Pairwise, not the product: each page size with each dtype, each with each split choice.
+@pairwise("block_size, dtype, num_splits", [(16, torch.float32, 1), (32, torch.bfloat16, 1), (16, torch.bfloat16, 3),
+                                            (32, torch.float32, 3), (32, torch.float32, None),
+                                            (16, torch.bfloat16, None)])
 def test_matches_reference(kv, tol, num_splits):
     lens = torch.tensor(RAGGED, dtype=torch.int32)
     tables = kv.block_tables(RAGGED)
@@ -24,10 +27,10 @@ def test_matches_reference(kv, tol, num_splits):
 
 
 # fp32 only: the window is which keys a row reads, the same in either dtype (bf16's arithmetic: test_matches_reference);
-# under Triton's interpreter each case takes seconds.
+# under Triton's interpreter each case takes seconds, so pairwise over page size, window and splits.
 @pytest.mark.parametrize("dtype", [torch.float32], ids=["fp32"])
-@pytest.mark.parametrize("window", [1, 20, 64], ids=["window1", "window20", "window64"])
-@pytest.mark.parametrize("num_splits", [1, 3], ids=["direct", "split3"])
+@pairwise("block_size, window, num_splits", [(16, 1, 1), (32, 1, 3), (32, 20, 1), (16, 20, 3), (16, 64, 1),
+                                             (32, 64, 3)])
 def test_sliding_window_matches_reference(kv, tol, window, num_splits):
     """Each query sees only its last `window` keys; splits wholly before the window stay empty."""
     lens = torch.tensor(RAGGED, dtype=torch.int32)

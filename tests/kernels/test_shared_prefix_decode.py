@@ -4,7 +4,7 @@ import torch
 from kernels import reference
 from kernels.paged_decode import paged_decode
 from kernels.shared_prefix_decode import group_by_prefix, shared_prefix_decode
-from tests.triton_mode import TRITON_MARKS
+from tests.triton_mode import TRITON_MARKS, pairwise
 
 pytestmark = TRITON_MARKS
 
@@ -13,7 +13,10 @@ PREFIX_IDS = [0, 2, -1, 0, 1, 2, 0, 2, -1]  # several sequences per prefix, two 
 SUFFIX_LENS = [3, 0, 40, 1, 17, 64, 9, 2, 0]  # the last one has neither prefix nor suffix
 
 
-@pytest.mark.parametrize("splits", [(1, 1), (3, 2), (None, None)], ids=["unsplit", "split3+2", "auto"])
+# Pairwise, not the product: each page size with each dtype, each with each split choice.
+@pairwise("block_size, dtype, splits", [(16, torch.float32, (1, 1)), (32, torch.bfloat16, (1, 1)),
+                                        (16, torch.bfloat16, (3, 2)), (32, torch.float32, (3, 2)),
+                                        (32, torch.float32, (None, None)), (16, torch.bfloat16, (None, None))])
 def test_matches_reference(kv, tol, splits):
     prefix_tables = kv.block_tables(PREFIX_LENS)
     suffix_tables = kv.block_tables(SUFFIX_LENS)
