@@ -6,8 +6,9 @@ never imports it.
     python tests/engines/builtin/compiled_engine_run.py < request.json
 
 Request: {"model": DIR, "dtype": ..., "max_tokens": N, "batches": [[prompt, ...], ...]}, optionally
-"quantization", "max_num_batched_tokens" and "then_model" (another model, compiled in the same process after the first, given
-the same batches). Prints JSON: the greedy tokens of each batch (run in turn), the graphs compiled
+"quantization", "max_num_batched_tokens", "then_model" (another model, compiled in the same process after the first, given
+the same batches) and "then_quantized" ({"quantization": ..., "batches": ...}: the first model again, quantized, compiled
+last in the same process, which spares the suite a process that imports inductor). Prints JSON: the greedy tokens of each batch (run in turn), the graphs compiled
 when the engine was ready and after the batches, how many times dynamo traced the forward by then (each attempt's
 count: "compile_attempt_1" counts the traces it restarted), the classes of the runner's last_hidden and of the head, how many
 steps took their tokens from the greedy head's screen,
@@ -52,6 +53,14 @@ def main() -> None:
         engine = _started(request["then_model"], request)
         try:
             result["then_outputs"] = [engine.generate_batch(prompts, params) for prompts in request["batches"]]
+        finally:
+            engine.shutdown()
+    if request.get("then_quantized"):
+        quantized = request["then_quantized"]
+        engine = _started(request["model"], {"dtype": request["dtype"], **quantized})  # the default token budget, as the eager engine it is held to
+        try:
+            result["quantized"] = {"head": type(engine.runner.model.lm_head).__name__,
+                                   "outputs": [engine.generate_batch(prompts, params) for prompts in quantized["batches"]]}
         finally:
             engine.shutdown()
     print(json.dumps(result))

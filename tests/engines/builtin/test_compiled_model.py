@@ -33,13 +33,25 @@ def fp32_batches() -> list[list[list[int]]]:
     return [mixed_prompts()[2:3], mixed_prompts(), mixed_prompts()[1:2], [[7, 8], [9, 10, 11], [12]]]
 
 
+def quantized_batches() -> list[list[list[int]]]:
+    return [mixed_prompts(), mixed_prompts()[2:3]]
+
+
+# int4, the default model's own scheme. int8's linears are GroupedLinear too, which the graph calls the same way
+# (linear_q8 for linear_q4), and eager int8 is held to fp32 in test_core_quantization: a second compile (~30 s of
+# the suite) is left out.
+QUANTIZED_SCHEME = "int4"
+
+
 @pytest.fixture(scope="module")
 def compiled_fp32(run_compiled, tiny_model_dir, smollm2_tokenizer_dir, tmp_path_factory) -> dict:
-    """One compiling process for the fp32 tests (a compile is most of a minute here): the tiny model's batches,
-    then another model's (other weights, same architecture) compiled after it in the same process."""
+    """One compiling process for this module (a compile is most of a minute here, and each process imports
+    inductor): the tiny model's batches, then another model's (other weights, same architecture), then the tiny
+    model quantized, each compiled after the one before in the same process."""
     other_dir = other_tiny_model(smollm2_tokenizer_dir, tmp_path_factory.mktemp("other-tiny-llama"))
     compiled = run_compiled(tiny_model_dir, "float32", fp32_batches(), max_num_batched_tokens=BUDGET,
-                            then_model=str(other_dir))
+                            then_model=str(other_dir),
+                            then_quantized={"quantization": QUANTIZED_SCHEME, "batches": quantized_batches()})
     return compiled | {"other_dir": other_dir}
 
 
@@ -73,13 +85,8 @@ def test_compiled_fp32_gives_the_eager_tokens_and_compiles_only_at_start(compile
 TIE_NATS = 0.5
 
 
-# int4, the default model's own scheme. int8's linears are GroupedLinear too, which the graph calls the same way
-# (linear_q8 for linear_q4), and eager int8 is held to fp32 in test_core_quantization: a second compile (~30 s of
-# the suite) is left out.
-@pytest.mark.parametrize("scheme", ["int4"])
-def test_compiled_quantized_model_follows_the_eager_tokens_up_to_rounding_ties(run_compiled, make_engine, tiny_model_dir, scheme):
-    batches = [mixed_prompts(), mixed_prompts()[2:3]]
-    compiled = run_compiled(tiny_model_dir, "float32", batches, quantization=scheme)
+def test_compiled_quantized_model_follows_the_eager_tokens_up_to_rounding_ties(compiled_fp32, make_engine):
+    batches, compiled, scheme = quantized_batches(), compiled_fp32["quantized"], QUANTIZED_SCHEME
     assert compiled["head"] == ("Int8Linear" if quantization.native_grouped() else "FbgemmInt8Linear")  # runs eagerly
     eager = make_engine(quantization=scheme)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
