@@ -10,7 +10,8 @@ from typing import Any, AsyncIterator, Callable, NamedTuple, Sequence
 import httpx
 import msgspec
 
-from engines.seam import Engine, EngineError, HintedEngine, PrioritizedEngine, ResponsesEngine, ResponsesRoute, Route
+from engines.seam import (EmbeddingEngine, Engine, EngineError, HintedEngine, PrioritizedEngine, ResponsesEngine,
+                          ResponsesRoute, Route)
 from engines.seam.connect import connect, has_capability
 from wire.openai import COMPLETIONS_DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest, prompt_count, served_tier
 from wire.sse import SSE_DONE, sse_event
@@ -456,5 +457,6 @@ def _speaks_responses(record: EngineRecord) -> bool:
 
 
 def _embeds(record: EngineRecord) -> bool:
-    """Whether the engine serves an embedding model (an upstream configured with ``embeddings = true``)."""
-    return getattr(record.engine, "embeds", False)
+    """Whether the engine serves an embedding model (an upstream configured with ``embeddings = true``): the
+    capability is its class's, whether it embeds each instance's."""
+    return has_capability(record.engine, EmbeddingEngine) and record.engine.embeds
