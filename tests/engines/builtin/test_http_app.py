@@ -407,6 +407,35 @@ def test_a_kept_fork_trimmed_to_the_next_prompt_is_what_the_next_fork_follows(ht
     _error(http.post("/v1/contexts/nope/trim", json={"text": "hi"}), 404)
 
 
+def test_a_fork_with_trim_trims_a_kept_context_to_its_text_and_follows_it(http):
+    """The next turn's fork of a kept context with ``trim``: the context is trimmed to the common prefix of its tokens
+    and the fork's context_text (as /trim would) and followed, in one call; the answer is a fresh context's (greedy)."""
+    baseline = settled_stats(http)["blocks_free"]
+    system = ("You are a geography expert. Answer in one short sentence. " * 3).rstrip()
+    question = "\nQ: What is the capital of France?\nA:"
+    context_id, kept_id, fresh_id = (f"{name}-{os.urandom(8).hex()}" for name in ("prefix", "kept", "fresh"))
+    first = http.post(f"/v1/contexts/{context_id}/generate", json={
+        **GREEDY, "fork": True, "text": question, "context_text": system, "keep_as": kept_id}).json()
+    prompt_tokens = first["context_tokens"] + first["usage"]["prompt_tokens"]
+    next_text = system + question + first["text"].rstrip() + " <end>\n"
+    follow_up = {**GREEDY, "fork": True, "text": "Q: And of Italy?\nA:", "context_text": next_text}
+    untrimmed = http.post(f"/v1/contexts/{kept_id}/generate", json=follow_up).json()
+    assert untrimmed["context_tokens"] == 0  # without trim: the kept context holds other tokens, not followed
+    forked = http.post(f"/v1/contexts/{kept_id}/generate", json={**follow_up, "trim": True}).json()
+    fresh = http.post(f"/v1/contexts/{fresh_id}/generate", json=follow_up).json()
+    assert forked["token_ids"] == fresh["token_ids"] == untrimmed["token_ids"]
+    assert prompt_tokens < forked["context_tokens"] < prompt_tokens + len(first["token_ids"])  # followed
+    assert (forked["context_tokens"] + forked["usage"]["prompt_tokens"]
+            == fresh["context_tokens"] + fresh["usage"]["prompt_tokens"])  # the same prompt
+    again = http.post(f"/v1/contexts/{kept_id}/generate", json={**follow_up, "trim": True}).json()
+    assert again["context_tokens"] == forked["context_tokens"] and again["token_ids"] == forked["token_ids"]
+    assert _error(http.post(f"/v1/contexts/{kept_id}/generate", json={**GREEDY, "fork": True, "text": "Q:",
+                                                                     "trim": True}), 400)["param"] == "trim"
+    for name in (context_id, kept_id, fresh_id):
+        http.delete(f"/v1/contexts/{name}")
+    assert settled_stats(http)["blocks_free"] == baseline
+
+
 def test_unknown_context_is_a_404(http):
     assert _error(http.post("/v1/contexts/nope/generate", json={"max_tokens": 2}), 404)["code"] == "context_not_found"
     _error(http.post("/v1/contexts/nope/generate", json={"max_tokens": 2, "stream": True}), 404)
