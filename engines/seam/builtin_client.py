@@ -79,16 +79,17 @@ class BuiltinEngineClient(UpstreamEngine):
 
     async def generate_in_context(self, context_id: str, sampling: dict[str, Any], *,
                                   fork_with: str | list[ForkPart] | None = None, context_text: str | None = None,
-                                  output_id: str | None = None, keep_as: str | None = None) -> Generation:
-        body = _generate_body(sampling, False, fork_with, context_text, output_id, keep_as)
+                                  output_id: str | None = None, keep_as: str | None = None,
+                                  trim: bool = False) -> Generation:
+        body = _generate_body(sampling, False, fork_with, context_text, output_id, keep_as, trim)
         return msgspec.json.decode(await self._call("POST", f"contexts/{context_id}/generate", body),
                                    type=Generation)
 
     async def stream_in_context(self, context_id: str, sampling: dict[str, Any], *,
                                 fork_with: str | list[ForkPart] | None = None, context_text: str | None = None,
-                                output_id: str | None = None, keep_as: str | None = None
+                                output_id: str | None = None, keep_as: str | None = None, trim: bool = False
                                 ) -> AsyncIterator[GenerationChunk]:
-        body = msgspec.json.encode(_generate_body(sampling, True, fork_with, context_text, output_id, keep_as))
+        body = msgspec.json.encode(_generate_body(sampling, True, fork_with, context_text, output_id, keep_as, trim))
         path = f"contexts/{context_id}/generate"
         with translate_errors(self.name):
             async with self._client.stream("POST", f"{self.base_url}/{path}", content=body,
@@ -113,7 +114,8 @@ class BuiltinEngineClient(UpstreamEngine):
 
 
 def _generate_body(sampling: dict[str, Any], stream: bool, fork_with: str | list[ForkPart] | None,
-                   context_text: str | None, output_id: str | None, keep_as: str | None = None) -> dict[str, Any]:
+                   context_text: str | None, output_id: str | None, keep_as: str | None = None,
+                   trim: bool = False) -> dict[str, Any]:
     body = {**sampling, "stream": stream}
     if output_id is not None:
         body["output_id"] = output_id
@@ -123,6 +125,8 @@ def _generate_body(sampling: dict[str, Any], stream: bool, fork_with: str | list
             body["context_text"] = context_text
         if keep_as is not None:
             body["keep_as"] = keep_as
+        if trim and context_text is not None:
+            body["trim"] = True
     return body
 
 

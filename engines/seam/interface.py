@@ -183,7 +183,8 @@ class ContextEngine(Engine, Protocol):
 
     async def generate_in_context(self, context_id: str, sampling: dict[str, Any], *,
                                   fork_with: str | list[ForkPart] | None = None, context_text: str | None = None,
-                                  output_id: str | None = None, keep_as: str | None = None) -> Generation:
+                                  output_id: str | None = None, keep_as: str | None = None,
+                                  trim: bool = False) -> Generation:
         """Generates after the context (appending to it), or with ``fork_with``: after the context plus that
         text, in a temporary child the engine frees itself. ``context_text`` (with ``fork_with``): the
         context's text, to create it from if it does not exist yet; the prompt is then exactly the
@@ -191,12 +192,15 @@ class ContextEngine(Engine, Protocol):
         generations' outputs (``output_id``), which the engine puts in as their text once produced
         (EngineRejected, status 424, if one is not: its generation failed). ``keep_as`` (with ``fork_with``): the
         child is not freed once its generation finishes (stop or length) but kept under that id, holding the
-        prompt and the output (``trim_context`` then makes it the start of a next prompt); a failed one is freed."""
+        prompt and the output (``trim_context`` then makes it the start of a next prompt); a failed one is freed.
+        ``trim`` (with ``context_text``): a context holding other tokens than that text's first ones is trimmed to
+        their common prefix first (``trim_context`` and the fork in one call), which the fork then follows."""
         ...
 
     def stream_in_context(self, context_id: str, sampling: dict[str, Any], *,
                           fork_with: str | list[ForkPart] | None = None, context_text: str | None = None,
-                          output_id: str | None = None, keep_as: str | None = None) -> AsyncIterator[GenerationChunk]:
+                          output_id: str | None = None, keep_as: str | None = None,
+                          trim: bool = False) -> AsyncIterator[GenerationChunk]:
         """``generate_in_context``, its tokens yielded as they are generated. Closing it cancels the generation."""
         ...
 

@@ -7,10 +7,12 @@ context: the engine computes only the new message and what follows it. The promp
 (``split_prompt`` with the next message as a variable), and a fork is made only when the next turn's prompt
 starts with exactly the pinned text (same instructions, same conversation), so its answer is the unpinned
 path's. A turn run as such a fork keeps its own context on the engine (the conversation with its answer, as
-generated): its pin is that context trimmed to where the next prompt's tokens differ from it (the template may
-render the answer otherwise than it was generated, e.g. its end-of-turn token), so nothing is filled again and
-the next fork computes only what follows the common prefix. Pinned contexts are bounded (``[responses] max_pinned_contexts``, the least recently used freed first),
-freed after ``context_idle_ttl_s`` unused and when their response is deleted or forgotten by the store.
+generated): its pin is that context, which the next fork trims to where the next prompt's tokens differ from it
+(the template may render the answer otherwise than it was generated, e.g. its end-of-turn token) in the same
+engine call, so nothing is filled again, no round trip is added to the next turn's way, and that fork computes
+only what follows the common prefix. Pinned contexts are bounded (``[responses] max_pinned_contexts``, the least
+recently used freed first), freed after ``context_idle_ttl_s`` unused and when their response is deleted or
+forgotten by the store.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class Pinned(NamedTuple):
     engine_id: str
     context_id: str
     prefix: str  # the rendered conversation the context holds
+    trim: bool = False  # a kept turn's context: it may hold more than the prefix, which the next fork trims off
 
 
 class Kept(NamedTuple):
@@ -113,7 +116,7 @@ class ConversationContexts:
                   answer: list[dict[str, Any]]) -> None:
         """After a stored turn ran on ``engine_id``: pins its conversation (``chat``'s messages and the
         ``answer``'s) in a context there, in a task a next turn waits for: the turn's own context when it
-        was a fork that kept it (trimmed to the next prompt's start), else one filled with it."""
+        was a fork that kept it (the next fork trims it to the next prompt's start), else one filled with it."""
         kept = self._kept.pop(response_id, None)
         if kept is not None and kept.engine_id != engine_id:
             self._free_kept(kept)
@@ -136,10 +139,7 @@ class ConversationContexts:
             split = await engine.split_prompt("chat/completions", _probe(chat, [*chat["messages"], *answer]))
             if not split.prefix:
                 raise EngineError("no place to cut the conversation for its next turn")
-            if kept is not None:  # nothing computed: the next fork computes what follows the common prefix
-                if (await engine.trim_context(context_id, split.prefix)).num_tokens == 0:
-                    raise EngineError("the turn's context has nothing in common with its conversation")
-            else:
+            if kept is None:  # a kept one: nothing computed; the next fork trims it and computes what follows
                 await engine.fill(text=split.prefix, context_id=context_id)
         except asyncio.CancelledError:  # released meanwhile: whatever the engine holds for it is freed
             asyncio.get_running_loop().create_task(self._free(engine, context_id))
@@ -149,7 +149,7 @@ class ConversationContexts:
             if kept is not None:
                 self._free_kept(kept)
             return
-        self._pinned[response_id] = (Pinned(engine_id, context_id, split.prefix), self._clock())
+        self._pinned[response_id] = (Pinned(engine_id, context_id, split.prefix, trim=kept is not None), self._clock())
         while len(self._pinned) > self.config.max_pinned_contexts:
             oldest = next(iter(self._pinned))
             self.release(oldest)
@@ -230,7 +230,7 @@ class ConversationContexts:
         try:
             generation = await target.engine.generate_in_context(
                 target.pinned.context_id, target.sampling, fork_with=target.fork_with,
-                context_text=target.pinned.prefix, keep_as=keep_as)
+                context_text=target.pinned.prefix, keep_as=keep_as, trim=target.pinned.trim)
         except EngineError as exc:
             self._forked(previous_id, target, exc)
             return None
@@ -256,7 +256,7 @@ class ConversationContexts:
         target, keep_as = started
         generated = target.engine.stream_in_context(target.pinned.context_id, target.sampling,
                                                     fork_with=target.fork_with, context_text=target.pinned.prefix,
-                                                    keep_as=keep_as)
+                                                    keep_as=keep_as, trim=target.pinned.trim)
         try:
             first = await anext(generated)
         except (EngineError, StopAsyncIteration) as exc:

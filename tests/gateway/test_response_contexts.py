@@ -26,7 +26,7 @@ class StubContextEngine:
         self.filled: dict[str, str] = {}
         self.freed: list[str] = []
         self.forked: list[tuple[str, str]] = []
-        self.kept: dict[str, str] = {}  # context id -> the text it was trimmed to
+        self.kept: dict[str, str] = {}  # context id -> the text a fork trimmed it to
 
     async def create(self, route, body): raise AssertionError("not the plain path")
     def stream(self, route, body): raise AssertionError("not the plain path")
@@ -42,25 +42,29 @@ class StubContextEngine:
         self.filled[context_id] = text
 
     async def generate_in_context(self, context_id, sampling, *, fork_with=None, context_text=None, output_id=None,
-                                  keep_as=None):
-        self.forked.append((context_id, fork_with))
+                                  keep_as=None, trim=False):
+        self._forking(context_id, fork_with, context_text, trim)
         if keep_as is not None:
             self.kept[keep_as] = ""
         return Generation(text="answer", token_ids=[1], finish_reason="stop",
                           usage={"prompt_tokens": 3, "completion_tokens": 1}, context_tokens=10)
 
     async def stream_in_context(self, context_id, sampling, *, fork_with=None, context_text=None, output_id=None,
-                                keep_as=None):
-        self.forked.append((context_id, fork_with))
+                                keep_as=None, trim=False):
+        self._forking(context_id, fork_with, context_text, trim)
         if keep_as is not None:
             self.kept[keep_as] = ""
         yield GenerationChunk(text="ans", token_ids=[1])
         yield GenerationChunk(text="wer", token_ids=[2], finish_reason="stop",
                               usage={"prompt_tokens": 3, "completion_tokens": 2}, context_tokens=10)
 
+    def _forking(self, context_id, fork_with, context_text, trim):
+        self.forked.append((context_id, fork_with))
+        if trim:  # the engine trims the context to the text, then forks it
+            self.kept[context_id] = context_text
+
     async def trim_context(self, context_id: str, text: str) -> FillResult:
-        self.kept[context_id] = text
-        return FillResult(context_id, 7, 7)
+        raise AssertionError("a next turn's fork trims its pin itself: no round trip of its own")
 
     async def free_context(self, context_id: str) -> int:
         self.freed.append(context_id)
@@ -165,10 +169,11 @@ def test_a_forked_turn_is_pinned_as_its_own_context_trimmed_not_filled_again():
         [kept] = engine.kept
         contexts.pin_later("resp_2", record.id, NEXT_CHAT, NEXT_ANSWER)
         pinned = await contexts.pinned("resp_2")
-        assert pinned.context_id == kept and kept not in engine.filled  # trimmed, not filled
-        assert engine.kept[kept] == pinned.prefix == "<system>be brief</><user>q1</><assistant>a1</><user>q2</><assistant>answer</><user>"
+        assert pinned.context_id == kept and kept not in engine.filled and pinned.trim  # not filled again
+        assert pinned.prefix == "<system>be brief</><user>q1</><assistant>a1</><user>q2</><assistant>answer</><user>"
         await contexts.fork("resp_2", THIRD_CHAT)
         assert engine.forked[-1] == (kept, "q3</><assistant>")
+        assert engine.kept[kept] == pinned.prefix  # trimmed by the fork, to where the next prompt goes on
         # a kept context its response never pins (not stored after all, failed) is freed with it, or when idle
         chunks, _ = await contexts.fork_stream("resp_2", {**THIRD_CHAT, "stream": True}, keep_for="resp_3")
         [_ async for _ in chunks]

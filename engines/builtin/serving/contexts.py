@@ -58,6 +58,10 @@ class ContextGenerateRequest(SamplingWithHints, kw_only=True, omit_defaults=True
     # its prompt and output, instead of freed: how a gateway continues a conversation from where its turn ended
     # (then trimmed to the next prompt's start, ``trim``). An aborted or failed one is freed.
     keep_as: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    # With fork and context_text: a context that holds other tokens than its text's first ones (a kept generation,
+    # whose end the next prompt renders otherwise) is first trimmed to their common prefix, as ``trim`` does, and
+    # the fork follows it: one call where trim then fork took two round trips on the next turn's way.
+    trim: bool = False
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] = 0
     stream: bool = False
@@ -306,6 +310,8 @@ class ContextPrimitives(ModelServing):
             return Seam([], self.llm.context_length(context_id) or 0, None, healed=False)
         tokens = self.splicer.left_tokens(request.context_text)
         length = self.llm.holds_prefix(context_id, tokens)
+        if length == -1 and request.trim:
+            length = self.llm.trim_context(context_id, tokens)
         if length is None:
             return Seam(tokens, len(tokens), tokens, healed=True)
         # -1: the context holds other tokens than its text's first ones
@@ -324,6 +330,8 @@ class ContextPrimitives(ModelServing):
         for name in ("context_text", "keep_as"):
             if getattr(request, name) is not None and not request.fork:
                 raise EngineBadRequest(f"'{name}' needs 'fork': true", name)
+        if request.trim and not (request.fork and request.context_text):
+            raise EngineBadRequest("'trim' needs 'fork': true and a 'context_text' to trim the context to", "trim")
         for i, part in enumerate(request.parts or ()):
             if (part.text is None) == (part.output_of is None):
                 raise EngineBadRequest("each part is one of 'text' and 'output_of'", f"parts.{i}")

@@ -4,7 +4,7 @@ copy-on-write fork, LRU eviction, a failed step's blocks unpublished."""
 from __future__ import annotations
 
 from engines.builtin.block_manager import BlockManager
-from engines.builtin.context import Context
+from engines.builtin.context import Context, Status
 
 SIZE = 4
 
@@ -98,6 +98,25 @@ def test_fork_shares_full_blocks_and_copies_the_partial_one():
     manager.release(parent)
     assert all(manager.blocks[b].ref_count == 1 for b in child.block_table)
     assert manager.num_free_blocks == 8 - 3
+
+
+def test_a_fork_of_an_idle_parent_with_a_pending_last_token_copies_its_computed_rows():
+    """A finished generation's context holds its last token uncomputed (never fed back): a fork of it copies the
+    computed rows of its partial block and computes the rest, rather than recomputing the block; a fork of a parent
+    still filling starts at its last full block (it matches the parent's next blocks as they are scheduled)."""
+    copies = []
+    manager = BlockManager(8, SIZE, copy_rows=lambda src, dst, n: copies.append((src, dst, n)))
+    parent = computed(manager, list(range(10)))
+    parent.token_ids.append(10)  # generated, not computed
+    child = Context("child", parent.token_ids)
+    manager.fork(parent, child)
+    assert copies == [(parent.block_table[2], child.block_table[2], 2)]
+    assert child.num_computed_tokens == 10 and child.num_pending_tokens == 1
+    parent.status = Status.WAITING  # a fill queued on it
+    filling_child = Context("filling", parent.token_ids)
+    manager.fork(parent, filling_child)
+    assert filling_child.block_table == parent.block_table[:2] and filling_child.num_computed_tokens == 8
+    assert len(copies) == 1
 
 
 def test_a_forks_own_tokens_find_cached_blocks_past_the_copied_rows():

@@ -10,6 +10,7 @@ import asyncio
 import json
 import os
 import threading
+from typing import NamedTuple
 
 import httpx
 import openai
@@ -377,34 +378,75 @@ def test_an_if_absent_fill_creates_once_and_needs_a_context_id(http):
     assert http.get("/v1/stats").json()["blocks_free"] == baseline
 
 
-def test_a_kept_fork_trimmed_to_the_next_prompt_is_what_the_next_fork_follows(http):
-    """A conversation's turn forked with keep_as keeps its context (prompt + output); trimmed to the next prompt's
-    start, rendered with an ending other than the generated one, it keeps only the common prefix; the next fork
-    follows it, computing only the rest, and answers as a fork of a context made from that text does (greedy)."""
-    baseline = settled_stats(http)["blocks_free"]
+class KeptTurn(NamedTuple):
+    """A conversation's first turn forked with keep_as, and its next turn's fork body."""
+
+    ids: tuple[str, str, str]  # the prefix's context, the kept one, a fresh one for the plain answer
+    first: dict
+    prompt_tokens: int  # the first turn's whole prompt
+    follow_up: dict  # the next turn's fork, its context_text the next prompt's start
+
+
+def _kept_turn(http) -> KeptTurn:
     system = ("You are a geography expert. Answer in one short sentence. " * 3).rstrip()
     question = "\nQ: What is the capital of France?\nA:"
     context_id, kept_id, fresh_id = (f"{name}-{os.urandom(8).hex()}" for name in ("prefix", "kept", "fresh"))
     first = http.post(f"/v1/contexts/{context_id}/generate", json={
         **GREEDY, "fork": True, "text": question, "context_text": system, "keep_as": kept_id}).json()
-    prompt_tokens = first["context_tokens"] + first["usage"]["prompt_tokens"]
     # The next prompt renders the answer, then its own turn markers where the generation went on otherwise.
     next_text = system + question + first["text"].rstrip() + " <end>\n"
-    trimmed = http.post(f"/v1/contexts/{kept_id}/trim", json={"text": next_text}).json()
-    assert prompt_tokens < trimmed["num_tokens"] < prompt_tokens + len(first["token_ids"])
     follow_up = {**GREEDY, "fork": True, "text": "Q: And of Italy?\nA:", "context_text": next_text}
-    forked = http.post(f"/v1/contexts/{kept_id}/generate", json=follow_up).json()
-    fresh = http.post(f"/v1/contexts/{fresh_id}/generate", json=follow_up).json()
+    return KeptTurn((context_id, kept_id, fresh_id), first, first["context_tokens"] + first["usage"]["prompt_tokens"],
+                    follow_up)
+
+
+def _same_prompt(forked: dict, fresh: dict) -> bool:
+    return (forked["context_tokens"] + forked["usage"]["prompt_tokens"]
+            == fresh["context_tokens"] + fresh["usage"]["prompt_tokens"])
+
+
+def test_a_kept_fork_trimmed_to_the_next_prompt_is_what_the_next_fork_follows(http):
+    """A conversation's turn forked with keep_as keeps its context (prompt + output); trimmed to the next prompt's
+    start, rendered with an ending other than the generated one, it keeps only the common prefix; the next fork
+    follows it, computing only the rest, and answers as a fork of a context made from that text does (greedy)."""
+    baseline = settled_stats(http)["blocks_free"]
+    turn = _kept_turn(http)
+    _, kept_id, fresh_id = turn.ids
+    trimmed = http.post(f"/v1/contexts/{kept_id}/trim", json={"text": turn.follow_up["context_text"]}).json()
+    assert turn.prompt_tokens < trimmed["num_tokens"] < turn.prompt_tokens + len(turn.first["token_ids"])
+    forked = http.post(f"/v1/contexts/{kept_id}/generate", json=turn.follow_up).json()
+    fresh = http.post(f"/v1/contexts/{fresh_id}/generate", json=turn.follow_up).json()
     assert forked["text"] == fresh["text"] and forked["token_ids"] == fresh["token_ids"]
     assert forked["context_tokens"] == trimmed["num_tokens"]  # followed, not recomputed
-    assert (forked["context_tokens"] + forked["usage"]["prompt_tokens"]
-            == fresh["context_tokens"] + fresh["usage"]["prompt_tokens"])  # the same prompt
+    assert _same_prompt(forked, fresh)
     assert _error(http.post(f"/v1/contexts/{kept_id}/generate", json={**GREEDY, "keep_as": "x"}),
                   400)["param"] == "keep_as"
-    for name in (context_id, kept_id, fresh_id):
+    for name in turn.ids:
         http.delete(f"/v1/contexts/{name}")
     assert settled_stats(http)["blocks_free"] == baseline
     _error(http.post("/v1/contexts/nope/trim", json={"text": "hi"}), 404)
+
+
+def test_a_fork_with_trim_trims_a_kept_context_to_its_text_and_follows_it(http):
+    """The next turn's fork of a kept context with ``trim``: the context is trimmed to the common prefix of its tokens
+    and the fork's context_text (as /trim would) and followed, in one call; the answer is a fresh context's (greedy)."""
+    baseline = settled_stats(http)["blocks_free"]
+    turn = _kept_turn(http)
+    _, kept_id, fresh_id = turn.ids
+    untrimmed = http.post(f"/v1/contexts/{kept_id}/generate", json=turn.follow_up).json()
+    assert untrimmed["context_tokens"] == 0  # without trim: the kept context holds other tokens, not followed
+    forked = http.post(f"/v1/contexts/{kept_id}/generate", json={**turn.follow_up, "trim": True}).json()
+    fresh = http.post(f"/v1/contexts/{fresh_id}/generate", json=turn.follow_up).json()
+    assert forked["token_ids"] == fresh["token_ids"] == untrimmed["token_ids"]
+    assert turn.prompt_tokens < forked["context_tokens"] < turn.prompt_tokens + len(turn.first["token_ids"])
+    assert _same_prompt(forked, fresh)
+    again = http.post(f"/v1/contexts/{kept_id}/generate", json={**turn.follow_up, "trim": True}).json()
+    assert again["context_tokens"] == forked["context_tokens"] and again["token_ids"] == forked["token_ids"]
+    assert _error(http.post(f"/v1/contexts/{kept_id}/generate", json={**GREEDY, "fork": True, "text": "Q:",
+                                                                     "trim": True}), 400)["param"] == "trim"
+    for name in turn.ids:
+        http.delete(f"/v1/contexts/{name}")
+    assert settled_stats(http)["blocks_free"] == baseline
 
 
 def test_unknown_context_is_a_404(http):
