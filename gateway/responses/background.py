@@ -97,6 +97,7 @@ class BackgroundRuns:
             stored.response, stored.input, stored.earlier = first.response, first.input, first.earlier
         await self.store.apply([("remove_fields", record_key(response_id), ["run", "r"]),
                                 ("remove_fields", INDEX, [response_id]), self.leases.release_op(lease_key(response_id))])
+        await self.responses.counted(owner, stored)
 
     async def stop_elsewhere(self, response_id: str) -> None:
         """Asks the replica running the response (if another) to stop it: cancelled, or deleted."""

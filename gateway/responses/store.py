@@ -4,6 +4,7 @@ one response's conversation by ``max_response_bytes`` (413), and by an idle TTL;
 keeps them (SQLite, Redis: gateway/state/), written through to it (``saved``) and read back from it (``fetch``):
 after a restart, or on another replica. Another key's response is not found, as one that never existed.
 
+Bounded per key in the state store too, by ``StateStore.keep`` (exactly across replicas), when there is one.
 Record: response:{id}  owner: its key's hash; r: the response, its input and the turns before it (ResponseRecord),
 with the responses' TTL; a background response's end is its ``end`` instead (published once: background.py)."""
 
@@ -36,6 +37,11 @@ _record = msgspec.json.Decoder(ResponseRecord).decode
 
 def record_key(response_id: str) -> str:
     return f"response:{response_id}"
+
+
+def kept_key(owner: str) -> str:
+    """The key's responses in the state store, counted against its bounds (``StateStore.keep``)."""
+    return f"responses:{owner}"
 
 
 class StoredResponse:
@@ -118,6 +124,20 @@ class ResponseStore:
             write = ("write", record_key(stored.response.id), {"owner": owner.encode(), "r": record, **(fields or {})},
                      self.config.ttl_s)
             await self.state.apply([*before, write, *after])
+            await self.counted(owner, stored)
+
+    async def counted(self, owner: str, stored: StoredResponse) -> None:
+        """``stored`` (written to the state store) counted in its key's bounds there, which every replica shares:
+        the key's oldest responses beyond them are deleted, here and in the store."""
+        assert self.state is not None
+        dropped = await self.state.keep(kept_key(owner), stored.response.id, stored.size, self.config.max_stored,
+                                        self.config.max_stored_bytes, self.config.ttl_s)
+        if dropped:
+            await self.state.remove([record_key(response_id) for response_id in dropped])
+            held = self._by_owner.get(owner, {})
+            for response_id in dropped:
+                if response_id in held:
+                    self._drop(owner, held[response_id])
 
     async def fetch(self, owner: str, response_id: str) -> StoredResponse:
         """``get``, from the state store when it is not held here; from a shared store also when it runs
@@ -142,6 +162,7 @@ class ResponseStore:
         self._drop(owner, stored)
         if self.state is not None:
             await self.state.remove([record_key(response_id)])
+            await self.state.forget(kept_key(owner), [response_id])
         return stored
 
     def get(self, owner: str, response_id: str) -> StoredResponse:

@@ -84,6 +84,50 @@ redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 """
 
+# KEYS[1]: the set's members by when each was last counted (a sorted set), KEYS[2]: their sizes (a hash, with the
+# total under ' total'). ARGV: member, size, max count, max bytes, TTL in seconds. -> the members dropped
+_KEEP = """
+local member, size, max_count, max_bytes, ttl = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]),
+  tonumber(ARGV[5])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local total = tonumber(redis.call('HGET', KEYS[2], ' total') or '0')
+local function out(m)
+  total = total - tonumber(redis.call('HGET', KEYS[2], m) or '0')
+  redis.call('ZREM', KEYS[1], m)
+  redis.call('HDEL', KEYS[2], m)
+end
+for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', string.format('%.6f', now - ttl))) do out(m) end
+out(member)
+redis.call('ZADD', KEYS[1], string.format('%.6f', now), member)
+redis.call('HSET', KEYS[2], member, size)
+total = total + size
+local dropped = {}
+while redis.call('ZCARD', KEYS[1]) > max_count or total > max_bytes do
+  local oldest = redis.call('ZRANGE', KEYS[1], 0, 0)[1]
+  if oldest == member then break end
+  out(oldest)
+  table.insert(dropped, oldest)
+end
+redis.call('HSET', KEYS[2], ' total', total)
+redis.call('EXPIRE', KEYS[1], math.ceil(ttl) + 1)
+redis.call('EXPIRE', KEYS[2], math.ceil(ttl) + 1)
+return dropped
+"""
+
+# KEYS as _KEEP's. ARGV: the members
+_FORGET = """
+for _, m in ipairs(ARGV) do
+  local size = redis.call('HGET', KEYS[2], m)
+  if size then
+    redis.call('HINCRBY', KEYS[2], ' total', -tonumber(size))
+    redis.call('HDEL', KEYS[2], m)
+  end
+  redis.call('ZREM', KEYS[1], m)
+end
+return 0
+"""
+
 
 def _unavailable(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     @functools.wraps(method)
@@ -117,6 +161,8 @@ class RedisStore:
         self._write_new = self._redis.register_script(_WRITE_NEW)
         self._remove_if = self._redis.register_script(_REMOVE_IF)
         self._lease = self._redis.register_script(_LEASE)
+        self._keep = self._redis.register_script(_KEEP)
+        self._forget = self._redis.register_script(_FORGET)
         self._listeners: dict[str, list[Listener]] = {}
         self._pubsub: Any = None
         self._reader: asyncio.Task[None] | None = None
@@ -244,6 +290,22 @@ class RedisStore:
 
     def forget_full(self) -> int:
         return 0  # the server's TTLs do it
+
+    # ---------------------------------------------------------------- bounded sets
+
+    def _set_keys(self, key: str) -> list[str]:
+        return [self._key(key), self._key(f"{key}:sizes")]
+
+    @_unavailable
+    async def keep(self, key: str, member: str, size: int, max_count: int, max_bytes: int,
+                   ttl_s: float) -> list[str]:
+        dropped = await self._keep(keys=self._set_keys(key), args=[member, size, max_count, max_bytes, repr(ttl_s)])
+        return [m.decode() for m in dropped]
+
+    @_unavailable
+    async def forget(self, key: str, members: list[str]) -> None:
+        if members:
+            await self._forget(keys=self._set_keys(key), args=members)
 
     # ---------------------------------------------------------------- wake-ups
 

@@ -3,8 +3,8 @@
 Records live in the file and survive a restart, a crash or kill -9 included (WAL with synchronous=NORMAL: each
 commit is in the log before the call returns; only a power loss may take the last ones). Statements are a few
 tens of microseconds and run on the event loop, like the rest of the gateway's bookkeeping. Counters (rate
-buckets, seats) and wake-ups are this process's own, as with one gateway they are exact in memory: a rate
-bucket is a minute's state, not worth a disk write per request.
+buckets, seats), bounded sets and wake-ups are this process's own, as with one gateway they are exact in memory:
+a rate bucket is a minute's state, not worth a disk write per request.
 """
 
 from __future__ import annotations
@@ -236,7 +236,7 @@ class SQLiteStore:
             pass  # the next sweep tries again
         return forgotten
 
-    # ---------------------------------------------------------------- counters and wake-ups: this process's
+    # ---------------------------------------------------------------- counters, bounded sets and wake-ups: this process's
 
     async def take(self, key: str, capacity: float, per_s: float, cost: float, need: float) -> tuple[bool, float]:
         return self._local.take_now(key, capacity, per_s, cost, need)
@@ -246,6 +246,13 @@ class SQLiteStore:
 
     async def unseat(self, key: str) -> None:
         self._local.unseat_now(key)
+
+    async def keep(self, key: str, member: str, size: int, max_count: int, max_bytes: int,
+                   ttl_s: float) -> list[str]:
+        return self._local.keep_now(key, member, size, max_count, max_bytes, ttl_s)
+
+    async def forget(self, key: str, members: list[str]) -> None:
+        self._local.forget_now(key, members)
 
     async def publish(self, channel: str, message: bytes) -> None:
         await self._local.publish(channel, message)

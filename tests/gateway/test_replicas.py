@@ -466,3 +466,29 @@ def test_a_background_response_of_a_gateway_killed_mid_run_completes_after_its_r
         assert ended["status"] == "completed" and ended["output"][0]["content"] == uninterrupted[0]["content"], ended
     finally:
         gateway.stop()
+
+
+def test_a_keys_stored_responses_are_bounded_across_replicas(fake_url, redis_server, tmp_path):
+    """[responses] max_stored and max_stored_bytes hold for the key across both replicas, not for each."""
+    config = tmp_path / "parrot.toml"
+    config.write_text("[responses]\nmax_stored = 3\nmax_stored_bytes = 10000\n")
+    with replicas(fake_url, redis_server.url, env={"PARROT_CONFIG": str(config)}) as (a, b):
+        def create(i: int, text: str) -> str:
+            return post((a, b)[i % 2].url, "/v1/responses", {"model": MODEL, "input": text, "fake": {"words": 2}})["id"]
+
+        def readable(ids: list[str]) -> dict[str, list[str]]:
+            return {r.url: [i for i in ids if get(r.url, f"/v1/responses/{i}").status_code == 200] for r in (a, b)}
+
+        small = [create(i, f"turn {i}") for i in range(6)]
+        assert readable(small) == {a.url: small[-3:], b.url: small[-3:]}  # each alone would keep 3 of its own
+        large = [create(i, f"turn {i} " + "x" * 4000) for i in range(3)]  # about 4.5 KB each: two fit in 10,000
+        assert readable(small + large) == {a.url: large[-2:], b.url: large[-2:]}
+
+        async def burst() -> list[str]:
+            async with httpx.AsyncClient(timeout=30, headers=AUTH) as client:
+                made = await asyncio.gather(*(client.post(f"{(a, b)[i % 2].url}/v1/responses", json={
+                    "model": MODEL, "input": f"burst {i}", "max_output_tokens": 4}) for i in range(12)))
+                return [m.json()["id"] for m in made]
+
+        made = asyncio.run(burst())
+        assert {url: len(ids) for url, ids in readable(large + made).items()} == {a.url: 3, b.url: 3}
