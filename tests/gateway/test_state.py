@@ -148,6 +148,12 @@ async def test_a_batch_of_writes_is_applied_in_order(store):
     await store.apply([("remove_if", "pointer", "s", b"one")])
     assert await store.read("pointer") == {}
     assert await asyncio.wait_for(got.get(), 5) == b"done"
+    many = {f"f{i}": str(i).encode() for i in range(2500)}  # more than one command's worth of arguments
+    await store.apply([("write", "wide", many, 60.0), *(("write", f"k{i}", {"x": b"1"}, None) for i in range(1500)),
+                       ("remove_fields", "wide", [f"f{i}" for i in range(2400)]),
+                       ("remove", [f"k{i}" for i in range(1499)])])
+    assert await store.read("wide") == {f"f{i}": str(i).encode() for i in range(2400, 2500)}
+    assert await store.read("k1498") == {} and await store.read("k1499") == {"x": b"1"}
 
 
 async def test_one_gateway_per_sqlite_file(tmp_path: Path):
