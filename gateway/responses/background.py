@@ -22,7 +22,7 @@ from typing import Any, Callable
 import msgspec
 
 from gateway.responses.store import ResponseRecord, ResponseStore, StoredResponse, record_key
-from gateway.state import StateStore, every
+from gateway.state import StateStore, StoreUnavailable, every
 from gateway.state.leases import Leases
 from wire.responses import ResponsesRequest
 
@@ -73,10 +73,13 @@ class BackgroundRuns:
         if self.store is None or self.leases is None:
             await self.responses.saved(owner, stored)
             return
-        response_id = stored.response.id
-        await self.responses.saved(owner, stored, fields={"run": _encode(run)},
-                                   before=[self.leases.write_op(lease_key(response_id))],
-                                   after=[("write", INDEX, {response_id: owner.encode()}, None)])
+        key = lease_key(stored.response.id)
+        try:
+            await self.responses.saved(owner, stored, fields={"run": _encode(run)}, before=[self.leases.write_op(key)],
+                                       after=[("write", INDEX, {stored.response.id: owner.encode()}, None)])
+        except BaseException:
+            self.leases.held.discard(key)  # not recorded: nothing to renew
+            raise
 
     def running_here(self, response_id: str, task: asyncio.Task[None]) -> None:
         self.running[response_id] = task
@@ -90,8 +93,12 @@ class BackgroundRuns:
             return
         response_id = stored.response.id
         mine = _encode(ResponseRecord(stored.response, stored.input, stored.earlier))
-        published = await self.store.write_new(record_key(response_id), "end", mine,
-                                               ttl_s=self.responses.config.ttl_s)
+        try:
+            published = await self.store.write_new(record_key(response_id), "end", mine,
+                                                   ttl_s=self.responses.config.ttl_s)
+        except StoreUnavailable:
+            self.leases.held.discard(lease_key(response_id))  # still indexed: run again once the store is back
+            raise
         if published != mine:
             first = _response_record(published)
             stored.response, stored.input, stored.earlier = first.response, first.input, first.earlier
