@@ -436,6 +436,19 @@ def test_a_background_response_of_a_replica_killed_mid_run_is_finished_by_the_ot
         assert get(a.url, f"/v1/responses/{queued['id']}").json() == ended  # one end, read alike from both
 
 
+def test_a_semantic_background_response_of_a_killed_replica_is_run_again_by_the_other(fake_url, redis_server):
+    with replicas(fake_url, redis_server.url, env={"PARROT_STATE_LEASE_S": str(LEASE_S)}) as (a, b):
+        queued = post(a.url, "/v1/responses", {**background_body(3.0), "background": True, "input": "echo {{t}}",
+                                               "parrot": {"vars": {"t": {"value": "parrots"}}}})
+        deadline = time.monotonic() + 10
+        while get(b.url, f"/v1/responses/{queued['id']}").json()["status"] != "in_progress":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        a.kill()
+        ended, _ = poll_response(b.url, queued["id"])
+        assert ended["status"] == "completed" and "echo parrots" in ended["output"][0]["content"][0]["text"], ended
+
+
 def test_a_background_response_cancelled_on_another_replica_stops_where_it_runs(fake_url, fake_stats, redis_server):
     with replicas(fake_url, redis_server.url) as (a, b):
         abandoned = fake_stats()["requests_abandoned"]
