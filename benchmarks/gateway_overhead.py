@@ -8,10 +8,13 @@ rps ratio. Medians over rounds are reported because this machine is shared and n
     python -m benchmarks.gateway_overhead                       # defaults: concurrency 8, 9 rounds of 500
     python -m benchmarks.gateway_overhead --compare-url http://127.0.0.1:4000/v1 --compare-model fake
       (e.g. a LiteLLM proxy started against the fake upstream this script prints)
-    python -m benchmarks.gateway_overhead --states memory,sqlite,redis --quota-rpm 100000000 --semantic
+    python -m benchmarks.gateway_overhead --states memory,sqlite,redis --quota-rpm 100000000 --semantic \
+        --concurrency 1,8
       (one gateway per state store, in the same run: redis starts a redis-server on a free port unless
       --redis-url names one; --quota-rpm puts every request through the key's rate bucket, --semantic
-      makes each request a semantic one: its variable and output written to the store)
+      makes each request a semantic one: its variable and output written to the store; with 1 client the
+      added p50 is a request's own added latency, with 8 on this 2-CPU host it is mostly queueing behind
+      the others' CPU time)
 """
 
 from __future__ import annotations
@@ -103,19 +106,24 @@ async def round_(client: httpx.AsyncClient, base_url: str, model: str, stream: b
 
 
 async def run(targets: dict[str, tuple[str, str]], args: argparse.Namespace) -> dict:
-    limits = httpx.Limits(max_connections=args.concurrency * 2, max_keepalive_connections=args.concurrency * 2)
+    levels = [int(c) for c in str(args.concurrency).split(",")]
+    most = max(levels)
+    limits = httpx.Limits(max_connections=most * 2, max_keepalive_connections=most * 2)
     results: dict = {}
     # the load generator shares the 2 cores with what it measures: give it the lighter transport too
     async with httpx.AsyncClient(limits=limits, timeout=30.0, transport=AiohttpTransport(limits=limits)) as client:
-        for stream in (False, True):
-            mode = "streaming" if stream else "non-streaming"
-            for name, (url, model) in targets.items():  # warm-up: connections, caches, JIT-free paths
-                await round_(client, url, model, stream, args.concurrency * 10, args.concurrency)
-            rounds: dict[str, list[dict]] = {name: [] for name in targets}
-            for _ in range(args.rounds):
-                for name, (url, model) in targets.items():  # alternate so drift hits everyone alike
-                    rounds[name].append(await round_(client, url, model, stream, args.requests, args.concurrency))
-            results[mode] = summarize(rounds)
+        for concurrency in levels:
+            for stream in (False, True):
+                mode = "streaming" if stream else "non-streaming"
+                if len(levels) > 1:  # several levels: 1 client is the added latency alone, more add queueing
+                    mode = f"{mode}, {concurrency} client{'s' if concurrency > 1 else ''}"
+                for name, (url, model) in targets.items():  # warm-up: connections, caches, JIT-free paths
+                    await round_(client, url, model, stream, concurrency * 10, concurrency)
+                rounds: dict[str, list[dict]] = {name: [] for name in targets}
+                for _ in range(args.rounds):
+                    for name, (url, model) in targets.items():  # alternate so drift hits everyone alike
+                        rounds[name].append(await round_(client, url, model, stream, args.requests, concurrency))
+                results[mode] = summarize(rounds)
     return results
 
 
@@ -169,7 +177,7 @@ def plot(results: dict, path: Path, title: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--concurrency", default="8", help="clients at once; a comma-separated list runs each level")
     parser.add_argument("--requests", type=int, default=500, help="requests per round")
     parser.add_argument("--rounds", type=int, default=9, help="alternating rounds per target (medians reported)")
     parser.add_argument("--upstream-port", type=int, default=0, help="fixed port for the fake upstream")
@@ -237,7 +245,7 @@ def main() -> None:
                         "results": results})
     if args.states and "memory" in args.states.split(","):
         plot(results, out.with_suffix(".png"), f"gateway overhead per state store ({'semantic' if args.semantic else 'plain'}"
-                                               f" requests, concurrency {args.concurrency}), shared 2-CPU host")
+                                               f" requests, {args.concurrency} clients), shared 2-CPU host")
     print(f"\nsaved {out}")
 
 

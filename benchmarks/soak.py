@@ -134,7 +134,7 @@ class Traffic:
         self.var_timeout_s, self.rng = var_timeout_s, rng
         self.kinds: dict[str, Callable[[], Awaitable[None]]] = {
             "chat": self.chat, "stream": self.stream, "disconnect": self.disconnect, "dag": self.dag,
-            "semantic_call": self.semantic_call, "probe": self.probe}
+            "semantic_call": self.semantic_call, "background": self.background, "probe": self.probe}
         self.attacks: dict[str, Callable[[], Awaitable[None]]] = {
             "nested_chain": self._nested_chain, "pinning": self._pinning, "huge_header": self._huge_header,
             "head": self._head, "lone_surrogate": self._lone_surrogate, "alias_registration": self._alias_registration}
@@ -211,6 +211,22 @@ class Traffic:
 
     async def _close(self, session: str) -> None:
         _check(await self.client.delete(f"/v1/sessions/{session}"))
+
+    async def background(self) -> None:
+        """A background response polled until it ends, then deleted: it must complete (with replicas, run again by
+        another one if its replica died)."""
+        response = _check(await self.client.post("/v1/responses", json={
+            "model": self.model, "input": self._question(), "max_output_tokens": self.max_tokens, "temperature": 0,
+            "background": True}))
+        deadline = time.monotonic() + self.var_timeout_s
+        while response["status"] in ("queued", "in_progress"):
+            if time.monotonic() > deadline:
+                raise Failure("background_not_done", json.dumps(response))
+            await asyncio.sleep(0.2)
+            response = _check(await self.client.get(f"/v1/responses/{response['id']}"))
+        if response["status"] not in ("completed", "incomplete"):  # incomplete: cut at max_output_tokens
+            raise Failure(f"background_{response['status']}", json.dumps(response))
+        _check(await self.client.delete(f"/v1/responses/{response['id']}"))
 
     # ------------------------------------------------------------ the probe's attacks (#57)
 

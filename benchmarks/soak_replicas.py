@@ -5,8 +5,9 @@ round-robin load balancer in the client, and replica A SIGKILLed and started aga
 The balancer is what one in front of replicas does: it routes new requests to replicas that are up (A is marked
 down from its kill until it answers /health/live again) and retries a request whose connection was refused on the
 other. Traffic: plain chat, streamed chat, a two-call semantic DAG (``wait: false``, then the second output read,
-maybe on the other replica) and a ``/v1/semantic_calls`` template. A call A ran when it died is taken over by B
-when its lease expires (``--lease-s``), so reads of its output succeed.
+maybe on the other replica), a ``/v1/semantic_calls`` template and a background response polled until it ends. A
+call or background response A ran when it died is taken over by B when its lease expires (``--lease-s``), so reads
+of its output succeed and the response completes.
 
 Expected errors: a transport error of a request in flight when A was killed (its connection dies with A). Anything
 else is unexpected: a failed or lost variable, a 5xx, a read that times out. Memory: B's RSS (never killed) over
@@ -34,7 +35,7 @@ import psutil
 from benchmarks.soak import Kill, Record, Sample, Soak, print_table, summarize
 from benchmarks.results_file import write_results, save_figure
 
-KINDS = ("chat", "stream", "dag", "semantic_call")
+KINDS = ("chat", "stream", "dag", "semantic_call", "background")
 
 
 def free_port() -> int:

@@ -200,8 +200,9 @@ class StateConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 2.0  # a store operation slower than this fails (503)
     # Concurrency seats a replica that died still held are forgotten this long after their key's last change.
     seat_ttl_s: Annotated[float, msgspec.Meta(gt=0)] = 900.0
-    # A semantic call's lease, renewed every third of it while its replica runs it: when the replica dies, another
-    # takes the call over (or this gateway, restarted on its SQLite file, at once) this long after its last renewal.
+    # The lease of a semantic call, a batch or a background response, renewed every third of it while its replica
+    # runs it: when the replica dies, another takes the work over (or this gateway, restarted on its SQLite file, at
+    # once) this long after its last renewal.
     lease_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
 
     def __post_init__(self) -> None:

@@ -19,7 +19,8 @@ from engines.seam import EngineError
 from gateway.config import ResponsesConfig
 from gateway.domain_errors import DomainError, Invalid
 from gateway.errors import body_error
-from gateway.quotas import Quotas
+from gateway.quotas import Admission, Quotas
+from gateway.responses.background import BackgroundRuns, RunRecord
 from gateway.responses.contexts import ConversationContexts
 from gateway.responses.passthrough import UpstreamEvents, adopt_body, read_answer, read_event, upstream_body
 from gateway.responses.store import ResponseStore, StoredResponse
@@ -78,15 +79,25 @@ class Ran(NamedTuple):
 
 class ResponsesService:
     def __init__(self, gateway: Gateway, quotas: Quotas, config: ResponsesConfig, semantic: SemanticService,
-                 state: StateStore | None = None):
-        """``state``: where stored responses are written through to (gateway/responses/store.py)."""
+                 state: StateStore | None = None, lease_s: float = 10.0):
+        """``state``: where stored responses are written through to (gateway/responses/store.py); ``lease_s``:
+        a background response's lease there (background.py)."""
         self.gateway = gateway
         self.quotas = quotas
         self.config = config
         self.semantic = semantic
         self.store = ResponseStore(config, state=state)
+        self.background = BackgroundRuns(self.store, lease_s=lease_s)  # background responses that survive a replica
+        self.background.resume = self._resume
         self.contexts = ConversationContexts(gateway, config)  # stored conversations pinned on the engine
         self.store.on_drop = self.contexts.release
+
+    def start(self) -> None:
+        """Runs the background responses a previous process (then, on a shared store, a replica that died) left."""
+        self.background.start()
+
+    async def aclose(self) -> None:
+        await self.background.aclose()
 
     def sweep(self) -> None:
         """Forgets the stored responses past their TTL and frees the pinned conversations idle too long."""
@@ -227,31 +238,39 @@ class ResponsesService:
             self.contexts.release(prepared.response.id)
 
     async def start_background(self, prepared: Prepared) -> bytes:
-        """A response queued and run by a task of its own; answered (as it stands now) at once."""
+        """A response queued and run by a task of its own; answered (as it stands now) at once. It is recorded
+        with what it runs (background.py): if this replica dies, another runs it again."""
         prepared.response.status = "queued"
         admission = await self.quotas.admitted_later(prepared.owner, prepared.estimate)  # a 429 now, not later
+        stored = StoredResponse(prepared.response, prepared.input, prepared.earlier)
         try:
-            stored = await self._store(prepared)
+            await self.background.started(prepared.owner, stored, RunRecord(
+                prepared.request, prepared.chat, prepared.estimate, prepared.parrot, prepared.upstream))
         except BaseException:
             if admission is not None:
                 await admission.release()
             raise
-        assert stored is not None  # background implies store
-        stored.task = asyncio.create_task(self._background(prepared, stored, admission))
-
-        def settled(_: asyncio.Task) -> None:  # also when cancelled before it ever ran
-            if admission is not None:
-                admission.release_soon()  # once, whoever comes first
-            if prepared.response.status in ("queued", "in_progress"):
-                prepared.response.status = "cancelled"
-
-        stored.task.add_done_callback(settled)
+        self._run_background(prepared, stored, admission)
         return msgspec.json.encode(prepared.response)
 
-    async def _background(self, prepared: Prepared, stored: StoredResponse, admission) -> None:
+    def _resume(self, owner: str, stored: StoredResponse, run: RunRecord) -> None:
+        """A background response another replica (or a previous process) left unfinished, run again here; its key's
+        quotas admitted it when it was created."""
+        self._run_background(Prepared(owner, run.request, stored.input, stored.earlier, run.chat, run.estimate,
+                                      stored.response, run.parrot, run.upstream), stored, None)
+
+    def _run_background(self, prepared: Prepared, stored: StoredResponse, admission: Admission | None) -> None:
+        stored.task = asyncio.create_task(self._background(prepared, stored, admission))
+        self.background.running_here(prepared.response.id, stored.task)
+        if admission is not None:  # released once, whoever comes first (also when cancelled before it ever ran)
+            stored.task.add_done_callback(lambda _: admission.release_soon())
+
+    async def _background(self, prepared: Prepared, stored: StoredResponse, admission: Admission | None) -> None:
         response = prepared.response
         response.status = "in_progress"
         try:
+            with contextlib.suppress(StoreUnavailable):
+                await self.store.saved(prepared.owner, stored)  # in progress, as other replicas see it too
             async with self.quotas.holding(admission):
                 if prepared.parrot is not None:
                     ran = await self._semantic(prepared)  # waits: a background request with wait false is a 400
@@ -264,6 +283,8 @@ class ResponsesService:
                     body = (await self.gateway.create(ROUTE, prepared.request.model, prepared.chat)).body
             self._finish(prepared, body)
         except asyncio.CancelledError:
+            if self.background.closing:
+                raise  # the gateway stops: run again by another replica, or by this gateway started again
             response.status = "cancelled"
         except (EngineError, DomainError, InvalidRequest) as exc:
             response.status = "failed"
@@ -273,17 +294,14 @@ class ResponsesService:
             response.status = "failed"
             response.error = ResponseError(code="server_error", message=f"internal error: {type(exc).__name__}")
         try:
-            await self.store.saved(prepared.owner, stored)  # measured again, now with its output
+            await self.background.ended(prepared.owner, stored)
         except DomainError as exc:
             response.status, response.output = "failed", []
             response.error = ResponseError(code=exc.code or "response_too_large", message=exc.message)
-            await self._saved_quietly(prepared.owner, stored)
+            with contextlib.suppress(DomainError, StoreUnavailable):
+                await self.background.ended(prepared.owner, stored)
         except StoreUnavailable:
             log.warning("background response %s: its end was not written to the state store", response.id)
-
-    async def _saved_quietly(self, owner: str, stored: StoredResponse) -> None:
-        with contextlib.suppress(DomainError, StoreUnavailable):
-            await self.store.saved(owner, stored)
 
     async def cancel(self, owner: str, response_id: str) -> Response:
         stored = await self.store.fetch(owner, response_id)
@@ -291,17 +309,21 @@ class ResponsesService:
             raise Invalid("Only background responses can be cancelled.", param="response_id")
         task = stored.task
         if task is not None and not task.done():
-            task.cancel()
+            task.cancel()  # its end, cancelled, is published by the task
             await asyncio.wait([task])
-        if stored.response.status in ("queued", "in_progress"):  # cancelled before it ever ran
+        elif stored.response.status in ("queued", "in_progress"):  # run by another replica (or nobody, yet)
+            await self.background.stop_elsewhere(response_id)
+        if stored.response.status in ("queued", "in_progress"):  # cancelled before it ever ran here
             stored.response.status = "cancelled"
-            await self.store.saved(owner, stored)
+            await self.background.ended(owner, stored)  # the end published first is the one answered
         return stored.response
 
     async def delete(self, owner: str, response_id: str) -> None:
         stored = await self.store.removed(owner, response_id)
         if stored.task is not None and not stored.task.done():
             await asyncio.wait([stored.task])
+        elif stored.response.background and stored.response.status in ("queued", "in_progress"):
+            await self.background.stop_elsewhere(response_id)
 
     async def stream(self, prepared: Prepared) -> AsyncIterator[bytes]:
         """The response's SSE events. The first item comes once the engine's stream has started (errors

@@ -4,21 +4,23 @@ one response's conversation by ``max_response_bytes`` (413), and by an idle TTL;
 keeps them (SQLite, Redis: gateway/state/), written through to it (``saved``) and read back from it (``fetch``):
 after a restart, or on another replica. Another key's response is not found, as one that never existed.
 
+Bounded per key in the state store too, by ``StateStore.keep`` (exactly across replicas), when there is one.
 Record: response:{id}  owner: its key's hash; r: the response, its input and the turns before it (ResponseRecord),
-with the responses' TTL."""
+with the responses' TTL; a background response's end is its ``end`` instead (published once: background.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections import OrderedDict
-from typing import Callable
+from typing import Callable, Sequence
 
 import msgspec
 
 from gateway.config import ResponsesConfig
 from gateway.domain_errors import NotFound, TooLarge
 from gateway.state import StateStore
+from gateway.state.store import Op
 from wire.responses import Item, Response
 
 _encoder = msgspec.json.Encoder()
@@ -35,6 +37,11 @@ _record = msgspec.json.Decoder(ResponseRecord).decode
 
 def record_key(response_id: str) -> str:
     return f"response:{response_id}"
+
+
+def kept_key(owner: str) -> str:
+    """The key's responses in the state store, counted against its bounds (``StateStore.keep``)."""
+    return f"responses:{owner}"
 
 
 class StoredResponse:
@@ -107,13 +114,30 @@ class ResponseStore:
                 break
             self._drop(owner, oldest)
 
-    async def saved(self, owner: str, stored: StoredResponse) -> None:
-        """``put``, then written to the state store (StoreUnavailable: it is not; the client gets a 503)."""
+    async def saved(self, owner: str, stored: StoredResponse, *, fields: dict[str, bytes] | None = None,
+                    before: Sequence[Op] = (), after: Sequence[Op] = ()) -> None:
+        """``put``, then written to the state store (StoreUnavailable: it is not; the client gets a 503), with
+        ``fields`` more in its record, in one round trip with the writes ``before`` and ``after`` it."""
         self.put(owner, stored)
         if self.state is not None:
             record = _encoder.encode(ResponseRecord(stored.response, stored.input, stored.earlier))
-            await self.state.write(record_key(stored.response.id), {"owner": owner.encode(), "r": record},
-                                   ttl_s=self.config.ttl_s)
+            write = ("write", record_key(stored.response.id), {"owner": owner.encode(), "r": record, **(fields or {})},
+                     self.config.ttl_s)
+            await self.state.apply([*before, write, *after])
+            await self.counted(owner, stored)
+
+    async def counted(self, owner: str, stored: StoredResponse) -> None:
+        """``stored`` (written to the state store) counted in its key's bounds there, which every replica shares:
+        the key's oldest responses beyond them are deleted, here and in the store."""
+        assert self.state is not None
+        dropped = await self.state.keep(kept_key(owner), stored.response.id, stored.size, self.config.max_stored,
+                                        self.config.max_stored_bytes, self.config.ttl_s)
+        if dropped:
+            await self.state.remove([record_key(response_id) for response_id in dropped])
+            held = self._by_owner.get(owner, {})
+            for response_id in dropped:
+                if response_id in held:
+                    self._drop(owner, held[response_id])
 
     async def fetch(self, owner: str, response_id: str) -> StoredResponse:
         """``get``, from the state store when it is not held here; from a shared store also when it runs
@@ -122,11 +146,12 @@ class ResponseStore:
         if self.state is None or (held is not None and (held.task is not None or not self.state.shared)):
             return self.get(owner, response_id)
         fields = await self.state.read(record_key(response_id))
-        if fields.get("owner") != owner.encode() or "r" not in fields:
+        kept = fields.get("end") or fields.get("r")  # a background response's end, once published
+        if fields.get("owner") != owner.encode() or kept is None:
             if held is not None:
                 self._drop(owner, held)  # deleted, or expired, elsewhere
             raise not_found(response_id)
-        record = _record(fields["r"])
+        record = _record(kept)
         stored = StoredResponse(record.response, record.input, record.earlier)
         self.put(owner, stored)
         return stored
@@ -137,6 +162,7 @@ class ResponseStore:
         self._drop(owner, stored)
         if self.state is not None:
             await self.state.remove([record_key(response_id)])
+            await self.state.forget(kept_key(owner), [response_id])
         return stored
 
     def get(self, owner: str, response_id: str) -> StoredResponse:

@@ -92,7 +92,12 @@ class DurableCalls:
                         ("write", INDEX, {call.id: call.session.id.encode()}, None))
 
     async def publish(self, call: Call, results: dict[str, str]) -> dict[str, str]:
-        """The call's outputs as published: ``results`` if this is the first publication, else the first's."""
+        """The call's outputs as published: ``results`` if this is the first publication, else the first's. On a
+        store this process alone uses nobody else can have published them (a call a previous process published is
+        resumed with its outputs, not run again): they are queued, written in one transaction with their values."""
+        if not self.store.shared:
+            self.writer.put(("write", call_key(call.id), {"out": _encode(results)}, self.ttl_s))
+            return results
         try:
             published = await self.store.write_new(call_key(call.id), "out", _encode(results), ttl_s=self.ttl_s)
         except StoreUnavailable:

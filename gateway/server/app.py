@@ -104,12 +104,15 @@ def create_app(config: GatewayConfig | None = None) -> Litestar:
             app.state.semantic = semantic = SemanticService(gateway, config.semantic, limits_of=quotas.limits,
                                                             tracing=tracing, store=store,
                                                             lease_s=config.state.lease_s)
-            app.state.responses = ResponsesService(gateway, quotas, config.responses, semantic, state=store)
+            app.state.responses = ResponsesService(gateway, quotas, config.responses, semantic, state=store,
+                                                   lease_s=config.state.lease_s)
             app.state.messages = MessagesService(gateway, quotas, semantic)
             app.state.batches = BatchService(gateway, BatchStorage(store), config.files, quotas,
                                              lease_s=config.state.lease_s)
             app.state.batches.start()  # batches a previous process (or a replica that died) left running go on
             app.state.semantic.start()
+            app.state.responses.start()  # background responses a previous process (or a dead replica) left run here
+            closing.push_async_callback(app.state.responses.aclose)
             writer = app.state.semantic.mirror.writer if app.state.semantic.mirror is not None else None
             if writer is not None:
                 writer.observe = gateway.metrics.state_write_latency.observe

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from typing import Callable
 
 from gateway.state.store import Listener
@@ -21,6 +22,7 @@ class MemoryStore:
         self._expiry: dict[str, float] = {}  # key -> when it expires (only records with a TTL)
         self._buckets: dict[str, list[float]] = {}  # key -> [level, updated, capacity, per_s]
         self._seats: dict[str, list[float]] = {}  # key -> [count, expires]
+        self._sets: dict[str, OrderedDict[str, tuple[int, float]]] = {}  # key -> member -> (size, counted at), oldest first
         self._listeners: dict[str, list[Listener]] = {}
 
     async def start(self) -> None:
@@ -156,6 +158,40 @@ class MemoryStore:
             self._records.pop(key, None)
             del self._expiry[key]
         return len(full) + len(gone) + len(expired)
+
+    # ---------------------------------------------------------------- bounded sets
+
+    def keep_now(self, key: str, member: str, size: int, max_count: int, max_bytes: int, ttl_s: float) -> list[str]:
+        now = self._clock()
+        members = self._sets.setdefault(key, OrderedDict())
+        for old in [m for m, (_, at) in members.items() if at <= now - ttl_s]:
+            del members[old]
+        members.pop(member, None)
+        members[member] = (size, now)
+        total = sum(s for s, _ in members.values())
+        dropped = []
+        while len(members) > max_count or total > max_bytes:
+            oldest = next(iter(members))
+            if oldest == member:
+                break
+            total -= members.pop(oldest)[0]
+            dropped.append(oldest)
+        return dropped
+
+    async def keep(self, key: str, member: str, size: int, max_count: int, max_bytes: int,
+                   ttl_s: float) -> list[str]:
+        return self.keep_now(key, member, size, max_count, max_bytes, ttl_s)
+
+    def forget_now(self, key: str, members: list[str]) -> None:
+        kept = self._sets.get(key)
+        if kept is not None:
+            for member in members:
+                kept.pop(member, None)
+            if not kept:
+                del self._sets[key]
+
+    async def forget(self, key: str, members: list[str]) -> None:
+        self.forget_now(key, members)
 
     # ---------------------------------------------------------------- wake-ups
 

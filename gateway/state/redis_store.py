@@ -54,11 +54,6 @@ redis.call('EXPIRE', KEYS[1], ARGV[2])
 return 1
 """
 
-_REMOVE_IF = """
-if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then redis.call('DEL', KEYS[1]) end
-return 0
-"""
-
 _UNSEAT = """
 local n = redis.call('DECR', KEYS[1])
 if n <= 0 then redis.call('DEL', KEYS[1]) end
@@ -83,6 +78,97 @@ redis.call('HSET', KEYS[1], 'holder', ARGV[1])
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 """
+
+# KEYS[1]: the set's members by when each was last counted (a sorted set), KEYS[2]: their sizes (a hash, with the
+# total under ' total'). ARGV: member, size, max count, max bytes, TTL in seconds. -> the members dropped
+_KEEP = """
+local member, size, max_count, max_bytes, ttl = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]),
+  tonumber(ARGV[5])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local total = tonumber(redis.call('HGET', KEYS[2], ' total') or '0')
+local function out(m)
+  total = total - tonumber(redis.call('HGET', KEYS[2], m) or '0')
+  redis.call('ZREM', KEYS[1], m)
+  redis.call('HDEL', KEYS[2], m)
+end
+for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', string.format('%.6f', now - ttl))) do out(m) end
+out(member)
+redis.call('ZADD', KEYS[1], string.format('%.6f', now), member)
+redis.call('HSET', KEYS[2], member, size)
+total = total + size
+local dropped = {}
+while redis.call('ZCARD', KEYS[1]) > max_count or total > max_bytes do
+  local oldest = redis.call('ZRANGE', KEYS[1], 0, 0)[1]
+  if oldest == member then break end
+  out(oldest)
+  table.insert(dropped, oldest)
+end
+redis.call('HSET', KEYS[2], ' total', total)
+redis.call('EXPIRE', KEYS[1], math.ceil(ttl) + 1)
+redis.call('EXPIRE', KEYS[2], math.ceil(ttl) + 1)
+return dropped
+"""
+
+# KEYS as _KEEP's. ARGV: the members
+_FORGET = """
+for _, m in ipairs(ARGV) do
+  local size = redis.call('HGET', KEYS[2], m)
+  if size then
+    redis.call('HINCRBY', KEYS[2], ' total', -tonumber(size))
+    redis.call('HDEL', KEYS[2], m)
+  end
+  redis.call('ZREM', KEYS[1], m)
+end
+return 0
+"""
+
+# The writes of a batch (StateStore.apply), in order, in one script: one command to send and one reply to read
+# instead of two per write (the client's work per command is what a batch of a request's writes costs). ARGV: the
+# ops one after another: w key ttl_ms(0: none) n field value ... | d key n field ... | x n key ... | e key ttl_ms |
+# p channel message | r key field value
+_APPLY = """
+local function chunked(command, key, from, to)
+  for start = from, to, 1000 do
+    local stop = math.min(start + 999, to)
+    if key then redis.call(command, key, unpack(ARGV, start, stop)) else redis.call(command, unpack(ARGV, start, stop)) end
+  end
+end
+local i, n = 1, #ARGV
+while i <= n do
+  local op = ARGV[i]
+  if op == 'w' then
+    local key, ttl, count = ARGV[i + 1], tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])
+    chunked('HSET', key, i + 4, i + 3 + 2 * count)
+    if ttl > 0 then redis.call('PEXPIRE', key, ttl) end
+    i = i + 4 + 2 * count
+  elseif op == 'd' then
+    local count = tonumber(ARGV[i + 2])
+    chunked('HDEL', ARGV[i + 1], i + 3, i + 2 + count)
+    i = i + 3 + count
+  elseif op == 'x' then
+    local count = tonumber(ARGV[i + 1])
+    chunked('DEL', nil, i + 2, i + 1 + count)
+    i = i + 2 + count
+  elseif op == 'e' then
+    redis.call('PEXPIRE', ARGV[i + 1], ARGV[i + 2])
+    i = i + 3
+  elseif op == 'p' then
+    redis.call('PUBLISH', ARGV[i + 1], ARGV[i + 2])
+    i = i + 3
+  elseif op == 'r' then
+    if redis.call('HGET', ARGV[i + 1], ARGV[i + 2]) == ARGV[i + 3] then redis.call('DEL', ARGV[i + 1]) end
+    i = i + 4
+  else
+    return redis.error_reply('unknown state operation ' .. tostring(op))
+  end
+end
+return 0
+"""
+
+
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))
 
 
 def _unavailable(method: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
@@ -115,8 +201,10 @@ class RedisStore:
         self._seat = self._redis.register_script(_SEAT)
         self._unseat = self._redis.register_script(_UNSEAT)
         self._write_new = self._redis.register_script(_WRITE_NEW)
-        self._remove_if = self._redis.register_script(_REMOVE_IF)
         self._lease = self._redis.register_script(_LEASE)
+        self._keep = self._redis.register_script(_KEEP)
+        self._apply = self._redis.register_script(_APPLY)
+        self._forget = self._redis.register_script(_FORGET)
         self._listeners: dict[str, list[Listener]] = {}
         self._pubsub: Any = None
         self._reader: asyncio.Task[None] | None = None
@@ -197,29 +285,28 @@ class RedisStore:
 
     @_unavailable
     async def apply(self, ops: list[tuple]) -> None:
-        """One pipeline (one round trip), not a transaction: each write is atomic, in order."""
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for op in ops:
-                kind = op[0]
-                if kind == "write":
-                    pipe.hset(self._key(op[1]), mapping=op[2])
-                    if op[3] is not None:
-                        pipe.pexpire(self._key(op[1]), max(1, int(op[3] * 1000)))
-                elif kind == "remove_fields":
-                    if op[2]:
-                        pipe.hdel(self._key(op[1]), *op[2])
-                elif kind == "remove":
-                    if op[1]:
-                        pipe.delete(*(self._key(k) for k in op[1]))
-                elif kind == "expire":
-                    pipe.pexpire(self._key(op[1]), max(1, int(op[2] * 1000)))
-                elif kind == "publish":
-                    pipe.publish(self._key(op[1]), op[2])
-                elif kind == "remove_if":
-                    await self._remove_if(keys=[self._key(op[1])], args=[op[2], op[3]], client=pipe)
-                else:
-                    raise ValueError(f"unknown state operation {kind!r}")
-            await pipe.execute()
+        """One script (one round trip): the writes in order, atomically as it happens (a script runs alone)."""
+        args: list[Any] = []
+        for op in ops:
+            kind = op[0]
+            if kind == "write":
+                args += ["w", self._key(op[1]), _ms(op[3]) if op[3] is not None else 0, len(op[2])]
+                for field, value in op[2].items():
+                    args += [field, value]
+            elif kind == "remove_fields":
+                args += ["d", self._key(op[1]), len(op[2]), *op[2]]
+            elif kind == "remove":
+                args += ["x", len(op[1]), *(self._key(k) for k in op[1])]
+            elif kind == "expire":
+                args += ["e", self._key(op[1]), _ms(op[2])]
+            elif kind == "publish":
+                args += ["p", self._key(op[1]), op[2]]
+            elif kind == "remove_if":
+                args += ["r", self._key(op[1]), op[2], op[3]]
+            else:
+                raise ValueError(f"unknown state operation {kind!r}")
+        if args:
+            await self._apply(keys=[], args=args)
 
     @_unavailable
     async def lease(self, key: str, holder: str, ttl_s: float) -> bool:
@@ -244,6 +331,22 @@ class RedisStore:
 
     def forget_full(self) -> int:
         return 0  # the server's TTLs do it
+
+    # ---------------------------------------------------------------- bounded sets
+
+    def _set_keys(self, key: str) -> list[str]:
+        return [self._key(key), self._key(f"{key}:sizes")]
+
+    @_unavailable
+    async def keep(self, key: str, member: str, size: int, max_count: int, max_bytes: int,
+                   ttl_s: float) -> list[str]:
+        dropped = await self._keep(keys=self._set_keys(key), args=[member, size, max_count, max_bytes, repr(ttl_s)])
+        return [m.decode() for m in dropped]
+
+    @_unavailable
+    async def forget(self, key: str, members: list[str]) -> None:
+        if members:
+            await self._forget(keys=self._set_keys(key), args=members)
 
     # ---------------------------------------------------------------- wake-ups
 

@@ -3,8 +3,8 @@
 Records live in the file and survive a restart, a crash or kill -9 included (WAL with synchronous=NORMAL: each
 commit is in the log before the call returns; only a power loss may take the last ones). Statements are a few
 tens of microseconds and run on the event loop, like the rest of the gateway's bookkeeping. Counters (rate
-buckets, seats) and wake-ups are this process's own, as with one gateway they are exact in memory: a rate
-bucket is a minute's state, not worth a disk write per request.
+buckets, seats), bounded sets and wake-ups are this process's own, as with one gateway they are exact in memory:
+a rate bucket is a minute's state, not worth a disk write per request.
 """
 
 from __future__ import annotations
@@ -186,20 +186,22 @@ class SQLiteStore:
             raise StoreUnavailable(f"the gateway's state store (SQLite) failed: {exc}") from None
 
     async def apply(self, ops: list[tuple]) -> None:
-        """In one transaction (one commit for the batch); wake-ups after it."""
+        """In one transaction (one commit for the batch); wake-ups after it. Consecutive writes go as one statement
+        (and their TTLs as another), each record checked for expiry once: a batch is a request's writes, and
+        statements, not rows, are what costs."""
         try:
             db = self._conn()
-            published = []
+            published: list[tuple[str, bytes]] = []
             with db:
                 db.execute("BEGIN IMMEDIATE")
+                writes = _Writes(self, db)
                 for op in ops:
                     kind = op[0]
                     if kind == "write":
-                        self._expired(db, op[1])
-                        db.executemany("INSERT OR REPLACE INTO fields (key, field, value) VALUES (?, ?, ?)",
-                                       [(op[1], field, value) for field, value in op[2].items()])
-                        self._set_ttl(db, op[1], op[3])
-                    elif kind == "remove_fields":
+                        writes.add(op[1], op[2], op[3])
+                        continue
+                    writes.flush()  # in order with what follows
+                    if kind == "remove_fields":
                         db.executemany("DELETE FROM fields WHERE key = ? AND field = ?", [(op[1], f) for f in op[2]])
                     elif kind == "remove":
                         db.executemany("DELETE FROM fields WHERE key = ?", [(k,) for k in op[1]])
@@ -216,6 +218,7 @@ class SQLiteStore:
                             db.execute("DELETE FROM expiry WHERE key = ?", (op[1],))
                     else:
                         raise ValueError(f"unknown state operation {kind!r}")
+                writes.flush()
         except sqlite3.Error as exc:
             raise StoreUnavailable(f"the gateway's state store (SQLite) failed: {exc}") from None
         for channel, message in published:
@@ -236,7 +239,7 @@ class SQLiteStore:
             pass  # the next sweep tries again
         return forgotten
 
-    # ---------------------------------------------------------------- counters and wake-ups: this process's
+    # ---------------------------------------------------------------- counters, bounded sets and wake-ups: this process's
 
     async def take(self, key: str, capacity: float, per_s: float, cost: float, need: float) -> tuple[bool, float]:
         return self._local.take_now(key, capacity, per_s, cost, need)
@@ -247,6 +250,13 @@ class SQLiteStore:
     async def unseat(self, key: str) -> None:
         self._local.unseat_now(key)
 
+    async def keep(self, key: str, member: str, size: int, max_count: int, max_bytes: int,
+                   ttl_s: float) -> list[str]:
+        return self._local.keep_now(key, member, size, max_count, max_bytes, ttl_s)
+
+    async def forget(self, key: str, members: list[str]) -> None:
+        self._local.forget_now(key, members)
+
     async def publish(self, channel: str, message: bytes) -> None:
         await self._local.publish(channel, message)
 
@@ -256,3 +266,33 @@ class SQLiteStore:
     @property
     def counters(self) -> MemoryStore:
         return self._local
+
+
+class _Writes:
+    """Consecutive "write" ops of a batch, written as two statements (their fields, their TTLs) when another kind
+    of op comes, or the batch ends; each record checked for expiry before its first write in the batch."""
+
+    def __init__(self, store: SQLiteStore, db: sqlite3.Connection) -> None:
+        self._store = store
+        self._db = db
+        self._now = time.time()
+        self._checked: set[str] = set()
+        self._rows: list[tuple[str, str, bytes]] = []
+        self._expiry: dict[str, float] = {}
+
+    def add(self, key: str, fields: dict[str, bytes], ttl_s: float | None) -> None:
+        if key not in self._checked:
+            self._store._expired(self._db, key)
+            self._checked.add(key)
+        self._rows.extend((key, field, value) for field, value in fields.items())
+        if ttl_s is not None:
+            self._expiry[key] = self._now + ttl_s
+
+    def flush(self) -> None:
+        if self._rows:
+            self._db.executemany("INSERT OR REPLACE INTO fields (key, field, value) VALUES (?, ?, ?)", self._rows)
+            self._rows = []
+        if self._expiry:
+            self._db.executemany("INSERT INTO expiry (key, at) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET "
+                                 "at = excluded.at", list(self._expiry.items()))
+            self._expiry = {}

@@ -1,7 +1,8 @@
 """The state seam: what the gateway keeps beyond one request, as one small async interface.
 
-Three things, each atomic on its own: records (a key holding fields, with a TTL on the whole record),
-counters (token buckets and counted seats, for rate and concurrency quotas), and wake-ups (publish a short
+Four things, each atomic on its own: records (a key holding fields, with a TTL on the whole record),
+counters (token buckets and counted seats, for rate and concurrency quotas), bounded sets (a key's stored
+responses, by count and bytes), and wake-ups (publish a short
 message on a channel; every subscriber of every process sharing the store gets it). Implementations:
 ``memory.py`` (one process; tests and benchmarks), ``sqlite.py`` (the embedded default: one file, survives a
 restart) and ``redis_store.py`` (Redis or Valkey: several gateway replicas share one).
@@ -86,6 +87,17 @@ class StateStore(Protocol):
 
     async def unseat(self, key: str) -> None:
         """One seat fewer."""
+
+    # ---- bounded sets: what a key keeps (its stored responses), bounded by count and bytes, the oldest going first
+    async def keep(self, key: str, member: str, size: int, max_count: int, max_bytes: int,
+                   ttl_s: float) -> list[str]:
+        """Counts ``member`` (``size`` bytes; counted already: its size now) in the set ``key`` as its newest, forgets
+        members not counted again for ``ttl_s``, then drops the oldest (never ``member``) while the set holds more
+        than ``max_count`` members or ``max_bytes``: returns those dropped. Atomic across every process sharing
+        the store."""
+
+    async def forget(self, key: str, members: list[str]) -> None:
+        """``members`` out of the set ``key``."""
 
     # ---- wake-ups
     async def publish(self, channel: str, message: bytes) -> None: ...

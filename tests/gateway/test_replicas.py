@@ -387,3 +387,121 @@ def test_a_stream_cut_by_a_restart_ends_with_an_error_event_and_its_call_goes_on
         assert resumed["ready"] and resumed["value"] == uninterrupted, resumed
     finally:
         gateway.stop()
+
+
+# ---------------------------------------------------------------- background responses survive their replica
+
+
+def poll_response(url: str, response_id: str, timeout_s: float = 60) -> tuple[dict, list[str]]:
+    """Polls GET /v1/responses/{id} until the response ends; the response and the statuses seen on the way."""
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while True:
+        response = get(url, f"/v1/responses/{response_id}")
+        assert response.status_code == 200, response.text
+        body = response.json()
+        if not seen or seen[-1] != body["status"]:
+            seen.append(body["status"])
+        if body["status"] not in ("queued", "in_progress"):
+            return body, seen
+        assert time.monotonic() < deadline, seen
+        time.sleep(0.05)
+
+
+def background_body(delay_s: float) -> dict:
+    return {"model": MODEL, "input": "taken over in the background", "max_output_tokens": 8,
+            "fake": {"delay_s": delay_s}}
+
+
+def test_a_background_response_of_a_replica_killed_mid_run_is_finished_by_the_other(fake_url, redis_server):
+    """kill -9 A while its background response runs: B runs it again once A's lease expires; it ends completed,
+    with the output an uninterrupted run gives, read alike from B and from A started again."""
+    with replicas(fake_url, redis_server.url, env={"PARROT_STATE_LEASE_S": str(LEASE_S)}) as (a, b):
+        uninterrupted = post(a.url, "/v1/responses", background_body(0.0))["output"]
+        queued = post(a.url, "/v1/responses", {**background_body(3.0), "background": True})
+        assert queued["status"] == "queued"
+        deadline = time.monotonic() + 10
+        while get(b.url, f"/v1/responses/{queued['id']}").json()["status"] != "in_progress":  # A runs it
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        a.kill()  # kill -9 mid-run
+        killed = time.monotonic()
+        ended, seen = poll_response(b.url, queued["id"])
+        took = time.monotonic() - killed
+        print(f"\nbackground response taken over: completed {took:.2f} s after the kill "
+              f"(lease {LEASE_S} s, its run 3 s)")
+        assert ended["status"] == "completed" and ended["output"][0]["content"] == uninterrupted[0]["content"], ended
+        assert seen[0] == "in_progress", seen
+        a.start()
+        assert get(a.url, f"/v1/responses/{queued['id']}").json() == ended  # one end, read alike from both
+
+
+def test_a_semantic_background_response_of_a_killed_replica_is_run_again_by_the_other(fake_url, redis_server):
+    with replicas(fake_url, redis_server.url, env={"PARROT_STATE_LEASE_S": str(LEASE_S)}) as (a, b):
+        queued = post(a.url, "/v1/responses", {**background_body(3.0), "background": True, "input": "echo {{t}}",
+                                               "parrot": {"vars": {"t": {"value": "parrots"}}}})
+        deadline = time.monotonic() + 10
+        while get(b.url, f"/v1/responses/{queued['id']}").json()["status"] != "in_progress":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        a.kill()
+        ended, _ = poll_response(b.url, queued["id"])
+        assert ended["status"] == "completed" and "echo parrots" in ended["output"][0]["content"][0]["text"], ended
+
+
+def test_a_background_response_cancelled_on_another_replica_stops_where_it_runs(fake_url, fake_stats, redis_server):
+    with replicas(fake_url, redis_server.url) as (a, b):
+        abandoned = fake_stats()["requests_abandoned"]
+        queued = post(a.url, "/v1/responses", {**background_body(30.0), "background": True})
+        deadline = time.monotonic() + 10
+        while get(b.url, f"/v1/responses/{queued['id']}").json()["status"] != "in_progress":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        cancelled = post(b.url, f"/v1/responses/{queued['id']}/cancel", {})
+        assert cancelled["status"] == "cancelled", cancelled
+        deadline = time.monotonic() + 10
+        while fake_stats()["requests_abandoned"] == abandoned:  # A stopped its request to the engine
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        for replica in (a, b):
+            assert get(replica.url, f"/v1/responses/{queued['id']}").json()["status"] == "cancelled"
+
+
+def test_a_background_response_of_a_gateway_killed_mid_run_completes_after_its_restart(fake_url, tmp_path):
+    gateway = GatewayProcess(fake_url, str(tmp_path / "state.sqlite3"), args=("--api-key", KEY))
+    gateway.start()
+    try:
+        uninterrupted = post(gateway.url, "/v1/responses", background_body(0.0))["output"]
+        queued = post(gateway.url, "/v1/responses", {**background_body(3.0), "background": True})
+        gateway.kill()  # kill -9 mid-run
+        gateway.start()
+        ended, _ = poll_response(gateway.url, queued["id"])
+        assert ended["status"] == "completed" and ended["output"][0]["content"] == uninterrupted[0]["content"], ended
+    finally:
+        gateway.stop()
+
+
+def test_a_keys_stored_responses_are_bounded_across_replicas(fake_url, redis_server, tmp_path):
+    """[responses] max_stored and max_stored_bytes hold for the key across both replicas, not for each."""
+    config = tmp_path / "parrot.toml"
+    config.write_text("[responses]\nmax_stored = 3\nmax_stored_bytes = 10000\n")
+    with replicas(fake_url, redis_server.url, env={"PARROT_CONFIG": str(config)}) as (a, b):
+        def create(i: int, text: str) -> str:
+            return post((a, b)[i % 2].url, "/v1/responses", {"model": MODEL, "input": text, "fake": {"words": 2}})["id"]
+
+        def readable(ids: list[str]) -> dict[str, list[str]]:
+            return {r.url: [i for i in ids if get(r.url, f"/v1/responses/{i}").status_code == 200] for r in (a, b)}
+
+        small = [create(i, f"turn {i}") for i in range(6)]
+        assert readable(small) == {a.url: small[-3:], b.url: small[-3:]}  # each alone would keep 3 of its own
+        large = [create(i, f"turn {i} " + "x" * 4000) for i in range(3)]  # about 4.5 KB each: two fit in 10,000
+        assert readable(small + large) == {a.url: large[-2:], b.url: large[-2:]}
+
+        async def burst() -> list[str]:
+            async with httpx.AsyncClient(timeout=30, headers=AUTH) as client:
+                made = await asyncio.gather(*(client.post(f"{(a, b)[i % 2].url}/v1/responses", json={
+                    "model": MODEL, "input": f"burst {i}", "max_output_tokens": 4}) for i in range(12)))
+                return [m.json()["id"] for m in made]
+
+        made = asyncio.run(burst())
+        assert {url: len(ids) for url, ids in readable(large + made).items()} == {a.url: 3, b.url: 3}

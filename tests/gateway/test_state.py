@@ -73,6 +73,21 @@ async def test_a_bucket_admits_up_to_its_capacity_then_refills(store):
     assert not (await store.take("debt", 5, 0.001, 0, 1))[0]
 
 
+async def test_a_bounded_set_drops_its_oldest_members_beyond_its_count_or_bytes(store):
+    keep = lambda member, size: store.keep("kept", member, size, 3, 100, 60)  # noqa: E731
+    assert [await keep(m, 10) for m in "abc"] == [[], [], []]
+    assert await keep("d", 10) == ["a"]  # four members: the oldest goes
+    assert await keep("b", 10) == []  # counted again: now the newest (c, d, b)
+    assert await keep("e", 75) == ["c"]  # four members and 105 bytes: then d, b, e: 95
+    await store.forget("kept", ["b"])
+    assert await keep("f", 90) == ["d", "e"]  # 175 bytes, then 165, then f alone
+    assert await keep("g", 20) == ["f"]
+    assert await keep("h", 200) == ["g"]  # over the bytes alone, but never dropped for itself
+    await asyncio.sleep(0.2)
+    assert await store.keep("kept", "i", 10, 3, 100, 0.1) == []  # h forgotten: not counted again within the TTL
+    assert await store.keep("kept", "j", 10, 1, 100, 60) == ["i"]
+
+
 async def test_seats_are_counted_up_to_their_limit(store):
     assert [await store.seat("seats", 2, 60) for _ in range(3)] == [True, True, False]
     await store.unseat("seats")
@@ -133,6 +148,12 @@ async def test_a_batch_of_writes_is_applied_in_order(store):
     await store.apply([("remove_if", "pointer", "s", b"one")])
     assert await store.read("pointer") == {}
     assert await asyncio.wait_for(got.get(), 5) == b"done"
+    many = {f"f{i}": str(i).encode() for i in range(2500)}  # more than one command's worth of arguments
+    await store.apply([("write", "wide", many, 60.0), *(("write", f"k{i}", {"x": b"1"}, None) for i in range(1500)),
+                       ("remove_fields", "wide", [f"f{i}" for i in range(2400)]),
+                       ("remove", [f"k{i}" for i in range(1499)])])
+    assert await store.read("wide") == {f"f{i}": str(i).encode() for i in range(2400, 2500)}
+    assert await store.read("k1498") == {} and await store.read("k1499") == {"x": b"1"}
 
 
 async def test_one_gateway_per_sqlite_file(tmp_path: Path):
