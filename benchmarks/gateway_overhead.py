@@ -44,14 +44,17 @@ def free_port() -> int:
 
 
 def wait_ready(url: str, timeout_s: float = 30.0) -> None:
+    """Polls ``url`` with one client: ``httpx.get`` builds a client and an SSL context per call (~47 ms of CPU
+    here), which at 10 polls a second took half a core from the process starting beside it."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=1.0).status_code < 500:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
+    with httpx.Client(timeout=1.0, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+        while time.monotonic() < deadline:
+            try:
+                if client.get(url).status_code < 500:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
     raise RuntimeError(f"{url} did not come up")
 
 

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from tests.support import fake_upstream
+from tests.support import fake_upstream, plain_http
 from tests.support.markers import MARKS_OF_FIXTURES, marks_users
 from tests.support.models import SMOLLM, tiny_llama_config
 from tests.support.module_marks import deselects_whole_module
@@ -136,8 +136,6 @@ def smollm_gateway(serve_session) -> Iterator[dict[str, str]]:
     import subprocess
     import sys
 
-    import httpx
-
     from gateway.server.app import create_app
     from gateway.config import BuiltinConfig, EnginesConfig, GatewayConfig
 
@@ -152,7 +150,7 @@ def smollm_gateway(serve_session) -> Iterator[dict[str, str]]:
         env={**os.environ, "HF_HUB_OFFLINE": "1", "PARROT_ENGINE_SECRET": secret})
     try:
         deadline = time.monotonic() + 300
-        while SMOLLM not in httpx.get(f"{gateway}/v1/models").text:
+        while SMOLLM not in plain_http.get(f"{gateway}/v1/models").text:
             if engine.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("the builtin engine did not register with the gateway")
             time.sleep(0.5)

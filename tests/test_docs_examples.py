@@ -27,6 +27,7 @@ import pytest
 from tests.support.markers import marks_users
 from tests.support.models import SMOLLM
 from tests.support.servers import free_port
+from tests.support import plain_http
 
 REPO = Path(__file__).resolve().parents[1]
 DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
@@ -121,8 +122,8 @@ def examples_gateway() -> Iterator[str]:
             assert process.poll() is None, "parrot serve exited during startup"
             assert time.monotonic() < deadline, "the builtin engine never became ready"
             try:
-                if httpx.get(f"{url}/health/ready", timeout=5).status_code == 200 and \
-                        SMOLLM in httpx.get(f"{url}/v1/models", timeout=5).text:
+                if plain_http.get(f"{url}/health/ready", timeout=5).status_code == 200 and \
+                        SMOLLM in plain_http.get(f"{url}/v1/models", timeout=5).text:
                     break
             except httpx.TransportError:
                 pass

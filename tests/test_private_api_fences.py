@@ -10,11 +10,11 @@ import asyncio
 import functools
 import inspect
 
-import httpx
 import pytest
 import torch
 
 from tests.support.servers import asgi_app, serve_in_thread
+from tests.support import plain_http
 
 
 def test_aiohttp_connector_builds_its_protocols_with_its_private_factory():
@@ -62,7 +62,7 @@ def test_uvicorn_httptools_protocol_writes_a_response_head_on_its_own(monkeypatc
         await send({"type": "http.response.body", "body": b"hello"})
 
     with serve_in_thread(asgi_app(hello)) as url:
-        assert httpx.get(url).text == "hello"
+        assert plain_http.get(url).text == "hello"
     assert writes[0].startswith(http_protocol._RESPONSE_HEAD) and b"hello" not in writes[0], writes
 
 

@@ -18,6 +18,7 @@ from benchmarks.workloads.text import document, questions, system_prompt
 from gateway.server.app import create_app
 from tests.support.fake_upstream import MODEL
 from tests.support.gateways import fake_gateway_config
+from tests.support import plain_http
 
 TINY = {
     "map_reduce": map_reduce.Config(chunks=3, chunk_words=20, seed=7),
@@ -34,7 +35,7 @@ def gateway_v1(serve_module, fake_url) -> str:
 
 
 def fake_requests(fake_url: str) -> int:
-    return httpx.get(f"{fake_url}/fake/stats").json()["requests"]
+    return plain_http.get(f"{fake_url}/fake/stats").json()["requests"]
 
 
 @pytest.fixture
@@ -98,7 +99,7 @@ async def test_shared_prompt_answers_each_user_under_the_same_system_prompt(clie
     for run in (shared_prompt.run_parrot, shared_prompt.run_baseline):
         result = await run(client, MODEL, cfg)
         assert result.parts == [f"echo: {q}" for q in asked]
-        last = httpx.get(f"{fake_url}/fake/stats").json()["last_body"]
+        last = plain_http.get(f"{fake_url}/fake/stats").json()["last_body"]
         assert last["messages"][0]["content"].startswith("You are the customer support assistant")
         assert "parrot" not in last  # the extension never reaches the upstream
 
@@ -107,7 +108,7 @@ async def test_shared_prompt_distinct_prompts_differ_from_their_first_word(clien
     cfg = replace(TINY["shared_prompt"], distinct_prompts=True)
     result = await shared_prompt.run_baseline(client, MODEL, cfg)
     assert result.parts == [f"echo: {q}" for q in questions(cfg.seed, cfg.users)]
-    system = httpx.get(f"{fake_url}/fake/stats").json()["last_body"]["messages"][0]["content"]
+    system = plain_http.get(f"{fake_url}/fake/stats").json()["last_body"]["messages"][0]["content"]
     assert system.startswith("(desk ") and system.endswith(system_prompt(cfg.seed, cfg.system_words))
 
 

@@ -12,6 +12,7 @@ import pydantic
 import pytest
 
 from tests.support.models import SMOLLM
+from tests.support import plain_http
 
 # Every test here loads a model in an engine process (through its fixtures): marked here as well, so that
 # `make test-fast` leaves the module unimported (tests/support/module_marks.py).
@@ -92,17 +93,13 @@ def test_messages_on_the_builtin_engine(gateway_url):
 
 
 def _forks(gateway_url: str) -> float:
-    import httpx
-
-    lines = httpx.get(f"{gateway_url}/metrics").text.splitlines()
+    lines = plain_http.get(f"{gateway_url}/metrics").text.splitlines()
     return sum(float(line.split()[-1]) for line in lines if line.startswith("parrot:forks_total") and SMOLLM in line)
 
 
 def _engine_prompt_tokens(smollm_gateway) -> float:
     """Prompt tokens the engine was given to compute (fills and generations; a fork's context not included)."""
-    import httpx
-
-    lines = httpx.get(f"{smollm_gateway['engine']}/metrics").text.splitlines()
+    lines = plain_http.get(f"{smollm_gateway['engine']}/metrics").text.splitlines()
     return sum(float(line.split()[-1]) for line in lines if line.startswith("vllm:prompt_tokens_total"))
 
 

@@ -11,11 +11,11 @@ import io
 import json
 import time
 
-import httpx
 import openai
 import pytest
 
 from tests.support.models import SMOLLM
+from tests.support import plain_http
 
 # Loads a model in an engine process (through its fixtures): marked here as well, so that `make test-fast` leaves
 # the module unimported (tests/support/module_marks.py).
@@ -29,7 +29,7 @@ LINES = 24
 
 def engine_counters(engine: dict[str, str]) -> tuple[int, int]:
     """(prompt tokens, of which found in the prefix cache), as the engine counts them."""
-    stats = httpx.get(f"{engine['engine']}/v1/stats", headers={"authorization": f"Bearer {engine['secret']}"},
+    stats = plain_http.get(f"{engine['engine']}/v1/stats", headers={"authorization": f"Bearer {engine['secret']}"},
                       timeout=30).json()
     return stats["prompt_tokens"], stats["prefix_hit_tokens"]
 

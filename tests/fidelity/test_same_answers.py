@@ -19,6 +19,7 @@ from benchmarks.workloads.text import document
 from gateway.server.app import create_app
 from gateway.config import BuiltinConfig, GatewayConfig, SemanticConfig, UpstreamConfig
 from tests.support.models import SMOLLM
+from tests.support import plain_http
 
 # Every test here loads a model in an engine process (through its fixtures): marked here as well, so that
 # `make test-fast` leaves the module unimported (tests/support/module_marks.py).
@@ -85,7 +86,7 @@ def test_an_app_answers_the_same_through_the_extension_as_with_plain_requests(ga
 
 def prefills(gateway: str) -> float:
     """The gateway's parrot:prefill_ahead_total, all engines together."""
-    text = httpx.get(f"{gateway}/metrics").text
+    text = plain_http.get(f"{gateway}/metrics").text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("parrot:prefill_ahead_total"))
 

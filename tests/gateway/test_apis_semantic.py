@@ -5,11 +5,11 @@ either way. Through the real openai and anthropic SDKs, against a real gateway i
 
 from __future__ import annotations
 
-import httpx
 import openai
 import pytest
 
 from tests.support.fake_upstream import MODEL
+from tests.support import plain_http
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +19,7 @@ def client(gateway_url) -> openai.OpenAI:
 
 
 def value_of(gateway_url: str, var_id: str, key: str = "sk-a") -> str:
-    answer = httpx.get(f"{gateway_url}/v1/vars/{var_id}", params={"wait": "true", "timeout": 10},
+    answer = plain_http.get(f"{gateway_url}/v1/vars/{var_id}", params={"wait": "true", "timeout": 10},
                        headers={"authorization": f"Bearer {key}"}, timeout=15)
     answer.raise_for_status()
     return answer.json()["value"]

@@ -8,7 +8,6 @@ import io
 import json
 import time
 
-import httpx
 import openai
 import pytest
 
@@ -17,6 +16,7 @@ from gateway.server.app import create_app
 from tests.support.fake_upstream import MODEL
 from tests.support.gateways import gateway_config
 from tests.support.servers import serve_in_thread
+from tests.support import plain_http
 
 EMBED = "fake-embed"
 
@@ -200,6 +200,6 @@ def test_files_and_a_running_batch_survive_a_restart(fake_url, tmp_path):
 def test_malformed_batch_requests(client, url):
     with pytest.raises(openai.NotFoundError):
         client.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h")
-    answer = httpx.post(f"{url}/v1/batches", json={"input_file_id": "x", "endpoint": "/v1/other",
+    answer = plain_http.post(f"{url}/v1/batches", json={"input_file_id": "x", "endpoint": "/v1/other",
                                                     "completion_window": "24h"})
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "endpoint"

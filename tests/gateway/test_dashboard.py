@@ -25,6 +25,7 @@ from gateway.config import AuthConfig, BuiltinConfig, DashboardConfig, EnginesCo
 from tests.support.models import SMOLLM
 from tests.support.servers import free_port
 from tests.support.markers import marks_users
+from tests.support import plain_http
 
 # Every test here loads a model in an engine process (through its fixtures): marked here as well, so that
 # `make test-fast` leaves the module unimported (tests/support/module_marks.py).
@@ -79,7 +80,7 @@ def dashboard_gateway(serve_module, benchmarks_dir) -> Iterator[str]:
         env={**os.environ, "HF_HUB_OFFLINE": "1", "PARROT_ENGINE_SECRET": SECRET})
     try:
         deadline = time.monotonic() + 300
-        while SMOLLM not in httpx.get(f"{url}/v1/models", headers=_auth(ALICE)).text:
+        while SMOLLM not in plain_http.get(f"{url}/v1/models", headers=_auth(ALICE)).text:
             if engine.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("the builtin engine did not register with the gateway")
             time.sleep(0.5)
@@ -211,7 +212,7 @@ def test_another_key_gets_404_and_an_admin_key_sees_the_session(dashboard_gatewa
         assert listed[session]["owner"] in own and ALICE not in str(listed)  # a fingerprint, never the key
         assert admin.delete(f"/v1/sessions/{session}").status_code == 404  # to view, not to act for others
         assert admin.get(f"/v1/vars/{job['final']}").status_code == 404
-    assert httpx.get(f"{dashboard_gateway}/v1/sessions/{session}/graph").status_code == 401  # no key at all
+    assert plain_http.get(f"{dashboard_gateway}/v1/sessions/{session}/graph").status_code == 401  # no key at all
     release(alice, job)
     poll_graph(alice, session, all_done)
     assert alice.delete(f"/v1/sessions/{session}").status_code == 200

@@ -14,6 +14,7 @@ from gateway.server.cli import _serve_parser, config_from_args
 from gateway.config import AuthConfig, DashboardConfig, SemanticConfig, load_config
 from gateway.request_rate import RequestRate
 from tests.support.fake_upstream import MODEL
+from tests.support import plain_http
 
 KEY, ADMIN = "sk-user", "sk-admin"
 PNG = b"\x89PNG\r\n\x1a\n" + b"\x00" * 32  # served as it is: the gateway reads no more than the name
@@ -25,13 +26,13 @@ def _client(url: str, key: str | None = KEY) -> httpx.Client:
 
 def test_the_page_needs_no_key_and_runs_only_its_own_scripts(start_gateway):
     url = start_gateway(auth=AuthConfig(api_keys=[KEY]))
-    page = httpx.get(f"{url}/dashboard")
+    page = plain_http.get(f"{url}/dashboard")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "script-src 'self'" in page.headers["content-security-policy"]
     assert page.headers["referrer-policy"] == "no-referrer"
     for asset in ("dashboard.js", "dashboard.css", "favicon.svg"):
-        assert httpx.get(f"{url}/dashboard/static/{asset}").status_code == 200
-    assert httpx.get(f"{url}/v1/sessions").status_code == 401  # the data behind it does need one
+        assert plain_http.get(f"{url}/dashboard/static/{asset}").status_code == 200
+    assert plain_http.get(f"{url}/v1/sessions").status_code == 401  # the data behind it does need one
 
 
 def _result(json_name: str, png: str | None, ratio: str) -> dict:
@@ -47,23 +48,23 @@ def test_the_current_results_are_listed_and_only_their_plots_served(start_gatewa
         _result("multi_engine.json", "multi_engine.png", "1.50x"), _result("accuracy.json", None, "0.99x"),
         _result("multi_engine.json", "multi_engine.png", "2.00x"), _result("gone.json", "gone.png", "3.00x")]}))
     url = start_gateway(dashboard=DashboardConfig(benchmarks_dir=str(tmp_path)))
-    listed = httpx.get(f"{url}/dashboard/benchmarks").json()["data"]
+    listed = plain_http.get(f"{url}/dashboard/benchmarks").json()["data"]
     assert [(p["name"], p["url"], [r["ratio"] for r in p["results"]]) for p in listed] == [
         ("multi_engine.png", "/dashboard/benchmarks/multi_engine.png", ["1.50x", "2.00x"]),
         ("accuracy.json", None, ["0.99x"]), ("gone.json", None, ["3.00x"])]
     assert listed[0]["results"][0] == {"what": "what multi_engine.json", "vs": "vLLM", "ratio": "1.50x",
                                        "host": "AMD EPYC, AVX2, 2 CPUs", "date": "2026-11-29"}
-    plot = httpx.get(f"{url}/dashboard/benchmarks/multi_engine.png")
+    plot = plain_http.get(f"{url}/dashboard/benchmarks/multi_engine.png")
     assert plot.status_code == 200 and plot.content == PNG and plot.headers["content-type"] == "image/png"
     for name in ("multi_engine.json", "superseded.png", "current.json", "..%2Fmulti_engine.png", "gone.png"):
-        assert httpx.get(f"{url}/dashboard/benchmarks/{name}").status_code == 404
+        assert plain_http.get(f"{url}/dashboard/benchmarks/{name}").status_code == 404
 
 
 def test_the_checkouts_panel_shows_the_reports_list(start_gateway):
     from benchmarks import report
 
     url = start_gateway()  # the default folder: docs/benchmarks of this checkout
-    listed = httpx.get(f"{url}/dashboard/benchmarks").json()["data"]
+    listed = plain_http.get(f"{url}/dashboard/benchmarks").json()["data"]
     rows = report.entries(report.ROOT)
     files = list(dict.fromkeys(r["json"] for r in rows))  # one entry per result file, in the report's order
     assert [r["ratio"] for plot in listed for r in plot["results"]] == [
@@ -73,12 +74,12 @@ def test_the_checkouts_panel_shows_the_reports_list(start_gateway):
 
 def test_without_a_benchmarks_folder_or_its_list_the_list_is_empty(start_gateway, tmp_path):
     url = start_gateway(dashboard=DashboardConfig(benchmarks_dir=str(tmp_path / "absent")))
-    assert httpx.get(f"{url}/dashboard/benchmarks").json()["data"] == []
+    assert plain_http.get(f"{url}/dashboard/benchmarks").json()["data"] == []
     (tmp_path / "plot.png").write_bytes(PNG)
     (tmp_path / "current.json").write_text("{not json")
     url = start_gateway(dashboard=DashboardConfig(benchmarks_dir=str(tmp_path)))
-    assert httpx.get(f"{url}/dashboard/benchmarks").json()["data"] == []
-    assert httpx.get(f"{url}/dashboard/benchmarks/plot.png").status_code == 404
+    assert plain_http.get(f"{url}/dashboard/benchmarks").json()["data"] == []
+    assert plain_http.get(f"{url}/dashboard/benchmarks/plot.png").status_code == 404
 
 
 def test_admin_keys_from_file_environment_and_command_line(tmp_path):
@@ -187,7 +188,7 @@ def test_request_rate_counts_the_last_whole_seconds():
 
 def test_the_graph_endpoints_are_documented(start_gateway):
     url = start_gateway()
-    spec = httpx.get(f"{url}/docs/openapi.json").json()
+    spec = plain_http.get(f"{url}/docs/openapi.json").json()
     graph = spec["paths"]["/v1/sessions/{session_id}/graph"]["get"]
     assert set(graph["responses"]) == {"200", "404"}
     assert graph["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/SessionGraph")

@@ -3,7 +3,6 @@ in front of the fake upstream, one of whose models is configured as an embedding
 
 from __future__ import annotations
 
-import httpx
 import openai
 import pytest
 
@@ -11,6 +10,7 @@ from gateway.config import LimitsConfig, QuotasConfig, UpstreamConfig
 from gateway.server.app import create_app
 from tests.support.fake_upstream import MODEL, embedding
 from tests.support.gateways import gateway_config
+from tests.support import plain_http
 
 EMBED = "fake-embed"
 
@@ -100,15 +100,15 @@ def test_quotas_limits_and_auth_apply(start_gateway, fake_url):
         client.embeddings.create(model=EMBED, input="one")
         with pytest.raises(openai.RateLimitError):
             client.embeddings.create(model=EMBED, input="two")
-    assert httpx.post(f"{gateway}/v1/embeddings", json={"model": EMBED, "input": "x" * 5000}).status_code == 413
+    assert plain_http.post(f"{gateway}/v1/embeddings", json={"model": EMBED, "input": "x" * 5000}).status_code == 413
 
 
 def test_auth_is_required_when_keys_are_configured(start_gateway, fake_url):
     from gateway.config import AuthConfig
 
     gateway = start_gateway(_upstreams(fake_url), auth=AuthConfig(api_keys=["sk-right"]))
-    assert httpx.post(f"{gateway}/v1/embeddings", json={"model": EMBED, "input": "x"}).status_code == 401
-    answer = httpx.post(f"{gateway}/v1/embeddings", json={"model": EMBED, "input": "x"},
+    assert plain_http.post(f"{gateway}/v1/embeddings", json={"model": EMBED, "input": "x"}).status_code == 401
+    answer = plain_http.post(f"{gateway}/v1/embeddings", json={"model": EMBED, "input": "x"},
                         headers={"authorization": "Bearer sk-right"})
     assert answer.status_code == 200
 

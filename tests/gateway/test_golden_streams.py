@@ -10,10 +10,10 @@ import os
 import re
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.support.fake_upstream import MODEL
+from tests.support import plain_http
 
 GOLDEN = Path(__file__).parent / "golden"
 TOOL = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
@@ -78,7 +78,7 @@ def normalised(trace: str) -> str:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_stream_matches_its_golden_trace(case, gateway_url):
     path, body = CASES[case]
-    answer = httpx.post(f"{gateway_url}{path}", json={"model": MODEL, "stream": True, **body}, timeout=10)
+    answer = plain_http.post(f"{gateway_url}{path}", json={"model": MODEL, "stream": True, **body}, timeout=10)
     assert answer.status_code == 200
     trace = normalised(answer.text)
     golden = GOLDEN / f"{case}.sse"

@@ -19,6 +19,7 @@ from tests.gateway.test_upstream_prefill import answered, waiting_call
 from tests.support.markers import marks_users
 from tests.support.servers import free_port
 from tests.support.waiting import wait_until
+from tests.support import plain_http
 
 NUM_BLOCKS = 48  # 16-token blocks: 768 tokens, so that a few prompts evict one another
 WORDS = ("river", "lantern", "copper", "meadow", "harbour", "signal", "granite", "orchard", "violet", "thunder")
@@ -48,11 +49,11 @@ class EventingEngine:
                               kv_events_replay=self.replay, **fields)
 
     def stats(self) -> dict:
-        return httpx.get(f"{self.url}/v1/stats", timeout=10).json()
+        return plain_http.get(f"{self.url}/v1/stats", timeout=10).json()
 
     def chat(self, model: str, system: str, user: str, max_tokens: int = 4) -> str:
         """A request straight to the engine, as a client the gateway never sees."""
-        reply = httpx.post(f"{self.url}/v1/chat/completions", timeout=120, json={
+        reply = plain_http.post(f"{self.url}/v1/chat/completions", timeout=120, json={
             "model": model, "max_tokens": max_tokens, "temperature": 0,
             "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]})
         assert reply.status_code == 200, reply.text
@@ -77,7 +78,7 @@ def eventing_engines(tiny_model_dir) -> Iterator[list[EventingEngine]]:
 def _ready(engine: EventingEngine) -> bool:
     assert engine.process.poll() is None, "the engine process exited"
     try:
-        return httpx.get(f"{engine.url}/v1/models", timeout=2).status_code == 200
+        return plain_http.get(f"{engine.url}/v1/models", timeout=2).status_code == 200
     except httpx.TransportError:
         return False
 

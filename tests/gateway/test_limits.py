@@ -16,6 +16,7 @@ from gateway.server.app import create_app
 from gateway.config import BuiltinConfig, EnginesConfig, GatewayConfig, LimitsConfig, SemanticConfig
 from tests.support.models import SMOLLM
 from tests.support.fake_upstream import MODEL
+from tests.support import plain_http
 
 CAP = 64
 
@@ -165,7 +166,7 @@ def builtin_capped(smollm_gateway, serve_module) -> str:
     url = serve_module(create_app(GatewayConfig(
         builtin=BuiltinConfig(enabled=False), limits=LimitsConfig(max_tokens=ENGINE_CAP),
         engines=EnginesConfig(registration_secret=secret, heartbeat_timeout_s=3600.0))))
-    registered = httpx.post(f"{url}/v1/engines", headers={"authorization": f"Bearer {secret}"}, json={
+    registered = plain_http.post(f"{url}/v1/engines", headers={"authorization": f"Bearer {secret}"}, json={
         "name": "smollm", "url": smollm_gateway["engine"], "models": [SMOLLM], "capabilities": ["contexts", "scheduling_hints"]})
     assert registered.status_code == 201, registered.text
     return url
@@ -174,7 +175,7 @@ def builtin_capped(smollm_gateway, serve_module) -> str:
 def test_a_builtin_stream_without_max_tokens_stops_at_the_cap(builtin_capped):
     body = {"model": SMOLLM, "messages": [{"role": "user", "content": "Tell me a long story."}], "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", f"{builtin_capped}/v1/chat/completions", json=body, timeout=120) as response:
+    with plain_http.stream("POST", f"{builtin_capped}/v1/chat/completions", json=body, timeout=120) as response:
         events = [line[6:] for line in response.iter_lines() if line.startswith("data: {")]
 
     assert response.status_code == 200
@@ -184,7 +185,7 @@ def test_a_builtin_stream_without_max_tokens_stops_at_the_cap(builtin_capped):
 
 
 def test_a_builtin_legacy_completion_without_max_tokens_makes_16_tokens(smollm_gateway):
-    response = httpx.post(f"{smollm_gateway['gateway']}/v1/completions", timeout=120,
+    response = plain_http.post(f"{smollm_gateway['gateway']}/v1/completions", timeout=120,
                           json={"model": SMOLLM, "prompt": "Hello", "ignore_eos": True})
 
     assert response.status_code == 200, response.text
@@ -196,7 +197,7 @@ def test_a_builtin_semantic_output_without_max_tokens_stops_at_the_cap(builtin_c
     body = {"model": SMOLLM, "ignore_eos": True, "parrot": {"vars": {"q": {"value": "Why is the sky blue?"}}},
             "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "{{q}}"}]}
 
-    response = httpx.post(f"{builtin_capped}/v1/chat/completions", json=body, timeout=120)
+    response = plain_http.post(f"{builtin_capped}/v1/chat/completions", json=body, timeout=120)
 
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == ENGINE_CAP

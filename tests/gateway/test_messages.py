@@ -3,11 +3,11 @@ on loopback in front of the fake upstream (which echoes the last message, or cal
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
 from gateway.config import AuthConfig
 from tests.support.fake_upstream import MODEL
+from tests.support import plain_http
 
 WEATHER = {"name": "get_weather", "description": "Weather for a city.",
            "input_schema": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}
@@ -94,7 +94,7 @@ def test_stream_a_tool_whose_arguments_stream(client):
 
 
 def test_the_raw_stream_names_each_event(gateway_url):
-    with httpx.stream("POST", f"{gateway_url}/v1/messages", headers={"anthropic-version": "2023-06-01"},
+    with plain_http.stream("POST", f"{gateway_url}/v1/messages", headers={"anthropic-version": "2023-06-01"},
                       json={"model": MODEL, "max_tokens": 8, "stream": True,
                             "messages": [{"role": "user", "content": "hi"}]}) as answer:
         lines = [line for line in answer.iter_lines() if line]

@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.config import TracingConfig, UpstreamConfig
 from tests.support.servers import asgi_app, free_port, read_asgi_body
 from tests.support.waiting import wait_until
+from tests.support import plain_http
 
 SCRIPTED = "scripted-model"
 FIRST_TOKEN_DELAY_S = 0.6
@@ -59,7 +60,7 @@ class ScriptedUpstream:
 def histogram(url: str, name: str, labels: dict[str, str]) -> dict[str, float]:
     """A histogram's _count and _sum on a gateway's /metrics, parsed by prometheus_client."""
     found = {}
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+    for family in text_string_to_metric_families(plain_http.get(f"{url}/metrics").text):
         for sample in family.samples:
             if sample.name in (f"{name}_count", f"{name}_sum") and sample.labels == labels:
                 found[sample.name.rpartition("_")[2]] = sample.value
@@ -95,7 +96,7 @@ def test_dag_state_on_metrics_while_a_map_reduce_runs(start_gateway):
     url = start_gateway()
 
     def state() -> dict[tuple[str, str], float]:
-        families = text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
+        families = text_string_to_metric_families(plain_http.get(f"{url}/metrics").text)
         return {(s.name, s.labels.get("state", "")): s.value for f in families for s in f.samples
                 if s.name in ("parrot:dag_calls", "parrot:variables", "parrot:task_groups", "parrot:sessions")}
 

@@ -19,6 +19,7 @@ from engines.builtin.server.app import create_app as create_engine_app
 from tests.support import fake_upstream
 from tests.support.fake_upstream import MODEL
 from tests.support.gateway_process import GatewayProcess
+from tests.support import plain_http
 
 pytestmark = pytest.mark.subprocess
 KEY = "sk-replicas"
@@ -74,13 +75,13 @@ def test_concurrent_requests_hold_exactly_across_two_replicas(fake_url, redis_se
 
 
 def post(url: str, path: str, body: dict) -> dict:
-    response = httpx.post(f"{url}{path}", json=body, headers=AUTH, timeout=30)
+    response = plain_http.post(f"{url}{path}", json=body, headers=AUTH, timeout=30)
     assert response.status_code in (200, 201, 202), response.text
     return response.json()
 
 
 def get(url: str, path: str, **params) -> httpx.Response:
-    return httpx.get(f"{url}{path}", params=params, headers=AUTH, timeout=60)
+    return plain_http.get(f"{url}{path}", params=params, headers=AUTH, timeout=60)
 
 
 def test_a_session_made_on_one_replica_is_used_from_the_other(fake_url, redis_server):
@@ -99,9 +100,9 @@ def test_a_session_made_on_one_replica_is_used_from_the_other(fake_url, redis_se
         assert "parrots are green" in answer["choices"][0]["message"]["content"]
         assert "parrots are green" in get(a.url, f"/v1/vars/{output}").json()["value"]
         # Another key sees none of it, on either replica.
-        assert httpx.get(f"{b.url}/v1/vars/{topic['id']}", timeout=10).status_code in (401, 404)
+        assert plain_http.get(f"{b.url}/v1/vars/{topic['id']}", timeout=10).status_code in (401, 404)
         # Deleted on B: gone on A too.
-        assert httpx.delete(f"{b.url}/v1/sessions/{session}", headers=AUTH, timeout=30).status_code == 200
+        assert plain_http.delete(f"{b.url}/v1/sessions/{session}", headers=AUTH, timeout=30).status_code == 200
         assert get(a.url, f"/v1/vars/{topic['id']}").status_code == 404
 
 
@@ -183,7 +184,7 @@ def test_a_dag_of_a_replica_killed_mid_run_is_finished_by_the_other_as_an_uninte
         expected = submit_dag(a.url, post(a.url, "/v1/sessions", {})["id"])
         story_s = time.monotonic() - started if get(a.url, f"/v1/vars/{expected['story']}", wait="true",
                                                     timeout=60).json()["ready"] else 60
-        assert httpx.put(f"{a.url}/v1/vars/{expected['style']}", json={"value": "briefly"}, headers=AUTH,
+        assert plain_http.put(f"{a.url}/v1/vars/{expected['style']}", json={"value": "briefly"}, headers=AUTH,
                          timeout=10).status_code == 200
         uninterrupted = {name: get(a.url, f"/v1/vars/{var}", wait="true", timeout=60).json()["value"]
                          for name, var in expected.items()}
@@ -191,7 +192,7 @@ def test_a_dag_of_a_replica_killed_mid_run_is_finished_by_the_other_as_an_uninte
         interrupted = submit_dag(a.url, post(a.url, "/v1/sessions", {})["id"])
         a.kill()  # kill -9 mid-DAG: the story generating (or queued), the rest waiting for it and the style
         killed = time.monotonic()
-        assert httpx.put(f"{b.url}/v1/vars/{interrupted['style']}", json={"value": "briefly"}, headers=AUTH,
+        assert plain_http.put(f"{b.url}/v1/vars/{interrupted['style']}", json={"value": "briefly"}, headers=AUTH,
                          timeout=10).status_code == 200
         story = get(b.url, f"/v1/vars/{interrupted['story']}", wait="true", timeout=60).json()
         took = time.monotonic() - killed
@@ -213,7 +214,7 @@ def test_a_response_stored_on_one_replica_is_read_and_continued_on_the_other(fak
         post(b.url, "/v1/responses", {"model": MODEL, "input": "and now?", "previous_response_id": first["id"]})
         sent = [m["content"] for m in fake_stats()["last_body"]["messages"]]
         assert sent[0] == "remember parrots" and sent[-1] == "and now?", sent
-        assert httpx.delete(f"{b.url}/v1/responses/{first['id']}", headers=AUTH, timeout=10).status_code == 200
+        assert plain_http.delete(f"{b.url}/v1/responses/{first['id']}", headers=AUTH, timeout=10).status_code == 200
         assert get(a.url, f"/v1/responses/{first['id']}").status_code == 404  # deleted on B: gone on A too
 
 
@@ -223,9 +224,9 @@ def test_a_batch_of_a_replica_killed_mid_run_is_finished_by_the_other_each_line_
              for i in range(16)]
     data = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
     with replicas(fake_url, redis_server.url, env={"PARROT_STATE_LEASE_S": str(LEASE_S)}) as (a, b):
-        uploaded = httpx.post(f"{a.url}/v1/files", headers=AUTH, timeout=30, data={"purpose": "batch"},
+        uploaded = plain_http.post(f"{a.url}/v1/files", headers=AUTH, timeout=30, data={"purpose": "batch"},
                               files={"file": ("in.jsonl", data)}).json()
-        assert httpx.get(f"{b.url}/v1/files/{uploaded['id']}/content", headers=AUTH, timeout=10).content == data
+        assert plain_http.get(f"{b.url}/v1/files/{uploaded['id']}/content", headers=AUTH, timeout=10).content == data
         batch = post(a.url, "/v1/batches", {"input_file_id": uploaded["id"], "endpoint": "/v1/chat/completions",
                                             "completion_window": "24h"})
         deadline = time.monotonic() + 30
@@ -237,7 +238,7 @@ def test_a_batch_of_a_replica_killed_mid_run_is_finished_by_the_other_each_line_
         while (done := get(b.url, f"/v1/batches/{batch['id']}").json())["status"] != "completed":
             assert time.monotonic() < deadline, done
             time.sleep(0.2)
-        output = httpx.get(f"{b.url}/v1/files/{done['output_file_id']}/content", headers=AUTH, timeout=10).text
+        output = plain_http.get(f"{b.url}/v1/files/{done['output_file_id']}/content", headers=AUTH, timeout=10).text
     answered = sorted(json.loads(line)["custom_id"] for line in output.splitlines())
     assert answered == sorted(f"req-{i}" for i in range(16)), answered  # each line once
     assert done["request_counts"] == {"total": 16, "completed": 16, "failed": 0}
@@ -247,7 +248,7 @@ def test_an_engine_registered_with_one_replica_serves_from_the_other(fake_url, s
     secret = {"PARROT_ENGINE_SECRET": "engine-secret", "PARROT_HEARTBEAT_TIMEOUT_S": "3"}
     far = serve(fake_upstream.app)  # an engine of its own (any OpenAI-compatible server)
     with replicas(fake_url, redis_server.url, env=secret) as (a, b):
-        registered = httpx.post(f"{a.url}/v1/engines", json={"name": "far", "url": far, "models": ["far-model"]},
+        registered = plain_http.post(f"{a.url}/v1/engines", json={"name": "far", "url": far, "models": ["far-model"]},
                                 headers={"authorization": "Bearer engine-secret"}, timeout=10)
         assert registered.status_code == 201, registered.text
         engine, token = registered.json()["id"], registered.json()["token"]
@@ -258,7 +259,7 @@ def test_an_engine_registered_with_one_replica_serves_from_the_other(fake_url, s
         answer = post(b.url, "/v1/chat/completions", chat(model="far-model"))
         assert answer["choices"][0]["message"]["content"]
         # Its heartbeats are taken by B too (same id, same token); once they stop, it expires on both.
-        beat = httpx.post(f"{b.url}/v1/engines/{engine}/heartbeat", json={}, timeout=10,
+        beat = plain_http.post(f"{b.url}/v1/engines/{engine}/heartbeat", json={}, timeout=10,
                           headers={"authorization": f"Bearer {token}"})
         assert beat.status_code == 200, beat.text
         deadline = time.monotonic() + 15
@@ -275,25 +276,25 @@ def test_the_store_going_away_gives_503s_and_the_gateway_recovers_when_it_is_bac
     try:
         with replicas(fake_url, server.url, count=1, env={"PARROT_QUOTA_REQUESTS_PER_MINUTE": "1000"}) as (a,):
             session = post(a.url, "/v1/sessions", {})["id"]
-            assert httpx.get(f"{a.url}/health/ready", timeout=10).json()["state_store_ok"]
+            assert plain_http.get(f"{a.url}/health/ready", timeout=10).json()["state_store_ok"]
             server.stop()
-            refused = httpx.post(f"{a.url}/v1/sessions", headers=AUTH, timeout=30)
+            refused = plain_http.post(f"{a.url}/v1/sessions", headers=AUTH, timeout=30)
             assert refused.status_code == 503 and refused.json()["error"]["code"] == "state_unavailable", refused.text
             assert refused.headers["retry-after"] == "1"
-            chat_refused = httpx.post(f"{a.url}/v1/chat/completions", json=chat(), headers=AUTH, timeout=30)
+            chat_refused = plain_http.post(f"{a.url}/v1/chat/completions", json=chat(), headers=AUTH, timeout=30)
             assert chat_refused.status_code == 503, chat_refused.text  # its rate quota cannot be counted
-            ready = httpx.get(f"{a.url}/health/ready", timeout=30)
+            ready = plain_http.get(f"{a.url}/health/ready", timeout=30)
             assert ready.status_code == 503 and not ready.json()["state_store_ok"]
-            errors = next(line for line in httpx.get(f"{a.url}/metrics", timeout=10).text.splitlines()
+            errors = next(line for line in plain_http.get(f"{a.url}/metrics", timeout=10).text.splitlines()
                           if line.startswith("parrot:state_errors_total"))
             assert float(errors.split()[-1]) >= 2, errors
             server.start()  # the same port, empty: a new server
             deadline = time.monotonic() + 20
-            while httpx.get(f"{a.url}/health/ready", timeout=30).status_code != 200:
+            while plain_http.get(f"{a.url}/health/ready", timeout=30).status_code != 200:
                 assert time.monotonic() < deadline
                 time.sleep(0.2)
             assert post(a.url, "/v1/sessions", {})["id"] != session
-            assert httpx.post(f"{a.url}/v1/chat/completions", json=chat(), headers=AUTH, timeout=30).status_code == 200
+            assert plain_http.post(f"{a.url}/v1/chat/completions", json=chat(), headers=AUTH, timeout=30).status_code == 200
     finally:
         server.stop()
 
@@ -340,7 +341,7 @@ def test_a_gateway_killed_mid_dag_and_restarted_completes_it_and_keeps_every_var
         then = get(gateway.url, f"/v1/vars/{consumer}", wait="true", timeout=30).json()
         assert then["ready"] and f"then {uninterrupted}" in then["value"], then
         assert not get(gateway.url, f"/v1/vars/{unbound}").json()["ready"]  # still waits for its client
-        assert httpx.put(f"{gateway.url}/v1/vars/{unbound}", json={"value": "bound after"}, headers=AUTH,
+        assert plain_http.put(f"{gateway.url}/v1/vars/{unbound}", json={"value": "bound after"}, headers=AUTH,
                          timeout=10).status_code == 200
         again = post(gateway.url, "/v1/chat/completions", chat(
             messages=[{"role": "user", "content": "and {{y}}"}],
@@ -366,7 +367,7 @@ def test_a_stream_cut_by_a_restart_ends_with_an_error_event_and_its_call_goes_on
         events: list[dict] = []
 
         def read() -> None:
-            with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", headers=AUTH, timeout=60,
+            with plain_http.stream("POST", f"{gateway.url}/v1/chat/completions", headers=AUTH, timeout=60,
                               json={**body, "stream": True, "parrot": {"vars": {}}}) as response:
                 events.extend(json.loads(line[6:]) for line in response.iter_lines()
                               if line.startswith("data: {"))

@@ -10,6 +10,7 @@ import pytest
 
 from gateway.config import LimitsConfig, QuotasConfig, ResponsesConfig
 from tests.support.fake_upstream import MODEL
+from tests.support import plain_http
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather for a city.",
            "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}
@@ -204,7 +205,7 @@ def test_a_stream_the_engine_drops_ends_failed(client):
 
 
 def test_the_raw_stream_names_each_event(gateway_url):
-    with httpx.stream("POST", f"{gateway_url}/v1/responses",
+    with plain_http.stream("POST", f"{gateway_url}/v1/responses",
                       json={"model": MODEL, "input": "hi", "stream": True}) as answer:
         lines = [line for line in answer.iter_lines() if line]
     assert answer.headers["content-type"].startswith("text/event-stream")
@@ -236,10 +237,10 @@ def test_a_stream_is_charged_to_its_keys_token_quota(start_gateway):
 
 def test_sizes_are_capped(start_gateway):
     url = start_gateway(limits=LimitsConfig(max_body_bytes=2000), responses=ResponsesConfig(max_response_bytes=4000))
-    answer = httpx.post(f"{url}/v1/responses", json={"model": MODEL, "input": "x" * 5000})
+    answer = plain_http.post(f"{url}/v1/responses", json={"model": MODEL, "input": "x" * 5000})
     assert answer.status_code == 413
-    first = httpx.post(f"{url}/v1/responses", json={"model": MODEL, "input": "y" * 1200}).json()
-    answer = httpx.post(f"{url}/v1/responses", json={"model": MODEL, "input": "z" * 1200,
+    first = plain_http.post(f"{url}/v1/responses", json={"model": MODEL, "input": "y" * 1200}).json()
+    answer = plain_http.post(f"{url}/v1/responses", json={"model": MODEL, "input": "z" * 1200,
                                                      "previous_response_id": first["id"]})
     assert answer.status_code == 413 and answer.json()["error"]["param"] == "previous_response_id"
 
@@ -247,7 +248,7 @@ def test_sizes_are_capped(start_gateway):
 def test_a_client_that_leaves_cancels_the_engines_work(gateway_url, fake_stats, wait_until):
     abandoned = fake_stats()["requests_abandoned"]
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{gateway_url}/v1/responses", timeout=0.5,
+        plain_http.post(f"{gateway_url}/v1/responses", timeout=0.5,
                    json={"model": MODEL, "input": "wait", "fake": {"delay_s": 30}})
     wait_until(lambda: fake_stats()["requests_abandoned"] == abandoned + 1, timeout_s=5)
 

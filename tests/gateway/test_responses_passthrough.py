@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import openai
 import pytest
 
 from gateway.config import UpstreamConfig
 from tests.support.fake_upstream import MODEL
 from tests.support.gateway_process import GatewayProcess
+from tests.support import plain_http
 
 pytestmark = pytest.mark.subprocess
 INNER_KEY = "sk-inner"
@@ -146,7 +146,7 @@ def test_a_gateway_with_a_plain_upstream_still_runs_responses_over_chat(start_ga
 
 def test_metrics_count_the_passed_through_tokens(client, outer):
     client.responses.create(model=MODEL, input="count these words")
-    metrics = httpx.get(f"{outer}/metrics").text
+    metrics = plain_http.get(f"{outer}/metrics").text
     generated = [line for line in metrics.splitlines() if line.startswith("parrot:generation_tokens_total{")]
     assert generated and float(generated[0].rsplit(" ", 1)[1]) > 0
 
@@ -159,7 +159,7 @@ def test_a_background_response_runs_in_the_gateway_and_an_upstream_failing_mid_s
     assert client.responses.retrieve(queued.id).output_text == "echo: later"
 
     body = {"model": MODEL, "input": "one two three four", "stream": True, "fake": {"die_after": 2}}
-    with httpx.stream("POST", f"{outer}/v1/responses", json=body, headers={"authorization": "Bearer sk-a"},
+    with plain_http.stream("POST", f"{outer}/v1/responses", json=body, headers={"authorization": "Bearer sk-a"},
                       timeout=30) as answer:
         events = [json.loads(line[6:]) for line in answer.iter_lines() if line.startswith("data: ")]
     assert events[-1]["type"] == "response.failed" and events[-1]["response"]["status"] == "failed"

@@ -22,6 +22,7 @@ from gateway.registry import EngineRegistry
 from gateway.supervisor import EngineSupervisor
 from tests.support.markers import marks_users
 from tests.support.servers import free_port
+from tests.support import plain_http
 
 CLIENT_KEY = "client-key-never-in-an-engine"
 ADMIN_KEY = "admin-key-never-in-an-engine"
@@ -121,9 +122,9 @@ def test_a_killed_engine_is_reaped_taken_out_and_restarted(parrot_serve, wait_un
     secret = environment["PARROT_ENGINE_SECRET"]
     assert secret not in gateway.http.get("/v1/engines").text
     engine_url = f"http://127.0.0.1:{gateway.engine_port}/v1/models"
-    assert httpx.get(engine_url).status_code == 401
-    assert httpx.get(engine_url, headers=bearer(CLIENT_KEY)).status_code == 401
-    assert httpx.get(engine_url, headers=bearer(secret)).status_code == 200
+    assert plain_http.get(engine_url).status_code == 401
+    assert plain_http.get(engine_url, headers=bearer(CLIENT_KEY)).status_code == 401
+    assert plain_http.get(engine_url, headers=bearer(secret)).status_code == 200
 
     # SIGKILL mid-stream: the client's stream ends with an error event, then [DONE].
     request = {"model": gateway.model, "prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True}

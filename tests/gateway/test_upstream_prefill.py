@@ -19,6 +19,7 @@ from gateway.semantic.prefill import prefix_body
 from gateway.server.app import create_app
 from tests.gateway.test_upstream_fleet import FakeVLLM
 from tests.support.models import SMOLLM
+from tests.support import plain_http
 
 SYSTEM = "You are the archivist of the Greyhaven railway. You answer in one short sentence, plainly. " * 6
 
@@ -222,7 +223,7 @@ def test_on_a_real_engine_the_prefill_is_hit_and_the_answer_is_the_plain_one(smo
 
     def counters() -> tuple[int, int, int]:
         """The engine's vllm:prompt_tokens, prefix_cache_queries and prefix_cache_hits counters."""
-        text = httpx.get(f"{engine}/metrics", headers={"authorization": f"Bearer {smollm_gateway['secret']}"}).text
+        text = plain_http.get(f"{engine}/metrics", headers={"authorization": f"Bearer {smollm_gateway['secret']}"}).text
         return tuple(int(sum(float(m) for m in re.findall(rf"^vllm:{name}_total(?:{{[^}}]*}})? (\S+)$", text, re.M)))
                      for name in ("prompt_tokens", "prefix_cache_queries", "prefix_cache_hits"))  # type: ignore[return-value]
 

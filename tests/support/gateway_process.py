@@ -14,6 +14,7 @@ import httpx
 
 from tests.support.fake_upstream import MODEL
 from tests.support.servers import free_port
+from tests.support import plain_http
 
 
 class GatewayProcess:
@@ -33,7 +34,7 @@ class GatewayProcess:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                if httpx.get(f"{self.url}/health/live", timeout=1).status_code == 200:
+                if plain_http.get(f"{self.url}/health/live", timeout=1).status_code == 200:
                     return self
             except httpx.TransportError:
                 pass

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 
-import httpx
+from tests.support import plain_http
 import msgspec
 import pytest
 from litestar import Litestar, Request, post
@@ -116,8 +116,8 @@ def test_engine_process_serves_and_registers_with_the_gateway(tiny_model_dir, se
         assert secrets == {"Bearer engine-secret"} and tokens == {"Bearer token-of-e1"}
         request = {"model": "tiny", "prompt": "Hello", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
         url = f"http://127.0.0.1:{port}/v1/completions"
-        assert httpx.post(url, json=request, timeout=30).status_code == 401  # only its gateway may use it
-        reply = httpx.post(url, json=request, headers={"authorization": "Bearer engine-secret"}, timeout=30).json()
+        assert plain_http.post(url, json=request, timeout=30).status_code == 401  # only its gateway may use it
+        reply = plain_http.post(url, json=request, headers={"authorization": "Bearer engine-secret"}, timeout=30).json()
         assert reply["usage"]["completion_tokens"] == 3
     finally:
         process.terminate()

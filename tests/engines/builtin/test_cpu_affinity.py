@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 
 import httpx
+from tests.support import plain_http
 import pytest
 
 from engines.builtin.config import EngineConfig
@@ -77,7 +78,7 @@ def test_engine_process_keeps_its_server_off_the_compute_cores(tiny_model_dir, w
         url = f"http://127.0.0.1:{port}"
         wait_until(lambda: process.poll() is not None or _healthy(url), timeout_s=90)
         request = {"model": "tiny", "prompt": "Hello", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
-        assert httpx.post(f"{url}/v1/completions", json=request, timeout=30).status_code == 200
+        assert plain_http.post(f"{url}/v1/completions", json=request, timeout=30).status_code == 200
         threads = thread_cores(process.pid)
         assert [cores for cores in threads.values() if cores == {compute}], "the step thread computes on its core"
         server = threads[process.pid]  # the main thread runs the HTTP server's event loop
@@ -89,7 +90,7 @@ def test_engine_process_keeps_its_server_off_the_compute_cores(tiny_model_dir, w
 
 def _healthy(url: str) -> bool:
     try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+        return plain_http.get(f"{url}/health", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
 

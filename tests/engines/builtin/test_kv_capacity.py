@@ -13,6 +13,7 @@ from engines.builtin.core import EngineCore
 from engines.builtin.kv_capacity import kv_block_bytes, longest_sequence, planned_blocks
 from engines.builtin.server.app import create_app
 from tests.support.models import tiny_family_config, tiny_llama_config
+from tests.support import plain_http
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -71,7 +72,7 @@ def _context_length_error(response: httpx.Response) -> dict:
 
 
 def test_past_what_the_cache_can_ever_hold_is_a_400(small_cache_url):
-    model = httpx.get(small_cache_url + "/v1/models").json()["data"][0]["id"]
+    model = plain_http.get(small_cache_url + "/v1/models").json()["data"][0]["id"]
     with httpx.Client(base_url=small_cache_url, timeout=30) as http:
         long_prompt = {"model": model, "prompt": list(range(3, 83)), "max_tokens": 1}  # 80 tokens > 64
         assert _context_length_error(http.post("/v1/completions", json=long_prompt))["param"] == "prompt"

@@ -25,6 +25,7 @@ from gateway.config import BuiltinConfig, EnginesConfig, GatewayConfig
 from tests.support.servers import free_port
 from tests.support.waiting import wait_until
 from tests.support.markers import marks_users
+from tests.support import plain_http
 
 # Every test here loads a model (through its fixtures): marked here as well, so that
 # `make test-fast` leaves the module unimported (tests/support/module_marks.py).
@@ -87,7 +88,7 @@ def engine_process(tiny_model_dir, gateway, tmp_path_factory) -> Iterator[Engine
     gateway_url, _ = gateway
     process = EngineProcess(tiny_model_dir, gateway_url, tmp_path_factory.mktemp("engine-log") / "stderr.jsonl")
     try:
-        wait_until(lambda: process.process.poll() is not None or MODEL in httpx.get(f"{gateway_url}/v1/models").text,
+        wait_until(lambda: process.process.poll() is not None or MODEL in plain_http.get(f"{gateway_url}/v1/models").text,
                    timeout_s=120)
         assert process.process.poll() is None, "\n".join(process.log_lines())
         yield process
@@ -98,12 +99,12 @@ def engine_process(tiny_model_dir, gateway, tmp_path_factory) -> Iterator[Engine
 def test_a_scraper_reads_metrics_and_health_without_the_secret_and_nothing_else(engine_process):
     """What `parrot serve` users point Prometheus at: the engine's /metrics and /health answer without the
     per-start secret they never see (they carry no prompt); every other route still wants it."""
-    metrics = httpx.get(f"{engine_process.url}/metrics")
+    metrics = plain_http.get(f"{engine_process.url}/metrics")
     assert metrics.status_code == 200
     assert "vllm:num_requests_running" in samples(metrics.text)  # parsed by prometheus_client
-    assert httpx.get(f"{engine_process.url}/health").status_code == 200
+    assert plain_http.get(f"{engine_process.url}/health").status_code == 200
     for path in ("/v1/stats", "/v1/models"):
-        refused = httpx.get(f"{engine_process.url}{path}")
+        refused = plain_http.get(f"{engine_process.url}{path}")
         assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_engine_secret"
 
 
@@ -154,7 +155,7 @@ def test_metrics_move_under_load_and_parse_with_vllm_names(engine_process, gatew
     labels = {"model_name": MODEL, "engine": "tiny-engine"}
 
     def mirrored() -> dict[str, float]:
-        families = text_string_to_metric_families(httpx.get(f"{gateway_url}/metrics").text)
+        families = text_string_to_metric_families(plain_http.get(f"{gateway_url}/metrics").text)
         return {s.name: s.value for f in families for s in f.samples if s.labels == labels}
 
     wait_until(lambda: mirrored().get("parrot:num_preemptions_total", 0) >= after["vllm:num_preemptions_total"])
@@ -179,7 +180,7 @@ def test_the_clients_request_id_is_on_the_engines_json_log_lines(engine_process,
         return [record for record in map(json.loads, engine_process.log_lines()) if record.get("request_id") == request_id]
 
     wait_until(lambda: lines_of("dag-req-7"))
-    forks = [s.value for f in text_string_to_metric_families(httpx.get(f"{gateway_url}/metrics").text)
+    forks = [s.value for f in text_string_to_metric_families(plain_http.get(f"{gateway_url}/metrics").text)
              for s in f.samples if s.name == "parrot:forks_total" and s.labels.get("engine") == "tiny-engine"]
     assert forks == [1.0]  # the semantic call forked its shared system prompt
     chat_lines = lines_of("client-req-42")
@@ -231,7 +232,7 @@ def test_health_is_503_while_the_step_loop_is_stalled_and_after_it_died(core, se
     assert http.get("/health").json() == {"status": "ok"}
 
     def listed() -> bool:
-        return "stalling" in httpx.get(f"{gateway}/v1/engines").text
+        return "stalling" in plain_http.get(f"{gateway}/v1/engines").text
 
     wait_until(listed)
 

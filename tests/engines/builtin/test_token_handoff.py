@@ -9,6 +9,7 @@ import os
 import re
 
 import httpx
+from tests.support import plain_http
 import pytest
 
 from engines.builtin.serving.errors import InputUnavailable
@@ -85,7 +86,7 @@ async def test_a_consumer_sent_first_runs_on_its_prompt_as_one_text_in_the_next_
     assert handed["text"] == alike["text"]
     assert handed["usage"]["prompt_tokens_details"]["cached_tokens"] >= ahead  # computed ahead, not again
     after = handoff_waits(httpx.Client(base_url=base_url))
-    assert httpx.get(f"{base_url}/v1/stats").json()["blocks_free"] == stats["blocks_free"]  # the ahead context freed
+    assert plain_http.get(f"{base_url}/v1/stats").json()["blocks_free"] == stats["blocks_free"]  # the ahead context freed
     assert after["count"] == before["count"] + 1
     assert after["1.0"] == before.get("1.0", 0) + 1  # its first token came in the step after the producer's last
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-import httpx
+from tests.support import plain_http
 import pytest
 
 from engines.builtin.config import EngineConfig
@@ -23,7 +23,7 @@ def engine_behind_gateway(serve_module) -> Callable[[EngineConfig, str], dict[st
         gateway = serve_module(create_gateway_app(GatewayConfig(
             builtin=BuiltinConfig(enabled=False),
             engines=EnginesConfig(registration_secret="s", heartbeat_timeout_s=600.0))))
-        registered = httpx.post(f"{gateway}/v1/engines", json={"name": model, "url": engine, "models": [model]},
+        registered = plain_http.post(f"{gateway}/v1/engines", json={"name": model, "url": engine, "models": [model]},
                                 headers={"authorization": "Bearer s"})
         assert registered.status_code == 201, registered.text
         return {"gateway": gateway, "engine": engine}

@@ -13,6 +13,7 @@ from engines.builtin.server.app import create_app as create_engine_app
 from gateway.server.app import create_app as create_gateway_app
 from gateway.config import AuthConfig, BuiltinConfig, EnginesConfig, GatewayConfig, QuotasConfig, SemanticConfig
 from tests.support.waiting import wait_until
+from tests.support import plain_http
 
 # Every test here loads a model (through its fixtures): marked here as well, so that
 # `make test-fast` leaves the module unimported (tests/support/module_marks.py).
@@ -34,7 +35,7 @@ def engine_and_gateway(serve, tiny_model_dir, **sections) -> str:
     url = serve(create_gateway_app(GatewayConfig(
         builtin=BuiltinConfig(enabled=False), auth=AuthConfig(api_keys=[ALICE, BOB]),
         engines=EnginesConfig(registration_secret="s", heartbeat_timeout_s=600.0), **sections)))
-    registered = httpx.post(f"{url}/v1/engines", json={"name": MODEL, "url": engine, "models": [MODEL]},
+    registered = plain_http.post(f"{url}/v1/engines", json={"name": MODEL, "url": engine, "models": [MODEL]},
                             headers={"authorization": "Bearer s"})
     assert registered.status_code == 201, registered.text
     return url

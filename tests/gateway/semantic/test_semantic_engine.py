@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.support.models import SMOLLM
 
 from tests.support.waiting import wait_until
+from tests.support import plain_http
 
 # Every test here loads a model in an engine process (through its fixtures): marked here as well, so that
 # `make test-fast` leaves the module unimported (tests/support/module_marks.py).
@@ -42,7 +43,7 @@ def gw(urls) -> httpx.Client:
 
 
 def engine_stats(urls) -> dict:
-    return httpx.get(f"{urls['engine']}/v1/stats", headers={"authorization": f"Bearer {urls['secret']}"}).json()
+    return plain_http.get(f"{urls['engine']}/v1/stats", headers={"authorization": f"Bearer {urls['secret']}"}).json()
 
 
 def metric(gw, name: str) -> float:
@@ -295,6 +296,6 @@ def test_a_streamed_semantic_request_streams_tokens_as_they_are_generated(urls, 
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 24
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
     output = chunks[0].model_extra["parrot"]["output"]["id"]
-    value = httpx.get(f"{urls['gateway']}/v1/vars/{output}", params={"wait": "true", "timeout": 60},
+    value = plain_http.get(f"{urls['gateway']}/v1/vars/{output}", params={"wait": "true", "timeout": 60},
                       headers={"authorization": "Bearer none"}).json()["value"]  # the default session of its key
     assert value == whole.choices[0].message.content
