@@ -294,7 +294,10 @@ def run_all(args: argparse.Namespace) -> None:
         on_the_step_thread(engine, lambda: engine.generate_batch(warm, SamplingParams(max_tokens=8, temperature=0.0,
                                                                                         ignore_eos=True)))
     limits = [machine_limits(args)]
-    columns = alternating_rates(runs, loads, args.repeats)
+    load_average = [os.getloadavg()]  # the host is shared: what else ran is part of the record
+    seconds: dict[str, dict[str, list[float]]] = {}
+    columns = alternating_rates(runs, loads, args.repeats, seconds)
+    load_average.append(os.getloadavg())
     limits.append(machine_limits(args))
     notes = {f"{name} shared": runs[name]["shared"].note() for name in engines if "shared" in loads}
     print(f"torch threads {torch.get_num_threads()}, dtype {args.dtype}, median of {args.repeats} alternating rounds")
@@ -311,7 +314,8 @@ def run_all(args: argparse.Namespace) -> None:
                                    loads, best_of(limits), args)
     print_fractions(fractions, limits)
     if args.out:
-        write_results(args.out, {"args": vars(args), "tokens_per_s": columns, "notes": notes,
+        write_results(args.out, {"args": vars(args), "tokens_per_s": columns, "notes": notes, "seconds": seconds,
+                                 "load_average": {"before": load_average[0], "after": load_average[1]},
                                  "machine_limits": msgspec.to_builtins(limits), "fraction_of_limit": fractions})
         plot(columns, Path(args.out).with_suffix(".png"))
 
@@ -392,10 +396,12 @@ def plot(columns: dict[str, dict[str, float]], path: Path) -> None:
     save_figure(figure, path)
 
 
-def alternating_rates(runs: dict[str, dict[str, Callable[[], None]]], loads, repeats: int) -> dict[str, dict[str, float]]:
+def alternating_rates(runs: dict[str, dict[str, Callable[[], None]]], loads, repeats: int,
+                      seconds: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, float]]:
     """Median tok/s of every (column, workload), the columns taking turns each round (first one way, then
-    the other), so that a slow minute on this shared machine falls on all of them alike."""
-    seconds: dict[str, dict[str, list[float]]] = {name: {w: [] for w in loads} for name in runs}
+    the other), so that a slow minute on this shared machine falls on all of them alike; each run's seconds
+    go into ``seconds`` (column -> workload -> rounds)."""
+    seconds.update({name: {w: [] for w in loads} for name in runs})
     for workload in loads:
         for round_ in range(repeats):
             for name in list(runs) if round_ % 2 == 0 else list(runs)[::-1]:
