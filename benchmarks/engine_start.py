@@ -3,12 +3,11 @@ torch.compile cache: what the compiled default costs a start.
 
     python -m benchmarks.engine_start [--rounds 3] [--cpu-cores 0-1] [--out docs/benchmarks/engine_start.json]
 
-Each round starts the default model's engine process three ways, in turn (each round the other way round):
-``--no-compile``; ``--compile`` with inductor's cache where the engine keeps it (warmed by a start before the
-rounds); ``--compile`` with an empty cache of its own (TORCHINDUCTOR_CACHE_DIR: a fresh folder, as after an
-upgrade of torch or a first start). A start is timed from the process's launch to its first 200 on /v1/models;
-the converted model and the C++ kernels are in their cache for all three. Medians, each round's seconds, the
-load average (the host is shared) and the warm cache's size are written to --out.
+Each round starts the default model's engine process three ways: ``--no-compile``; ``--compile`` on an empty
+cache of the round's own (TORCHINDUCTOR_CACHE_DIR: a fresh folder, as on a first start or after an upgrade of
+torch); ``--compile`` again on that cache, now warm. A start is timed from the process's launch to its first 200
+on /v1/models; the converted model and the C++ kernels are in their cache for all three. Medians, each round's
+seconds, the load average (the host is shared) and the warm cache's size are written to --out.
 """
 
 from __future__ import annotations
@@ -53,31 +52,27 @@ def main() -> None:
     args = parser.parse_args()
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     pinned = ["--cpu-cores", args.cpu_cores]
-    start_seconds([*pinned, "--compile"], env)  # the warm cache: whatever the engine keeps, filled if empty
-    modes = {"eager": [*pinned, "--no-compile"], "compiled, warm cache": [*pinned, "--compile"],
-             "compiled, cold cache": [*pinned, "--compile"]}
+    modes = {"eager": [*pinned, "--no-compile"], "compiled, cold cache": [*pinned, "--compile"],
+             "compiled, warm cache": [*pinned, "--compile"]}  # in this order: the cold start warms the cache
     seconds: dict[str, list[float]] = {mode: [] for mode in modes}
-    loads = []
+    loads, cache_bytes = [], 0
     for round_ in range(args.rounds):
-        for mode in list(modes) if round_ % 2 == 0 else list(modes)[::-1]:
-            time.sleep(SETTLE_S)
-            if mode.endswith("cold cache"):
-                with tempfile.TemporaryDirectory(prefix="parrot-cold-") as empty:
-                    seconds[mode].append(start_seconds(modes[mode], env | {INDUCTOR_CACHE_ENV: empty}))
-            else:
-                seconds[mode].append(start_seconds(modes[mode], env))
-            loads.append([round(x, 2) for x in os.getloadavg()])
-            print(f"round {round_ + 1}: {mode} {seconds[mode][-1]:.1f} s (load {loads[-1][0]})", flush=True)
+        with tempfile.TemporaryDirectory(prefix="parrot-compile-cache-") as cache:
+            for mode, flags in modes.items():
+                time.sleep(SETTLE_S)
+                seconds[mode].append(start_seconds(flags, env | {INDUCTOR_CACHE_ENV: cache}))
+                loads.append([round(x, 2) for x in os.getloadavg()])
+                print(f"round {round_ + 1}: {mode} {seconds[mode][-1]:.1f} s (load {loads[-1][0]})", flush=True)
+            cache_bytes = directory_bytes(Path(cache))
     medians = {mode: statistics.median(times) for mode, times in seconds.items()}
-    cache = compile_cache_dir()
     for mode, median in medians.items():
         print(f"{mode:22} median {median:6.1f} s  ({', '.join(f'{s:.1f}' for s in seconds[mode])})")
     print(f"compiled start over eager: warm +{medians['compiled, warm cache'] - medians['eager']:.1f} s, "
-          f"cold +{medians['compiled, cold cache'] - medians['eager']:.1f} s; cache {cache}")
+          f"cold +{medians['compiled, cold cache'] - medians['eager']:.1f} s; the cache {cache_bytes / 2**20:.0f} MiB")
     if args.out:
         write_results(args.out, {"args": vars(args), "start_s": medians, "rounds_s": seconds, "load_average": loads,
-                                 "compile_cache": {"where": str(cache).replace(str(Path.home()), "~"),
-                                                   "bytes": directory_bytes(cache)}})
+                                 "compile_cache": {"where": str(compile_cache_dir()).replace(str(Path.home()), "~"),
+                                                   "bytes": cache_bytes}})
 
 
 if __name__ == "__main__":
