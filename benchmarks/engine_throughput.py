@@ -36,6 +36,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import msgspec  # noqa: E402
 import torch  # noqa: E402
 
+from engines.builtin.compile_cache import compile_cache_dir  # noqa: E402
 from engines.builtin.config import EngineConfig  # noqa: E402
 from engines.builtin.core import EngineCore  # noqa: E402
 from engines.builtin.quantization import UntraceableError  # noqa: E402
@@ -265,20 +266,32 @@ def main() -> None:
             vllm.close()
 
 
+def timed_build(config: EngineConfig, built_s: dict[str, float], name: str) -> EngineCore:
+    """The engine, and in ``built_s`` the seconds it took to load (and compile: a compiled column's start)."""
+    started = time.perf_counter()
+    engine = EngineCore(config)
+    built_s[name] = time.perf_counter() - started
+    return engine
+
+
 def run_all(args: argparse.Namespace) -> None:
     engines: dict[str, EngineCore] = {}
+    built_s: dict[str, float] = {}
+    cache = compile_cache_dir()  # whether the compiled columns' start found what they compile already there
+    compile_cache_was = {"where": str(cache), "files": sum(1 for f in cache.rglob("*") if f.is_file())}
     for scheme in args.quantization:
         quantization = None if scheme == "none" else scheme
         name = f"ours-{scheme}" if quantization else f"ours-{DTYPE_NAMES[args.dtype]}"
-        engines[name] = EngineCore(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads,
-                                                cpu_cores=args.cpu_cores, quantization=quantization))
+        engines[name] = timed_build(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads,
+                                                 cpu_cores=args.cpu_cores, quantization=quantization), built_s, name)
     for scheme in args.quantization if args.compile else ():
         quantization = None if scheme == "none" else scheme
         name = f"ours-{scheme}" if quantization else f"ours-{DTYPE_NAMES[args.dtype]}"
         try:
-            engines[f"{name}-compiled"] = EngineCore(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads,
-                                                                  cpu_cores=args.cpu_cores,
-                                                                  quantization=quantization, compile=True))
+            engines[f"{name}-compiled"] = timed_build(EngineConfig(model=args.model, dtype=args.dtype,
+                                                                   num_threads=args.threads, cpu_cores=args.cpu_cores,
+                                                                   quantization=quantization, compile=True),
+                                                      built_s, f"{name}-compiled")
         except UntraceableError as exc:  # int8 on fbgemm's kernel, where the C++ kernels do not serve
             print(f"no compiled column for {name}: {exc}")
     tokenizer = next(iter(engines.values())).tokenizer
@@ -294,7 +307,10 @@ def run_all(args: argparse.Namespace) -> None:
         on_the_step_thread(engine, lambda: engine.generate_batch(warm, SamplingParams(max_tokens=8, temperature=0.0,
                                                                                         ignore_eos=True)))
     limits = [machine_limits(args)]
-    columns = alternating_rates(runs, loads, args.repeats)
+    load_average = [os.getloadavg()]  # the host is shared: what else ran is part of the record
+    seconds: dict[str, dict[str, list[float]]] = {}
+    columns = alternating_rates(runs, loads, args.repeats, seconds)
+    load_average.append(os.getloadavg())
     limits.append(machine_limits(args))
     notes = {f"{name} shared": runs[name]["shared"].note() for name in engines if "shared" in loads}
     print(f"torch threads {torch.get_num_threads()}, dtype {args.dtype}, median of {args.repeats} alternating rounds")
@@ -305,13 +321,17 @@ def run_all(args: argparse.Namespace) -> None:
     if args.model is None:
         columns |= REFERENCE
     print_table(columns, ours, baselines, list(loads))
+    print("engines built in " + ", ".join(f"{name} {s:.1f} s" for name, s in built_s.items())
+          + f" (the compile cache held {compile_cache_was['files']} files)")
     for workload, note in notes.items():
         print(f"{workload}: {note}")
     fractions = fractions_of_limit({name: columns[name] for name in [*at_dtype(columns, args), *quantized(columns)]},
                                    loads, best_of(limits), args)
     print_fractions(fractions, limits)
     if args.out:
-        write_results(args.out, {"args": vars(args), "tokens_per_s": columns, "notes": notes,
+        write_results(args.out, {"args": vars(args), "tokens_per_s": columns, "notes": notes, "seconds": seconds,
+                                 "engine_build_s": built_s, "compile_cache_before": compile_cache_was,
+                                 "load_average": {"before": load_average[0], "after": load_average[1]},
                                  "machine_limits": msgspec.to_builtins(limits), "fraction_of_limit": fractions})
         plot(columns, Path(args.out).with_suffix(".png"))
 
@@ -392,10 +412,12 @@ def plot(columns: dict[str, dict[str, float]], path: Path) -> None:
     save_figure(figure, path)
 
 
-def alternating_rates(runs: dict[str, dict[str, Callable[[], None]]], loads, repeats: int) -> dict[str, dict[str, float]]:
+def alternating_rates(runs: dict[str, dict[str, Callable[[], None]]], loads, repeats: int,
+                      seconds: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, float]]:
     """Median tok/s of every (column, workload), the columns taking turns each round (first one way, then
-    the other), so that a slow minute on this shared machine falls on all of them alike."""
-    seconds: dict[str, dict[str, list[float]]] = {name: {w: [] for w in loads} for name in runs}
+    the other), so that a slow minute on this shared machine falls on all of them alike; each run's seconds
+    go into ``seconds`` (column -> workload -> rounds)."""
+    seconds.update({name: {w: [] for w in loads} for name in runs})
     for workload in loads:
         for round_ in range(repeats):
             for name in list(runs) if round_ % 2 == 0 else list(runs)[::-1]:

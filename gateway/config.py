@@ -85,7 +85,12 @@ class BuiltinConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     host: str = "127.0.0.1"
     port: int = 8001
     replicas: int = 1  # engine processes, on ports port, port + 1, ...; the global scheduler places work over them
-    extra_args: list[str] = []  # passed to `parrot engine` as they are
+    # The engine's forward compiled by torch.compile (`parrot engine --compile`; on CPU). Measured on the 2-core AVX2
+    # host (docs/engine.md, "Compiled by default"): 1.2-1.6x the eager engine's decode rate for a start some 40 s
+    # longer on a warm compile cache and a few minutes longer on a cold one (a first start, a new torch); the cache
+    # is kept with the converted model (engines/builtin/compile_cache.py). false: eager, the quickest start.
+    compile: bool = True
+    extra_args: list[str] = []  # passed to `parrot engine` as they are (after the above: they win)
     # The gateway restarts the process when it exits: after restart_backoff_s, doubling per quick
     # failure up to restart_backoff_max_s (back to the start once it ran that long).
     restart_backoff_s: float = 1.0
@@ -381,6 +386,7 @@ ENV_OVERRIDES: dict[str, tuple[str, str]] = {
     "PARROT_BUILTIN_MODEL": ("builtin", "model"),
     "PARROT_BUILTIN_PORT": ("builtin", "port"),
     "PARROT_ENGINES": ("builtin", "replicas"),
+    "PARROT_ENGINE_COMPILE": ("builtin", "compile"),  # `parrot engine` reads it too
     "PARROT_ENGINE_SECRET": ("engines", "registration_secret"),  # `parrot engine` reads it too
     "PARROT_HEARTBEAT_TIMEOUT_S": ("engines", "heartbeat_timeout_s"),
     "PARROT_SCHEDULER_POLICY": ("scheduler", "policy"),
@@ -415,7 +421,7 @@ def _set(raw: dict[str, Any], section: str, key: str, value: Any) -> None:
 def _env_value(key: str, text: str) -> Any:
     if key in ("api_keys", "admin_keys"):
         return [k.strip() for k in text.split(",") if k.strip()]
-    if key in ("enabled", "access_log", "token_handoff", "rewarm"):
+    if key in ("enabled", "access_log", "token_handoff", "rewarm", "compile"):
         return text.strip().lower() not in ("0", "false", "no", "off")
     return text  # msgspec.convert(strict=False) turns "8000" into 8000
 

@@ -62,10 +62,12 @@ class EngineSupervisor:
             self._command += ["--model", builtin.model]
         if builtin.served_model_name:
             self._command += ["--served-model-name", builtin.served_model_name]
-        self._command += builtin.extra_args
         # The child's own reading of its arguments (and PARROT_ENGINE_* variables): the model it will
         # serve, known before it registers. Invalid engine options stop the gateway's start here.
-        args = build_parser().parse_args(self._command[4:])
+        args = build_parser().parse_args([*self._command[4:], *builtin.extra_args])
+        # Compiled where the compiled forward runs (CPU); extra_args come after, so a --no-compile there wins.
+        self._command.append("--compile" if builtin.compile and args.device == "cpu" else "--no-compile")
+        self._command += builtin.extra_args
         self.model = args.served_model_name or served_model_name(engine_config(args))
         hidden = {*HIDDEN_ENV, *(u.api_key_env for u in config.upstreams if u.api_key_env)}
         self._env = {k: v for k, v in os.environ.items() if k not in hidden} | {SECRET_ENV: self.secret}

@@ -466,6 +466,11 @@ def library() -> NativeKernels | None:
         return None
 
 
+def has_compiler() -> bool:
+    """Whether a C++ compiler is found: these kernels' builds need one, and so does torch.compile's CPU code."""
+    return _compiler() is not None
+
+
 def _compiler() -> str | None:
     candidates = [os.environ["CXX"]] if os.environ.get("CXX") else ["c++", "g++", "clang++"]
     return next((path for path in map(shutil.which, candidates) if path), None)

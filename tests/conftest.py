@@ -26,6 +26,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # made a 24-token request take 30 s instead of 1.9 s beside one busy process. Set here, before any test imports
 # torch (libgomp reads it when loaded); engine processes the tests start inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# `parrot serve` compiles its engine by default (gateway/config.py, BuiltinConfig.compile), most of a minute a start
+# here: the gateways the tests start run theirs eagerly; the compiled forward has tests of its own.
+os.environ.setdefault("PARROT_ENGINE_COMPILE", "false")
 # Gateways the tests start keep their state in memory unless a test names a store: the many gateways of one test
 # process must not share the default SQLite file (gateway processes through PARROT_STATE, in-process ones here).
 # PARROT_TEST_STATE runs the in-process ones on another store: "sqlite" (a file per test process) or a redis:// URL.

@@ -6,6 +6,7 @@ the step loop (step_loop.py) and their results awaited through asyncio futures a
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -33,8 +34,10 @@ from engines.builtin.scheduler import BACKGROUND_PRIORITY, Scheduler
 from engines.builtin.step_loop import StepLoop, resolver
 from engines.builtin.types import SamplingParams, TokenEvent, TokenScore
 from engines.seam.contexts import FillResult
+from kernels import native
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class EngineCore(StepLoop):
@@ -62,7 +65,7 @@ class EngineCore(StepLoop):
         self.metrics = EngineMetrics(served_model_name(config), self.stats)
         self.step_stall_timeout_s = config.step_stall_timeout_s
         super().__init__(config.num_threads, config.compute_cores)
-        if config.compile:
+        if self.runner.compiled:
             on_a_passing_thread(self._compile, config.num_threads, config.compute_cores)
 
     def _compile(self) -> None:
@@ -83,9 +86,13 @@ class EngineCore(StepLoop):
         self.max_model_len = longest_sequence(config, hf_config, num_blocks, architecture_of(hf_config).freeing_window)
         model = build_model(hf_config, hf_state, self.dtype, self.max_model_len)
         del hf_state
+        compile = config.compile and native.has_compiler()
+        if config.compile and not compile:
+            log.warning("--compile: no C++ compiler found ($CXX, c++, g++, clang++), which torch.compile needs on "
+                        "CPU; running eagerly")
         if config.quantization:
             quantize_linears(model, config.quantization)
-            untraceable = untraceable_linears(model.model) if config.compile else []  # the head runs eagerly
+            untraceable = untraceable_linears(model.model) if compile else []  # the head runs eagerly
             if untraceable:
                 raise UntraceableError(f"compile cannot trace {config.quantization} here: {len(untraceable)} linears "
                                        f"(first {untraceable[0]}) on fbgemm's kernel, as the C++ group-quantized "
@@ -93,7 +100,7 @@ class EngineCore(StepLoop):
         elif config.device == "cpu":
             prepare_cpu_linears(model)
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.seed, config.device,
-                                  compile=config.compile)
+                                  compile=compile)
         return hf_config
 
     def fork(self, parent_context_id: str, context_id: str | None = None) -> str:

@@ -91,9 +91,13 @@ class ModelRunner:
             log.warning("--compile: %s's soft-capped or windowed attention or routed experts are not in the compiled "
                         "graph yet; running eagerly", model.architecture.model_type)
             compile = False
+        self.compiled = compile
         if compile:
             # Imported only here: importing torch._inductor breaks Triton kernels run later through the
             # interpreter in the same process (tests on CPU), and an eager engine never needs it.
+            from engines.builtin.compile_cache import use_compile_cache
+
+            use_compile_cache()  # before inductor is imported (compile_cache.py says why)
             from engines.builtin.compiled_model import CompiledForward
 
             self.last_hidden = CompiledForward(self.model, native_attention=native and native_module.torch_ops())

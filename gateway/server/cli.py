@@ -39,6 +39,9 @@ def _serve_parser() -> argparse.ArgumentParser:
     builtin.add_argument("--builtin", dest="builtin_enabled", action="store_true", default=None,
                          help="start the builtin engine (default: only when no upstream is configured)")
     builtin.add_argument("--no-builtin", dest="builtin_enabled", action="store_false")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="the builtin engine's forward compiled by torch.compile (default: on; --no-compile starts "
+                             "sooner and decodes slower; also PARROT_ENGINE_COMPILE, [builtin] compile)")
     parser.add_argument("--engine-port", type=int, help="port of the builtin engine process (the first of them)")
     parser.add_argument("--engines", type=int, dest="replicas",
                         help="builtin engine processes to start, on consecutive ports (also PARROT_ENGINES)")
@@ -77,7 +80,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         "tracing": {"exporter": args.tracing_exporter, "enabled": True if args.tracing_exporter else None},
         "auth": {"api_keys": args.api_keys, "admin_keys": args.admin_keys},
         "builtin": {"enabled": args.builtin_enabled, "model": args.builtin_model, "port": args.engine_port,
-                    "replicas": args.replicas},
+                    "replicas": args.replicas, "compile": args.compile},
         "state": {"url": args.state},
         "upstreams": _upstreams(args),
     })

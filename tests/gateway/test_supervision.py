@@ -16,8 +16,9 @@ import httpx
 import msgspec
 import pytest
 
-from engines.builtin.server.cli import SECRET_ENV
-from gateway.config import ENV_OVERRIDES, SECRET_SETTINGS, GatewayConfig
+from engines.builtin.server.cli import SECRET_ENV, build_parser
+from gateway.config import ENV_OVERRIDES, SECRET_SETTINGS, BuiltinConfig, GatewayConfig
+from gateway.server.cli import _serve_parser, config_from_args
 from gateway.registry import EngineRegistry
 from gateway.supervisor import EngineSupervisor
 from tests.support.markers import marks_users
@@ -60,6 +61,26 @@ def test_every_secret_setting_is_kept_out_of_the_engine_environment(monkeypatch)
 
     leaked = [var for var, value in planted.items() if value in supervisor._env.values()]
     assert leaked == [] and supervisor._env[SECRET_ENV] == supervisor.secret
+
+
+def engine_compiles(config: GatewayConfig) -> bool:
+    """Whether the engine process the gateway would start runs compiled: its command line as the engine reads it."""
+    command = EngineSupervisor(config, EngineRegistry())._command
+    return build_parser().parse_args(command[4:]).compile == "true"
+
+
+def test_the_engine_parrot_serve_starts_runs_compiled_unless_told_otherwise(monkeypatch):
+    """`make serve`'s default (docs/engine.md, "Compiled by default"): compiled on CPU; off by --no-compile,
+    PARROT_ENGINE_COMPILE or [builtin] compile; never on another device; a --no-compile in extra_args wins."""
+    monkeypatch.delenv("PARROT_ENGINE_COMPILE", raising=False)  # tests/conftest.py sets it for the tests' gateways
+    assert engine_compiles(config_from_args(_serve_parser().parse_args([])))
+    assert not engine_compiles(config_from_args(_serve_parser().parse_args(["--no-compile"])))
+    assert not engine_compiles(GatewayConfig(builtin=BuiltinConfig(compile=False)))
+    assert not engine_compiles(GatewayConfig(builtin=BuiltinConfig(extra_args=["--no-compile"])))
+    assert not engine_compiles(GatewayConfig(builtin=BuiltinConfig(extra_args=["--device", "cuda"])))
+    monkeypatch.setenv("PARROT_ENGINE_COMPILE", "false")
+    assert not engine_compiles(config_from_args(_serve_parser().parse_args([])))
+    assert engine_compiles(config_from_args(_serve_parser().parse_args(["--compile"])))
 
 
 def gone(pid: int) -> bool:
