@@ -227,7 +227,7 @@ def stacked_experts(hf_state: dict[str, torch.Tensor], name: str) -> torch.Tenso
     return torch.stack(stacked)
 
 
-# The initialisers torch's modules call in their constructors (Linear, Embedding), which meta tensors make pointless.
+# The initialisers torch's modules call in their constructors (Linear, Embedding): the checkpoint's tensors replace theirs.
 WEIGHT_INITS = ("normal_", "uniform_", "kaiming_uniform_", "zeros_", "ones_")
 
 
