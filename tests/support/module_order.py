@@ -71,7 +71,10 @@ def cpu_seconds() -> float:
 
 class CpuMeter:
     """Registered in every process that runs tests: each report carries the CPU seconds its phase took, so that
-    the suite's cost can be read per module (the suite is CPU-bound on two cores: wall seconds hide who pays)."""
+    the suite's cost can be read per module (the suite is CPU-bound on two cores: wall seconds hide who pays).
+    A child process its test dropped without waiting for is reaped later, by the next process subprocess starts
+    (its cleanup of finished children), and counts there: a module of quick tests that start a process may show
+    CPU that is not its own."""
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(self, item, call):
