@@ -143,10 +143,7 @@ class BackgroundRuns:
         this process alone uses, a previous process left it); how many."""
         assert self.store is not None and self.leases is not None
         resumed = 0
-        for response_id, owner in (await self.store.read(INDEX)).items():
-            key = lease_key(response_id)
-            if key in self.leases.held or not await self.leases.take(key):
-                continue  # run here, or by a live replica
+        async for response_id, owner in self.leases.taken_from(INDEX, lease_key):
             fields = await self.store.read(record_key(response_id))
             if "run" not in fields or "r" not in fields or "end" in fields or self.resume is None:
                 await self._drop(response_id)  # ended (or cancelled) meanwhile, deleted or expired

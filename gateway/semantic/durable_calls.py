@@ -127,10 +127,8 @@ class DurableCalls:
         """Takes over every call in the index that nobody holds (its replica died, or, on a store this process
         alone uses, a previous process left it); how many it resumed."""
         resumed = 0
-        for call_id, session_id in (await self.store.read(INDEX)).items():
+        async for call_id, session_id in self.leases.taken_from(INDEX, lease_key):
             key = lease_key(call_id)
-            if key in self.leases.held or not await self.leases.take(key):
-                continue  # run here, or by a live replica
             fields = await self.store.read(call_key(call_id))
             if "spec" not in fields:  # expired, or ended meanwhile
                 await self._drop(call_id)

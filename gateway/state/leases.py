@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from typing import AsyncIterator, Callable
 
 from gateway.state.store import StateStore, StoreUnavailable
 
@@ -43,6 +44,15 @@ class Leases:
         await self.store.write(key, {"holder": REPLICA.encode()}, ttl_s=self.lease_s)
         self.held.add(key)
         return True
+
+    async def taken_from(self, index: str, lease_key: Callable[[str], str]) -> AsyncIterator[tuple[str, bytes]]:
+        """The entries of ``index`` (a hash of work ids) whose lease nobody held and this process has now taken:
+        work whose replica died, or, on a store this process alone uses, that a previous process left."""
+        for work_id, value in (await self.store.read(index)).items():
+            key = lease_key(work_id)
+            if key in self.held or not await self.take(key):
+                continue  # run here, or by a live replica
+            yield work_id, value
 
     def start(self) -> None:
         if self._renewer is None:
