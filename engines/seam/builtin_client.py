@@ -105,10 +105,6 @@ class BuiltinEngineClient(UpstreamEngine):
                         return
         raise EngineError(f"engine {self.name!r} ended a context stream without [DONE]")
 
-    async def trim_context(self, context_id: str, text: str) -> FillResult:
-        return msgspec.json.decode(await self._call("POST", f"contexts/{context_id}/trim", {"text": text}),
-                                   type=FillResult)
-
     async def free_context(self, context_id: str) -> int:
         return msgspec.json.decode(await self._call("DELETE", f"contexts/{context_id}"))["freed_blocks"]
 

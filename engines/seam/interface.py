@@ -192,9 +192,10 @@ class ContextEngine(Engine, Protocol):
         generations' outputs (``output_id``), which the engine puts in as their text once produced
         (EngineRejected, status 424, if one is not: its generation failed). ``keep_as`` (with ``fork_with``): the
         child is not freed once its generation finishes (stop or length) but kept under that id, holding the
-        prompt and the output (``trim_context`` then makes it the start of a next prompt); a failed one is freed.
-        ``trim`` (with ``context_text``): a context holding other tokens than that text's first ones is trimmed to
-        their common prefix first (``trim_context`` and the fork in one call), which the fork then follows."""
+        prompt and the output (a next fork with ``trim`` then makes it the start of its prompt); a failed one is freed.
+        ``trim`` (with ``context_text``): a context holding other tokens than that text's first ones is first trimmed
+        to their common prefix (the longest, with its KV), which the fork then follows and computes the rest of the
+        text from: its prompt is still exactly the plain one."""
         ...
 
     def stream_in_context(self, context_id: str, sampling: dict[str, Any], *,
@@ -202,12 +203,6 @@ class ContextEngine(Engine, Protocol):
                           output_id: str | None = None, keep_as: str | None = None,
                           trim: bool = False) -> AsyncIterator[GenerationChunk]:
         """``generate_in_context``, its tokens yielded as they are generated. Closing it cancels the generation."""
-        ...
-
-    async def trim_context(self, context_id: str, text: str) -> FillResult:
-        """Keeps the longest common prefix of the context's tokens and ``text``'s (tokenized as a fork's
-        ``context_text``), and their KV; ``num_tokens``: those kept. A fork with ``context_text=text`` then follows
-        it and computes the rest of that text's tokens itself: its prompt is still exactly the plain one."""
         ...
 
     async def free_context(self, context_id: str) -> int:

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 
 from engines.seam import EngineStats, Generation, PromptSplit, Segment
-from engines.seam.contexts import FillResult, GenerationChunk
+from engines.seam.contexts import GenerationChunk
 from gateway.config import GatewayConfig, ResponsesConfig
 from gateway.metrics import GatewayMetrics
 from gateway.registry import EngineRegistry
@@ -62,9 +62,6 @@ class StubContextEngine:
         self.forked.append((context_id, fork_with))
         if trim:  # the engine trims the context to the text, then forks it
             self.kept[context_id] = context_text
-
-    async def trim_context(self, context_id: str, text: str) -> FillResult:
-        raise AssertionError("a next turn's fork trims its pin itself: no round trip of its own")
 
     async def free_context(self, context_id: str) -> int:
         self.freed.append(context_id)
