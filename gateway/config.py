@@ -85,9 +85,8 @@ class BuiltinConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     host: str = "127.0.0.1"
     port: int = 8001
     replicas: int = 1  # engine processes, on ports port, port + 1, ...; the global scheduler places work over them
-    # The engine's forward compiled by torch.compile (`parrot engine --compile`; on CPU). Measured on the 2-core AVX2
-    # host (docs/engine.md, "Compiled by default"): 1.2-1.6x the eager engine's decode rate for a start some 40 s
-    # longer on a warm compile cache and a few minutes longer on a cold one (a first start, a new torch); the cache
+    # The engine's forward compiled by torch.compile (`parrot engine --compile`; on CPU): faster decoding for a longer
+    # start, longest on a cold compile cache (the trade, measured: docs/engine.md, "Compiled by default"); the cache
     # is kept with the converted model (engines/builtin/compile_cache.py). false: eager, the quickest start.
     compile: bool = True
     extra_args: list[str] = []  # passed to `parrot engine` as they are (after the above: they win)
